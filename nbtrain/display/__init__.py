@@ -1,0 +1,1 @@
+"""Renders what the ranks report: widgets in Jupyter, text elsewhere."""
