@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import html
 import os
+import sys
+import time
 
 
 def _gib(n: int | None) -> str:
@@ -45,3 +47,124 @@ def gpu_table_html(gpus) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADER)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in _rows(gpus))
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+# -- run progress --------------------------------------------------------------------------
+
+def _fraction(n: int, total: int | None) -> str:
+    return f"{n}/{total}" if total is not None else str(n)
+
+
+def _metric_text(metrics: dict) -> str:
+    return " ".join(f"{name}={m.value:.4g}" for name, m in metrics.items())
+
+
+def rank_line(view) -> str:
+    """One line for one rank: status, every progress level, latest metrics."""
+    bars = " ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in sorted(view.bars.items()))
+    parts = [f"rank {view.rank}", view.status, bars, _metric_text(view.metrics)]
+    if view.detail:
+        parts.append(view.detail)
+    return "  ".join(p for p in parts if p)
+
+
+def summary_lines(state, ok: bool) -> list[str]:
+    verdict = "finished" if ok else "failed"
+    head = f"nbtrain: {state.title}: {verdict} in {state.elapsed:.2f} s"
+    if state.effective_batch_size:
+        per, n = state.per_rank_batch_size, len(state.ranks)
+        split = f" ({per} per rank x {state.effective_batch_size // per} ranks)" if n > 1 and per else ""
+        head += f"; effective batch size {state.effective_batch_size}{split}"
+    return [head, *("  " + rank_line(v) for v in state.ranks.values())]
+
+
+class QuietDisplay:
+    """progress=False: no bars, no summary; the ranks' own output is still shown."""
+
+    def __init__(self, file=None):
+        self._file = file
+
+    def _write(self, text: str, stream: str = "stdout") -> None:
+        target = self._file or (sys.stderr if stream == "stderr" else sys.stdout)
+        print(text, file=target, flush=True)
+
+    def start(self, state) -> None:
+        pass
+
+    def note(self, text: str) -> None:
+        self._write(f"nbtrain: {text}")
+
+    def output(self, rank, stream: str, text: str) -> None:
+        self._write(text if rank is None else f"[rank {rank}] {text}", stream)
+
+    def update(self, state) -> None:
+        pass
+
+    def finish(self, state, ok: bool) -> None:
+        pass
+
+
+class LineDisplay(QuietDisplay):
+    """Progress as whole lines every few seconds: readable in logs, CI and saved notebooks."""
+
+    def __init__(self, file=None, interval: float = 5.0):
+        super().__init__(file)
+        self.interval = interval
+        self._last = 0.0
+
+    def start(self, state) -> None:
+        self._last = time.monotonic()
+        self._write(f"nbtrain: {state.title}")
+
+    def update(self, state) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.interval:
+            self._last = now
+            for view in state.ranks.values():
+                self._write("  " + rank_line(view))
+
+    def finish(self, state, ok: bool) -> None:
+        for line in summary_lines(state, ok):
+            self._write(line)
+
+
+class TqdmDisplay(LineDisplay):
+    """A terminal: one live tqdm bar per rank; output lines are written above the bars."""
+
+    def __init__(self, file=None, interval: float = 0.1):
+        super().__init__(file or sys.stderr, interval)
+        self._bars: dict[int, object] = {}
+        self._seen = -1
+
+    def _write(self, text: str, stream: str = "stdout") -> None:
+        from tqdm import tqdm
+
+        tqdm.write(text, file=self._file)
+
+    def update(self, state) -> None:
+        now = time.monotonic()
+        if state.version == self._seen or now - self._last < self.interval:
+            return
+        self._last, self._seen = now, state.version
+        from tqdm import tqdm
+
+        for rank, view in state.ranks.items():
+            bar = self._bars.get(rank)
+            if bar is None:
+                bar = self._bars[rank] = tqdm(total=None, position=len(self._bars), file=self._file,
+                                              leave=False, dynamic_ncols=True, mininterval=0)
+            levels = sorted(view.bars.items())
+            inner = levels[-1][1] if levels else None
+            outer = " ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in levels[:-1])
+            bar.total = inner.total if inner else None
+            bar.n = inner.n if inner else 0
+            bar.set_description_str(" ".join(p for p in (f"rank {rank}", outer, inner.desc if inner else view.status) if p),
+                                    refresh=False)
+            bar.set_postfix_str(_metric_text(view.metrics), refresh=False)
+            bar.refresh()
+
+    def finish(self, state, ok: bool) -> None:
+        for bar in self._bars.values():
+            bar.close()
+        self._bars.clear()
+        super().finish(state, ok)

@@ -1,0 +1,70 @@
+"""`launch()`: resolve devices, choose the strategy, run the ranks, return a `Result`."""
+from __future__ import annotations
+
+from typing import Callable
+
+from .devices import DevicePlan, plan_devices
+from .display import make_display
+from .launchers.base import Job
+from .preflight import fork_blocker
+from .result import Result
+
+STRATEGIES = ("auto", "dp", "ddp_fork", "ddp_spawn", "ddp")
+ALIASES = {"ddp_notebook": "ddp_fork", "fork": "ddp_fork", "spawn": "ddp_spawn", "ddp_script": "ddp"}
+
+
+def _launcher(strategy: str):
+    from .launchers.inprocess import InProcessLauncher
+    from .launchers.processes import ForkLauncher, SpawnLauncher
+
+    table = {"single": InProcessLauncher, "dp": InProcessLauncher, "ddp_fork": ForkLauncher,
+             "ddp_spawn": SpawnLauncher}
+    if strategy == "ddp":
+        from .launchers.script import ScriptLauncher
+
+        return ScriptLauncher()
+    return table[strategy]()
+
+
+def resolve_strategy(strategy: str, plan: DevicePlan) -> tuple[str, str | None]:
+    """(strategy to run, a one-line note on why) for the requested strategy and plan."""
+    name = ALIASES.get(strategy, strategy) if isinstance(strategy, str) else strategy
+    if name not in STRATEGIES:
+        accepted = ", ".join(repr(s) for s in (*STRATEGIES, *ALIASES))
+        raise ValueError(f"strategy={strategy!r} is not known. Accepted: {accepted}.")
+    if plan.num_nodes > 1 and name != "ddp":
+        raise ValueError(f"num_nodes={plan.num_nodes} needs strategy='ddp' (torchrun's rendezvous across "
+                         f"machines); {name!r} runs on this machine only.")
+    if name == "dp" and plan.accelerator == "cpu" and plan.nprocs > 1:
+        raise ValueError(f"strategy='dp' runs one process; on CPU it cannot use {plan.nprocs} devices. "
+                         "Use devices=1, or strategy='ddp_fork'/'ddp_spawn' for several CPU ranks.")
+    if name != "auto":
+        return name, None
+    if plan.world_size == 1:
+        return "single", f"strategy 'auto' -> in this kernel ({plan.describe()})"
+    blocker = fork_blocker()
+    if blocker is None:
+        return "ddp_fork", f"strategy 'auto' -> ddp_fork ({plan.describe()})"
+    return "ddp_spawn", f"strategy 'auto' -> ddp_spawn, since {blocker} ({plan.describe()})"
+
+
+def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelerator: str = "auto",
+           num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
+           progress=True, **kwargs) -> Result:
+    """Run `fn(*args, **kwargs)` on every rank and return a `Result`.
+
+    Inside `fn`, `nbtrain.context()` is this rank's Context. Keyword arguments that `launch`
+    itself takes (strategy, devices, ...) cannot reach `fn` this way: bind them with
+    `functools.partial`.
+    """
+    if not callable(fn):
+        raise TypeError(f"launch(fn=...) needs a callable training function, got {type(fn).__name__}.")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout={timeout!r}: give a positive number of seconds, or None for no limit.")
+    plan = plan_devices(devices, accelerator, backend, num_nodes)
+    name, note = resolve_strategy(strategy, plan)
+    display = make_display(progress)
+    if note:
+        display.note(note)
+    job = Job(fn, args, kwargs, plan, name, timeout)
+    return _launcher(name).launch(job, display)

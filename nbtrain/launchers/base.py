@@ -1,0 +1,166 @@
+"""What every launcher shares: the job, the ranks' environment, and the process handle.
+
+A launcher only starts processes; which launcher runs is the strategy's decision (launch.py),
+and watching the processes is the supervisor's (supervisor.py).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..devices import DevicePlan
+
+
+@dataclass
+class Job:
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    plan: DevicePlan
+    strategy: str
+    timeout: float | None = None
+    start_timeout: float = 120.0  # a rank that never reports in is a stall, not a slow start
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # launcher-specific settings
+
+    @property
+    def ranks(self) -> list[int]:
+        first = self.node_rank * self.plan.nprocs
+        return list(range(first, first + self.plan.nprocs))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rank_environ(job: Job, local_rank: int, channel_env: dict[str, str]) -> dict[str, str]:
+    """The torchrun-standard environment for one rank, plus nbtrain's own variables.
+
+    Set only inside the rank: writing MASTER_PORT into the kernel's environment would leak
+    into later cells and clash with the next launch.
+    """
+    plan = job.plan
+    env = {
+        "RANK": str(job.node_rank * plan.nprocs + local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(plan.world_size),
+        "LOCAL_WORLD_SIZE": str(plan.nprocs),
+        "GROUP_RANK": str(job.node_rank),
+        "NODE_RANK": str(job.node_rank),
+        "MASTER_ADDR": job.master_addr,
+        "MASTER_PORT": str(job.master_port),
+        "NBTRAIN_ACCELERATOR": plan.accelerator,
+        "NBTRAIN_BACKEND": plan.backend,
+        "NBTRAIN_STRATEGY": job.strategy,
+        **channel_env,
+    }
+    if plan.accelerator == "gpu":
+        env["CUDA_VISIBLE_DEVICES"] = plan.cuda_visible_devices
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    return env
+
+
+def describe_exit(code: int, pid: int | None) -> str:
+    who = f" (PID {pid})" if pid else ""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown"
+        hint = " — killed, often by the out-of-memory killer" if name == "SIGKILL" else ""
+        return f"Signal {-code} ({name}) received by PID {pid}{hint}"
+    if code == 0:
+        return f"exited before reporting a result{who}"
+    return f"exited with code {code}{who}"
+
+
+class RankProcess:
+    """One OS process carrying some ranks, in a process group of its own.
+
+    The group lets a stop reach what the rank started (DataLoader workers, torchrun's ranks).
+    """
+
+    def __init__(self, ranks: list[int], pid: int, poll: Callable[[], int | None],
+                 join: Callable[[float], None], close: Callable[[], None] = lambda: None):
+        self.ranks = ranks
+        self.pid = pid
+        self._poll, self._join, self._close = poll, join, close
+        self.exited_at: float | None = None
+
+    def poll(self) -> int | None:
+        return self._poll()
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.pid, sig)
+            return
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.poll() is None:  # not yet its own group leader; never signal a reaped (reusable) pid
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def join(self, timeout: float) -> None:
+        self._join(timeout)
+
+    def close(self) -> None:
+        self._close()
+
+
+class ProcessLauncher:
+    """Starts ranks as processes and supervises them; variants implement `_start` only."""
+
+    strategy = ""
+    is_interactive_compatible = True
+
+    def _start(self, job: Job, channel_env: dict[str, str], pump, started: list[RankProcess]) -> None:
+        """Start the ranks, appending each process to `started` as soon as it runs
+        (so a failure half-way still stops what did start)."""
+        raise NotImplementedError
+
+    def _prepare(self, job: Job) -> None:
+        """Checks and shipping that must succeed before any process starts."""
+
+    def launch(self, job: Job, display):
+        import queue
+
+        from ..channel import Hub, OutputPump
+        from ..result import Result
+        from ..runstate import RunState
+        from ..supervisor import Supervisor
+
+        self._prepare(job)
+        job.master_port = job.master_port or free_port()
+        inbox: queue.Queue = queue.Queue()
+        hub, pump = Hub(inbox), OutputPump(inbox)
+        state = RunState(f"{job.strategy} on {job.plan.describe()}", job.ranks)
+        display.start(state)
+        supervisor = Supervisor(state, inbox, [], display, job.timeout, job.start_timeout)
+        ok = False
+        try:
+            self._start(job, hub.environ, pump, supervisor.processes)
+            hub.start()
+            pump.start()
+            supervisor.run()
+            ok = True
+        finally:
+            supervisor.stop()
+            pump.drain(timeout=1.0)
+            supervisor.flush()
+            hub.close()
+            pump.close()
+            self._cleanup(job)
+            display.finish(state, ok)
+        return Result.from_state(state, job.strategy, job.plan.describe())
+
+    def _cleanup(self, job: Job) -> None:
+        """Undo what `_prepare`/`_start` left behind (temp files, helper processes)."""

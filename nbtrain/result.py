@@ -1,0 +1,33 @@
+"""What a launch gives back to the notebook."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .runstate import Metric, RunState
+
+
+@dataclass
+class Result:
+    value: Any  # rank 0's return value
+    values: list[Any]  # every rank's return value on this node, in rank order
+    history: list[Metric]  # logged metrics: step, rank, name, value, synced
+    elapsed: float  # wall time of the launch, seconds
+    strategy: str = ""
+    effective_batch_size: int | None = None
+    devices: str = ""  # the plan, in words
+
+    @classmethod
+    def from_state(cls, state: RunState, strategy: str, devices: str) -> "Result":
+        values = [state.values.get(r) for r in sorted(state.ranks)]
+        return cls(values[0] if values else None, values, list(state.history), state.elapsed,
+                   strategy, state.effective_batch_size, devices)
+
+    def metrics(self, name: str, rank: int | None = 0) -> list[float]:
+        """The values logged under `name` (by `rank`; None for every rank), in order."""
+        return [m.value for m in self.history if m.name == name and (rank is None or m.rank == rank)]
+
+    def __repr__(self) -> str:
+        batch = f", effective_batch_size={self.effective_batch_size}" if self.effective_batch_size else ""
+        return (f"Result(strategy={self.strategy!r}, devices={self.devices!r}, elapsed={self.elapsed:.2f}s, "
+                f"value={type(self.value).__name__}, {len(self.history)} metrics{batch})")

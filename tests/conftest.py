@@ -1,0 +1,59 @@
+import os
+import queue
+
+import psutil
+import pytest
+
+
+@pytest.fixture
+def no_leftovers():
+    """After the test: no child process, no new open file descriptor, MASTER_PORT not leaked."""
+    me = psutil.Process()
+    fds_before = me.num_fds()
+    yield
+    children = me.children(recursive=True)
+    assert not children, f"processes left behind: {[(c.pid, c.name()) for c in children]}"
+    assert me.num_fds() <= fds_before, f"file descriptors leaked: {fds_before} -> {me.num_fds()}"
+    assert "MASTER_PORT" not in os.environ
+
+
+class Kernel:
+    """A real Jupyter kernel (the same python as the tests) driven through jupyter_client."""
+
+    def __init__(self):
+        from jupyter_client.manager import start_new_kernel
+
+        self.manager, self.client = start_new_kernel(kernel_name="python3")
+
+    def run(self, code: str, timeout: float = 120):
+        """Execute a cell; return (stdout text, stderr text, error content or None, results)."""
+        out, err, results, error = [], [], [], None
+
+        def hook(msg):
+            nonlocal error
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                (out if content["name"] == "stdout" else err).append(content["text"])
+            elif kind in ("execute_result", "display_data"):
+                results.append(content["data"])
+            elif kind == "error":
+                error = content
+
+        self.client.execute_interactive(code, timeout=timeout, output_hook=hook, allow_stdin=False)
+        return "".join(out), "".join(err), error, results
+
+    def value(self, expression: str):
+        out, err, error, _ = self.run(f"print(repr({expression}))")
+        assert error is None, error
+        return eval(out.strip())
+
+    def close(self):
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel()
+    yield k
+    k.close()

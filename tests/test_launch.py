@@ -1,0 +1,270 @@
+"""launch() from a plain process: real ranks, real gloo, real failures."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import nbtrain
+from nbtrain import WorkerError
+
+pytestmark = pytest.mark.slow
+PROCESS_STRATEGIES = ["ddp_fork", "ddp_spawn"]
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+DATA = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+
+
+def train(lr, epochs=2):
+    ctx = nbtrain.context()
+    torch.manual_seed(ctx.rank)  # different starting weights: DDP must bring them together
+    model = ctx.setup(Net())
+    loader = ctx.loader(DATA, batch_size=8, shuffle=True)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in ctx.progress(range(epochs), desc="epoch"):
+        for x, y in ctx.progress(loader, desc="batch"):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ctx.log("loss", loss, sync_dist=True)
+    return model
+
+
+@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
+def test_trained_model_comes_back_from_every_rank(strategy, no_leftovers):
+    result = nbtrain.launch(train, 0.5, devices=2, accelerator="cpu", strategy=strategy, progress=False)
+    assert result.strategy == strategy
+    assert isinstance(result.value, Net) and not isinstance(result.value, torch.nn.parallel.DistributedDataParallel)
+    assert len(result.values) == 2
+    w0, w1 = (v.layer.weight for v in result.values)
+    assert torch.equal(w0, w1)  # DDP synchronised the replicas
+    assert result.effective_batch_size == 16
+    losses = result.metrics("loss")
+    assert len(losses) == 2 * 4 and losses == result.metrics("loss", rank=1)  # synced: same on both ranks
+    assert {m.rank for m in result.history} == {0, 1}
+
+
+def report_environment():
+    ctx = nbtrain.context()
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+    return {k: os.environ[k] for k in keys}, (ctx.rank, ctx.world_size, ctx.is_global_zero, str(ctx.device))
+
+
+@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
+def test_ranks_get_torchrun_environment(strategy, no_leftovers):
+    result = nbtrain.launch(report_environment, devices=2, accelerator="cpu", strategy=strategy, progress=False)
+    (env0, ctx0), (env1, ctx1) = result.values
+    assert (env0["RANK"], env1["RANK"]) == ("0", "1")
+    assert env0["WORLD_SIZE"] == env1["WORLD_SIZE"] == "2" and env1["LOCAL_WORLD_SIZE"] == "2"
+    assert env0["MASTER_ADDR"] == "127.0.0.1" and env0["MASTER_PORT"] == env1["MASTER_PORT"]
+    assert ctx0 == (0, 2, True, "cpu") and ctx1 == (1, 2, False, "cpu")
+
+
+def test_each_launch_picks_its_own_port():
+    ports = {nbtrain.launch(report_environment, devices=2, accelerator="cpu", strategy="ddp_fork",
+                            progress=False).value[0]["MASTER_PORT"] for _ in range(3)}
+    assert len(ports) == 3
+
+
+def helpers():
+    ctx = nbtrain.context()
+    gathered = ctx.all_gather(torch.tensor([ctx.rank * 10.0]))
+    objects = ctx.all_gather({"rank": ctx.rank})
+    mean = ctx.log("x", float(ctx.rank), sync_dist=True)
+    own = ctx.log("y", float(ctx.rank))
+    ctx.barrier()
+    ctx.print("printed once")
+    zero_only = nbtrain.rank_zero_only(lambda: "ran")()
+    loader = ctx.loader(list(range(20)), batch_size=5, shuffle=True)
+    epochs = [[int(i) for batch in loader for i in batch] for _ in range(2)]
+    return gathered.tolist(), objects, mean, own, zero_only, epochs, len(loader)
+
+
+def test_context_helpers_across_ranks(capfd, no_leftovers):
+    result = nbtrain.launch(helpers, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False)
+    (g0, o0, mean0, own0, z0, ep0, n0), (g1, o1, mean1, own1, z1, ep1, n1) = result.values
+    assert g0 == g1 == [[0.0], [10.0]]
+    assert o0 == o1 == [{"rank": 0}, {"rank": 1}]
+    assert mean0 == mean1 == 0.5 and (own0, own1) == (0.0, 1.0)
+    assert (z0, z1) == ("ran", None)
+    assert n0 == n1 == 2
+    for epoch in range(2):
+        assert sorted(ep0[epoch] + ep1[epoch]) == list(range(20))  # disjoint shards cover the data
+    assert ep0[0] != ep0[1]  # set_epoch: a new shuffle each epoch
+    out = capfd.readouterr().out
+    assert out.count("printed once") == 1 and "[rank 0] printed once" in out
+
+
+def talk_and_fail(rank_to_fail):
+    ctx = nbtrain.context()
+    print(f"hello from {ctx.rank}", flush=True)
+    import sys
+    print(f"warning from {ctx.rank}", file=sys.stderr, flush=True)
+    if ctx.rank == rank_to_fail:
+        raise ValueError(f"bad batch on rank {ctx.rank}")
+    time.sleep(60)  # the surviving rank must be stopped, not waited for
+
+
+@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
+def test_a_raising_rank_stops_the_others(strategy, capfd, no_leftovers):
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(talk_and_fail, 1, devices=2, accelerator="cpu", strategy=strategy, progress=False)
+    assert time.monotonic() - started < 30
+    error = info.value
+    assert error.rank == 1
+    assert "rank 1 failed: ValueError: bad batch on rank 1" in str(error)
+    assert 'raise ValueError(f"bad batch on rank {ctx.rank}")' in error.traceback
+    assert "in talk_and_fail" in error.traceback and "run_rank" not in error.traceback
+    captured = capfd.readouterr()
+    assert "[rank 0] hello from 0" in captured.out and "[rank 1] hello from 1" in captured.out
+    assert "[rank 1] warning from 1" in captured.err
+
+
+def test_worker_error_renders_the_workers_traceback():
+    error = WorkerError(1, "ValueError: x", "Traceback...\n  File cell, line 3\nValueError: x", ("rank 0: killed",))
+    lines = error._render_traceback_()
+    assert lines[0] == "WorkerError: rank 1 failed: ValueError: x" and "then: rank 0: killed" in lines
+    import pickle
+
+    again = pickle.loads(pickle.dumps(error))
+    assert (again.rank, again.traceback, again.others) == (1, error.traceback, error.others)
+
+
+def crash(how):
+    ctx = nbtrain.context()
+    if ctx.rank == 0:
+        print("about to die", flush=True)
+        if how == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        os._exit(3)
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("how, expected", [("segv", "Signal 11 (SIGSEGV) received by PID"),
+                                           ("exit", "exited with code 3")])
+def test_a_dying_rank_is_named_with_its_signal_or_code(how, expected, capfd, no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(crash, how, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False)
+    assert info.value.rank == 0 and expected in str(info.value)
+    if how == "segv":
+        assert "Fatal Python error: Segmentation fault" in info.value.traceback  # faulthandler's last words
+    assert "[rank 0] about to die" in capfd.readouterr().out  # output of a dying rank is not lost
+
+
+def slow_data_loading():
+    time.sleep(600)
+
+
+def stuck_in_barrier():
+    ctx = nbtrain.context()
+    ctx.barrier()
+    if ctx.rank == 0:
+        ctx.barrier()  # rank 1 never comes
+    else:
+        slow_data_loading()
+
+
+@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
+def test_timeout_shows_where_each_rank_is_stuck(strategy, no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(stuck_in_barrier, devices=2, accelerator="cpu", strategy=strategy, timeout=8, progress=False)
+    message = str(info.value)
+    assert info.value.rank == 0
+    assert "timed out after 8 s; still running: ranks [0, 1]" in message
+    rank0, rank1 = info.value.traceback.split("--- rank 1 stack ---")
+    assert "--- rank 0 stack ---" in rank0 and "barrier" in rank0 and "stuck_in_barrier" in rank0
+    assert "slow_data_loading" in rank1
+
+
+def one_rank_never_returns():
+    if nbtrain.context().rank == 0:
+        slow_data_loading()
+    return "done"
+
+
+def test_timeout_names_finished_ranks(no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(one_rank_never_returns, devices=2, accelerator="cpu", strategy="ddp_fork", timeout=3,
+                       progress=False)
+    assert "timed out after 3 s; still running: ranks [0]; finished: ranks [1]" in str(info.value)
+    assert "slow_data_loading" in info.value.traceback
+
+
+def test_in_process_single_device(no_leftovers):
+    def local():
+        ctx = nbtrain.context()
+        for _ in ctx.progress(range(3)):
+            ctx.log("v", 1.0)
+        return ctx.setup(Net()), ctx.world_size, ctx.strategy
+
+    result = nbtrain.launch(local, devices=1, accelerator="cpu", progress=False)
+    model, world, strategy = result.value
+    assert isinstance(model, Net) and world == 1 and strategy == "single" and result.strategy == "single"
+    assert result.metrics("v") == [1.0, 1.0, 1.0]
+    assert nbtrain.context().strategy == "local"  # the launch's context does not outlive it
+
+
+def test_in_process_errors_are_the_users_own():
+    def broken():
+        raise KeyError("missing column")
+
+    with pytest.raises(KeyError, match="missing column"):
+        nbtrain.launch(broken, devices=1, accelerator="cpu", progress=False)
+
+
+def test_in_process_timeout():
+    with pytest.raises(WorkerError, match="timed out after 1 s") as info:
+        nbtrain.launch(time.sleep, 30, devices=1, accelerator="cpu", timeout=1, progress=False)
+    assert "--- rank 0 stack ---" in info.value.traceback
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"strategy": "horovod"}, "strategy='horovod' is not known. Accepted: 'auto', 'dp'"),
+    ({"strategy": "ddp_fork", "num_nodes": 2}, "num_nodes=2 needs strategy='ddp'"),
+    ({"strategy": "dp", "devices": 2, "accelerator": "cpu"}, "strategy='dp' runs one process"),
+    ({"timeout": -1}, "timeout=-1: give a positive number of seconds"),
+    ({"devices": "x"}, "devices='x'"),
+])
+def test_bad_launch_arguments(kwargs, words):
+    with pytest.raises((ValueError, TypeError)) as info:
+        nbtrain.launch(report_environment, progress=False, **kwargs)
+    assert words in str(info.value)
+
+
+def test_launch_needs_a_callable():
+    with pytest.raises(TypeError, match="needs a callable training function, got int"):
+        nbtrain.launch(3)
+
+
+def test_auto_says_what_it_chose(capfd):
+    nbtrain.launch(report_environment, devices=2, accelerator="cpu")
+    out = capfd.readouterr().out
+    assert "nbtrain: strategy 'auto' -> ddp_fork (2 CPU ranks, gloo)" in out
+    assert "finished in" in out
+
+
+def test_users_own_process_group_is_respected(no_leftovers):
+    def own_group():
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")  # from the torchrun-standard environment
+        ctx = nbtrain.context()
+        total = ctx.log("n", 1.0, sync_dist=True)
+        dist.destroy_process_group()
+        return total
+
+    assert nbtrain.launch(own_group, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False).values == [1.0, 1.0]
