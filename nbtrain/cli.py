@@ -12,16 +12,40 @@ def _gpus(args) -> int:
     return 0
 
 
+def _demo(args) -> int:
+    from . import launch
+    from .demo import train
+
+    result = launch(train, args.epochs, devices=args.devices, accelerator=args.accelerator,
+                    strategy=args.strategy, timeout=args.timeout)
+    for value in result.values:
+        print(f"rank {value['rank']}: final loss {value['final_loss']:.4f}")
+    print(f"effective batch size: {result.effective_batch_size}  ({result.devices}, {result.strategy}, "
+          f"{result.elapsed:.2f} s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nbtrain", description="Multi-device PyTorch training from notebooks.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("gpus", help="list visible GPUs with memory, utilisation and processes").set_defaults(run=_gpus)
+    demo = commands.add_parser("demo", help="train a small synthetic model across ranks (CPU when no GPU)")
+    demo.add_argument("--devices", default="2", help="Lightning's devices grammar: 2, -1, '0,1', 'free:2' (default: 2)")
+    demo.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "gpu", "cuda"])
+    demo.add_argument("--strategy", default="auto", help="auto, dp, ddp_fork, ddp_spawn, ddp (default: auto)")
+    demo.add_argument("--epochs", type=int, default=3)
+    demo.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is stopped (default: 600)")
+    demo.set_defaults(run=_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.run(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, TypeError, RuntimeError) as exc:  # bad devices/strategy, no GPU, a failed rank
+        parser.exit(2, f"nbtrain {args.command}: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ as the notebook's own classes, so `isinstance(result.value, Net)` holds.
 from __future__ import annotations
 
 import linecache
+import sys
+import warnings
 from typing import Any
 
 import dill
@@ -52,14 +54,38 @@ def pack_job(fn, args: tuple, kwargs: dict) -> bytes:
     return _dumps(job, f"the function `{name}` and its arguments")
 
 
+def _publish_notebook_classes(fn, main=None, seen=None) -> None:
+    # Notebook classes reach a spawned rank by value. Naming them in the rank's __main__ lets
+    # its return value refer to them by name, which the notebook resolves to its own classes.
+    main = main or sys.modules["__main__"]
+    seen = seen if seen is not None else set()
+    if id(fn) in seen:
+        return
+    seen.add(id(fn))
+    for name, value in getattr(fn, "__globals__", {}).items():
+        if getattr(value, "__module__", None) != "__main__":
+            continue
+        if isinstance(value, type) and not hasattr(main, name):
+            setattr(main, name, value)
+        elif callable(value):
+            _publish_notebook_classes(value, main, seen)
+
+
 def unpack_job(payload: bytes):
     fn, args, kwargs, sources = dill.loads(payload)
     linecache.cache.update(sources)
+    _publish_notebook_classes(fn)
     return fn, args, kwargs
 
 
 def pack_result(value: Any, rank: int) -> bytes:
-    return _dumps(to_cpu(value), f"the return value of rank {rank}")
+    value = to_cpu(value)
+    try:  # by reference first: the notebook then gets instances of its own classes back
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return dill.dumps(value, byref=True)
+    except Exception:
+        return _dumps(value, f"the return value of rank {rank}")
 
 
 def unpack_result(payload: bytes) -> Any:

@@ -43,7 +43,7 @@ class Kernel:
         return "".join(out), "".join(err), error, results
 
     def value(self, expression: str):
-        out, err, error, _ = self.run(f"print(repr({expression}))")
+        out, err, error, _ = self.run(f"print(repr(({expression})))")
         assert error is None, error
         return eval(out.strip())
 
