@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 PROGRESS_INTERVAL = 0.1  # seconds between progress events of one bar
+DDP_STRATEGIES = ("ddp_fork", "ddp_spawn", "ddp")
 
 
 class _NoSink:
@@ -61,6 +62,11 @@ class Context:
         )
 
     @property
+    def is_distributed(self) -> bool:
+        """Several ranks, or a DDP strategy asked for explicitly (DDP on one rank, as Lightning does)."""
+        return self.world_size > 1 or self.strategy in DDP_STRATEGIES
+
+    @property
     def is_global_zero(self) -> bool:
         return self.rank == 0
 
@@ -75,7 +81,7 @@ class Context:
     # -- process group ------------------------------------------------------------------
     def _ensure_group(self) -> None:
         # Created on first need, so a user's own init_process_group() called earlier wins.
-        if self.world_size == 1 or dist.is_initialized():
+        if not self.is_distributed or dist.is_initialized():
             return
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -97,7 +103,7 @@ class Context:
         module = module.to(self.device)
         if self._dp_device_ids:
             return torch.nn.DataParallel(module, device_ids=list(self._dp_device_ids))
-        if self.world_size > 1:
+        if self.is_distributed:
             self._ensure_group()
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)

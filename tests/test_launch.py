@@ -113,6 +113,7 @@ def talk_and_fail(rank_to_fail):
     print(f"hello from {ctx.rank}", flush=True)
     import sys
     print(f"warning from {ctx.rank}", file=sys.stderr, flush=True)
+    ctx.barrier()  # both have spoken before one fails
     if ctx.rank == rank_to_fail:
         raise ValueError(f"bad batch on rank {ctx.rank}")
     time.sleep(60)  # the surviving rank must be stopped, not waited for

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 from ..preflight import check_fork
 from ..worker import die_with_parent, enable_stacks, limit_threads, redirect_output, run_rank
@@ -122,7 +123,12 @@ class ForkLauncher(ProcessLauncher):
                 others = [fd for fd in every_end if fd not in (out_w, err_w)]
                 proc = context.Process(target=_fork_main, name=f"nbtrain-rank{rank}",
                                        args=(job.fn, job.args, job.kwargs, env, out_w, err_w, others, os.getpid()))
-                proc.start()
+                with warnings.catch_warnings():
+                    # A kernel always has threads (Python 3.12+ warns on every fork). The child
+                    # touches none of their state: it replaces the kernel's streams and runs
+                    # only the rank's own code; the kernel was warmed before forking.
+                    warnings.filterwarnings("ignore", message=".*multi-threaded, use of fork", category=DeprecationWarning)
+                    proc.start()
                 _own_group(proc.pid)
                 started.append(_handle(proc, [rank]))
         finally:

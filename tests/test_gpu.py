@@ -1,0 +1,85 @@
+"""GPU paths: nccl, DataParallel, CUDA ranks, NVML. They run where a GPU is visible and skip
+elsewhere, saying why. On the CPU-only CI machine the same selection logic is covered through
+the injectable inventory (test_devices.py, test_inventory.py)."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from nbtrain.inventory import NvmlInventory
+
+HAS_GPU = bool(NvmlInventory().physical_gpus())
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU with its driver (NVML sees none here)")]
+
+
+def run_fresh(code: str, timeout: float = 300) -> str:
+    """A fresh interpreter: CUDA state in one test must not leak into the next (fork safety)."""
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+TRAIN = """
+import torch, nbtrain
+import torch.nn.functional as F
+
+def train():
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in ctx.progress(range(20)):
+        x = torch.randn(64, 32, device=ctx.device)
+        loss = F.mse_loss(model(x), torch.zeros(64, 4, device=ctx.device))
+        opt.zero_grad(); loss.backward(); opt.step()
+        ctx.log("loss", loss, sync_dist=True)
+    return type(model).__name__, str(ctx.device), ctx.backend, torch.cuda.get_device_name(ctx.device), model
+"""
+
+
+@pytest.mark.parametrize("strategy, wrapper", [("ddp_fork", "DistributedDataParallel"),
+                                               ("ddp_spawn", "DistributedDataParallel"),
+                                               ("dp", "DataParallel"),
+                                               ("auto", "Linear")])
+def test_training_on_the_gpu(strategy, wrapper):
+    out = run_fresh(TRAIN + f"""
+r = nbtrain.launch(train, devices=1, accelerator="gpu", strategy="{strategy}", progress=False)
+name, device, backend, gpu, model = r.value
+assert name == "{wrapper}", name
+assert device == "cuda:0" and next(model.parameters()).device.type == "cpu"
+assert len(r.metrics("loss")) == 20
+print("OK", r.strategy, backend, gpu, f"{{r.elapsed:.2f}}s")
+""")
+    assert "\nOK " in "\n" + out
+    print(out)
+
+
+def test_nccl_is_the_gpu_default_and_fork_after_cuda_init_is_refused():
+    out = run_fresh(TRAIN + """
+r = nbtrain.launch(train, devices=1, accelerator="gpu", strategy="ddp_fork", progress=False)
+assert r.value[2] == "nccl"
+torch.zeros(1, device="cuda")   # the kernel now holds a CUDA context
+try:
+    nbtrain.launch(train, devices=1, accelerator="gpu", strategy="ddp_fork", progress=False)
+except RuntimeError as exc:
+    assert "CUDA is already initialised" in str(exc) and "ddp_spawn" in str(exc), exc
+    print("REFUSED", str(exc).splitlines()[0][:200])
+r = nbtrain.launch(train, devices=1, accelerator="gpu", progress=False)   # auto: in-process still fine
+print("OK", r.strategy)
+""")
+    assert "REFUSED" in out and "OK single" in out
+    print(out)
+
+
+def test_nvml_inventory_matches_torch():
+    out = run_fresh("""
+import nbtrain, torch
+seen = nbtrain.gpus()
+print(seen)
+assert len(seen) == torch.cuda.device_count()
+assert seen[0].name == torch.cuda.get_device_name(0), (seen[0].name, torch.cuda.get_device_name(0))
+print("OK")
+""")
+    assert "OK" in out
+    print(out)
