@@ -1,0 +1,154 @@
+"""Launch + 5 DDP steps of a small model on 2 CPU ranks, from one real Jupyter kernel.
+
+Contenders, interleaved round by round: nbtrain ddp_fork / ddp_spawn / ddp (script),
+Lightning Trainer(strategy="ddp_notebook"), Accelerate notebook_launcher, and bare torchrun on
+the same script from a shell. The first launch of each in the kernel is reported separately
+(cold): fork is fast only once the kernel holds what the ranks import.
+
+    python benchmarks/launch_latency.py [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import Kernel, median, record, table  # noqa: E402
+
+SETUP = '''
+import os, time, torch, torch.nn as nn, torch.nn.functional as F
+torch.set_num_threads(1)
+import nbtrain
+
+def steps(model, device="cpu"):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(5):
+        loss = F.mse_loss(model(torch.randn(32, 64)), torch.zeros(32, 8))
+        opt.zero_grad(); loss.backward(); opt.step()
+    return loss.item()
+
+def nbtrain_fn():
+    return steps(nbtrain.context().setup(nn.Linear(64, 8)))
+
+def timed(fn):
+    t = time.perf_counter(); fn(); print(f"{time.perf_counter() - t:.4f}")
+
+def run_nbtrain(strategy):
+    timed(lambda: nbtrain.launch(nbtrain_fn, devices=2, accelerator="cpu", strategy=strategy, progress=False))
+
+import pytorch_lightning as pl
+from torch.utils.data import DataLoader, TensorDataset
+class LitModel(pl.LightningModule):
+    def __init__(self):
+        super().__init__(); self.layer = nn.Linear(64, 8)
+    def training_step(self, batch, _):
+        x, y = batch
+        return F.mse_loss(self.layer(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+lit_data = DataLoader(TensorDataset(torch.randn(320, 64), torch.zeros(320, 8)), batch_size=32)
+
+def run_lightning():
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_notebook", max_steps=5, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    timed(lambda: trainer.fit(LitModel(), lit_data))
+
+from accelerate import Accelerator, notebook_launcher
+def accelerate_fn():
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(nn.Linear(64, 8))
+    opt = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in range(5):
+        loss = F.mse_loss(model(torch.randn(32, 64)), torch.zeros(32, 8))
+        opt.zero_grad(); accelerator.backward(loss); opt.step()
+
+def run_accelerate():
+    timed(lambda: notebook_launcher(accelerate_fn, num_processes=2))
+'''
+
+TORCHRUN_SCRIPT = '''
+import os, torch, torch.nn as nn, torch.nn.functional as F, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+model = nn.parallel.DistributedDataParallel(nn.Linear(64, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(5):
+    loss = F.mse_loss(model(torch.randn(32, 64)), torch.zeros(32, 8))
+    opt.zero_grad(); loss.backward(); opt.step()
+dist.barrier()
+os._exit(0)  # torch 2.13 (CPU, 2 cores) often aborts a gloo rank at interpreter exit under load
+'''
+
+KERNEL_CONTENDERS = {
+    "nbtrain ddp_fork": "run_nbtrain('ddp_fork')",
+    "nbtrain ddp_spawn": "run_nbtrain('ddp_spawn')",
+    "nbtrain ddp (script)": "run_nbtrain('ddp')",
+    "Lightning ddp_notebook": "run_lightning()",
+    "Accelerate notebook_launcher": "run_accelerate()",
+}
+
+
+def bare_torchrun(script: Path, tries: int = 2) -> float:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(port), str(script)], capture_output=True, text=True)
+    if run.returncode != 0:
+        print(f"bare torchrun failed:\n{run.stderr[:3000]}", file=sys.stderr)
+        if tries > 1:  # a port taken between choosing it and binding it: choose again
+            return bare_torchrun(script, tries - 1)
+        raise RuntimeError("bare torchrun failed twice")
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    times: dict[str, list[float]] = {name: [] for name in [*KERNEL_CONTENDERS, "bare torchrun (shell)"]}
+    cold: dict[str, float] = {}
+    kernel = Kernel()
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp, "train.py")
+        script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
+        try:
+            kernel.run(SETUP)
+            for round_ in range(args.rounds + 1):  # round 0 is the cold launch of each
+                for name, call in KERNEL_CONTENDERS.items():
+                    try:
+                        seconds = float(kernel.run(call).strip().splitlines()[-1])
+                    except Exception as exc:  # a contender that cannot run here is reported, not fatal
+                        print(f"{name}: {str(exc).splitlines()[-1][:200]}", file=sys.stderr)
+                        continue
+                    (cold.__setitem__(name, seconds) if round_ == 0 else times[name].append(seconds))
+                seconds = bare_torchrun(script)
+                (cold.__setitem__("bare torchrun (shell)", seconds) if round_ == 0 else
+                 times["bare torchrun (shell)"].append(seconds))
+                print(f"round {round_} done", file=sys.stderr)
+        finally:
+            kernel.close()
+    lightning = median(times["Lightning ddp_notebook"])
+    torchrun = median(times["bare torchrun (shell)"])
+    rows = []
+    for name, values in times.items():
+        m = median(values)
+        rows.append([name, f"{cold.get(name, float('nan')):.3f}", f"{m:.3f}", str(len(values)),
+                     f"{m / lightning:.2f}x", f"{m / torchrun:.2f}x"])
+    body = table(["launcher (2 CPU ranks, launch + 5 DDP steps)", "cold s", "warm median s", "runs",
+                  "vs Lightning ddp_notebook", "vs bare torchrun"], rows)
+    targets = (f"Targets: nbtrain ddp_fork <= 0.75x Lightning ddp_notebook "
+               f"({median(times['nbtrain ddp_fork']) / lightning:.2f}x here); nbtrain ddp (script) <= 1.1x bare torchrun "
+               f"({median(times['nbtrain ddp (script)']) / torchrun:.2f}x here).")
+    record("Launch latency (launch_latency.py)", body + "\n\n" + targets)
+
+
+if __name__ == "__main__":
+    main()
