@@ -1,11 +1,23 @@
 """nbtrain: multi-device PyTorch training from a Jupyter notebook."""
 from .context import Context, context, rank_zero_only
 from .devices import DevicePlan, ensure_pci_bus_order, parse_devices, plan_devices
+from .display.picker import GpuPicker, pick_gpus
 from .errors import UnpicklableError, WorkerError
 from .inventory import Gpu, GpuProcess, StaticInventory, find_free_gpus, gpus, use_inventory
 from .launch import launch
+from .pickling import Finding, explain_pickling
+from .preflight import ForkUnsafeError, install_cuda_init_hook
 from .result import Result
 
 ensure_pci_bus_order()
+install_cuda_init_hook()  # so a refused fork can name the line that initialised CUDA
 
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext nbtrain`: the %nbtrain / %%nbtrain magics. IPython is imported only here."""
+    from .magics import register
+
+    install_cuda_init_hook()  # already in place from the import; a no-op unless torch was reloaded
+    register(ipython)

@@ -45,17 +45,19 @@ def resolve_strategy(strategy: str, plan: DevicePlan) -> tuple[str, str | None]:
     blocker = fork_blocker()
     if blocker is None:
         return "ddp_fork", f"strategy 'auto' -> ddp_fork ({plan.describe()})"
-    return "ddp_spawn", f"strategy 'auto' -> ddp_spawn, since {blocker} ({plan.describe()})"
+    # The blocker names its cause (the cell line or import that initialised CUDA).
+    return "ddp_spawn", f"strategy 'auto' -> ddp_spawn ({plan.describe()}), not ddp_fork: {blocker}"
 
 
 def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelerator: str = "auto",
            num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
-           progress=True, **kwargs) -> Result:
+           progress=True, launcher_options: dict | None = None, **kwargs) -> Result:
     """Run `fn(*args, **kwargs)` on every rank and return a `Result`.
 
     Inside `fn`, `nbtrain.context()` is this rank's Context. Keyword arguments that `launch`
     itself takes (strategy, devices, ...) cannot reach `fn` this way: bind them with
-    `functools.partial`.
+    `functools.partial`. `launcher_options` (strategy 'ddp' only) are the script launcher's
+    settings: node_rank, rdzv_endpoint, max_restarts, launcher; see `launchers/script.py`.
     """
     if not callable(fn):
         raise TypeError(f"launch(fn=...) needs a callable training function, got {type(fn).__name__}.")
@@ -63,8 +65,11 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
         raise ValueError(f"timeout={timeout!r}: give a positive number of seconds, or None for no limit.")
     plan = plan_devices(devices, accelerator, backend, num_nodes)
     name, note = resolve_strategy(strategy, plan)
+    if launcher_options and name != "ddp":
+        raise ValueError(f"launcher_options={launcher_options!r} apply to strategy='ddp' (the script launcher) "
+                         f"only; strategy {strategy!r} runs {name!r}.")
     display = make_display(progress)
     if note:
         display.note(note)
-    job = Job(fn, args, kwargs, plan, name, timeout)
+    job = Job(fn, args, kwargs, plan, name, timeout, options=dict(launcher_options or {}))
     return _launcher(name).launch(job, display)

@@ -14,13 +14,15 @@ import time
 from collections import defaultdict, deque
 
 from .errors import WorkerError
-from .launchers.base import RankProcess, describe_exit
+from .launchers.base import RankProcess
 from .runstate import RunState
 from .worker import STACKS_SIGNAL
 
 log = logging.getLogger(__name__)
 
 TICK = 0.05  # seconds between checks of the processes
+EXIT_POLL = 0.002  # while ranks that reported are exiting: the launch returns as soon as they are gone
+SETTLING = ("result", "value", "error", "closed")
 EXIT_DRAIN = 1.0  # after a process exits, how long its last messages may take to arrive
 PEER_ERRORS = 0.3  # after a failure, how long to listen for the others' before naming the cause
 STOP_GRACE = 1.0  # between SIGTERM and SIGKILL
@@ -46,7 +48,7 @@ class Supervisor:
         """Return when every rank finished; raise WorkerError or KeyboardInterrupt otherwise."""
         try:
             while self.state.unfinished() and not self.state.failures:
-                self._pump(TICK)
+                self._pump(TICK, until_settled=True)
                 self._check_processes()
                 self._check_deadlines()
                 self.display.update(self.state)
@@ -62,7 +64,9 @@ class Supervisor:
             self.stop()
             self.state.ended = time.monotonic()
 
-    def _pump(self, timeout: float) -> None:
+    def _pump(self, timeout: float, until_settled: bool = False) -> None:
+        """Handle messages for up to `timeout` s; with `until_settled`, return as soon as one
+        may have ended the run (a result, an error, a closed channel), so no tick is wasted."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -70,6 +74,8 @@ class Supervisor:
             except queue.Empty:
                 return
             self._handle(message)
+            if until_settled and message[0] in SETTLING:
+                return
             if self.inbox.empty() and time.monotonic() >= deadline:
                 return
 
@@ -101,8 +107,8 @@ class Supervisor:
             if not missing or (not drained and now - proc.exited_at < EXIT_DRAIN):
                 continue  # its own result or error report may still be on the way
             for r in missing:
-                self.state.fail(r, describe_exit(code, self.state.ranks[r].pid or proc.pid), self._last_words(r),
-                                crashed=True)
+                summary, crashed = proc.exit_reason(r, code, self.state.ranks[r].pid or proc.pid)
+                self.state.fail(r, summary, self._last_words(r), crashed=crashed)
 
     def _last_words(self, rank: int) -> str:
         # faulthandler's report of a fatal signal, if the rank wrote one; else its last stderr lines.
@@ -153,7 +159,7 @@ class Supervisor:
         # Every rank reported; give the processes a moment to exit on their own.
         deadline = time.monotonic() + 5.0
         while any(p.poll() is None for p in self.processes) and time.monotonic() < deadline:
-            self._pump(TICK)
+            self._pump(EXIT_POLL)
 
     def stop(self, grace: float = STOP_GRACE) -> None:
         alive = [p for p in self.processes if p.poll() is None]

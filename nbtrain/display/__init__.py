@@ -12,16 +12,49 @@ import sys
 def in_jupyter() -> bool:
     shell = sys.modules.get("IPython")
     ip = shell.get_ipython() if shell is not None else None
-    return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
+    # Colab's and Spyder's shells subclass ZMQInteractiveShell: look along the class's ancestry.
+    return ip is not None and any(c.__name__ == "ZMQInteractiveShell" for c in type(ip).__mro__)
+
+
+MODES = ("auto", "widgets", "text")
+ACCEPTED = ("Accepted: True or 'auto' (widgets in Jupyter, text elsewhere), 'widgets', 'text', "
+            "False (no progress), or a display object.")
+_warned_widgets = False
 
 
 def make_display(progress=True):
+    """The display for `launch(progress=...)`; NBTRAIN_PROGRESS (0, text, widgets) sets the default.
+
+    Notebooks executed headless (nbval, nbconvert) look like Jupyter but draw no widgets:
+    NBTRAIN_PROGRESS=text gives them readable lines.
+    """
     from .text import LineDisplay, QuietDisplay, TqdmDisplay
 
-    if progress is False or os.environ.get("NBTRAIN_PROGRESS", "1") == "0":
+    env = os.environ.get("NBTRAIN_PROGRESS", "").strip().lower()
+    if progress is False or env == "0":
         return QuietDisplay()
     if progress not in (True, None) and hasattr(progress, "update"):
         return progress  # a display object of the caller's own
-    if sys.stderr.isatty() and not in_jupyter():
+    mode = progress.strip().lower() if isinstance(progress, str) else (env if env not in ("", "1") else "auto")
+    if mode not in MODES:
+        where = f"progress={progress!r}" if isinstance(progress, str) else f"NBTRAIN_PROGRESS={env!r}"
+        raise ValueError(f"{where} is not a progress display. {ACCEPTED}")
+    if mode == "widgets" or (mode == "auto" and in_jupyter()):
+        return _widget_display(LineDisplay)
+    if mode == "auto" and sys.stderr.isatty():
         return TqdmDisplay()
     return LineDisplay()
+
+
+def _widget_display(fallback):
+    global _warned_widgets
+    try:
+        from .widgets import WidgetDisplay
+
+        return WidgetDisplay()
+    except ImportError as exc:
+        display = fallback()
+        if not _warned_widgets:  # said once per session, not at every launch
+            _warned_widgets = True
+            display.note(str(exc))
+        return display

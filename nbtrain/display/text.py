@@ -41,12 +41,25 @@ def gpu_table(gpus) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
 
 
+def memory_bar_html(used: int, total: int) -> str:
+    """Used/total memory as a small inline bar with its numbers: green, amber past 50%, red past 90%."""
+    fraction = min(1.0, used / total) if total else 0.0
+    colour = "#43a047" if fraction < 0.5 else "#fb8c00" if fraction < 0.9 else "#e53935"
+    bar = (f'<span style="display:inline-block;width:6em;height:0.7em;background:#e0e0e0;vertical-align:middle">'
+           f'<span style="display:block;width:{fraction * 100:.0f}%;height:100%;background:{colour}"></span></span>')
+    return f"{bar} {used / 2**30:.1f}/{total / 2**30:.1f} GiB"
+
+
 def gpu_table_html(gpus) -> str:
     if not gpus:
         return f"<p>{html.escape(no_gpu_line())}</p>"
     head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADER)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in _rows(gpus))
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    rows = []
+    for g, r in zip(gpus, _rows(gpus)):
+        cells = [html.escape(c) for c in r]
+        cells[2] = memory_bar_html(g.memory_used, g.memory_total)
+        rows.append("<tr>" + "".join(f"<td style='text-align:left'>{c}</td>" for c in cells) + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
 # -- run progress --------------------------------------------------------------------------

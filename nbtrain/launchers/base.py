@@ -59,6 +59,7 @@ def rank_environ(job: Job, local_rank: int, channel_env: dict[str, str]) -> dict
         "NBTRAIN_ACCELERATOR": plan.accelerator,
         "NBTRAIN_BACKEND": plan.backend,
         "NBTRAIN_STRATEGY": job.strategy,
+        **job.options.get("quirk_env", {}),  # NCCL workarounds for this machine (preflight)
         **channel_env,
     }
     if plan.accelerator == "gpu":
@@ -112,6 +113,11 @@ class RankProcess:
     def join(self, timeout: float) -> None:
         self._join(timeout)
 
+    def exit_reason(self, rank: int, code: int, pid: int | None) -> tuple[str, bool]:
+        """Why `rank` ended without a report, and whether it crashed (rather than being stopped
+        because another rank failed). One process per rank: its own exit says it all."""
+        return describe_exit(code, pid), True
+
     def close(self) -> None:
         self._close()
 
@@ -139,6 +145,7 @@ class ProcessLauncher:
         from ..supervisor import Supervisor
 
         self._prepare(job)
+        self._apply_nccl_quirks(job, display)
         job.master_port = job.master_port or free_port()
         inbox: queue.Queue = queue.Queue()
         hub, pump = Hub(inbox), OutputPump(inbox)
@@ -164,3 +171,11 @@ class ProcessLauncher:
 
     def _cleanup(self, job: Job) -> None:
         """Undo what `_prepare`/`_start` left behind (temp files, helper processes)."""
+
+    def _apply_nccl_quirks(self, job: Job, display) -> None:
+        from ..preflight import nccl_environ
+
+        env, note = nccl_environ(job.plan)
+        if note:
+            display.note(note)
+        job.options["quirk_env"] = env

@@ -1,0 +1,183 @@
+"""IPython magics, loaded by `%load_ext nbtrain`.
+
+    %%nbtrain [options]        run the cell on every rank (default strategy: ddp, a script under torchrun)
+    %nbtrain config [options]  session defaults for those options; alone, shows them; `config reset` clears
+    %nbtrain gpus              the GPU table (`nbtrain.gpus()`)
+
+The cell's `Result` is stored in the user namespace as `_nbtrain_result` (rank 0's last
+expression value in `.value`). The magics only parse options and call
+`nbtrain.cell.run_cell`, which works without IPython too.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+STRATEGIES = ("ddp", "ddp_fork", "ddp_spawn", "dp")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+LAUNCHERS = ("torchrun", "accelerate", "deepspeed")
+RESULT_NAME = "_nbtrain_result"
+DEFAULTS = {"strategy": "ddp", "devices": "auto", "accelerator": "auto", "nnodes": 1, "node_rank": 0,
+            "rdzv_endpoint": None, "max_restarts": 0, "launcher": "torchrun", "timeout": None, "no_progress": False}
+COMMANDS = "Accepted: `%nbtrain config [options]`, `%nbtrain config reset`, `%nbtrain gpus`; " \
+           "`%%nbtrain [options]` as a cell's first line runs the cell on every rank."
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is too small: give an integer >= {low}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds")
+    return value
+
+
+def _endpoint(text: str) -> str:
+    from .launchers.script import parse_endpoint
+
+    try:
+        parse_endpoint(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+# Defaults are None here: what a cell leaves out comes from `%nbtrain config`, then DEFAULTS.
+RUN_OPTIONS = [
+    argument("--strategy", choices=STRATEGIES, help="how ranks start; ddp: the cell as a script under the launcher"),
+    argument("--devices", help="how many / which devices: 2, -1, '0,1', auto (Lightning's grammar)"),
+    argument("--accelerator", choices=ACCELERATORS, help="cpu, gpu or auto"),
+    argument("--nnodes", type=_at_least(1), help="machines taking part (ddp)"),
+    argument("--node-rank", dest="node_rank", type=_at_least(0), help="this machine's place, 0 .. nnodes-1"),
+    argument("--rdzv-endpoint", dest="rdzv_endpoint", type=_endpoint, help="HOST:PORT of node 0, the same everywhere"),
+    argument("--max-restarts", dest="max_restarts", type=_at_least(0), help="times the launcher may restart the ranks"),
+    argument("--launcher", choices=LAUNCHERS, help="what runs the script (ddp): torchrun (default), accelerate, deepspeed"),
+    argument("--timeout", type=_seconds, help="seconds before the run is stopped, with every rank's stack"),
+    argument("--no-progress", dest="no_progress", action="store_true", default=None, help="no progress display"),
+]
+
+
+def run_options(func):
+    """Stack the run options on a magic; they show in its help in the order listed."""
+    for decorator in reversed(RUN_OPTIONS):
+        func = decorator(func)
+    return func
+
+
+def _given(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None}
+
+
+def check_options(options: dict) -> None:
+    """Refuse, as UsageError, what cannot run, before anything starts."""
+    from .devices import plan_devices
+    from .launch import resolve_strategy
+    from .launchers.script import check_installed, script_options
+
+    strategy, nodes = options["strategy"], options["nnodes"]
+    try:
+        plan = plan_devices(options["devices"], options["accelerator"], None, nodes)
+        resolve_strategy(strategy, plan)
+        if strategy == "ddp":
+            script_options({k: options[k] for k in ("launcher", "node_rank", "rdzv_endpoint", "max_restarts")}, nodes)
+            check_installed(options["launcher"])
+    except (ValueError, TypeError, RuntimeError, ImportError) as exc:
+        raise UsageError(str(exc)) from None
+    if strategy != "ddp" and options["launcher"] != "torchrun":
+        raise UsageError(f"--launcher {options['launcher']} starts a script: it needs --strategy ddp "
+                         f"(got --strategy {strategy}).")
+
+
+def rerun_line(options: dict) -> str:
+    """The magic line another node runs: this one with its own `--node-rank`."""
+    parts = ["%%nbtrain", "--strategy", "ddp", "--devices", str(options["devices"]), "--accelerator",
+             options["accelerator"], "--nnodes", str(options["nnodes"]), "--node-rank", "{node_rank}",
+             "--rdzv-endpoint", options["rdzv_endpoint"]]
+    if options["launcher"] != "torchrun":
+        parts += ["--launcher", options["launcher"]]
+    if options["max_restarts"]:
+        parts += ["--max-restarts", str(options["max_restarts"])]
+    return " ".join(shlex.quote(p) if p != "{node_rank}" else p for p in parts)
+
+
+@magics_class
+class NbtrainMagics(Magics):
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.config_options: dict = {}  # `%nbtrain config`: this session's defaults
+
+    @magic_arguments()
+    @run_options
+    @line_cell_magic
+    def nbtrain(self, line: str, cell: str | None = None):
+        """Run a cell on every rank (`%%nbtrain [options]`), or `%nbtrain config|gpus`.
+
+        The cell's Result is stored as `_nbtrain_result`.
+        """
+        if cell is None:
+            return self._command(line)
+        options = {**DEFAULTS, **self.config_options, **_given(parse_argstring(self.nbtrain, line))}
+        check_options(options)
+        self.shell.user_ns[RESULT_NAME] = None  # a failed run leaves no earlier result behind
+        self.shell.user_ns[RESULT_NAME] = self.run(cell, options)
+
+    def run(self, cell: str, options: dict):
+        from .cell import run_cell
+
+        return run_cell(
+            cell, self.shell.user_ns, strategy=options["strategy"], devices=options["devices"],
+            accelerator=options["accelerator"], num_nodes=options["nnodes"], node_rank=options["node_rank"],
+            rdzv_endpoint=options["rdzv_endpoint"], max_restarts=options["max_restarts"],
+            launcher=options["launcher"], timeout=options["timeout"], progress=not options["no_progress"],
+            hidden=self.shell.user_ns_hidden, rerun_as=rerun_line(options) if options["nnodes"] > 1 else None)
+
+    def _command(self, line: str):
+        words = line.split(None, 1)
+        command, rest = (words[0], words[1] if len(words) > 1 else "") if words else ("", "")
+        if command == "config":
+            return self._config(rest)
+        if command == "gpus":
+            from IPython.display import display
+
+            from .inventory import gpus
+
+            display(gpus())
+            return None
+        what = f"unknown command {command!r}" if command else "a command is needed"
+        raise UsageError(f"%nbtrain: {what}. {COMMANDS}")
+
+    def _config(self, rest: str) -> None:
+        if rest.strip() == "reset":
+            self.config_options.clear()
+        else:
+            given = _given(parse_argstring(self.nbtrain, rest))
+            check_options({**DEFAULTS, **self.config_options, **given})
+            self.config_options.update(given)
+        settings = {**DEFAULTS, **self.config_options}
+        shown = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                         for k, v in settings.items() if v is not None and v is not False)
+        mine = ", ".join(f"--{k.replace('_', '-')}" for k in DEFAULTS if k in self.config_options) or "none"
+        print(f"nbtrain: %%nbtrain defaults: {shown} (set by %nbtrain config: {mine})")
+
+
+def register(ipython) -> None:
+    ipython.register_magics(NbtrainMagics)

@@ -1,0 +1,113 @@
+"""The text displays: GPU tables, rank lines, summaries, and a real launch read as a log."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from nbtrain import Gpu, GpuProcess, StaticInventory, gpus
+from nbtrain.display.text import LineDisplay, QuietDisplay, gpu_table, rank_line, summary_lines
+from nbtrain.runstate import RunState
+
+GiB = 2**30
+
+
+def test_gpu_table_shows_remapping_memory_and_processes(monkeypatch):
+    inventory = StaticInventory([
+        Gpu(0, "Tesla T4", "GPU-a", "0000:01:00.0", 0, 15 * GiB, 0),
+        Gpu(1, "Tesla T4", "GPU-b", "0000:02:00.0", 3 * GiB, 15 * GiB, 77, (GpuProcess(321, "python", 3 * GiB),)),
+    ])
+    table = str(gpus(inventory))
+    assert table.splitlines()[0].split()[:3] == ["GPU", "name", "memory"]
+    assert "321 python 3.0G" in table and "77%" in table
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert "0 (phys 1)" in str(gpus(inventory))
+    assert gpu_table([]).startswith("no GPU visible")
+
+
+def _state() -> RunState:
+    state = RunState("ddp_fork on 2 CPU ranks, gloo", [0, 1])
+    for rank in (0, 1):
+        state.handle(("hello", rank, 10 + rank))
+        state.handle(("batch_size", rank, 8, 16))
+        state.handle(("progress", rank, 0, "epoch", 1, 3, False))
+        state.handle(("progress", rank, 1, "batch", 5, 10, False))
+        state.handle(("metric", rank, 0, "loss", 0.5, True))
+    state.fail(1, "RuntimeError: out of patience\nmore detail")
+    return state
+
+
+def test_rank_line_and_summary():
+    state = _state()
+    assert rank_line(state.ranks[0]) == "rank 0  running  epoch 1/3 batch 5/10  loss=0.5"
+    assert rank_line(state.ranks[1]).endswith("RuntimeError: out of patience")
+    head, *rows = summary_lines(state, ok=False)
+    assert head.startswith("nbtrain: ddp_fork on 2 CPU ranks, gloo: failed in ")
+    assert head.endswith("effective batch size 16 (8 per rank x 2 ranks)") and len(rows) == 2
+
+
+def test_output_keeps_its_stream_and_rank_tag(capsys):
+    display = QuietDisplay()
+    display.output(0, "stdout", "to stdout")
+    display.output(1, "stderr", "to stderr")
+    display.output(None, "stdout", "untagged")
+    out, err = capsys.readouterr()
+    assert out == "[rank 0] to stdout\nuntagged\n" and err == "[rank 1] to stderr\n"
+
+
+def test_line_display_writes_whole_lines_at_its_interval(capsys):
+    display = LineDisplay(interval=3600)
+    state = _state()
+    display.start(state)
+    for _ in range(100):
+        display.update(state)  # within the interval: nothing
+    display.finish(state, ok=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "nbtrain: ddp_fork on 2 CPU ranks, gloo" and len(lines) == 4
+
+
+LAUNCH = textwrap.dedent("""
+    import sys
+    import nbtrain
+
+    def train():
+        ctx = nbtrain.context()
+        print(f"hello from {ctx.rank}")
+        print(f"careful on {ctx.rank}", file=sys.stderr)
+        for _ in ctx.progress(range(2), desc="epoch"):
+            for i in ctx.progress(range(3), desc="batch"):
+                ctx.log("loss", 1.0 / (1 + i), sync_dist=True)
+        return ctx.rank
+
+    if __name__ == "__main__":
+        print("values", nbtrain.launch(train, devices=2, accelerator="cpu", strategy="ddp_fork").values)
+""")
+
+
+def _run(tmp_path, **env) -> subprocess.CompletedProcess:
+    script = tmp_path / "job.py"
+    script.write_text(LAUNCH)
+    environ = {k: v for k, v in os.environ.items() if k != "NBTRAIN_PROGRESS"}
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**environ, **env})
+
+
+@pytest.mark.slow
+def test_launch_outside_jupyter_reads_as_a_log(tmp_path):
+    done = _run(tmp_path)  # pipes, not a TTY: line display
+    assert done.returncode == 0, done.stderr
+    out, err = done.stdout, done.stderr
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+    assert "[rank 0] careful on 0" in err and "[rank 1] careful on 1" in err
+    assert "nbtrain: ddp_fork on 2 CPU ranks, gloo: finished in" in out
+    assert "  rank 1  finished  epoch 2/2 batch 3/3  loss=0.3333" in out and "values [0, 1]" in out
+    assert "\x1b" not in out + err and "\r" not in out + err  # no cursor movement in a log
+
+
+@pytest.mark.slow
+def test_progress_switched_off_by_environment(tmp_path):
+    done = _run(tmp_path, NBTRAIN_PROGRESS="0")
+    assert done.returncode == 0, done.stderr
+    assert "[rank 1] hello from 1" in done.stdout and "[rank 1] careful on 1" in done.stderr
+    assert "finished in" not in done.stdout

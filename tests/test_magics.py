@@ -1,0 +1,253 @@
+"""%load_ext nbtrain, %%nbtrain and %nbtrain in a real Jupyter kernel."""
+import time
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+EARLIER_CELLS = '''
+import os, math as m, time
+import numpy as np
+import torch, psutil
+import nbtrain
+scale = 3
+
+def helper(v):
+    return v * scale + offset  # `offset` comes from the %%nbtrain cell itself
+
+def check(v):
+    if v == 1:
+        raise KeyError("rank one is unhappy")
+
+def children():
+    return [(c.pid, c.name()) for c in psutil.Process().children(recursive=True)]
+'''
+
+
+@pytest.fixture(scope="module")
+def nb(kernel):
+    for code in ("%load_ext nbtrain", EARLIER_CELLS):
+        _, err, error, _ = kernel.run(code)
+        assert error is None and not err, (error, err)
+    return kernel
+
+
+def run_ok(nb, code):
+    out, err, error, results = nb.run(code)
+    assert error is None, "\n".join(error["traceback"]) if error else None
+    return out, err
+
+
+def test_loading_the_extension_does_not_import_ipython_with_nbtrain():
+    import subprocess
+    import sys
+
+    probe = "import sys, nbtrain; print('IPython' in sys.modules, callable(nbtrain.load_ipython_extension))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"]
+
+
+def test_a_cell_uses_functions_variables_and_modules_from_earlier_cells(nb):
+    out, _ = run_ok(nb, """%%nbtrain --devices 2 --accelerator cpu
+offset = 100
+ctx = nbtrain.context()
+print("rank", ctx.rank, "world", ctx.world_size, flush=True)
+helper(ctx.rank) + m.sqrt(16) + float(np.ones(1)[0]) + torch.zeros(1).item()
+""")
+    assert "[rank 0] rank 0 world 2" in out and "[rank 1] rank 1 world 2" in out
+    assert nb.value("_nbtrain_result.values, _nbtrain_result.strategy") == ([105.0, 108.0], "ddp")
+    assert nb.value("'offset' in globals()") is False  # ddp ran the cell elsewhere
+    assert nb.value("children()") == []
+
+
+def test_a_failing_cell_points_at_its_own_lines(nb):
+    _, _, error, _ = nb.run("""%%nbtrain --devices 2 --accelerator cpu
+import os
+x = nbtrain.context().rank
+check(x)
+""")
+    assert error["ename"] == "WorkerError"
+    shown = "\n".join(error["traceback"])
+    assert "rank 1 failed: KeyError: 'rank one is unhappy'" in shown
+    assert 'File "<nbtrain cell>", line 3, in <module>\n    check(x)' in shown  # the cell's own line 3
+    assert 'raise KeyError("rank one is unhappy")' in shown  # and the earlier cell's source
+    assert "cell.py" not in shown and "run_rank" not in shown
+    assert nb.value("children()") == []
+
+
+def test_a_plain_torchrun_script_runs_unchanged(nb):
+    out, _ = run_ok(nb, """%%nbtrain --strategy ddp --devices 2 --accelerator cpu
+import torch
+import torch.distributed as dist
+
+def main():
+    dist.init_process_group("gloo")  # from torchrun's environment, as in any torchrun script
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()}: sum {t.item()}", flush=True)
+    dist.destroy_process_group()
+    return t.item()
+
+if __name__ == "__main__":
+    total = main()
+total
+""")
+    assert "[rank 0] rank 0 of 2: sum 3.0" in out and "[rank 1] rank 1 of 2: sum 3.0" in out
+    assert nb.value("_nbtrain_result.values") == [3.0, 3.0]
+
+
+def test_launch_with_strategy_ddp_ships_notebook_functions_and_classes(nb):
+    run_ok(nb, """
+class Doubler(torch.nn.Module):
+    def forward(self, x):
+        return 2 * x
+
+def train(k):
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Sequential(torch.nn.Linear(2, 2), Doubler()))
+    model(torch.ones(1, 2)).sum().backward()
+    ctx.log("k", k * scale, sync_dist=True)
+    return model.module
+r = nbtrain.launch(train, 2, strategy="ddp", devices=2, accelerator="cpu", progress=False)
+""")
+    assert nb.value("isinstance(r.value[1], Doubler), r.metrics('k')") == (True, [6.0])
+    assert nb.value("children()") == []
+
+
+def test_other_nodes_are_told_their_own_magic_line():
+    from nbtrain.magics import DEFAULTS, rerun_line
+
+    options = {**DEFAULTS, "devices": "2", "accelerator": "cpu", "nnodes": 2, "rdzv_endpoint": "10.0.0.1:29400"}
+    line = rerun_line(options).replace("{node_rank}", "1")
+    assert line == ("%%nbtrain --strategy ddp --devices 2 --accelerator cpu --nnodes 2 --node-rank 1 "
+                    "--rdzv-endpoint 10.0.0.1:29400")
+
+
+@pytest.mark.parametrize("strategy, devices, values", [("ddp_fork", 2, [100, 103]), ("ddp_spawn", 2, [100, 103]),
+                                                       ("dp", 1, [100])])
+def test_other_strategies_run_the_cell_as_a_function(nb, strategy, devices, values):
+    run_ok(nb, f"""%%nbtrain --strategy {strategy} --devices {devices} --accelerator cpu
+offset = 100
+helper(nbtrain.context().rank)
+""")
+    assert nb.value("_nbtrain_result.values") == values
+    # dp runs the cell in the kernel itself: its names stay, as a plain cell's would.
+    assert nb.value("globals().pop('offset', None)") == (100 if strategy == "dp" else None)
+    assert nb.value("children()") == []
+
+
+@pytest.mark.parametrize("line, words", [
+    ("--strategy horovod", "argument --strategy: invalid choice: 'horovod' (choose from 'ddp', 'ddp_fork'"),
+    ("--devices x --accelerator cpu", "devices='x': on CPU, give a number of ranks. Accepted:"),
+    ("--nnodes 0", "argument --nnodes: 0 is too small: give an integer >= 1"),
+    ("--timeout -1", "argument --timeout: '-1': give a positive number of seconds"),
+    ("--rdzv-endpoint nohost", "argument --rdzv-endpoint: rdzv_endpoint='nohost': give HOST:PORT"),
+    ("--nnodes 2 --accelerator cpu", "num_nodes=2 needs rdzv_endpoint='HOST:PORT'"),
+    ("--strategy dp --launcher accelerate --accelerator cpu", "--launcher accelerate starts a script: it needs --strategy ddp"),
+    ("--bogus 1", "unrecognized arguments: --bogus 1"),
+])
+def test_bad_options_are_usage_errors_and_the_cell_does_not_run(nb, line, words):
+    out, err, error, _ = nb.run(f"%%nbtrain {line}\nprint('the cell ran')")
+    assert error is None and "the cell ran" not in out
+    assert f"UsageError: {words}" in err
+    assert len(err.strip().splitlines()) == 1  # one line, no traceback
+
+
+def test_a_missing_launcher_package_is_a_usage_error(nb):
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is not None:
+        pytest.skip("deepspeed is installed here")
+    _, err, _, _ = nb.run("%%nbtrain --launcher deepspeed --accelerator cpu\nprint('the cell ran')")
+    assert "UsageError: launcher='deepspeed' needs the 'deepspeed' package" in err and "pip install deepspeed" in err
+
+
+def test_config_sets_session_defaults(nb):
+    out, _ = run_ok(nb, "%nbtrain config --devices 2 --accelerator cpu --strategy ddp_fork")
+    assert "--strategy ddp_fork --devices 2 --accelerator cpu" in out
+    try:
+        run_ok(nb, "%%nbtrain\nnbtrain.context().world_size")
+        assert nb.value("_nbtrain_result.values, _nbtrain_result.strategy") == ([2, 2], "ddp_fork")
+        out, _ = run_ok(nb, "%nbtrain config")
+        assert "(set by %nbtrain config: --strategy, --devices, --accelerator)" in out
+    finally:
+        out, _ = run_ok(nb, "%nbtrain config reset")
+    assert "--strategy ddp --devices auto --accelerator auto" in out and "config: none" in out
+
+
+def test_gpus_shows_the_gpu_table(nb):
+    _, _, error, results = nb.run("%nbtrain gpus")
+    assert error is None
+    text = results[0]["text/plain"]
+    assert text.startswith("no GPU visible") or text.startswith("GPU")
+    assert "text/html" in results[0]
+
+
+def test_unknown_command(nb):
+    _, err, _, _ = nb.run("%nbtrain train")
+    assert "UsageError: %nbtrain: unknown command 'train'. Accepted: `%nbtrain config [options]`" in err
+
+
+def test_an_unpicklable_name_is_refused_before_anything_starts(nb):
+    run_ok(nb, "batches = (i for i in range(3))")
+    _, _, error, _ = nb.run("%%nbtrain --devices 2 --accelerator cpu\nnext(batches)")
+    assert error["ename"] == "UnpicklableError"
+    assert "batches: generator" in "\n".join(error["traceback"])
+
+
+def test_interrupting_the_cell_stops_torchrun_and_every_rank(nb):
+    client = nb.client
+    msg_id = client.execute("""%%nbtrain --devices 2 --accelerator cpu
+import os, time
+print("ready", os.getpid(), flush=True)
+time.sleep(120)
+""")
+    pids, deadline = [], time.monotonic() + 60
+    while len(pids) < 2 and time.monotonic() < deadline:
+        msg = client.get_iopub_msg(timeout=deadline - time.monotonic())
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            pids += [int(line.split()[-1]) for line in msg["content"]["text"].splitlines() if " ready " in line]
+    assert len(pids) == 2, "the ranks did not start"
+    interrupted = time.monotonic()
+    nb.manager.interrupt_kernel()
+    reply = client.get_shell_msg(timeout=30)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = client.get_shell_msg(timeout=30)
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    assert time.monotonic() - interrupted < 10
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert nb.value("children()") == []
+
+
+LIGHTNING_SETUP = '''
+import pytorch_lightning as pl
+from torch.utils.data import DataLoader, TensorDataset
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+'''
+
+
+def test_lightning_trainer_ddp_runs_unchanged(nb):
+    pytest.importorskip("pytorch_lightning")
+    run_ok(nb, LIGHTNING_SETUP)
+    out, err = run_ok(nb, """%%nbtrain --devices 2 --accelerator cpu
+trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=3,
+                     enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False)
+trainer.fit(Tiny(), DataLoader(data, batch_size=4))
+trainer.global_rank, trainer.world_size, trainer.global_step
+""")
+    assert nb.value("_nbtrain_result.values") == [(0, 2, 3), (1, 2, 3)]
+    assert "[rank 1] Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in out + err  # torchrun's env: no relaunch
+    assert nb.value("children()") == []
