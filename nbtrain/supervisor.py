@@ -30,6 +30,22 @@ STACK_WAIT = 1.0  # for faulthandler's dumps after asking for them
 STDERR_TAIL = 300  # lines of a rank's stderr kept to explain a crash
 
 
+OWN_THREADS = ("in _send_loop", "in _watch_parent")  # nbtrain's helper threads in a rank
+RANK_ENTRY = "in run_rank"  # below it: the launcher, and in a fork the kernel's own frames
+
+
+def tidy_stacks(dump: str) -> str:
+    """faulthandler's dump without nbtrain's own threads and frames, so the user's code leads."""
+    blocks = []
+    for block in dump.split("\n\n"):
+        if any(marker in block for marker in OWN_THREADS):
+            continue
+        lines = block.splitlines()
+        entry = next((i for i, line in enumerate(lines) if RANK_ENTRY in line), None)
+        blocks.append("\n".join(lines if entry is None else lines[:entry]))
+    return "\n\n".join(b for b in blocks if b.strip() and not b.startswith("Extension modules"))
+
+
 class Supervisor:
     def __init__(self, state: RunState, inbox: queue.Queue, processes: list[RankProcess], display,
                  timeout: float | None, start_timeout: float | None):
@@ -114,7 +130,7 @@ class Supervisor:
         # faulthandler's report of a fatal signal, if the rank wrote one; else its last stderr lines.
         lines = list(self._stderr[rank])
         starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
-        return "\n".join(lines[starts[-1]:] if starts else lines[-40:])
+        return tidy_stacks("\n".join(lines[starts[-1]:] if starts else lines[-40:]))
 
     def _check_deadlines(self) -> None:
         elapsed = self.state.elapsed
@@ -147,7 +163,7 @@ class Supervisor:
                 pass
         self._pump(STACK_WAIT)
         captured, self._capturing = self._capturing, None
-        return {r: "\n".join(lines) for r, lines in captured.items()}
+        return {r: tidy_stacks("\n".join(lines)) for r, lines in captured.items()}
 
     def _worker_error(self) -> WorkerError:
         cause = self.state.root_cause()

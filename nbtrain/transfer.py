@@ -42,16 +42,23 @@ def _cell_sources(fn) -> dict[str, tuple]:
     return {code.co_filename: entry} if entry else {}
 
 
-def _dumps(obj, what: str) -> bytes:
+def _dumps(obj, what: str, name: str | None = None) -> bytes:
     from .pickling import dumps
 
-    return dumps(obj, what)
+    return dumps(obj, what, name=name)
 
 
 def pack_job(fn, args: tuple, kwargs: dict) -> bytes:
-    name = getattr(fn, "__qualname__", repr(fn))
-    job = (fn, args, kwargs, _cell_sources(fn))
-    return _dumps(job, f"the function `{name}` and its arguments")
+    try:
+        return dill.dumps((fn, args, kwargs, _cell_sources(fn)), recurse=True)
+    except Exception:
+        pass
+    # Explain each part on its own, so paths start at `train`, `args` or `kwargs`.
+    name = getattr(fn, "__name__", "fn")
+    what = f"the function `{getattr(fn, '__qualname__', name)}` and its arguments"
+    for part, root in ((fn, name), (args, "args"), (kwargs, "kwargs")):
+        _dumps(part, what, root)
+    return _dumps((fn, args, kwargs), what)
 
 
 def _publish_notebook_classes(fn, main=None, seen=None) -> None:

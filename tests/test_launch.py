@@ -269,3 +269,33 @@ def test_users_own_process_group_is_respected(no_leftovers):
         return total
 
     assert nbtrain.launch(own_group, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False).values == [1.0, 1.0]
+
+
+NOTEBOOK_CELL = """
+STREAM = (i for i in range(3))
+
+def uses_a_generator():
+    return next(STREAM)
+"""
+
+
+def test_unshippable_function_is_refused_with_its_path_before_anything_starts(no_leftovers):
+    namespace = {"__name__": "__main__"}  # as in a notebook: the function travels by value
+    exec(NOTEBOOK_CELL, namespace)
+    uses_a_generator = namespace["uses_a_generator"]
+    with pytest.raises(nbtrain.UnpicklableError) as info:
+        nbtrain.launch(uses_a_generator, devices=2, accelerator="cpu", strategy="ddp_spawn", progress=False)
+    message = str(info.value)
+    assert "the function `uses_a_generator` and its arguments cannot be sent" in message
+    assert "uses_a_generator.__globals__['STREAM']: generator" in message
+    assert "create it inside the training function" in message
+
+
+def test_stack_dumps_lead_with_the_users_code():
+    from nbtrain.supervisor import tidy_stacks
+
+    dump = ("Thread 0x1 (most recent call first):\n  File \"nbtrain/channel.py\", line 125 in _send_loop\n\n"
+            "Current thread 0x2 (most recent call first):\n  File \"cell.py\", line 5 in train\n"
+            "  File \"nbtrain/worker.py\", line 87 in run_rank\n  File \"ipykernel/kernelapp.py\", line 1 in start\n\n"
+            "Extension modules: torch._C (total: 1)")
+    assert tidy_stacks(dump) == "Current thread 0x2 (most recent call first):\n  File \"cell.py\", line 5 in train"
