@@ -343,13 +343,11 @@ def cell_job(source: str, namespace: Mapping[str, Any], strategy: str, hidden=()
 
 def _pack_names(values: dict) -> bytes:
     """One pickle for all names (shared parts stay shared); dill in recurse mode, as for `launch`."""
-    import dill
-
     from .errors import UnpicklableError
-    from .pickling import explain_pickling
+    from .pickling import explain_pickling, ship_bytes
 
     try:
-        return dill.dumps(values, recurse=True)
+        return ship_bytes(values)
     except Exception as exc:
         # Paths start at the user's own names (`model.loss_fn`), checked one name at a time.
         findings = [f for name, value in values.items() for f in explain_pickling(value, "dill", name)]

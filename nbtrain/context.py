@@ -134,7 +134,9 @@ class Context:
     # -- metrics and collectives ---------------------------------------------------------
     def log(self, name: str, value, sync_dist: bool = False) -> float:
         """Record a metric; with `sync_dist` the mean over ranks is recorded (and returned)."""
-        value = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+        if isinstance(value, torch.Tensor):  # .item() on a one-element tensor is the cheap path
+            value = value.item() if value.numel() == 1 else value.detach().float().mean().item()
+        value = float(value)
         if sync_dist and self.world_size > 1:
             self._ensure_group()
             total = torch.tensor([value], dtype=torch.float64, device=self._comm_device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import copyreg
+import importlib
 import io
 import pickle
 import sys
@@ -63,14 +64,42 @@ def explain_pickling(obj, pickler: str = "dill", name: str | None = None) -> lis
     return explainer.findings
 
 
+def _save_module_by_name(pickler, module) -> None:
+    name = getattr(module, "__name__", None)
+    if name and name != "__main__" and sys.modules.get(name) is module:
+        pickler.save_reduce(importlib.import_module, (name,), obj=module)
+    else:
+        dill._dill.save_module(pickler, module)
+
+
+class _ShippingPickler(dill.Pickler):
+    """dill in recurse mode, except that a module importable by name travels as its name.
+
+    dill sends a module from outside site-packages (an editable install such as nbtrain
+    itself, or the user's own package under development) by value, its whole namespace:
+    large, it overwrites the rank's own module, and it fails on anything in that namespace
+    that cannot be pickled (after a widget display, nbtrain's own does not).
+    """
+
+    dispatch = dill.Pickler.dispatch.copy()
+    dispatch[types.ModuleType] = _save_module_by_name
+
+
+def ship_bytes(obj) -> bytes:
+    """`obj` serialised exactly as the launchers send it to ranks."""
+    buffer = io.BytesIO()
+    _ShippingPickler(buffer, recurse=True).dump(obj)
+    return buffer.getvalue()
+
+
 def dumps(obj, what: str, name: str | None = None) -> bytes:
-    """Serialise `obj` as the launcher ships it (dill, recurse=True).
+    """Serialise `obj` as the launcher ships it (`ship_bytes`).
 
     On failure raise `UnpicklableError` naming each offending part; `what` is a phrase such
     as "the function `train` and its arguments".
     """
     try:
-        return dill.dumps(obj, recurse=True)
+        return ship_bytes(obj)
     except Exception as exc:
         raise UnpicklableError(what, explain_pickling(obj, "dill", name), detail=str(exc)) from exc
 

@@ -49,8 +49,10 @@ def _dumps(obj, what: str, name: str | None = None) -> bytes:
 
 
 def pack_job(fn, args: tuple, kwargs: dict) -> bytes:
+    from .pickling import ship_bytes
+
     try:
-        return dill.dumps((fn, args, kwargs, _cell_sources(fn)), recurse=True)
+        return ship_bytes((fn, args, kwargs, _cell_sources(fn)))
     except Exception:
         pass
     # Explain each part on its own, so paths start at `train`, `args` or `kwargs`.

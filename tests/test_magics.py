@@ -25,9 +25,12 @@ def children():
 '''
 
 
+NO_HANGS = "%nbtrain config --timeout 60"  # a cell that would hang fails instead
+
+
 @pytest.fixture(scope="module")
 def nb(kernel):
-    for code in ("%load_ext nbtrain", EARLIER_CELLS):
+    for code in ("%load_ext nbtrain", NO_HANGS, EARLIER_CELLS):
         _, err, error, _ = kernel.run(code)
         assert error is None and not err, (error, err)
     return kernel
@@ -95,6 +98,13 @@ total
 """)
     assert "[rank 0] rank 0 of 2: sum 3.0" in out and "[rank 1] rank 1 of 2: sum 3.0" in out
     assert nb.value("_nbtrain_result.values") == [3.0, 3.0]
+
+
+def test_earlier_functions_that_use_nbtrain_travel_after_a_widget_display(nb):
+    # The cells before this one drew widgets; `uses_context` refers to the nbtrain module.
+    run_ok(nb, "def uses_context():\n    return nbtrain.context().world_size")
+    run_ok(nb, "%%nbtrain --devices 2 --accelerator cpu\nuses_context()")
+    assert nb.value("_nbtrain_result.values") == [2, 2]
 
 
 def test_launch_with_strategy_ddp_ships_notebook_functions_and_classes(nb):
@@ -165,14 +175,15 @@ def test_a_missing_launcher_package_is_a_usage_error(nb):
 
 def test_config_sets_session_defaults(nb):
     out, _ = run_ok(nb, "%nbtrain config --devices 2 --accelerator cpu --strategy ddp_fork")
-    assert "--strategy ddp_fork --devices 2 --accelerator cpu" in out
+    assert "--strategy ddp_fork --devices 2 --accelerator cpu" in out and "--timeout 60.0" in out
     try:
         run_ok(nb, "%%nbtrain\nnbtrain.context().world_size")
         assert nb.value("_nbtrain_result.values, _nbtrain_result.strategy") == ([2, 2], "ddp_fork")
         out, _ = run_ok(nb, "%nbtrain config")
-        assert "(set by %nbtrain config: --strategy, --devices, --accelerator)" in out
+        assert "(set by %nbtrain config: --strategy, --devices, --accelerator, --timeout)" in out
     finally:
         out, _ = run_ok(nb, "%nbtrain config reset")
+        run_ok(nb, NO_HANGS)
     assert "--strategy ddp --devices auto --accelerator auto" in out and "config: none" in out
 
 

@@ -18,7 +18,7 @@ from nbtrain.cell import free_names, run_cell
 from nbtrain.launchers.base import free_port
 
 slow = pytest.mark.slow
-CPU2 = {"strategy": "ddp", "devices": 2, "accelerator": "cpu", "progress": False}
+CPU2 = {"strategy": "ddp", "devices": 2, "accelerator": "cpu", "progress": False, "timeout": 60}  # never a hang
 
 
 class Net(torch.nn.Module):
@@ -66,7 +66,14 @@ def train_and_report(lr):
 
 @slow
 def test_results_metrics_environment_and_private_job_dir(no_leftovers):
+    import subprocess
+    import tempfile
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = tempfile.mkdtemp(prefix=f"nbtrain-{dead.pid}-")  # left by a kernel that was killed
     result = nbtrain.launch(train_and_report, 0.5, **CPU2)
+    assert not os.path.exists(orphan)
     assert result.strategy == "ddp" and len(result.values) == 2
     (m0, env0, dir0, modes, pid0, cmd, own_session), (m1, env1, dir1, _, pid1, _, _) = result.values
     assert isinstance(m0, Net) and torch.equal(m0.layer.weight, m1.layer.weight)  # DDP synchronised them
@@ -146,7 +153,7 @@ def stuck_in_barrier():
 @slow
 def test_timeout_shows_where_each_rank_is_stuck(no_leftovers):
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(stuck_in_barrier, timeout=10, **CPU2)  # torchrun and two fresh torch imports first
+        nbtrain.launch(stuck_in_barrier, **{**CPU2, "timeout": 10})  # torchrun and two fresh torch imports first
     assert "timed out after 10 s; still running: ranks [0, 1]" in str(info.value)
     rank0, rank1 = info.value.traceback.split("--- rank 1 stack ---")
     assert "barrier" in rank0 and "stuck_in_barrier" in rank0
@@ -290,7 +297,7 @@ def _namespace(fail_on):
 
 @slow
 def test_a_cell_runs_as_a_script_with_the_names_it_uses(no_leftovers):
-    result = run_cell(CELL, _namespace(fail_on=-1), devices=2, accelerator="cpu", progress=False)
+    result = run_cell(CELL, _namespace(fail_on=-1), devices=2, accelerator="cpu", progress=False, timeout=60)
     # `offset` is the cell's own: helper, defined earlier, sees it as it would in the kernel.
     assert result.values == [104.0, 107.0] and result.value == 104.0
 
@@ -298,7 +305,7 @@ def test_a_cell_runs_as_a_script_with_the_names_it_uses(no_leftovers):
 @slow
 def test_a_failing_cell_reports_its_own_line(no_leftovers):
     with pytest.raises(WorkerError) as info:
-        run_cell(CELL, _namespace(fail_on=1), devices=2, accelerator="cpu", progress=False)
+        run_cell(CELL, _namespace(fail_on=1), devices=2, accelerator="cpu", progress=False, timeout=60)
     assert info.value.rank == 1
     assert info.value.traceback.splitlines()[1:3] == ['  File "<nbtrain cell>", line 4, in <module>',
                                                       '    raise KeyError("nope")']
@@ -312,6 +319,6 @@ class Loader:
 def test_a_cell_with_an_unpicklable_name_is_refused_before_anything_starts(no_leftovers):
     ns = {"loader": Loader()}
     with pytest.raises(UnpicklableError) as info:
-        run_cell("next(loader.batches)", ns, devices=2, accelerator="cpu", progress=False)
+        run_cell("next(loader.batches)", ns, devices=2, accelerator="cpu", progress=False, timeout=60)
     assert "the names the cell uses from earlier cells (loader)" in str(info.value)
     assert "loader.batches: generator" in str(info.value)

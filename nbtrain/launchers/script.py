@@ -1,9 +1,9 @@
 """ddp: the job becomes a script that torchrun (or accelerate / deepspeed) runs on every rank.
 
 The job travels in a private temporary directory (mode 0700, files 0600), removed when the
-launch ends however it ends: the dill payload and a bootstrap script whose rank body is the
-same `run_rank` the fork and spawn launchers use, so results, errors and metrics come home
-through the same channel.
+launch ends however it ends (a killed kernel's, by the next launch): the dill payload and a
+bootstrap script whose rank body is the same `run_rank` the fork and spawn launchers use, so
+results, errors and metrics come home through the same channel.
 
 Output: each rank points its fds 1 and 2 (C code and faulthandler included) at a pair of
 named pipes in that directory, read by the notebook's output pump. Nothing is polled and
@@ -151,6 +151,31 @@ def launcher_environ(job: Job, channel_env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def job_dir() -> str:
+    """A private directory (mode 0700) for one launch, named after this process: a launch
+    whose kernel was killed cannot remove its own, so each launch removes those of the dead."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        owner = re.fullmatch(r"nbtrain-(\d+)-\w+", name)
+        path = os.path.join(root, name)
+        try:
+            if owner and os.stat(path).st_uid == os.getuid() and not _alive(int(owner.group(1))):
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # gone meanwhile
+            pass
+    return tempfile.mkdtemp(prefix=f"nbtrain-{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's
+        return True
+    return True
+
+
 # -- the rank side --------------------------------------------------------------------------
 
 def rank_main(job_dir: str, parent: int) -> None:
@@ -169,6 +194,9 @@ def rank_main(job_dir: str, parent: int) -> None:
     limit_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
     with open(os.path.join(job_dir, PAYLOAD), "rb") as f:
         payload = f.read()
+
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)):
+        _fresh_keys_per_attempt()
 
     def load_job():
         fn, args, kwargs = unpack_job(payload)
@@ -204,6 +232,26 @@ def _open_pipe(path: str) -> int:
 
 def _restarts_left() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+
+
+def _fresh_keys_per_attempt() -> None:
+    """A restarted rank's `init_process_group("...")` (env://) gets keys of its own attempt.
+
+    With static rendezvous torchrun keeps one store across restarts, and the keys the failed
+    attempt left there (its ranks' gloo addresses) make the new attempt hang or connect to
+    dead peers. Wrapping env:// in a per-attempt PrefixStore covers user code and Lightning
+    alike, which call init_process_group themselves.
+    """
+    import torch.distributed as dist
+
+    registry = sys.modules["torch.distributed.rendezvous"]._rendezvous_handlers  # no public way to wrap one
+    original, attempt = registry["env"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+
+    def per_attempt(url, **kwargs):
+        for store, rank, world_size in original(url, **kwargs):
+            yield dist.PrefixStore(f"nbtrain/attempt_{attempt}", store), rank, world_size
+
+    registry["env"] = per_attempt
 
 
 def _leave_to_launcher(fn):
@@ -377,7 +425,7 @@ class ScriptLauncher(ProcessLauncher):
         self._payload = pack_job(job.fn, job.args, job.kwargs)  # an unpicklable job fails here, before anything starts
 
     def _start(self, job, channel_env, pump, started) -> None:
-        self._dir = tempfile.mkdtemp(prefix="nbtrain-")  # mode 0700
+        self._dir = job_dir()
         script = self._write_job(job)
         self._rank_pipes(job, pump)
         launcher = self.options["launcher"]
