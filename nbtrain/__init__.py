@@ -2,6 +2,7 @@
 from .context import Context, context, rank_zero_only
 from .devices import DevicePlan, ensure_pci_bus_order, parse_devices, plan_devices
 from .display.picker import GpuPicker, pick_gpus
+from .env import environment
 from .errors import UnpicklableError, WorkerError
 from .inventory import Gpu, GpuProcess, StaticInventory, find_free_gpus, gpus, use_inventory
 from .launch import launch
