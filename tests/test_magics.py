@@ -1,4 +1,5 @@
 """%load_ext nbtrain, %%nbtrain and %nbtrain in a real Jupyter kernel."""
+import importlib.util
 import time
 
 import psutil
@@ -164,11 +165,8 @@ def test_bad_options_are_usage_errors_and_the_cell_does_not_run(nb, line, words)
     assert len(err.strip().splitlines()) == 1  # one line, no traceback
 
 
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed is installed here")
 def test_a_missing_launcher_package_is_a_usage_error(nb):
-    import importlib.util
-
-    if importlib.util.find_spec("deepspeed") is not None:
-        pytest.skip("deepspeed is installed here")
     _, err, _, _ = nb.run("%%nbtrain --launcher deepspeed --accelerator cpu\nprint('the cell ran')")
     assert "UsageError: launcher='deepspeed' needs the 'deepspeed' package" in err and "pip install deepspeed" in err
 

@@ -220,10 +220,10 @@ def test_accelerate_launches_the_same_job(no_leftovers):
     assert "accelerate.commands.launch" in result.values[0][2]
 
 
-@pytest.mark.parametrize("launcher", ["accelerate", "deepspeed"])
+@pytest.mark.parametrize("launcher", [
+    pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec(name) is not None, reason=f"{name} is installed here"))
+    for name in ("accelerate", "deepspeed")])
 def test_a_missing_launcher_package_is_named(launcher):
-    if importlib.util.find_spec(launcher) is not None:
-        pytest.skip(f"{launcher} is installed here")
     with pytest.raises(ModuleNotFoundError) as info:
         nbtrain.launch(report_environment, **CPU2, launcher_options={"launcher": launcher})
     assert f"launcher='{launcher}' needs the '{launcher}' package" in str(info.value)
