@@ -13,7 +13,6 @@ import os
 import queue
 import socket
 import threading
-import time
 from multiprocessing.connection import Client, Listener
 
 log = logging.getLogger(__name__)
@@ -141,15 +140,6 @@ class Link:
             self._lock.notify()
         self._thread.join()
         self._conn.close()
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
-    return True
 
 
 class OutputPump:
