@@ -94,6 +94,7 @@ def talk_and_fail(rank_to_fail):
     ctx = nbtrain.context()
     print(f"hello from {ctx.rank} pid {os.getpid()}", flush=True)
     print(f"warning from {ctx.rank}", file=sys.stderr, flush=True)
+    ctx.barrier()  # both have spoken before one fails: otherwise rank 0 may be stopped first
     if ctx.rank == rank_to_fail:
         raise ValueError(f"bad batch on rank {ctx.rank}")
     time.sleep(60)  # the surviving rank must be stopped, not waited for
