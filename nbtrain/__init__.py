@@ -8,6 +8,7 @@ from .inventory import Gpu, GpuProcess, StaticInventory, find_free_gpus, gpus, u
 from .launch import launch
 from .pickling import Finding, explain_pickling
 from .preflight import ForkUnsafeError, install_cuda_init_hook
+from .ranks import Rank, Ranks
 from .result import Result
 
 ensure_pci_bus_order()

@@ -49,6 +49,13 @@ def resolve_strategy(strategy: str, plan: DevicePlan) -> tuple[str, str | None]:
     return "ddp_spawn", f"strategy 'auto' -> ddp_spawn ({plan.describe()}), not ddp_fork: {blocker}"
 
 
+def check_timeout(timeout):
+    """`timeout` as given, once it is a positive number of seconds (or None: no limit)."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout={timeout!r}: give a positive number of seconds, or None for no limit.")
+    return timeout
+
+
 def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelerator: str = "auto",
            num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
            progress=True, launcher_options: dict | None = None, **kwargs) -> Result:
@@ -61,8 +68,7 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     """
     if not callable(fn):
         raise TypeError(f"launch(fn=...) needs a callable training function, got {type(fn).__name__}.")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"timeout={timeout!r}: give a positive number of seconds, or None for no limit.")
+    check_timeout(timeout)
     plan = plan_devices(devices, accelerator, backend, num_nodes)
     name, note = resolve_strategy(strategy, plan)
     if launcher_options and name != "ddp":
