@@ -40,13 +40,15 @@ def resolve_strategy(strategy: str, plan: DevicePlan) -> tuple[str, str | None]:
                          "Use devices=1, or strategy='ddp_fork'/'ddp_spawn' for several CPU ranks.")
     if name != "auto":
         return name, None
+    # Each note starts with the run's title ("<strategy> on <devices>"), so a display that shows
+    # the title says the choice on that one line instead of repeating it (see LineDisplay.start).
     if plan.world_size == 1:
-        return "single", f"strategy 'auto' -> in this kernel ({plan.describe()})"
+        return "single", f"single on {plan.describe()} (chosen by strategy='auto': one device runs in this kernel)"
     blocker = fork_blocker()
     if blocker is None:
-        return "ddp_fork", f"strategy 'auto' -> ddp_fork ({plan.describe()})"
+        return "ddp_fork", f"ddp_fork on {plan.describe()} (chosen by strategy='auto')"
     # The blocker names its cause (the cell line or import that initialised CUDA).
-    return "ddp_spawn", f"strategy 'auto' -> ddp_spawn ({plan.describe()}), not ddp_fork: {blocker}"
+    return "ddp_spawn", f"ddp_spawn on {plan.describe()} (chosen by strategy='auto'), not ddp_fork: {blocker}"
 
 
 def check_timeout(timeout):

@@ -254,7 +254,8 @@ def test_launch_needs_a_callable():
 def test_auto_says_what_it_chose(capfd):
     nbtrain.launch(report_environment, devices=2, accelerator="cpu")
     out = capfd.readouterr().out
-    assert "nbtrain: strategy 'auto' -> ddp_fork (2 CPU ranks, gloo)" in out
+    assert "nbtrain: ddp_fork on 2 CPU ranks, gloo (chosen by strategy='auto')\n" in out
+    assert "nbtrain: ddp_fork on 2 CPU ranks, gloo\n" not in out  # said once, not twice
     assert "finished in" in out
 
 
