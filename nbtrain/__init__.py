@@ -11,6 +11,7 @@ from .launch import launch
 from .pickling import Finding, explain_pickling
 from .preflight import ForkUnsafeError, install_cuda_init_hook
 from .ranks import Rank, Ranks
+from .template import warm_up
 from .result import Result
 
 ensure_pci_bus_order()

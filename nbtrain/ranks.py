@@ -24,7 +24,7 @@ from .errors import WorkerError
 from .launchers.base import Job
 from .pool import Pool, PoolBroken
 
-START_METHODS = ("auto", "fork", "spawn")
+START_METHODS = ("auto", "fork", "template", "spawn")
 WRAPPINGS = ("ddp", "fsdp")
 _open: "weakref.WeakValueDictionary[int, Ranks]" = weakref.WeakValueDictionary()
 _order = itertools.count()
@@ -36,7 +36,8 @@ class Ranks:
 
     `strategy` says how `ctx.setup(module)` wraps a model on them ('ddp', or 'fsdp');
     `start` how they are started: 'auto' forks the kernel when that is safe, and otherwise
-    starts clean processes, as `launch` does. `timeout` is the default limit, in seconds, of
+    forks the warm template (a clean process; see `nbtrain.warm_up`), as `launch` does;
+    'fork', 'template' and 'spawn' (plain fresh interpreters) choose one. `timeout` is the default limit, in seconds, of
     each call (none by default: a cell may run for hours).
     """
 
@@ -265,7 +266,9 @@ class Rank:
 
 def _placement(start: str):
     """(launcher, its name, a note saying why) for live ranks: fork when safe, else clean processes."""
+    from .display.text import QuietDisplay
     from .launchers.processes import ForkLauncher, SpawnLauncher
+    from .launchers.template import TemplateLauncher, start_ranks_cleanly
     from .preflight import check_fork, fork_blocker
 
     if start == "fork":
@@ -273,10 +276,13 @@ def _placement(start: str):
         return ForkLauncher(), "fork", None
     if start == "spawn":
         return SpawnLauncher(), "spawn", None
-    blocker = fork_blocker()
-    if blocker is None:
+    blocker = fork_blocker() if start == "auto" else None
+    if start == "auto" and blocker is None:
         return ForkLauncher(), "fork", None
-    return SpawnLauncher(), "spawn", f"live ranks start as clean processes, not forks of this kernel: {blocker}"
+    launcher = start_ranks_cleanly(QuietDisplay())
+    name = "template" if isinstance(launcher, TemplateLauncher) else "spawn"
+    why = f"live ranks are forks of the warm template, not of this kernel: {blocker}" if blocker else None
+    return launcher, name, why
 
 
 @atexit.register
