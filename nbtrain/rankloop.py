@@ -343,16 +343,35 @@ def _exit_site(exc: SystemExit) -> str:
     return f"{frame.filename} line {frame.lineno}{line}"
 
 
-def serve(first: tuple | None = None, once: bool = False, live: bool = False) -> int:
-    """Be a rank (environment already set): connect, say hello, run commands; the exit code."""
+def serve(first: tuple | None = None, once: bool = False, live: bool = False, forward_output: bool = False) -> int:
+    """Be a rank (environment already set): connect, say hello, run commands; the exit code.
+
+    `forward_output`: this rank has no pipe to the notebook (another machine): its fds 1 and 2
+    travel over the channel instead.
+    """
     from .channel import Link
     from .context import Context, set_current
 
     rank = int(os.environ["RANK"])
     link = Link.from_environ(rank)
+    if forward_output:
+        from .worker import forward_output as forward
+
+        forward(link)
     ctx = Context.from_environ(os.environ, link)
     set_current(ctx)
     loop = RankLoop(ctx, link, live)
     link.listen(loop.on_message)
     link.emit("hello", os.getpid())
     return loop.serve(first, once)
+
+
+def remote_main(environ: dict, first: tuple | None, live: bool) -> int:
+    """A rank started by a remote engine (a SLURM task, a Ray actor) in a process of its own:
+    `environ` holds the torchrun-standard variables and the channel's address and authkey."""
+    from .worker import enable_stacks, limit_threads
+
+    os.environ.update(environ)
+    enable_stacks()
+    limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return serve(first, once=not live, live=live, forward_output=True)
