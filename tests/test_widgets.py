@@ -187,6 +187,18 @@ def test_chart_draws_synced_metrics_once_and_others_per_rank_with_axes():
     assert not series.consume([])  # nothing new
 
 
+def test_metrics_are_drawn_in_the_order_rank_0_logged_them():
+    from nbtrain.display.figure import lines_by_metric
+    from nbtrain.runstate import Metric
+
+    # Rank 1's messages may arrive first; the panels still follow rank 0's order.
+    history = [Metric(0, 1, "acc", 0.5, False), Metric(0, 0, "loss", 2.0, True), Metric(0, 0, "acc", 0.4, False)]
+    series = chart.MetricSeries()
+    series.consume(history[:1])
+    series.consume(history[1:])
+    assert series.names() == ["loss", "acc"] and list(lines_by_metric(history)) == ["loss", "acc"]
+
+
 def test_chart_points_stay_bounded_and_keep_the_latest():
     line = chart._Line()
     for step in range(10007):

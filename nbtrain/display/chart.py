@@ -20,6 +20,7 @@ COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
 WIDTH, HEIGHT = 340, 150
 LEFT, RIGHT, TOP, BOTTOM = 46, 10, 20, 20  # margins around the plotting area, px
 MEAN = -1  # the "rank" of a synced metric's line: the mean over ranks
+MEAN_COLOUR = "#37474f"  # dark grey: not to be read as rank 0's blue in a shared legend
 
 
 class _Line:
@@ -55,17 +56,23 @@ class MetricSeries:
 
     def __init__(self):
         self.lines: dict[str, dict[int, _Line]] = {}
+        self._first: dict[str, tuple[bool, int]] = {}
         self._read = 0
 
     def consume(self, history: list) -> bool:
         """Take the metrics logged since the last call; True when there were any."""
         new = history[self._read:]
-        self._read += len(new)
-        for m in new:
+        for i, m in enumerate(new, self._read):
+            self._first[m.name] = min(self._first.get(m.name, (True, i)), (m.rank != 0, i))
             if m.synced and m.rank != 0:
                 continue  # the same mean on every rank: draw it once
             self.lines.setdefault(m.name, {}).setdefault(MEAN if m.synced else m.rank, _Line()).add(m.step, m.value)
+        self._read += len(new)
         return bool(new)
+
+    def names(self) -> list[str]:
+        """In the order rank 0 logged them (ranks' messages interleave in any order)."""
+        return sorted(self.lines, key=self._first.__getitem__)
 
 
 def line_label(key: int) -> str:
@@ -73,7 +80,7 @@ def line_label(key: int) -> str:
 
 
 def line_colour(key: int) -> str:
-    return COLOURS[0] if key == MEAN else COLOURS[key % len(COLOURS)]
+    return MEAN_COLOUR if key == MEAN else COLOURS[key % len(COLOURS)]
 
 
 def use_log_scale(name: str, values) -> bool:
@@ -177,7 +184,7 @@ def legend_html(series: MetricSeries, names: list[str]) -> str:
 
 def chart_html(series: MetricSeries) -> str:
     """Every metric's plot side by side (up to MAX_CHARTS), with a legend for the lines."""
-    names = list(series.lines)[:MAX_CHARTS]
+    names = series.names()[:MAX_CHARTS]
     if not names:
         return ""
     charts = "".join(panel_svg(n, series.lines[n]) for n in names)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import math
 
-from .chart import COLOURS, MEAN, line_label, use_log_scale
+from .chart import MEAN, line_colour, line_label, use_log_scale
 
 MISSING_MATPLOTLIB = ("plotting needs matplotlib, which is not installed: pip install 'nbtrain[plot]' "
                       "(or pip install matplotlib), then restart the kernel.")
@@ -31,7 +31,9 @@ def lines_by_metric(history, names=()) -> dict[str, dict[int, tuple[list[int], l
     """{metric: {line: (steps, values)}}; a synced metric has one line (MEAN), others one per rank."""
     wanted = list(names)
     found: dict[str, dict[int, tuple[list[int], list[float]]]] = {}
-    for m in history:
+    first: dict[str, tuple[bool, int]] = {}
+    for i, m in enumerate(history):
+        first[m.name] = min(first.get(m.name, (True, i)), (m.rank != 0, i))
         if (wanted and m.name not in wanted) or (m.synced and m.rank != 0):
             continue
         steps, values = found.setdefault(m.name, {}).setdefault(MEAN if m.synced else m.rank, ([], []))
@@ -42,8 +44,8 @@ def lines_by_metric(history, names=()) -> dict[str, dict[int, tuple[list[int], l
         if missing:
             logged = sorted({m.name for m in history})
             raise ValueError(f"no metric named {', '.join(map(repr, missing))} was logged; logged: {logged or 'none'}.")
-        found = {n: found[n] for n in wanted}
-    return found
+        return {n: found[n] for n in wanted}
+    return {n: found[n] for n in sorted(found, key=first.__getitem__)}  # as rank 0 logged them
 
 
 def metrics_figure(history, names=(), title: str = ""):
@@ -65,8 +67,7 @@ def metrics_figure(history, names=(), title: str = ""):
     axes = fig.subplots(rows, columns, squeeze=False).ravel()
     for ax, (name, lines) in zip(axes, metrics.items()):
         for key, (steps, values) in sorted(lines.items()):
-            colour = COLOURS[0] if key == MEAN else COLOURS[key % len(COLOURS)]
-            ax.plot(steps, values, color=colour, linewidth=1.3, label=line_label(key))
+            ax.plot(steps, values, color=line_colour(key), linewidth=1.3, label=line_label(key))
         if use_log_scale(name, [v for _, vs in lines.values() for v in vs if math.isfinite(v)]):
             _log_axis(ax)
         ax.set_title(name, fontsize=10, loc="left")

@@ -169,6 +169,7 @@ class _RankRow:
         self.detail = w.HTML(layout=w.Layout(display="none", margin="0 0 0 4.5em"))
         head = w.Label(f"rank {rank}", layout=w.Layout(width="4.5em"))
         self.box = w.VBox([w.HBox([head, self.status, self.bar_box, self.vitals, self.metrics]), self.detail])
+        self.box.add_class("nbtrain-rank")  # a handle for styling and for the browser tests
         self._drawn: tuple = ()
         self._levels: list[int] = []
 
@@ -228,6 +229,7 @@ class WidgetDisplay(QuietDisplay):
         self.header = w.HTML()
         self.rows_box = w.VBox()
         self.root = w.VBox([self.header, self.rows_box])
+        self.root.add_class("nbtrain-dashboard")
         self.chart = w.HTML(layout=w.Layout(display="none"))  # shown with the first metric
         self.ok: bool | None = None  # None while running
         self.summary = ""  # the static HTML left at the end
