@@ -89,6 +89,19 @@ def test_dashboard_shows_every_rank_finished_then_leaves_a_summary_and_closes():
     assert shown["closed"]  # the widgets are gone: a saved notebook keeps only the summary
 
 
+def test_a_display_started_again_draws_the_new_run_with_fresh_widgets():
+    # A pool of live ranks calls one display per command: start, update, finish, start, ...
+    display = widgets.WidgetDisplay()
+    first, second = two_rank_run(), two_rank_run(fail_rank=1)
+    display.start(first)
+    display.finish(first, True)
+    display.update(first)  # after finish: nothing to draw, nothing raised
+    display.start(second)
+    assert not display.snapshot()["closed"] and display.ok is None
+    display.finish(second, False)
+    assert display.snapshot()["ranks"][1]["status"] == "failed" and display.snapshot()["closed"]
+
+
 def test_every_widget_model_of_a_run_is_closed_at_the_end():
     from ipywidgets.widgets.widget import _instances
 
@@ -214,6 +227,13 @@ def test_ticks_are_round_numbers_inside_the_range():
     assert chart.log_ticks(0.125, 1) == [0.2, 0.5, 1]
     assert chart.use_log_scale("val_loss", [2.3, 0.1]) and not chart.use_log_scale("val_loss", [0.5, -0.1])
     assert not chart.use_log_scale("acc", [0.5, 0.9])
+
+
+def test_tracebacks_are_left_alone_outside_ipython():
+    from nbtrain.display.tracebacks import name_cells
+
+    text = 'Traceback (most recent call last):\n  File "/tmp/ipykernel_1/2.py", line 3, in train\n'
+    assert name_cells(text) == text
 
 
 # -- plots and vitals kept in the Result ---------------------------------------------------
@@ -568,8 +588,10 @@ def test_kernel_picker_shows_once_and_reads_as_text(kernel):
     assert [kind for kind, _ in outputs] == ["display_data"]  # the widget, and no repr after it
     text = outputs[0][1]["text/plain"]
     assert text.startswith("no GPU visible") and "selected: " in text and "CPU rank" in text
-    outputs, _, error = run_cell(kernel, "picker = nbtrain.pick_gpus(nbtrain.StaticInventory([]))\npicker")
+    outputs, _, error = run_cell(kernel, "picker = nbtrain.pick_gpus(nbtrain.StaticInventory([]))\n"
+                                         "picker.cpu_ranks.value = 1\npicker")
     assert error is None and [kind for kind, _ in outputs] == ["display_data"]
+    assert "selected: 1 CPU rank" in outputs[0][1]["text/plain"]  # refreshed by the last line, not repeated
     outputs, _, _ = run_cell(kernel, "picker")  # a later cell: shown again, once
     assert [kind for kind, _ in outputs] == ["display_data"] and WIDGET_VIEW in outputs[0][1]
 

@@ -79,7 +79,8 @@ class GpuPicker:
         self._rows: dict[str, _GpuRow] = {}  # by GPU uuid, so a refresh keeps the selection
         self._gpus: list[Gpu] = []
         self._closed = False
-        self._shown_in = None  # the execution count of the cell that last showed the picker
+        self._shown_in = None  # the execution count of the cell that last showed the picker,
+        self._handle = None  # and that output's display handle
         cores = os.cpu_count() or 1
         self.header = w.HTML()
         self.columns = w.HBox([w.HTML(f"<b>{name}</b>", layout=w.Layout(width=width)) for name, width in COLUMNS])
@@ -233,22 +234,27 @@ class GpuPicker:
     def _repr_html_(self) -> str:
         return f"{gpu_table_html(self._gpus)}<p>selected: {html.escape(str(self.devices))}</p>"
 
+    def _bundle(self) -> dict:
+        bundle = self.widget._repr_mimebundle_() if not self._closed else {}
+        return {**bundle, "text/html": self._repr_html_(), "text/plain": str(self)}
+
     def show(self) -> None:
         """Display the picker in the running cell (again); where widgets do not render (nbviewer,
         GitHub, a terminal) the GPU table and the selection as HTML and text."""
         from .widgets import ipython_shell, show
 
-        bundle = self.widget._repr_mimebundle_() if not self._closed else {}
-        show({**bundle, "text/html": self._repr_html_(), "text/plain": str(self)})
-        shell = ipython_shell()
-        self._shown_in = getattr(shell, "execution_count", None)
+        self._handle = show(self._bundle(), display_id=True)
+        self._shown_in = getattr(ipython_shell(), "execution_count", None)
 
     def _ipython_display_(self) -> None:
         # `picker` (or `nbtrain.pick_gpus()`) as a cell's last line: the picker once, not the
-        # widget and then its repr. pick_gpus() already showed it in this very cell.
-        from .widgets import ipython_shell
+        # widget and then its repr. If this cell already showed it, that output is refreshed
+        # instead, so its text reads the selection made since (say, by auto_select).
+        from .widgets import ipython_shell, replace
 
-        if getattr(ipython_shell(), "execution_count", None) != self._shown_in:
+        if self._handle is not None and getattr(ipython_shell(), "execution_count", None) == self._shown_in:
+            replace(self._handle, self._bundle())
+        else:
             self.show()
 
 

@@ -59,25 +59,28 @@ class VitalsSampler:
         now = time.monotonic() if now is None else now
         if now - self._last < self.interval:
             return False
-        self._last = now
         # A running rank without a pid runs in this kernel (single device, DataParallel).
         pids = {r: view.pid or os.getpid() for r, view in state.ranks.items() if view.status == "running"}
-        gpu = _gpu_use(set(pids.values())) if pids else {}
+        if not pids:
+            return False  # nothing to sample yet: the first sample comes as soon as a rank runs
+        self._last = now
+        gpu = _gpu_use(set(pids.values()))
         at = now - state.started
         for rank, pid in pids.items():
             index, gpu_memory, util = gpu.get(pid, (None, None, None))
-            state.vitals.append(Vital(round(at, 3), rank, self._rate(rank, state.ranks[rank].steps, now),
+            state.vitals.append(Vital(round(at, 3), rank, self._rate(rank, state.ranks[rank], now),
                                       _rss(pid), gpu_memory, util, index))
         state.version += 1
         return True
 
-    def _rate(self, rank: int, steps: int, now: float) -> float | None:
+    def _rate(self, rank: int, view, now: float) -> float | None:
+        """Steps/s over the last RATE_WINDOW seconds of samples (the run so far, at the first)."""
         counts = self._counts.setdefault(rank, deque())
-        counts.append((now, steps))
+        counts.append((now, view.steps))
         while len(counts) > 2 and now - counts[1][0] >= RATE_WINDOW:
             counts.popleft()
         then, before = counts[0]
-        return (steps - before) / (now - then) if now > then else None
+        return (view.steps - before) / (now - then) if now > then else view.step_rate
 
 
 def latest(state: RunState) -> dict[int, Vital]:

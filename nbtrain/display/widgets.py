@@ -244,6 +244,8 @@ class WidgetDisplay(QuietDisplay):
     # -- the display interface -----------------------------------------------------------
     def start(self, state) -> None:
         global last_dashboard
+        if self.ok is not None:  # started again after a run ended: fresh widgets for the new run
+            self.__init__()
         last_dashboard = self
         self._draw(state, time.monotonic())
         dashboard = {**self.root._repr_mimebundle_(),
@@ -254,7 +256,7 @@ class WidgetDisplay(QuietDisplay):
     def update(self, state) -> None:
         self.vitals.maybe_sample(state)
         now = time.monotonic()
-        if now - self._drawn < self._interval:
+        if now - self._drawn < self._interval or self.ok is not None:  # after finish: nothing live to draw
             return
         if state.version != self._seen:
             self._draw(state, now)
