@@ -177,6 +177,15 @@ def test_redraws_are_throttled_and_skipped_when_nothing_changed(monkeypatch):
     display.finish(state, True)
 
 
+def test_non_finite_metrics_still_draw():
+    state = two_rank_run()
+    for step, value in ((8, float("nan")), (9, float("inf")), (10, 0.1)):
+        state.handle(("metric", 0, step, "loss", value, True))
+    display = finished_dashboard(state, True)
+    assert display.plot_png.startswith(PNG)
+    assert "loss (mean over ranks): 1 -> 0.1" in widgets.plot_bundle(state.history)["text/plain"]
+
+
 def test_summary_reads_without_matplotlib(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     display = finished_dashboard(two_rank_run(), True)

@@ -357,5 +357,9 @@ def plot_bundle(history) -> dict:
     text = metrics_text(history)
     if not have_matplotlib():
         return {"text/plain": f"{text}\n({MISSING_MATPLOTLIB})"}
-    picture = png(metrics_figure(history))
+    try:
+        picture = png(metrics_figure(history))
+    except Exception as exc:  # a picture must never hide how the run ended
+        log.warning("could not draw the metrics: %s", exc)
+        return {"text/plain": text}
     return {"image/png": base64.b64encode(picture).decode("ascii"), "text/plain": text}
