@@ -4,7 +4,9 @@ Fast tests drive the widgets headless (ipywidgets works without a front end); th
 launch real ranks from a real Jupyter kernel and inspect the widget tree left behind.
 """
 import base64
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 import types
@@ -15,6 +17,7 @@ import pytest
 import nbtrain
 from nbtrain import Gpu, GpuProcess, StaticInventory
 from nbtrain.devices import plan_devices
+from nbtrain.inventory import NvmlInventory
 from nbtrain.display import chart, make_display, widgets
 from nbtrain.display.text import LineDisplay, QuietDisplay, summary_lines
 from nbtrain.runstate import RunState
@@ -314,6 +317,27 @@ def test_vitals_find_each_ranks_gpu_by_pid_and_memory_otherwise(monkeypatch):
     assert len(Result.from_state(state, "ddp_fork", "2 GPUs").vitals) == 4
     sampler = VitalsSampler()
     assert sampler.maybe_sample(state) and not sampler.maybe_sample(state)  # at most once a second
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not NvmlInventory().physical_gpus(), reason="needs an NVIDIA GPU with its driver (NVML sees none here)")
+def test_vitals_on_gpus_come_from_nvml_without_cuda_in_the_launcher():
+    code = textwrap.dedent("""
+        import time, torch, nbtrain
+        def hold():
+            ctx = nbtrain.context()
+            x = torch.ones(64, 2**20, device=ctx.device)  # 256 MiB on the rank's GPU
+            for _ in ctx.progress(range(30)):
+                time.sleep(0.1)
+            return float(x.sum())
+        result = nbtrain.launch(hold, devices=1, strategy="ddp_fork")
+        gpu = [v for v in result.vitals if v.gpu_memory]
+        print(bool(gpu) and min(v.gpu_memory for v in gpu) >= 2**28, torch.cuda.is_initialized())
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.split()[-2:] == ["True", "False"]  # memory seen by NVML; no CUDA context here
 
 
 def test_live_view_shows_rate_memory_and_marks_the_slowest_rank():
