@@ -26,6 +26,7 @@ def refresh(path: Path) -> int:
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     notebook.metadata.pop("widgets", None)
     for cell in notebook.cells:
+        cell.metadata.pop("execution", None)  # timestamps: noise in every diff
         for output in cell.get("outputs", []):
             output.get("data", {}).pop(WIDGET_VIEW, None)
             output.get("metadata", {}).pop(WIDGET_VIEW, None)

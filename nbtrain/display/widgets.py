@@ -125,7 +125,7 @@ def detail_html(status: str, detail: str, reason: str) -> str:
     text = f'<span style="color:{colour}">{html.escape(detail)}</span>' if detail else ""
     if reason:
         text += (f'<details style="color:{NEUTRAL}"><summary>its own message</summary>'
-                 f"<code>{html.escape(reason)}</code></details>")
+                 f'<pre style="white-space:pre-wrap;margin:0">{html.escape(reason)}</pre></details>')
     return text
 
 
