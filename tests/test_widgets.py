@@ -317,6 +317,12 @@ def test_vitals_find_each_ranks_gpu_by_pid_and_memory_otherwise(monkeypatch):
     assert len(Result.from_state(state, "ddp_fork", "2 GPUs").vitals) == 4
     sampler = VitalsSampler()
     assert sampler.maybe_sample(state) and not sampler.maybe_sample(state)  # at most once a second
+    late, sampler = RunState("x", [0, 1]), VitalsSampler()
+    late.handle(("hello", 0, os.getpid()))
+    assert sampler.maybe_sample(late, now=1000.0) and [v.rank for v in late.vitals] == [0]
+    late.handle(("hello", 1, os.getpid()))  # a rank that starts later is sampled as soon as it runs
+    assert sampler.maybe_sample(late, now=1000.1) and [v.rank for v in late.vitals] == [0, 1]
+    assert not sampler.maybe_sample(late, now=1000.2)
 
 
 @pytest.mark.gpu

@@ -57,13 +57,17 @@ class VitalsSampler:
 
     def maybe_sample(self, state: RunState, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
-        if now - self._last < self.interval:
+        due = now - self._last >= self.interval
+        if not due and len(self._counts) == len(state.ranks):
             return False
-        # A running rank without a pid runs in this kernel (single device, DataParallel).
-        pids = {r: view.pid or os.getpid() for r, view in state.ranks.items() if view.status == "running"}
+        # A running rank without a pid runs in this kernel (single device, DataParallel). Each
+        # rank is sampled as soon as it runs, then with the others once per interval.
+        pids = {r: view.pid or os.getpid() for r, view in state.ranks.items()
+                if view.status == "running" and (due or r not in self._counts)}
         if not pids:
-            return False  # nothing to sample yet: the first sample comes as soon as a rank runs
-        self._last = now
+            return False
+        if due:
+            self._last = now
         gpu = _gpu_use(set(pids.values()))
         at = now - state.started
         for rank, pid in pids.items():
