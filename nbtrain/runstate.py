@@ -174,9 +174,9 @@ class RunState:
         self.fail(view.rank, summary, traceback, exception=exception)
 
     def fail(self, rank: int, summary: str, traceback: str = "", crashed: bool = False, ended_early: bool = False,
-             exception: bytes | None = None) -> None:
+             exception: bytes | None = None, even_if_stopped: bool = False) -> None:
         view = self.ranks[rank]
-        if view.status in ("failed", "stopped"):
+        if view.status == "failed" or (view.status == "stopped" and not even_if_stopped):
             return
         lost = not crashed and bool(LOST_PEER.search(summary or ""))
         view.status, view.detail = "failed", summary.splitlines()[0] if summary else ""
