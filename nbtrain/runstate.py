@@ -61,6 +61,13 @@ LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|DistBacke
                        r"RendezvousClosed|TCPStore|recvValue|Socket Timeout", re.IGNORECASE)
 
 
+def brief(text: str) -> str:
+    """A lost peer's error in a few words: gloo's source location and its advice trimmed off."""
+    line = text.splitlines()[0] if text else ""
+    line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
+    return re.split(r"\.\s+This is typically caused", line)[0]
+
+
 @dataclass
 class RankView:
     rank: int
@@ -209,7 +216,7 @@ class RunState:
         for failure in self.failures:
             view = self.ranks[failure.rank]
             if failure is not cause and failure.lost_peer and view.status == "failed":
-                view.status, view.reason = "stopped", view.detail
+                view.status, view.reason = "stopped", brief(view.detail)
         for view in self.ranks.values():
             if view.status == "stopped":
                 view.detail = f"stopped (rank {cause.rank} failed)"

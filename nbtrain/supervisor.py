@@ -18,7 +18,7 @@ from collections import defaultdict, deque
 
 from .errors import WorkerError
 from .rankloop import MARK
-from .runstate import RunState
+from .runstate import RunState, brief
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +283,7 @@ class Supervisor:
         while self.state.only_lost_peers() and time.monotonic() < deadline and self.pool.any_alive():
             self._pump(TICK)
             self._check_processes()
+        self._blame_early_end()
         if not self.pool.live or self.pool.broken:  # the caller stops these ranks now: say so
             for rank in self.state.unfinished():
                 self.state.stop(rank)
@@ -297,6 +298,17 @@ class Supervisor:
                 self.state.stop(r, f"did not return after an interrupt (rank {cause.rank} failed)",
                                 stack=stacks.get(r, ""))
             self.pool.stuck(stuck, f"rank {cause.rank} failed")
+
+    def _blame_early_end(self) -> None:
+        """Only lost peers, and a rank had already ended: that rank left the others waiting."""
+        ended = self.state.ended_ranks()
+        if not (self.state.only_lost_peers() and ended):
+            return
+        culprit = min(ended, key=lambda r: self.state.ranks[r].ended_at or 0.0)
+        where = self.state.ranks[culprit].ended_where or "finished"
+        lost = "; ".join(f"rank {f.rank} lost it: {brief(f.summary)}" for f in self.state.failures)
+        self.state.fail(culprit, f"rank {culprit} ended ({where}) while the others still needed it; {lost}",
+                        f"--- rank {culprit}: {where} ---", crashed=True, ended_early=True)
 
     def _interrupt(self, ranks: list[int]) -> list[int]:
         """Interrupt live ranks and wait for them to return; the ranks that did not."""
