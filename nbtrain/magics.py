@@ -1,6 +1,7 @@
 """IPython magics, loaded by `%load_ext nbtrain`.
 
-    %%nbtrain [options]        run the cell on every rank (default strategy: ddp, a script under torchrun)
+    %%nbtrain [options]        run the cell on every rank (default strategy: ddp, a script under torchrun;
+                               fsdp: the same, with ctx.setup sharding the model)
     %nbtrain config [options]  session defaults for those options; alone, shows them; `config reset` clears
     %nbtrain gpus              the GPU table (`nbtrain.gpus()`)
 
@@ -17,7 +18,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-STRATEGIES = ("ddp", "ddp_fork", "ddp_spawn", "dp")
+STRATEGIES = ("ddp", "ddp_fork", "ddp_spawn", "dp", "fsdp")
+SCRIPT_STRATEGIES = ("ddp", "fsdp")  # the cell as a script under the launcher
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed")
 RESULT_NAME = "_nbtrain_result"
@@ -63,7 +65,7 @@ def _endpoint(text: str) -> str:
 
 # Defaults are None here: what a cell leaves out comes from `%nbtrain config`, then DEFAULTS.
 RUN_OPTIONS = [
-    argument("--strategy", choices=STRATEGIES, help="how ranks start; ddp: the cell as a script under the launcher"),
+    argument("--strategy", choices=STRATEGIES, help="how ranks start; ddp, fsdp: the cell as a script under the launcher"),
     argument("--devices", help="how many / which devices: 2, -1, '0,1', auto (Lightning's grammar)"),
     argument("--accelerator", choices=ACCELERATORS, help="cpu, gpu or auto"),
     argument("--nnodes", type=_at_least(1), help="machines taking part (ddp)"),
@@ -94,22 +96,24 @@ def check_options(options: dict) -> None:
     from .launchers.script import check_installed, script_options
 
     strategy, nodes = options["strategy"], options["nnodes"]
+    if strategy == "fsdp" and options["launcher"] != "torchrun":
+        raise UsageError(f"--strategy fsdp runs under torchrun; --launcher {options['launcher']} is for --strategy ddp.")
     try:
         plan = plan_devices(options["devices"], options["accelerator"], None, nodes)
         resolve_strategy(strategy, plan)
-        if strategy == "ddp":
+        if strategy in SCRIPT_STRATEGIES:
             script_options({k: options[k] for k in ("launcher", "node_rank", "rdzv_endpoint", "max_restarts")}, nodes)
             check_installed(options["launcher"])
     except (ValueError, TypeError, RuntimeError, ImportError) as exc:
         raise UsageError(str(exc)) from None
-    if strategy != "ddp" and options["launcher"] != "torchrun":
+    if strategy not in SCRIPT_STRATEGIES and options["launcher"] != "torchrun":
         raise UsageError(f"--launcher {options['launcher']} starts a script: it needs --strategy ddp "
                          f"(got --strategy {strategy}).")
 
 
 def rerun_line(options: dict) -> str:
     """The magic line another node runs: this one with its own `--node-rank`."""
-    parts = ["%%nbtrain", "--strategy", "ddp", "--devices", str(options["devices"]), "--accelerator",
+    parts = ["%%nbtrain", "--strategy", options["strategy"], "--devices", str(options["devices"]), "--accelerator",
              options["accelerator"], "--nnodes", str(options["nnodes"]), "--node-rank", "{node_rank}",
              "--rdzv-endpoint", options["rdzv_endpoint"]]
     if options["launcher"] != "torchrun":

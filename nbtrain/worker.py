@@ -89,6 +89,7 @@ def run_rank(load_job) -> int:
             if exc.code not in (None, 0):
                 raise
             value = None  # scripts that end with sys.exit(0) finished normally
+        value = ctx.prepare_return(value)  # collective under fsdp: gathers sharded models to rank 0
         ctx.close()
         final, code = ("result", pack_result(value, rank)), 0
     except BaseException as exc:  # KeyboardInterrupt included: the notebook must hear of it
