@@ -368,7 +368,7 @@ def run_cell(source: str, namespace: Mapping[str, Any], *, strategy: str = "ddp"
 
     job = cell_job(source, namespace, strategy, hidden)
     options = None
-    if strategy in ("ddp", "fsdp"):  # a script under the launcher
+    if strategy in ("ddp", "fsdp", "deepspeed"):  # a script under the launcher
         options = {"launcher": launcher, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,
                    "max_restarts": max_restarts}
         if rerun_as:

@@ -68,6 +68,10 @@ def _stateful(objects: dict, verb: str) -> dict:
     if not objects:
         raise ValueError(f"ctx.{verb}_checkpoint(path, ...) needs what to {verb} by name, e.g. "
                          f"ctx.{verb}_checkpoint(path, model=model, optimizer=optimizer, step=step).")
+    for name, obj in objects.items():
+        if any(cls.__name__ == "DeepSpeedEngine" for cls in type(obj).__mro__):
+            raise ValueError(f"{name}=: a DeepSpeed engine keeps its ZeRO partitions in DeepSpeed's own checkpoint "
+                             f"format: use {name}.save_checkpoint(directory) and {name}.load_checkpoint(directory).")
     models = {name: obj for name, obj in objects.items() if isinstance(obj, torch.nn.Module)}
     state = {}
     for name, obj in objects.items():

@@ -9,7 +9,7 @@ from .launchers.base import Job
 from .preflight import fork_blocker
 from .result import Result
 
-STRATEGIES = ("auto", "dp", "ddp_fork", "ddp_spawn", "ddp", "fsdp")
+STRATEGIES = ("auto", "dp", "ddp_fork", "ddp_spawn", "ddp", "fsdp", "deepspeed")
 ALIASES = {"ddp_notebook": "ddp_fork", "fork": "ddp_fork", "spawn": "ddp_spawn", "ddp_script": "ddp"}
 
 
@@ -33,6 +33,18 @@ def _processes(plan: DevicePlan, strategy: str) -> tuple[str, str]:
         return "ddp_fork", f"strategy {strategy!r} -> ddp_fork ({plan.describe()})"
     # The blocker names its cause (the cell line or import that initialised CUDA).
     return "ddp_spawn", f"strategy {strategy!r} -> ddp_spawn ({plan.describe()}), not ddp_fork: {blocker}"
+
+
+def deepspeed_options(given: dict | None) -> dict:
+    """strategy='deepspeed' runs as a script under DeepSpeed's own launcher."""
+    options = dict(given or {})
+    if options.get("launcher") not in (None, "deepspeed"):
+        raise ValueError(f"strategy='deepspeed' runs under DeepSpeed's launcher; launcher={options['launcher']!r} "
+                         "is for strategy='ddp'.")
+    if options.get("max_restarts"):
+        raise ValueError(f"max_restarts={options['max_restarts']!r}: DeepSpeed's launcher does not restart ranks; "
+                         "strategies 'ddp' and 'fsdp' (torchrun) do.")
+    return {**options, "launcher": "deepspeed"}
 
 
 def resolve_strategy(strategy: str, plan: DevicePlan) -> tuple[str, str | None]:
@@ -64,7 +76,9 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     `functools.partial`. `launcher_options` (strategy 'ddp' only) are the script launcher's
     settings: node_rank, rdzv_endpoint, max_restarts, launcher; see `launchers/script.py`.
     Strategy 'fsdp' (FSDP2 sharding in `ctx.setup`) starts its ranks as 'auto' would, or as a
-    script under the launcher when `launcher_options` are given (or num_nodes > 1).
+    script under the launcher when `launcher_options` are given (or num_nodes > 1). Strategy
+    'deepspeed' runs the job as a script under DeepSpeed's launcher; `fn` calls
+    `deepspeed.initialize` itself.
     """
     if not callable(fn):
         raise TypeError(f"launch(fn=...) needs a callable training function, got {type(fn).__name__}.")
@@ -76,6 +90,11 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     if name == "fsdp":  # the strategy shards; where its ranks run is decided as for the others
         script = launcher_options is not None or plan.num_nodes > 1
         placement, note = ("ddp", None) if script else _processes(plan, name)
+    if name == "deepspeed":
+        placement, launcher_options = "ddp", deepspeed_options(launcher_options)
+    elif (launcher_options or {}).get("launcher") == "deepspeed":
+        raise ValueError("launcher='deepspeed' runs strategy='deepspeed' (the job calls deepspeed.initialize); "
+                         f"strategy {strategy!r} runs under torchrun or accelerate.")
     if launcher_options and placement != "ddp":
         raise ValueError(f"launcher_options={launcher_options!r} apply to strategy='ddp' (the script launcher) "
                          f"only; strategy {strategy!r} runs {name!r}.")

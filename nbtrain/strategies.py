@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 DDP_STRATEGIES = ("ddp_fork", "ddp_spawn", "ddp")
-SHARDED_STRATEGIES = ("fsdp",)
+SHARDED_STRATEGIES = ("fsdp", "deepspeed")
 DEFAULT_MIN_PARAMS = 1_000_000
 PRECISIONS = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "fp16": torch.float16, "16-mixed": torch.float16}
 _ACCEPTED_PRECISION = "None (full precision), 'bf16' ('bf16-mixed'), 'fp16' ('16-mixed'), or a MixedPrecisionPolicy"
@@ -80,8 +80,13 @@ def wrap(module: torch.nn.Module, ctx, options: ShardOptions) -> torch.nn.Module
     """`module` ready for this rank's strategy: sharded (fsdp), DataParallel, DDP or as is."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"ctx.setup(module) needs a torch.nn.Module, got {type(module).__name__}.")
-    if ctx.strategy in SHARDED_STRATEGIES:
+    if ctx.strategy == "fsdp":
         return shard(module, ctx, options)
+    if ctx.strategy == "deepspeed":
+        # deepspeed.initialize(model=..., config=...) shards it (ZeRO); remembered here so
+        # that a returned engine comes back as a plain module.
+        _remember_skeleton(module)
+        return module.to(ctx.device)
     module = module.to(ctx.device)
     if ctx._dp_device_ids:
         return torch.nn.DataParallel(module, device_ids=list(ctx._dp_device_ids))
@@ -197,14 +202,23 @@ def _remember_skeleton(module: torch.nn.Module) -> None:
 # -- returning sharded modules ----------------------------------------------------------------
 
 def is_sharded(module: torch.nn.Module) -> bool:
+    """Parameters held in parts across ranks: FSDP2's DTensors, or DeepSpeed ZeRO-3's partitions."""
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(p, DTensor) for p in module.parameters())
+    return any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in module.parameters())
+
+
+def _engine_module(value):
+    """A DeepSpeed engine's model (DeepSpeed itself is imported only where it is used)."""
+    deepspeed = sys.modules.get("deepspeed")
+    if deepspeed is not None and isinstance(value, deepspeed.DeepSpeedEngine):
+        return value.module
+    return None
 
 
 def _find_sharded(value, found: list) -> None:
-    if isinstance(value, torch.nn.Module):
-        if is_sharded(value) and all(value is not f for f in found):
+    if _engine_module(value) is not None or (isinstance(value, torch.nn.Module) and is_sharded(value)):
+        if all(value is not f for f in found):
             found.append(value)
     elif type(value) is dict:
         for v in value.values():
@@ -215,8 +229,8 @@ def _find_sharded(value, found: list) -> None:
 
 
 def _replace(value, done: dict):
-    if isinstance(value, torch.nn.Module):
-        return done.get(id(value), value)
+    if id(value) in done:
+        return done[id(value)]
     if type(value) is dict:
         return {k: _replace(v, done) for k, v in value.items()}
     if type(value) in (list, tuple):
@@ -225,11 +239,9 @@ def _replace(value, done: dict):
 
 
 def gather_returned(value, ctx):
-    """Sharded modules in a rank's return value, gathered whole to CPU on rank 0 (None
-    elsewhere: one copy of the model comes home, not one per rank). Collective: every rank
-    must return its sharded modules, as each holds a part of them."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+    """Sharded modules (and DeepSpeed engines) in a rank's return value, gathered whole to CPU
+    on rank 0 (None elsewhere: one copy of the model comes home, not one per rank).
+    Collective: every rank must return its sharded modules, as each holds a part of them."""
     found: list = []
     _find_sharded(value, found)
     if ctx.world_size > 1:
@@ -238,17 +250,39 @@ def gather_returned(value, ctx):
             listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
             raise RuntimeError(f"every rank must return the sharded model, as each holds a part of it; the "
                                f"numbers of sharded modules returned differ ({listed}). Return the model on every "
-                               "rank; under fsdp, only rank 0's copy comes back (whole), the others as None.")
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 alone receives the tensors
+                               f"rank; under {ctx.strategy}, only rank 0's copy comes back (whole), the others as None.")
+    modules = {id(f): _engine_module(f) or f for f in found}
     done = {}
-    for top in [m for m in found if not any(o is not m and _contains(o, m) for o in found)]:
-        full = get_model_state_dict(top, options=options)
-        plain = _plain_module(top, full) if ctx.is_global_zero else None
+    for top in [f for f in found if not any(o is not f and _contains(modules[id(o)], modules[id(f)]) for o in found)]:
+        module = modules[id(top)]
+        full = _full_state(module, ctx)
+        plain = _plain_module(module, full) if ctx.is_global_zero else None
+        done[id(top)] = plain
         # A returned part of a returned model comes back as that part of its plain copy.
-        for name, sub in top.named_modules(remove_duplicate=False):
-            if any(sub is m for m in found):
-                done[id(sub)] = plain.get_submodule(name) if isinstance(plain, torch.nn.Module) else None
+        for name, sub in module.named_modules(remove_duplicate=False):
+            for f in found:
+                if modules[id(f)] is sub and f is not top:
+                    done[id(f)] = plain.get_submodule(name) if isinstance(plain, torch.nn.Module) else None
     return _replace(value, done)
+
+
+def _full_state(module: torch.nn.Module, ctx) -> dict:
+    """The module's whole state dict, on CPU, on rank 0 only (an empty dict elsewhere)."""
+    if ctx.strategy != "deepspeed":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    import deepspeed
+
+    full = {}
+    # ZeRO-3 partitions: gathered one module at a time, so only one module is ever whole.
+    for prefix, sub in module.named_modules():
+        params = list(sub.named_parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            if ctx.is_global_zero:
+                for name, p in [*params, *sub.named_buffers(recurse=False)]:
+                    full[f"{prefix}.{name}" if prefix else name] = p.detach().cpu().clone()
+    return full
 
 
 def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
@@ -258,7 +292,7 @@ def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
 def _plain_module(module: torch.nn.Module, full: dict):
     skeleton = _skeletons.get(module)
     if skeleton is None:
-        # Sharded by the user's own fully_shard: no plain twin to fill, but the weights still count.
+        # Sharded by the user's own code, not ctx.setup: no plain twin to fill, but the weights still count.
         print(f"nbtrain: a {type(module).__name__} sharded outside ctx.setup comes back as its full state dict "
               "(load it into a fresh instance with load_state_dict).", file=sys.stderr, flush=True)
         return full

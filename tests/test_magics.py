@@ -165,10 +165,10 @@ def test_bad_options_are_usage_errors_and_the_cell_does_not_run(nb, line, words)
     assert len(err.strip().splitlines()) == 1  # one line, no traceback
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed is installed here")
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is not None, reason="accelerate is installed here")
 def test_a_missing_launcher_package_is_a_usage_error(nb):
-    _, err, _, _ = nb.run("%%nbtrain --launcher deepspeed --accelerator cpu\nprint('the cell ran')")
-    assert "UsageError: launcher='deepspeed' needs the 'deepspeed' package" in err and "pip install deepspeed" in err
+    _, err, _, _ = nb.run("%%nbtrain --launcher accelerate --accelerator cpu\nprint('the cell ran')")
+    assert "UsageError: launcher='accelerate' needs the 'accelerate' package" in err and "pip install accelerate" in err
 
 
 def test_config_sets_session_defaults(nb):
