@@ -252,6 +252,19 @@ def test_fsdp_picks_its_placement_as_auto_does(capfd, no_leftovers):
     assert "nbtrain: strategy 'fsdp' -> ddp_fork (2 CPU ranks, gloo)" in capfd.readouterr().out
 
 
+@slow
+def test_fsdp_ranks_are_spawned_where_fork_is_unsafe(monkeypatch, capfd, no_leftovers):
+    # The kernel's state is the input here (on a GPU machine: CUDA initialised in the kernel);
+    # the spawned ranks, the shipped job and the gather back are real.
+    monkeypatch.setattr(sys.modules["nbtrain.launch"], "fork_blocker", lambda: "CUDA was initialised by a cell")
+    result = nbtrain.launch(train, strategy="fsdp", shard=(Block,), devices=2, accelerator="cpu", timeout=120)
+    ddp = nbtrain.launch(train, strategy="ddp_fork", **CPU2)
+    assert "strategy 'fsdp' -> ddp_spawn (2 CPU ranks, gloo), not ddp_fork: CUDA was initialised by a cell" \
+        in capfd.readouterr().out
+    assert result.strategy == "fsdp" and type(result.value) is Net and result.values[1] is None
+    assert_same_weights(result.value, ddp.value)
+
+
 # -- the magic, in a real kernel --------------------------------------------------------------
 
 NOTEBOOK_CELLS = '''
