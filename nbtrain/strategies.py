@@ -1,4 +1,4 @@
-"""How `ctx.setup` wraps a module for the run's strategy: none, DataParallel, DDP or FSDP2.
+"""How `ctx.setup` wraps a module for the run's strategy: none, DataParallel, DDP, FSDP2, or left to DeepSpeed.
 
 One place decides, whatever started the ranks (fork, spawn, torchrun, live ranks): the
 strategy reaches a rank as `NBTRAIN_STRATEGY` and the Context asks `wrap` here.
