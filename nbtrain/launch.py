@@ -13,26 +13,38 @@ STRATEGIES = ("auto", "dp", "ddp_fork", "ddp_spawn", "ddp", "fsdp", "deepspeed")
 ALIASES = {"ddp_notebook": "ddp_fork", "fork": "ddp_fork", "spawn": "ddp_spawn", "ddp_script": "ddp"}
 
 
-def _launcher(placement: str):
+def _launcher(placement: str, options: dict, display):
+    """The launcher for where the ranks run: in the kernel, forked, spawned, or a script ('ddp')."""
     from .launchers.inprocess import InProcessLauncher
     from .launchers.processes import ForkLauncher, SpawnLauncher
 
-    table = {"single": InProcessLauncher, "dp": InProcessLauncher, "ddp_fork": ForkLauncher,
-             "ddp_spawn": SpawnLauncher}
     if placement == "ddp":
         from .launchers.script import ScriptLauncher
 
         return ScriptLauncher()
-    return table[placement]()
+    if placement == "ddp_spawn":
+        if not options.pop("template", True):
+            return SpawnLauncher()  # plain spawn: fresh interpreters, for code that breaks even in a clean fork
+        from .launchers.template import start_ranks_cleanly
+
+        return start_ranks_cleanly(display)
+    return {"single": InProcessLauncher, "dp": InProcessLauncher, "ddp_fork": ForkLauncher}[placement]()
 
 
 def _processes(plan: DevicePlan, strategy: str) -> tuple[str, str]:
-    """Rank processes forked from the kernel when that is safe, else spawned; and why."""
+    """Ranks forked from the kernel when that is safe, else spawned; and a note saying so.
+
+    Each note starts with the run's title ("<strategy> on <devices>"), so a display that shows
+    the title says the choice on that one line instead of repeating it (see LineDisplay.start).
+    """
     blocker = fork_blocker()
-    if blocker is None:
-        return "ddp_fork", f"strategy {strategy!r} -> ddp_fork ({plan.describe()})"
+    placement = "ddp_fork" if blocker is None else "ddp_spawn"
+    if strategy == "auto":
+        note = f"{placement} on {plan.describe()} (chosen by strategy='auto')"
+    else:
+        note = f"{strategy} on {plan.describe()} (ranks started by {placement}, as strategy='auto' would)"
     # The blocker names its cause (the cell line or import that initialised CUDA).
-    return "ddp_spawn", f"strategy {strategy!r} -> ddp_spawn ({plan.describe()}), not ddp_fork: {blocker}"
+    return placement, note if blocker is None else f"{note}, not ddp_fork: {blocker}"
 
 
 def deepspeed_options(given: dict | None) -> dict:
@@ -45,6 +57,20 @@ def deepspeed_options(given: dict | None) -> dict:
         raise ValueError(f"max_restarts={options['max_restarts']!r}: DeepSpeed's launcher does not restart ranks; "
                          "strategies 'ddp' and 'fsdp' (torchrun) do.")
     return {**options, "launcher": "deepspeed"}
+
+
+def _check_launcher_options(options: dict | None, name: str, strategy: str) -> dict:
+    options = dict(options or {})
+    if name == "ddp_spawn" and set(options) <= {"template"}:
+        if not isinstance(options.get("template", True), bool):
+            raise ValueError(f"launcher_options={{'template': {options['template']!r}}}: give True (ranks forked "
+                             "from the warm template, the default) or False (plain spawn).")
+        return options
+    if options and name != "ddp":
+        raise ValueError(f"launcher_options={options!r} apply to strategy='ddp' (the script launcher: node_rank, "
+                         "rdzv_endpoint, max_restarts, launcher) and strategy='ddp_spawn' ({'template': False} for "
+                         f"plain spawn) only; strategy {strategy!r} runs {name!r}.")
+    return options
 
 
 def resolve_strategy(strategy: str, plan: DevicePlan) -> tuple[str, str | None]:
@@ -61,9 +87,17 @@ def resolve_strategy(strategy: str, plan: DevicePlan) -> tuple[str, str | None]:
                          "Use devices=1, or strategy='ddp_fork'/'ddp_spawn' for several CPU ranks.")
     if name != "auto":
         return name, None
+    # Each note starts with the run's title ("<strategy> on <devices>"), see `_processes`.
     if plan.world_size == 1:
-        return "single", f"strategy 'auto' -> in this kernel ({plan.describe()})"
+        return "single", f"single on {plan.describe()} (chosen by strategy='auto': one device runs in this kernel)"
     return _processes(plan, "auto")
+
+
+def check_timeout(timeout):
+    """`timeout` as given, once it is a positive number of seconds (or None: no limit)."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout={timeout!r}: give a positive number of seconds, or None for no limit.")
+    return timeout
 
 
 def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelerator: str = "auto",
@@ -73,8 +107,10 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
 
     Inside `fn`, `nbtrain.context()` is this rank's Context. Keyword arguments that `launch`
     itself takes (strategy, devices, ...) cannot reach `fn` this way: bind them with
-    `functools.partial`. `launcher_options` (strategy 'ddp' only) are the script launcher's
-    settings: node_rank, rdzv_endpoint, max_restarts, launcher; see `launchers/script.py`.
+    `functools.partial`. `launcher_options` are the script launcher's settings with strategy
+    'ddp' (node_rank, rdzv_endpoint, max_restarts, launcher; see `launchers/script.py`), and
+    with 'ddp_spawn' `{"template": False}` starts plain spawned interpreters instead of forks
+    of the warm template (see `nbtrain.warm_up`).
     Strategy 'fsdp' (FSDP2 sharding in `ctx.setup`) starts its ranks as 'auto' would, or as a
     script under the launcher when `launcher_options` are given (or num_nodes > 1). Strategy
     'deepspeed' runs the job as a script under DeepSpeed's launcher; `fn` calls
@@ -82,24 +118,22 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     """
     if not callable(fn):
         raise TypeError(f"launch(fn=...) needs a callable training function, got {type(fn).__name__}.")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"timeout={timeout!r}: give a positive number of seconds, or None for no limit.")
+    check_timeout(timeout)
     plan = plan_devices(devices, accelerator, backend, num_nodes)
     name, note = resolve_strategy(strategy, plan)
-    placement = name
-    if name == "fsdp":  # the strategy shards; where its ranks run is decided as for the others
+    placement = name  # where the ranks run; `name` (the Context's strategy) says how models are wrapped
+    if name == "fsdp":
         script = launcher_options is not None or plan.num_nodes > 1
         placement, note = ("ddp", None) if script else _processes(plan, name)
-    if name == "deepspeed":
+    elif name == "deepspeed":
         placement, launcher_options = "ddp", deepspeed_options(launcher_options)
     elif (launcher_options or {}).get("launcher") == "deepspeed":
         raise ValueError("launcher='deepspeed' runs strategy='deepspeed' (the job calls deepspeed.initialize); "
                          f"strategy {strategy!r} runs under torchrun or accelerate.")
-    if launcher_options and placement != "ddp":
-        raise ValueError(f"launcher_options={launcher_options!r} apply to strategy='ddp' (the script launcher) "
-                         f"only; strategy {strategy!r} runs {name!r}.")
+    options = _check_launcher_options(launcher_options, placement, strategy)
     display = make_display(progress)
     if note:
         display.note(note)
-    job = Job(fn, args, kwargs, plan, name, timeout, options=dict(launcher_options or {}))
-    return _launcher(placement).launch(job, display)
+    launcher = _launcher(placement, options, display)
+    job = Job(fn, args, kwargs, plan, name, timeout, options=options)
+    return launcher.launch(job, display)

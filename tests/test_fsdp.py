@@ -249,7 +249,7 @@ def test_fsdp_as_a_script_under_torchrun(no_leftovers):
 @slow
 def test_fsdp_picks_its_placement_as_auto_does(capfd, no_leftovers):
     nbtrain.launch(shard_sizes, strategy="fsdp", devices=2, accelerator="cpu", timeout=120)
-    assert "nbtrain: strategy 'fsdp' -> ddp_fork (2 CPU ranks, gloo)" in capfd.readouterr().out
+    assert "nbtrain: fsdp on 2 CPU ranks, gloo (ranks started by ddp_fork, as strategy='auto' would)\n" in capfd.readouterr().out
 
 
 @slow
@@ -259,8 +259,8 @@ def test_fsdp_ranks_are_spawned_where_fork_is_unsafe(monkeypatch, capfd, no_left
     monkeypatch.setattr(sys.modules["nbtrain.launch"], "fork_blocker", lambda: "CUDA was initialised by a cell")
     result = nbtrain.launch(train, strategy="fsdp", shard=(Block,), devices=2, accelerator="cpu", timeout=120)
     ddp = nbtrain.launch(train, strategy="ddp_fork", **CPU2)
-    assert "strategy 'fsdp' -> ddp_spawn (2 CPU ranks, gloo), not ddp_fork: CUDA was initialised by a cell" \
-        in capfd.readouterr().out
+    assert ("nbtrain: fsdp on 2 CPU ranks, gloo (ranks started by ddp_spawn, as strategy='auto' would), "
+            "not ddp_fork: CUDA was initialised by a cell\n") in capfd.readouterr().out
     assert result.strategy == "fsdp" and type(result.value) is Net and result.values[1] is None
     assert_same_weights(result.value, ddp.value)
 

@@ -2,7 +2,7 @@
 
 The job travels in a private temporary directory (mode 0700, files 0600), removed when the
 launch ends however it ends (a killed kernel's, by the next launch): the dill payload and a
-bootstrap script whose rank body is the same `run_rank` the fork and spawn launchers use, so
+bootstrap script whose rank body is the same command loop (`rankloop.serve`) every placement uses, so
 results, errors and metrics come home through the same channel.
 
 Output: each rank points its fds 1 and 2 (C code and faulthandler included) at a pair of
@@ -182,7 +182,8 @@ def rank_main(job_dir: str, parent: int) -> None:
     """A rank started by the launcher (pid `parent`): output to the notebook's pipes, then the
     job; exits."""
     from ..transfer import unpack_job
-    from ..worker import die_with_parent, enable_stacks, limit_threads, redirect_output, run_rank
+    from ..rankloop import serve
+    from ..worker import die_with_parent, enable_stacks, limit_threads, redirect_output
 
     die_with_parent(parent)
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1"))  # DeepSpeed's launcher's name for it
@@ -203,7 +204,7 @@ def rank_main(job_dir: str, parent: int) -> None:
         fn, args, kwargs = unpack_job(payload)
         return (_leave_to_launcher(fn) if _restarts_left() else fn), args, kwargs
 
-    _exit(run_rank(load_job))
+    _exit(serve(("run", 0, load_job), once=True))
 
 
 def _exit(code: int) -> None:
