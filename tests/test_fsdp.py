@@ -256,8 +256,13 @@ def test_fsdp_picks_its_placement_as_auto_does(capfd, no_leftovers):
 def test_fsdp_ranks_are_spawned_where_fork_is_unsafe(monkeypatch, capfd, no_leftovers):
     # The kernel's state is the input here (on a GPU machine: CUDA initialised in the kernel);
     # the spawned ranks, the shipped job and the gather back are real.
+    from nbtrain.template import stop
+
     monkeypatch.setattr(sys.modules["nbtrain.launch"], "fork_blocker", lambda: "CUDA was initialised by a cell")
-    result = nbtrain.launch(train, strategy="fsdp", shard=(Block,), devices=2, accelerator="cpu", timeout=120)
+    try:
+        result = nbtrain.launch(train, strategy="fsdp", shard=(Block,), devices=2, accelerator="cpu", timeout=120)
+    finally:
+        stop()  # the warm template the ranks were forked from lives for the session otherwise
     ddp = nbtrain.launch(train, strategy="ddp_fork", **CPU2)
     assert ("nbtrain: fsdp on 2 CPU ranks, gloo (ranks started by ddp_spawn, as strategy='auto' would), "
             "not ddp_fork: CUDA was initialised by a cell\n") in capfd.readouterr().out
