@@ -58,7 +58,7 @@ class Pool:
         job = self.job
         self.launcher._prepare(job)
         job.live = self.live
-        job.first = ("start", 0) if self.live else ("run", 0, self.launcher._first_job(job))
+        job.first = ("start", 0, True) if self.live else ("run", 0, True, self.launcher._first_job(job))
         self.launcher._apply_nccl_quirks(job, display)
         job.master_port = job.master_port or free_port()
         state = self.state = RunState(self._title(), job.ranks)
@@ -140,7 +140,7 @@ class Pool:
         ok = False
         try:
             for rank in targets:
-                if not self.hub.send(rank, (kind, self.seq, *args)):
+                if not self.hub.send(rank, (kind, self.seq, len(targets) == len(self.ranks), *args)):
                     state.fail(rank, f"rank {rank} is not connected", crashed=True)
             self._watch(state, display, timeout, None)
             ok = True

@@ -5,7 +5,8 @@ until `stop`), whatever started the rank. Commands run on the main thread, so an
 (SIGINT, raised only while user code runs) lands in the user's code as KeyboardInterrupt; the
 channel's second thread receives commands, interrupts, stack requests and debugger input.
 
-Commands (notebook -> rank), each `(kind, seq, ...)`:
+Commands (notebook -> rank), each `(kind, seq, everyone, ...)` (`everyone`: sent to every rank, so
+collectives — the gather of a sharded model — may run):
   run    (job)                 launch's function, with its own globals: fork hands (fn, args, kwargs)
                                over in memory, other placements a dill payload
   call   (payload)             a notebook function run with this rank's namespace as its globals
@@ -92,7 +93,7 @@ class RankLoop:
                 return code
 
     def _execute(self, command: tuple, once: bool) -> int:
-        kind, seq, *args = command
+        kind, seq, everyone, *args = command
         self.ctx._begin_command()
         self.link.emit("begin", seq)
         handler = getattr(self, f"_do_{kind}", None)
@@ -100,8 +101,9 @@ class RankLoop:
             if handler is None:
                 raise ValueError(f"unknown command {kind!r}")
             value, where = handler(seq, *args)
+            if once or kind in ("call", "pull", "eval"):
+                value = self._ready_to_leave(value, everyone)
             if once:
-                value = self.ctx.prepare_return(value) if hasattr(self.ctx, "prepare_return") else value
                 self.ctx.close()
             reply, code = ("result", self._pack(value), where), 0
         except BaseException as exc:  # KeyboardInterrupt included: the notebook must hear of it
@@ -121,6 +123,15 @@ class RankLoop:
                 os.write(fd, f"{MARK}{seq}\n".encode())
             self.link.emit(*reply)
         return code
+
+    def _ready_to_leave(self, value, everyone: bool):
+        """Sharded models gathered whole (a collective: only when every rank took the command)."""
+        from .strategies import contains_sharded
+
+        if not everyone and contains_sharded(value):
+            raise ValueError("a sharded (fsdp) model is gathered by every rank together: take it from all ranks "
+                             "(ranks.pull('model'), ranks.run(fn)), not from some of them.")
+        return self.ctx.prepare_return(value) if everyone else value
 
     def _user_code(self, seq: int):
         """Marks the span in which an interrupt for `seq` may land (see `_on_sigint`)."""

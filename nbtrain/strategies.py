@@ -216,6 +216,13 @@ def _engine_module(value):
     return None
 
 
+def contains_sharded(value) -> bool:
+    """Whether `value` holds a sharded module (through modules, lists, tuples and dicts)."""
+    found: list = []
+    _find_sharded(value, found)
+    return bool(found)
+
+
 def _find_sharded(value, found: list) -> None:
     if _engine_module(value) is not None or (isinstance(value, torch.nn.Module) and is_sharded(value)):
         if all(value is not f for f in found):

@@ -7,7 +7,7 @@ import time
 
 import psutil
 import pytest
-import torch  # noqa: F401 - the live ranks take it from this module, as from a notebook
+import torch  # the live ranks also take it from this module, as from a notebook
 
 import nbtrain
 from nbtrain.pool import PoolBroken
@@ -96,3 +96,32 @@ def test_fifty_start_stop_cycles_leak_nothing(no_leftovers):
         time.sleep(0.05)
     assert me.num_fds() <= fds and len(me.threads()) <= threads
     assert not [c for c in me.children(recursive=True) if c.status() != "zombie"]
+
+
+class Big(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_sharded_live_ranks_give_whole_models_back(no_leftovers):
+    with nbtrain.Ranks(devices=2, accelerator="cpu", strategy="fsdp", progress=False) as ranks:
+        ranks.exec("model = ctx.setup(Big(), shard=(torch.nn.Linear,))\nopt = torch.optim.SGD(model.parameters(), lr=0.1)")
+
+        def step():
+            loss = model(torch.randn(8, 64)).pow(2).mean()  # noqa: F821 - the rank's own names
+            opt.zero_grad()  # noqa: F821
+            loss.backward()
+            opt.step()  # noqa: F821
+            return model  # noqa: F821
+
+        result = ranks.run(step)
+        assert type(result.values[0]) is Big and result.values[1] is None  # gathered on rank 0 only
+        assert result.values[0].a.weight.shape == (64, 64)
+        assert [type(m).__name__ for m in ranks.pull("model")] == ["Big", "NoneType"]
+        with pytest.raises(nbtrain.WorkerError, match="gathered by every rank together"):
+            ranks[0].pull("model")
+        assert ranks.eval("type(model).__name__") == ["FSDPBig", "FSDPBig"]  # still sharded there
