@@ -83,3 +83,33 @@ print("OK")
 """)
     assert "OK" in out
     print(out)
+
+
+def test_cuda_in_the_kernel_then_auto_trains_through_the_template():
+    out = run_fresh(TRAIN + """
+import os, nbtrain.template
+torch.zeros(1, device="cuda")                      # the kernel touched the GPU: forking it is unsafe
+result = nbtrain.launch(train, devices=1, strategy="auto", progress=False)
+print(result.strategy, result.value[:3], torch.cuda.device_count())
+def where():
+    return os.getppid()
+parents = nbtrain.launch(where, devices=1, strategy="auto", progress=False).values
+print("template parent:", parents == [nbtrain.template.template(start=False).pid])
+""")
+    assert "ddp_spawn ('DistributedDataParallel', 'cuda:0', 'nccl')" in out
+    assert "template parent: True" in out
+
+
+def test_live_ranks_on_the_gpu_with_cuda_initialised_in_the_kernel():
+    out = run_fresh("""
+import torch, nbtrain
+torch.zeros(1, device="cuda")
+with nbtrain.Ranks(devices=1) as ranks:
+    print("placement", ranks.placement)
+    ranks.exec("import torch.distributed as dist\\nx = torch.ones(4, device=ctx.device)\\ndist.all_reduce(x)")
+    print("backend", ranks.eval("dist.get_backend()"), ranks.eval("str(x.device)"))
+    print("pulled", ranks.pull("x")[0].device)
+    print("memory", ranks.eval("torch.cuda.max_memory_allocated() > 0"))
+""")
+    assert "placement template" in out and "backend ['nccl'] ['cuda:0']" in out
+    assert "pulled cpu" in out and "memory [True]" in out
