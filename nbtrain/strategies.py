@@ -93,7 +93,11 @@ def wrap(module: torch.nn.Module, ctx, options: ShardOptions) -> torch.nn.Module
     if ctx.is_distributed:
         ctx._ensure_group()
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+        # Gradients as views into the all-reduce buckets: DDP then copies no gradient into a
+        # bucket and back each step, which is most of what it costs on one rank and a share of
+        # it on several (benchmarks/ddp_one_rank.py). The one thing it forbids, detaching a
+        # gradient in place, training code does not do.
+        return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
     return module
 
 
