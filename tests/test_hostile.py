@@ -67,3 +67,32 @@ def test_every_wrapped_parser_shows_its_own_signature(wrapped):
     first, second = inspect.signature(wrapped).parameters
     assert first == "devices"
     assert wrapped.__doc__ == wrapped.__wrapped__.__doc__
+
+
+# -- 5. script mode leaves no torchelastic_* directory behind --------------------------------
+
+def where_torchrun_logs():
+    import os
+    import sys
+    import tempfile
+
+    return os.path.dirname(os.path.abspath(sys.argv[0])), os.environ.get("TORCHELASTIC_ERROR_FILE"), \
+        os.environ.get("TMPDIR"), tempfile.gettempdir()
+
+
+@slow
+def test_a_script_launch_leaves_no_torchelastic_directory(tmp_path, monkeypatch, no_leftovers):
+    import os
+    import tempfile
+
+    private = tmp_path / "tmp"  # this test's own TMPDIR: torchrun's default log dir would land here
+    private.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    result = nbtrain.launch(where_torchrun_logs, strategy="ddp", devices=2, accelerator="cpu", progress=False,
+                            timeout=120)
+    for job_dir, error_file, rank_tmpdir, rank_gettempdir in result.values:
+        assert job_dir.startswith(str(private))
+        assert error_file and error_file.startswith(job_dir + os.sep)  # torchrun's log dir was in the job dir
+        assert rank_tmpdir == rank_gettempdir == str(private)  # the ranks still see the kernel's TMPDIR
+    assert os.listdir(private) == []  # no torchelastic_*, no job dir
