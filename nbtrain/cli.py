@@ -6,7 +6,7 @@ import sys
 
 
 def _gpus(args) -> int:
-    from .inventory import gpus
+    from .display.gpus import gpus
 
     print(gpus())
     return 0
