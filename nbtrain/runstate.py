@@ -58,6 +58,7 @@ class Failure:
     summary: str
     traceback: str = ""
     crashed: bool = False  # died by a signal or exit code, not by a Python exception
+    original: bytes | None = None  # the exception itself, packed by the rank (transfer.pack_exception)
 
 
 class RunState:
@@ -118,15 +119,16 @@ class RunState:
         self.values[view.rank] = value
         view.status = "finished"
 
-    def _on_error(self, view: RankView, summary: str, traceback: str) -> None:
-        self.fail(view.rank, summary, traceback)
+    def _on_error(self, view: RankView, summary: str, traceback: str, original: bytes | None = None) -> None:
+        self.fail(view.rank, summary, traceback, original=original)
 
-    def fail(self, rank: int, summary: str, traceback: str = "", crashed: bool = False) -> None:
+    def fail(self, rank: int, summary: str, traceback: str = "", crashed: bool = False,
+             original: bytes | None = None) -> None:
         view = self.ranks[rank]
         if view.status == "failed":
             return
         view.status, view.detail = "failed", summary.splitlines()[0] if summary else ""
-        self.failures.append(Failure(rank, summary, traceback, crashed))
+        self.failures.append(Failure(rank, summary, traceback, crashed, original))
         self.version += 1
 
     def unfinished(self) -> list[int]:

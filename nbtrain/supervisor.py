@@ -16,6 +16,7 @@ from collections import defaultdict, deque
 from .errors import WorkerError
 from .launchers.base import RankProcess
 from .runstate import RunState
+from .transfer import unpack_exception
 from .worker import STACKS_SIGNAL
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,8 @@ class Supervisor:
     def _worker_error(self) -> WorkerError:
         cause = self.state.root_cause()
         others = tuple(f"rank {f.rank}: {f.summary.splitlines()[0]}" for f in self.state.failures if f is not cause)
-        return WorkerError(cause.rank, cause.summary, cause.traceback, others)
+        return WorkerError.from_failure(cause.rank, cause.summary, cause.traceback, others,
+                                        original=unpack_exception(cause.original))
 
     # -- stopping ------------------------------------------------------------------------
     def _wait_exits(self) -> None:

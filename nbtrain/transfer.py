@@ -6,6 +6,7 @@ as the notebook's own classes, so `isinstance(result.value, Net)` holds.
 """
 from __future__ import annotations
 
+import io
 import linecache
 import sys
 import warnings
@@ -94,8 +95,57 @@ def pack_result(value: Any, rank: int) -> bytes:
             warnings.simplefilter("ignore")
             return dill.dumps(value, byref=True)
     except Exception:
-        return _dumps(value, f"the return value of rank {rank}")
+        pass
+    from .pickling import RETURN_ADVICE, explain_return, ship_bytes
+
+    try:
+        return ship_bytes(value)
+    except Exception as exc:
+        raise UnpicklableError(f"the return value of rank {rank}", explain_return(value), str(exc),
+                               RETURN_ADVICE, returning=True) from exc
 
 
 def unpack_result(payload: bytes) -> Any:
     return dill.loads(payload)
+
+
+class _ExceptionPickler(dill.Pickler):
+    """dill by reference, except that an exception of a user-defined class is rebuilt without
+    calling its __init__: pickle's default calls `cls(*exc.args)`, which fails (or garbles the
+    message) whenever __init__ takes other arguments than it passes to Exception.__init__."""
+
+    def reducer_override(self, obj):
+        cls = type(obj)
+        if isinstance(obj, BaseException) and cls.__module__ != "builtins" and cls.__reduce__ is BaseException.__reduce__:
+            return _new_exception, (cls, obj.args), (vars(obj) or None)
+        return NotImplemented
+
+
+def _new_exception(cls, args):
+    return cls.__new__(cls, *args)
+
+
+def pack_exception(exc: BaseException) -> bytes | None:
+    """A rank's exception as bytes for the notebook, classes by reference (a class defined in
+    the notebook comes back as the notebook's own); None if it cannot travel. Never raises:
+    it runs while a failure is being reported."""
+    try:
+        buffer = io.BytesIO()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _ExceptionPickler(buffer, byref=True).dump(exc)
+        return buffer.getvalue()
+    except Exception:
+        return None
+
+
+def unpack_exception(payload: bytes | None) -> BaseException | None:
+    """The rank's exception rebuilt in the notebook, or None where it cannot be (a class the
+    notebook does not have, a __new__ that refuses)."""
+    if payload is None:
+        return None
+    try:
+        exc = dill.loads(payload)
+    except Exception:
+        return None
+    return exc if isinstance(exc, BaseException) else None

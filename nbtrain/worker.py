@@ -74,7 +74,7 @@ def run_rank(load_job) -> int:
     """
     from .channel import Link
     from .context import Context, set_current
-    from .transfer import pack_result
+    from .transfer import pack_exception, pack_result
 
     rank = int(os.environ["RANK"])
     link = Link.from_environ(rank)
@@ -92,7 +92,7 @@ def run_rank(load_job) -> int:
         ctx.close()
         final, code = ("result", pack_result(value, rank)), 0
     except BaseException as exc:  # KeyboardInterrupt included: the notebook must hear of it
-        final, code = ("error", f"{type(exc).__name__}: {exc}", _user_traceback(exc)), 1
+        final, code = ("error", f"{type(exc).__name__}: {exc}", _user_traceback(exc), pack_exception(exc)), 1
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     link.close(final)

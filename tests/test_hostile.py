@@ -96,3 +96,181 @@ def test_a_script_launch_leaves_no_torchelastic_directory(tmp_path, monkeypatch,
         assert error_file and error_file.startswith(job_dir + os.sep)  # torchrun's log dir was in the job dir
         assert rank_tmpdir == rank_gettempdir == str(private)  # the ranks still see the kernel's TMPDIR
     assert os.listdir(private) == []  # no torchelastic_*, no job dir
+
+
+# -- 3. a rank's exception can be caught by its own class ----------------------------------
+
+class CodedError(Exception):
+    """Defined in the caller's module (the kernel's __main__ in a notebook)."""
+
+    def __init__(self, code):
+        super().__init__(f"bad code {code}")
+        self.code = code
+
+
+def raise_on_rank_1(kind):
+    ctx = nbtrain.context()
+    if ctx.rank != 1:
+        return "fine"
+    if kind == "coded":
+        raise CodedError(42)
+    if kind == "file":
+        open("/nonexistent/nbtrain-test")
+    if kind == "local":
+        class Local(Exception):  # the notebook has no such class: it cannot be rebuilt there
+            pass
+        raise Local("only here")
+    raise ValueError(f"unknown kind {kind}")
+
+
+PROCESS_STRATEGIES = ["ddp_fork", "ddp_spawn", "ddp"]
+
+
+@slow
+@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
+def test_a_rank_exception_is_caught_by_its_own_class(strategy, no_leftovers):
+    import pickle
+
+    from nbtrain import WorkerError
+
+    with pytest.raises(CodedError) as info:
+        nbtrain.launch(raise_on_rank_1, "coded", strategy=strategy, devices=2, accelerator="cpu", progress=False,
+                       timeout=120)
+    error = info.value
+    assert isinstance(error, WorkerError) and error.rank == 1 and error.code == 42
+    assert type(error.__cause__) is CodedError and error.__cause__.code == 42 and str(error.__cause__) == "bad code 42"
+    assert str(error).startswith("rank 1 failed: CodedError: bad code 42")
+    assert 'raise CodedError(42)' in error.traceback
+    assert error._render_traceback_()[0] == "WorkerError: rank 1 failed: CodedError: bad code 42"
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error) and again.code == 42 and again.rank == 1 and str(again) == str(error)
+
+
+@slow
+def test_a_builtin_exception_keeps_its_fields(no_leftovers):
+    with pytest.raises(FileNotFoundError) as info:
+        nbtrain.launch(raise_on_rank_1, "file", strategy="ddp_fork", devices=2, accelerator="cpu", progress=False,
+                       timeout=60)
+    assert info.value.errno == 2 and info.value.filename == "/nonexistent/nbtrain-test" and info.value.rank == 1
+
+
+@slow
+def test_an_exception_the_notebook_cannot_rebuild_is_a_plain_worker_error(no_leftovers):
+    from nbtrain import WorkerError
+
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(raise_on_rank_1, "local", strategy="ddp_spawn", devices=2, accelerator="cpu", progress=False,
+                       timeout=120)
+    assert type(info.value) is WorkerError and info.value.__cause__ is None
+    assert str(info.value).startswith("rank 1 failed: Local: only here")
+
+
+def test_worker_error_from_failure_without_an_original_is_as_before():
+    import pickle
+
+    from nbtrain import WorkerError
+
+    plain = WorkerError.from_failure(0, "ValueError: x", "tb", ("rank 1: stopped",))
+    assert type(plain) is WorkerError and plain.others == ("rank 1: stopped",)
+    for refused in (SystemExit(3), KeyboardInterrupt()):  # never a SystemExit or Ctrl-C in the notebook
+        error = WorkerError.from_failure(0, "SystemExit: 3", original=refused)
+        assert type(error) is WorkerError and error.__cause__ is refused
+    assert type(pickle.loads(pickle.dumps(plain))) is WorkerError
+
+
+# -- 6. an unpicklable return value is described as what it is -------------------------------
+
+def return_a_generator():
+    ctx = nbtrain.context()
+    return {"rank": ctx.rank, "batches": (i for i in range(3))}
+
+
+@slow
+@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp"])
+def test_an_unpicklable_return_value_is_named_as_the_ranks_return_value(strategy, no_leftovers):
+    from nbtrain import UnpicklableError, WorkerError
+
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(return_a_generator, strategy=strategy, devices=2, accelerator="cpu", progress=False,
+                       timeout=120)
+    error = info.value
+    assert isinstance(error, UnpicklableError)  # caught by its own class too (item 3)
+    message = str(error)
+    assert f"the return value of rank {error.rank} cannot travel back to the notebook" in message
+    assert "value['batches']: generator" in message  # where it is, as a path
+    assert "return the items themselves, e.g. list(...)" in message
+    assert "Return plain data instead" in message and "state_dict()" in message
+    assert "sent to the worker processes" not in message and "inside the training function" not in message
+
+
+# -- 3 and 6 from a real kernel, with classes defined in its cells ----------------------------
+
+KERNEL_SETUP = '''
+import pickle
+import nbtrain
+
+class MyErr(Exception):
+    def __init__(self, code):
+        super().__init__(f"bad code {code}")
+        self.code = code
+
+def fail_on_rank_1():
+    if nbtrain.context().rank == 1:
+        raise MyErr(42)
+    return "fine"
+
+class Holder:
+    def __init__(self):
+        self.batches = (i for i in range(3))
+
+def give_holder():
+    return Holder()
+
+CPU2 = dict(devices=2, accelerator="cpu", progress=False, timeout=120)
+'''
+
+
+@pytest.fixture(scope="module")
+def nb(kernel):
+    _, _, error, _ = kernel.run(KERNEL_SETUP)
+    assert error is None, error
+    return kernel
+
+
+@slow
+@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
+def test_a_notebook_defined_exception_is_caught_in_the_notebook(nb, strategy):
+    _, _, error, _ = nb.run(f'''
+try:
+    nbtrain.launch(fail_on_rank_1, strategy={strategy!r}, **CPU2)
+except MyErr as e:
+    caught = (e.code, e.rank, type(e.__cause__) is MyErr, e.__cause__.code, isinstance(e, nbtrain.WorkerError),
+              e._render_traceback_()[0], type(pickle.loads(pickle.dumps(e))) is type(e))
+''')
+    assert error is None, error
+    assert nb.value("caught") == (42, 1, True, 42, True, "WorkerError: rank 1 failed: MyErr: bad code 42", True)
+
+
+@slow
+def test_an_uncaught_notebook_exception_shows_the_ranks_traceback(nb):
+    _, _, error, _ = nb.run("nbtrain.launch(fail_on_rank_1, strategy='ddp_spawn', **CPU2)")
+    assert error is not None and error["ename"] == "WorkerError(MyErr)"
+    shown = "\n".join(error["traceback"])
+    assert "rank 1 failed: MyErr: bad code 42" in shown and "raise MyErr(42)" in shown
+
+
+@slow
+@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
+def test_a_notebook_class_holding_a_generator_is_named_as_the_return_value(nb, strategy):
+    _, _, error, _ = nb.run(f'''
+try:
+    nbtrain.launch(give_holder, strategy={strategy!r}, **CPU2)
+except nbtrain.UnpicklableError as e:
+    message = str(e)
+''')
+    assert error is None, error
+    message = nb.value("message")
+    assert "the return value of rank 0 cannot travel back to the notebook" in message \
+        or "the return value of rank 1 cannot travel back to the notebook" in message
+    assert "value.batches: generator" in message and "Return plain data instead" in message
+    assert "inside the training function" not in message
