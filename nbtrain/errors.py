@@ -75,11 +75,13 @@ def _attributes(original: BaseException):
 
 def _with_original_class(original: type) -> type | None:
     """A subclass of WorkerError and `original`, or None where Python cannot combine them."""
-    if issubclass(original, WorkerError):
+    if issubclass(WorkerError, original) or issubclass(original, WorkerError):  # RuntimeError: nothing to add
         return None
     if original not in _combined:
         try:
-            _combined[original] = type(f"WorkerError({original.__qualname__})", (WorkerError, original), {
+            _combined[original] = type("WorkerError", (WorkerError, original), {
+                # Named WorkerError, as the notebook shows it (`ename`); the qualname tells them apart.
+                "__qualname__": f"WorkerError({original.__qualname__})",
                 "__module__": __name__,
                 "__reduce__": _reduce_with_original,
                 "__getattr__": _attribute_of_original,

@@ -72,7 +72,7 @@ def _save_module_by_name(pickler, module) -> None:
         dill._dill.save_module(pickler, module)
 
 
-class _ShippingPickler(dill.Pickler):
+class ShippingPickler(dill.Pickler):
     """dill in recurse mode, except that a module importable by name travels as its name.
 
     dill sends a module from outside site-packages (an editable install such as nbtrain
@@ -88,7 +88,7 @@ class _ShippingPickler(dill.Pickler):
 def ship_bytes(obj) -> bytes:
     """`obj` serialised exactly as the launchers send it to ranks."""
     buffer = io.BytesIO()
-    _ShippingPickler(buffer, recurse=True).dump(obj)
+    ShippingPickler(buffer, recurse=True).dump(obj)
     return buffer.getvalue()
 
 

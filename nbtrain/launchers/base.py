@@ -143,6 +143,7 @@ class ProcessLauncher:
         from ..result import Result
         from ..runstate import RunState
         from ..supervisor import Supervisor
+        from ..tensor_files import LaunchFiles
 
         self._prepare(job)
         self._apply_nccl_quirks(job, display)
@@ -152,9 +153,10 @@ class ProcessLauncher:
         state = RunState(f"{job.strategy} on {job.plan.describe()}", job.ranks)
         display.start(state)
         supervisor = Supervisor(state, inbox, [], display, job.timeout, job.start_timeout)
+        files = LaunchFiles()  # large returned tensors come through shared memory
         ok = False
         try:
-            self._start(job, hub.environ, pump, supervisor.processes)
+            self._start(job, {**hub.environ, **files.environ}, pump, supervisor.processes)
             hub.start()
             pump.start()
             supervisor.run()
@@ -166,6 +168,7 @@ class ProcessLauncher:
             hub.close()
             pump.close()
             self._cleanup(job)
+            files.cleanup()
             display.finish(state, ok)
         return Result.from_state(state, job.strategy, job.plan.describe())
 
