@@ -19,10 +19,15 @@ class WorkerError(RuntimeError):
     def from_failure(cls, rank: int, summary: str, traceback: str = "", others: tuple[str, ...] = (),
                      original: BaseException | None = None) -> "WorkerError":
         both = _with_original_class(type(original)) if isinstance(original, Exception) else None
-        error = (both or cls)(rank, summary, traceback, others)
-        if both is not None:
-            for name, value in _attributes(original):
+        try:
+            error = (both or cls)(rank, summary, traceback, others)
+        except Exception:  # the original class's __new__ wants arguments of its own (ExceptionGroup)
+            both, error = None, cls(rank, summary, traceback, others)
+        for name, value in _attributes(original) if both is not None else ():
+            try:
                 setattr(error, name, value)
+            except (AttributeError, TypeError):  # read-only: still there through __cause__
+                pass
         error.__cause__ = original
         return error
 
@@ -103,8 +108,8 @@ def _rebuild(rank, summary, traceback, others, original):
 
 
 def _attribute_of_original(self, name: str):
-    # Only reached when normal lookup failed: attributes the original keeps outside its
-    # __dict__ (slots, C fields such as OSError.errno) are read from it.
+    # Only reached when normal lookup failed: what could not be copied (slots, read-only
+    # fields) is read from the original.
     cause = self.__cause__
     if cause is None or name.startswith("__"):
         raise AttributeError(name)

@@ -91,6 +91,20 @@ def test_worker_error_from_failure_without_an_original_is_as_before():
     assert type(pickle.loads(pickle.dumps(plain))) is WorkerError
 
 
+class Slotted(Exception):
+    __slots__ = ("where",)
+
+
+def test_worker_error_from_failure_copes_with_unusual_exception_classes():
+    group = ExceptionGroup("several", [ValueError(1)])  # its __new__ wants its own arguments
+    error = WorkerError.from_failure(1, "ExceptionGroup: several", original=group)
+    assert type(error) is WorkerError and error.__cause__ is group
+    slotted = Slotted("x")
+    slotted.where = "batch 3"  # not in __dict__: read through __cause__
+    error = WorkerError.from_failure(1, "Slotted: x", original=slotted)
+    assert isinstance(error, Slotted) and error.where == "batch 3" and error.rank == 1
+
+
 # -- 4. large returns travel through shared memory, and leave nothing behind ------------------
 
 BIG = 4 << 20  # bytes: above tensor_files.INLINE_LIMIT
