@@ -26,6 +26,8 @@ import threading
 
 import torch
 
+from .leftovers import remove_orphans
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
@@ -38,16 +40,6 @@ _RESERVE = 64 << 20  # left free on the file system, for everyone else
 _NAME = re.compile(r"nbtrain-(\d+)-[0-9a-f]{12}-r\d+-\d+")  # a rank's file, see RankFiles
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's
-        return True
-    return True
-
-
 class LaunchFiles:
     """The notebook's side: one launch's file prefixes, and the removal of its leftovers."""
 
@@ -57,7 +49,7 @@ class LaunchFiles:
         self.prefixes: list[str] = []
         for root in dict.fromkeys(roots):
             if os.path.isdir(root) and os.access(root, os.W_OK):
-                _remove_orphans(root)
+                remove_orphans(root, _NAME, _unlink)  # /dev/shm is memory: nobody else would
                 self.prefixes.append(os.path.join(root, name))
 
     @property
@@ -68,23 +60,14 @@ class LaunchFiles:
         """Remove what the ranks wrote and nobody mapped; mapped tensors keep their memory."""
         for prefix in self.prefixes:
             for path in glob.glob(glob.escape(prefix) + "*"):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+                _unlink(path)
 
 
-def _remove_orphans(root: str) -> None:
-    # Files of a launch whose kernel was killed: nobody else would ever remove them, and
-    # /dev/shm is memory.
-    for name in os.listdir(root):
-        owner = _NAME.fullmatch(name)
-        path = os.path.join(root, name)
-        try:
-            if owner and os.stat(path).st_uid == os.getuid() and not _alive(int(owner.group(1))):
-                os.unlink(path)
-        except OSError:  # gone meanwhile
-            pass
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class RankFiles:
@@ -122,10 +105,7 @@ class RankFiles:
     def discard(self) -> None:
         """Remove the files of a result that will not be sent."""
         for path in self.written.values():
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            _unlink(path)
         self.written.clear()
 
 

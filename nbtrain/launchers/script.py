@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 
+from ..leftovers import remove_orphans
 from ..script_rank import PAYLOAD, pipe_name
 from .base import Job, ProcessLauncher, RankProcess, describe_exit, rank_environ
 from .torchrun_log import LauncherLog
@@ -41,6 +42,7 @@ OPTIONS = ("launcher", "node_rank", "rdzv_endpoint", "max_restarts", "rerun_as")
 BOOTSTRAP = "rank.py"
 LOG_WAIT = 1.0  # after the launcher exits, how long its last words (the failure report) may take
 RENDEZVOUS_WAIT = 600  # seconds a node waits for the others: torchrun's static rendezvous default
+_JOB_DIR = re.compile(r"nbtrain-(\d+)-\w+")  # tempfile.mkdtemp's, see job_dir
 TORCH_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
                    "MASTER_ADDR", "MASTER_PORT")
 
@@ -165,25 +167,8 @@ def job_dir() -> str:
     """A private directory (mode 0700) for one launch, named after this process: a launch
     whose kernel was killed cannot remove its own, so each launch removes those of the dead."""
     root = tempfile.gettempdir()
-    for name in os.listdir(root):
-        owner = re.fullmatch(r"nbtrain-(\d+)-\w+", name)
-        path = os.path.join(root, name)
-        try:
-            if owner and os.stat(path).st_uid == os.getuid() and not _alive(int(owner.group(1))):
-                shutil.rmtree(path, ignore_errors=True)
-        except OSError:  # gone meanwhile
-            pass
+    remove_orphans(root, _JOB_DIR, lambda path: shutil.rmtree(path, ignore_errors=True))
     return tempfile.mkdtemp(prefix=f"nbtrain-{os.getpid()}-")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's
-        return True
-    return True
 
 
 # -- the notebook side ----------------------------------------------------------------------
