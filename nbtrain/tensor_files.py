@@ -31,7 +31,7 @@ from .leftovers import remove_orphans
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-PREFIX_VAR = "NBTRAIN_RESULT_FILES"  # the launch's file prefix, for its ranks
+PREFIX_VAR = "NBTRAIN_RESULT_FILES"  # the launch's file prefixes (os.pathsep between), for its ranks
 ENABLE_VAR = "NBTRAIN_SHARED_MEMORY"  # "0": this rank sends tensors as bytes
 INLINE_LIMIT = 1 << 20  # smaller storages travel inside the pickle: a file would cost more
 _CHUNK = 1 << 26  # bytes per write() (Linux writes at most ~2 GiB at once) and per writer thread
