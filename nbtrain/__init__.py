@@ -1,4 +1,6 @@
 """nbtrain: multi-device PyTorch training from a Jupyter notebook."""
+from importlib import metadata as _metadata
+
 from .context import Context, context, rank_zero_only
 from .devices import DevicePlan, ensure_pci_bus_order, parse_devices, plan_devices
 from .display.gpus import gpus
@@ -9,12 +11,17 @@ from .inventory import Gpu, GpuProcess, StaticInventory, find_free_gpus, use_inv
 from .launch import launch
 from .pickling import Finding, explain_pickling
 from .preflight import ForkUnsafeError, install_cuda_init_hook
+from .ranks import Rank, Ranks
+from .template import warm_up
 from .result import Result
 
 ensure_pci_bus_order()
 install_cuda_init_hook()  # so a refused fork can name the line that initialised CUDA
 
-__version__ = "0.1.0"
+try:  # pyproject.toml is the one place the version is written; read it back from the install
+    __version__ = _metadata.version(__name__)
+except _metadata.PackageNotFoundError:  # a source tree put on sys.path, never installed
+    __version__ = "0+unknown"
 
 
 def load_ipython_extension(ipython) -> None:

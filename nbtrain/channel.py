@@ -1,10 +1,14 @@
-"""One channel from every rank to the notebook, whatever started the rank.
+"""One two-way channel between the notebook and every rank, whatever started the rank.
 
-The notebook side (`Hub`) listens on 127.0.0.1 with a random authkey; ranks find it through
-`NBTRAIN_CHANNEL` / `NBTRAIN_AUTHKEY` in their environment, so forked, spawned and
-torchrun-started ranks speak the same protocol. Every message is a tuple whose first item
-is its kind and second the sender's rank. Ranks batch their events on a thread of their own,
-so a slow notebook never slows a training step.
+The notebook side (`Hub`) listens with a random authkey — on 127.0.0.1 unless a remote
+placement asks for another address — and ranks find it through `NBTRAIN_CHANNEL` /
+`NBTRAIN_AUTHKEY` in their environment, so forked, spawned, template-forked, torchrun-,
+SLURM- and Ray-started ranks speak the same protocol. The authkey is the security boundary:
+a connection that fails its challenge is dropped before anything is read from it.
+
+Ranks -> notebook: tuples whose first item is the kind and second the sender's rank, batched
+on a thread of the rank's own so a slow notebook never slows a training step; replies are
+flushed at once. Notebook -> rank: commands (`Hub.send`), read on a second thread of the rank.
 """
 from __future__ import annotations
 
@@ -21,31 +25,36 @@ ADDRESS_VAR = "NBTRAIN_CHANNEL"
 AUTHKEY_VAR = "NBTRAIN_AUTHKEY"
 FLUSH_SECONDS = 0.1
 BATCH_LIMIT = 512
+URGENT = frozenset({"hello", "begin", "result", "error", "need", "prompt"})  # sent without batching delay
 
 
 class Hub:
-    """Notebook side: accepts rank connections and puts every message on `inbox`.
+    """Notebook side: accepts rank connections, puts every message on `inbox`, sends commands.
 
-    A closed connection is reported as ("closed", rank) so the supervisor knows that
-    nothing more will come from that rank.
+    A closed connection is reported as ("closed", rank) so the notebook knows that nothing
+    more will come from that rank. `host` is the address to bind (loopback by default);
+    `advertise` the address ranks are told to dial, when it differs (0.0.0.0 bound, say).
     """
 
-    def __init__(self, inbox: queue.Queue):
+    def __init__(self, inbox: queue.Queue, host: str = "127.0.0.1", advertise: str | None = None):
         self.inbox = inbox
         self._authkey = os.urandom(32)
-        self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
+        self._listener = Listener((host, 0), authkey=self._authkey)
+        self._advertise = advertise or host
         self._threads: list[threading.Thread] = []
         self._connections = []
+        self._by_rank: dict[int, object] = {}
+        self._send_lock = threading.Lock()
         self._closed = threading.Event()
 
     @property
     def environ(self) -> dict[str, str]:
-        host, port = self._listener.address
-        return {ADDRESS_VAR: f"{host}:{port}", AUTHKEY_VAR: self._authkey.hex()}
+        port = self._listener.address[1]
+        return {ADDRESS_VAR: f"{self._advertise}:{port}", AUTHKEY_VAR: self._authkey.hex()}
 
     def start(self) -> None:
-        # Started only after every rank is forked, so no rank inherits another's connection
-        # (which would keep that connection open after its own rank died).
+        # Started only after the first ranks are forked, so no rank inherits another's
+        # connection (which would keep that connection open after its own rank died).
         self._spawn(self._accept_loop)
 
     def _spawn(self, target, *args) -> None:
@@ -70,19 +79,39 @@ class Hub:
             while True:
                 batch = conn.recv()
                 for message in batch:
-                    rank = message[1]
+                    if rank is None:
+                        rank = message[1]
+                        self._by_rank[rank] = conn
                     self.inbox.put(message)
         except (EOFError, OSError):
             pass
         finally:
+            if rank is not None and self._by_rank.get(rank) is conn:
+                del self._by_rank[rank]
             conn.close()
             if rank is not None:
                 self.inbox.put(("closed", rank))
 
+    def connected(self, rank: int) -> bool:
+        return rank in self._by_rank
+
+    def send(self, rank: int, message: tuple) -> bool:
+        """Send a command to `rank`; False if it is not (or no longer) connected."""
+        conn = self._by_rank.get(rank)
+        if conn is None:
+            return False
+        try:
+            with self._send_lock:
+                conn.send(message)
+            return True
+        except (OSError, ValueError):
+            return False
+
     def close(self) -> None:
         self._closed.set()
         try:  # closing a listening socket does not wake a thread blocked in accept(); a connection does
-            socket.create_connection(self._listener.address, timeout=1.0).close()
+            host, port = self._listener.address
+            socket.create_connection(("127.0.0.1" if host == "0.0.0.0" else host, port), timeout=1.0).close()
         except OSError:
             pass
         self._listener.close()
@@ -93,44 +122,69 @@ class Hub:
                 pass
         for thread in self._threads:
             thread.join(timeout=1.0)
+        self._threads.clear()
+        self._connections.clear()
 
 
 class Link:
-    """Rank side: a batched, ordered stream of messages to the notebook."""
+    """Rank side: a batched, ordered stream of messages to the notebook, and the commands back.
 
-    def __init__(self, rank: int, environ=os.environ):
+    `on_command(message)` is called on the link's receiving thread for every command; when the
+    notebook goes away (its end of the connection closes: the kernel died or was killed)
+    `on_lost()` is called there, which by default ends the rank: nobody is left to serve.
+    """
+
+    def __init__(self, rank: int, environ=os.environ, on_command=None, on_lost=None):
         host, port = environ[ADDRESS_VAR].rsplit(":", 1)
         self.rank = rank
         self._conn = Client((host, int(port)), authkey=bytes.fromhex(environ[AUTHKEY_VAR]))
         self._pending: list[tuple] = []
         self._lock = threading.Condition()
         self._closing = False
+        self._urgent = False
         self._thread = threading.Thread(target=self._send_loop, name="nbtrain-link", daemon=True)
         self._thread.start()
+        self._receiver: threading.Thread | None = None
+        if on_command is not None:
+            self.listen(on_command, on_lost)
 
     @classmethod
-    def from_environ(cls, rank: int, environ=os.environ) -> "Link | None":
-        return cls(rank, environ) if ADDRESS_VAR in environ else None
+    def from_environ(cls, rank: int, environ=os.environ, **kwargs) -> "Link | None":
+        return cls(rank, environ, **kwargs) if ADDRESS_VAR in environ else None
+
+    def listen(self, on_command, on_lost=None) -> None:
+        self._receiver = threading.Thread(target=self._receive_loop, args=(on_command, on_lost or _end_rank),
+                                          name="nbtrain-commands", daemon=True)
+        self._receiver.start()
 
     def emit(self, kind: str, *payload) -> None:
         with self._lock:
             self._pending.append((kind, self.rank, *payload))
-            if len(self._pending) >= BATCH_LIMIT:
+            if kind in URGENT or len(self._pending) >= BATCH_LIMIT:
+                self._urgent = True
                 self._lock.notify()
 
     def _send_loop(self) -> None:
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._closing or len(self._pending) >= BATCH_LIMIT, FLUSH_SECONDS)
-                batch, self._pending = self._pending, []
+                self._lock.wait_for(lambda: self._closing or self._urgent, FLUSH_SECONDS)
+                batch, self._pending, self._urgent = self._pending, [], False
                 closing = self._closing
             if batch:
                 try:
                     self._conn.send(batch)
-                except OSError:  # the notebook went away; the rank is being stopped anyway
+                except (OSError, ValueError):  # the notebook went away; the rank is being stopped anyway
                     return
             if closing:
                 return
+
+    def _receive_loop(self, on_command, on_lost) -> None:
+        try:
+            while True:
+                on_command(self._conn.recv())
+        except (EOFError, OSError):
+            if not self._closing:
+                on_lost()
 
     def close(self, *final: tuple) -> None:
         """Send what is pending, then `final` messages, and wait until they are written."""
@@ -140,6 +194,10 @@ class Link:
             self._lock.notify()
         self._thread.join()
         self._conn.close()
+
+
+def _end_rank() -> None:
+    os._exit(1)
 
 
 class OutputPump:
@@ -162,11 +220,16 @@ class OutputPump:
         self._selector.register(fd, selectors.EVENT_READ, (rank, stream, rank_of))
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="nbtrain-output", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="nbtrain-output", daemon=True)
+            self._thread.start()
 
     def _loop(self) -> None:
-        while self._selector.get_map() and not self._stop.is_set():
+        # Pipes may be added while it runs (a restarted pool): wait for them, do not end.
+        while not self._stop.is_set():
+            if not self._selector.get_map():
+                self._stop.wait(0.05)
+                continue
             for key, _ in self._selector.select(timeout=0.1):
                 self._read(key)
 
@@ -193,8 +256,11 @@ class OutputPump:
 
     def drain(self, timeout: float) -> None:
         """Wait (bounded) until every pipe reached end of file."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self._selector.get_map() and time.monotonic() < deadline and self._thread is not None:
+            time.sleep(0.005)
 
     def close(self) -> None:
         self._stop.set()

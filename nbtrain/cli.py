@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import __version__
+
 
 def _gpus(args) -> int:
     from .display.gpus import gpus
@@ -14,12 +16,15 @@ def _gpus(args) -> int:
 
 def _demo(args) -> int:
     from . import launch
-    from .demo import train
+    from .demo import METRIC, train
 
     result = launch(train, args.epochs, devices=args.devices, accelerator=args.accelerator,
                     strategy=args.strategy, timeout=args.timeout)
+    # Two kinds of loss, labelled apart: each rank's own last batch, and the logged mean over ranks.
     for value in result.values:
-        print(f"rank {value['rank']}: final loss {value['final_loss']:.4f}")
+        print(f"rank {value['rank']}: last batch loss {value['last_batch_loss']:.4f} (this rank's own batch)")
+    print(f"mean over ranks: {result.metrics(METRIC)[-1]:.4f} (the live {METRIC}= above, "
+          "synced by ctx.log(..., sync_dist=True))")
     print(f"effective batch size: {result.effective_batch_size}  ({result.devices}, {result.strategy}, "
           f"{result.elapsed:.2f} s)")
     return 0
@@ -27,7 +32,8 @@ def _demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nbtrain", description="Multi-device PyTorch training from notebooks.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="command")
     commands.add_parser("gpus", help="list visible GPUs with memory, utilisation and processes").set_defaults(run=_gpus)
     demo = commands.add_parser("demo", help="train a small synthetic model across ranks (CPU when no GPU)")
     demo.add_argument("--devices", default="2", help="Lightning's devices grammar: 2, -1, '0,1', 'free:2' (default: 2)")
@@ -42,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # a bare `nbtrain`: say what it can do
+        parser.print_help()
+        return 0
     try:
         return args.run(args)
     except (ValueError, TypeError, RuntimeError) as exc:  # bad devices/strategy, no GPU, a failed rank

@@ -88,6 +88,15 @@ class Context:
         dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size)
         self._owns_group = True
 
+    def start_group(self) -> None:
+        """Create the default process group now (live ranks do, so plain torch.distributed works
+        in their first cell); a no-op for a single non-distributed rank or an existing group."""
+        self._ensure_group()
+
+    def _begin_command(self) -> None:
+        # A live rank runs many commands: each one's progress bars start at the outer level.
+        self._depth = 0
+
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()

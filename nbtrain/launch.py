@@ -13,17 +13,35 @@ STRATEGIES = ("auto", "dp", "ddp_fork", "ddp_spawn", "ddp")
 ALIASES = {"ddp_notebook": "ddp_fork", "fork": "ddp_fork", "spawn": "ddp_spawn", "ddp_script": "ddp"}
 
 
-def _launcher(strategy: str):
+def _launcher(strategy: str, options: dict, display):
     from .launchers.inprocess import InProcessLauncher
     from .launchers.processes import ForkLauncher, SpawnLauncher
 
-    table = {"single": InProcessLauncher, "dp": InProcessLauncher, "ddp_fork": ForkLauncher,
-             "ddp_spawn": SpawnLauncher}
     if strategy == "ddp":
         from .launchers.script import ScriptLauncher
 
         return ScriptLauncher()
-    return table[strategy]()
+    if strategy == "ddp_spawn":
+        if not options.pop("template", True):
+            return SpawnLauncher()  # plain spawn: fresh interpreters, for code that breaks even in a clean fork
+        from .launchers.template import start_ranks_cleanly
+
+        return start_ranks_cleanly(display)
+    return {"single": InProcessLauncher, "dp": InProcessLauncher, "ddp_fork": ForkLauncher}[strategy]()
+
+
+def _check_launcher_options(options: dict | None, name: str, strategy: str) -> dict:
+    options = dict(options or {})
+    if name == "ddp_spawn" and set(options) <= {"template"}:
+        if not isinstance(options.get("template", True), bool):
+            raise ValueError(f"launcher_options={{'template': {options['template']!r}}}: give True (ranks forked "
+                             "from the warm template, the default) or False (plain spawn).")
+        return options
+    if options and name != "ddp":
+        raise ValueError(f"launcher_options={options!r} apply to strategy='ddp' (the script launcher: node_rank, "
+                         "rdzv_endpoint, max_restarts, launcher) and strategy='ddp_spawn' ({'template': False} for "
+                         f"plain spawn) only; strategy {strategy!r} runs {name!r}.")
+    return options
 
 
 def resolve_strategy(strategy: str, plan: DevicePlan) -> tuple[str, str | None]:
@@ -40,13 +58,22 @@ def resolve_strategy(strategy: str, plan: DevicePlan) -> tuple[str, str | None]:
                          "Use devices=1, or strategy='ddp_fork'/'ddp_spawn' for several CPU ranks.")
     if name != "auto":
         return name, None
+    # Each note starts with the run's title ("<strategy> on <devices>"), so a display that shows
+    # the title says the choice on that one line instead of repeating it (see LineDisplay.start).
     if plan.world_size == 1:
-        return "single", f"strategy 'auto' -> in this kernel ({plan.describe()})"
+        return "single", f"single on {plan.describe()} (chosen by strategy='auto': one device runs in this kernel)"
     blocker = fork_blocker()
     if blocker is None:
-        return "ddp_fork", f"strategy 'auto' -> ddp_fork ({plan.describe()})"
+        return "ddp_fork", f"ddp_fork on {plan.describe()} (chosen by strategy='auto')"
     # The blocker names its cause (the cell line or import that initialised CUDA).
-    return "ddp_spawn", f"strategy 'auto' -> ddp_spawn ({plan.describe()}), not ddp_fork: {blocker}"
+    return "ddp_spawn", f"ddp_spawn on {plan.describe()} (chosen by strategy='auto'), not ddp_fork: {blocker}"
+
+
+def check_timeout(timeout):
+    """`timeout` as given, once it is a positive number of seconds (or None: no limit)."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout={timeout!r}: give a positive number of seconds, or None for no limit.")
+    return timeout
 
 
 def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelerator: str = "auto",
@@ -56,20 +83,20 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
 
     Inside `fn`, `nbtrain.context()` is this rank's Context. Keyword arguments that `launch`
     itself takes (strategy, devices, ...) cannot reach `fn` this way: bind them with
-    `functools.partial`. `launcher_options` (strategy 'ddp' only) are the script launcher's
-    settings: node_rank, rdzv_endpoint, max_restarts, launcher; see `launchers/script.py`.
+    `functools.partial`. `launcher_options` are the script launcher's settings with strategy
+    'ddp' (node_rank, rdzv_endpoint, max_restarts, launcher; see `launchers/script.py`), and
+    with 'ddp_spawn' `{"template": False}` starts plain spawned interpreters instead of forks
+    of the warm template (see `nbtrain.warm_up`).
     """
     if not callable(fn):
         raise TypeError(f"launch(fn=...) needs a callable training function, got {type(fn).__name__}.")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"timeout={timeout!r}: give a positive number of seconds, or None for no limit.")
+    check_timeout(timeout)
     plan = plan_devices(devices, accelerator, backend, num_nodes)
     name, note = resolve_strategy(strategy, plan)
-    if launcher_options and name != "ddp":
-        raise ValueError(f"launcher_options={launcher_options!r} apply to strategy='ddp' (the script launcher) "
-                         f"only; strategy {strategy!r} runs {name!r}.")
+    options = _check_launcher_options(launcher_options, name, strategy)
     display = make_display(progress)
     if note:
         display.note(note)
-    job = Job(fn, args, kwargs, plan, name, timeout, options=dict(launcher_options or {}))
-    return _launcher(name).launch(job, display)
+    launcher = _launcher(name, options, display)
+    job = Job(fn, args, kwargs, plan, name, timeout, options=options)
+    return launcher.launch(job, display)

@@ -291,7 +291,7 @@ def _function_children(fn):
             pass
     # With recurse=True dill ships only the globals the code names, so only those can fail.
     fglobals = fn.__globals__
-    for var in sorted(_global_names(code)):
+    for var in sorted(code_global_names(code)):
         if var in fglobals:
             yield f".__globals__[{var!r}]", fglobals[var]
     for i, default in enumerate(fn.__defaults__ or ()):
@@ -300,11 +300,12 @@ def _function_children(fn):
         yield f".__kwdefaults__[{key!r}]", default
 
 
-def _global_names(code) -> set[str]:
+def code_global_names(code) -> set[str]:
+    """Every global (and attribute) name a code object and the code nested in it may read."""
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):  # lambdas, comprehensions, nested defs
-            names |= _global_names(const)
+            names |= code_global_names(const)
     return names
 
 

@@ -5,6 +5,7 @@ at which ranks report never sets the rate at which anything is drawn.
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -42,12 +43,22 @@ class Bar:
         return max(0.0, (self.total - self.n) / rate)
 
 
+# An error that only says a peer went away (gloo, NCCL, the TCP store): a consequence of
+# another rank's failure, never its cause while that other failure is known.
+LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|DistBackendError|ProcessGroupGloo|"
+                       r"gloo/transport|NCCL (communicator|error).*(abort|remote)|remote process exited|"
+                       r"RendezvousClosed|TCPStore|recvValue|Socket Timeout", re.IGNORECASE)
+
+
 @dataclass
 class RankView:
     rank: int
-    status: str = "starting"  # starting, running, finished, failed
-    detail: str = ""  # first line of the failure
+    status: str = "starting"  # starting, running, finished, failed, stopped (because another rank failed)
+    detail: str = ""  # first line of the failure; for a stopped rank "stopped (rank 1 failed)"
+    reason: str = ""  # a stopped rank's own first line (what it said as it was stopped), may be ""
     pid: int | None = None
+    ended_at: float | None = None  # when it finished or failed
+    ended_where: str = ""  # how a finished rank ended: "returned from train()", "called sys.exit(0) at ..."
     bars: dict[int, Bar] = field(default_factory=dict)
     metrics: dict[str, Metric] = field(default_factory=dict)
 
@@ -57,8 +68,9 @@ class Failure:
     rank: int
     summary: str
     traceback: str = ""
-    crashed: bool = False  # died by a signal or exit code, not by a Python exception
-    original: bytes | None = None  # the exception itself, packed by the rank (transfer.pack_exception)
+    crashed: bool = False  # died by a signal or exit code (or ended early), not by a Python exception
+    lost_peer: bool = False  # its error only says another rank went away
+    exception: bytes | None = None  # the original exception, pickled in the rank (see transfer.pack_exception)
 
 
 class RunState:
@@ -73,6 +85,7 @@ class RunState:
         self.per_rank_batch_size: int | None = None
         self.version = 0  # bumped on every change, so a display redraws only when needed
         self.ended: float | None = None
+        self.interrupted: set[int] = set()  # ranks interrupted by nbtrain (live ranks), not by their own fault
 
     @property
     def elapsed(self) -> float:
@@ -110,35 +123,99 @@ class RunState:
         if self.effective_batch_size is None:
             self.per_rank_batch_size, self.effective_batch_size = per_rank, effective
 
-    def _on_result(self, view: RankView, payload: bytes) -> None:
+    def _on_result(self, view: RankView, payload: bytes, where: str = "") -> None:
         self.values[view.rank] = unpack_result(payload)
-        view.status = "finished"
+        self._finished(view, where)
 
     def _on_value(self, view: RankView, value) -> None:
         # In-process runs hand the value over directly: nothing to unpack.
         self.values[view.rank] = value
-        view.status = "finished"
+        self._finished(view, "")
 
-    def _on_error(self, view: RankView, summary: str, traceback: str, original: bytes | None = None) -> None:
-        self.fail(view.rank, summary, traceback, original=original)
+    def _finished(self, view: RankView, where: str) -> None:
+        view.status, view.ended_at, view.ended_where = "finished", time.monotonic(), where
 
-    def fail(self, rank: int, summary: str, traceback: str = "", crashed: bool = False,
-             original: bytes | None = None) -> None:
+    def _on_error(self, view: RankView, summary: str, traceback: str, exception: bytes | None = None) -> None:
+        self.fail(view.rank, summary, traceback, exception=exception)
+
+    def fail(self, rank: int, summary: str, traceback: str = "", crashed: bool = False, ended_early: bool = False,
+             exception: bytes | None = None) -> None:
         view = self.ranks[rank]
-        if view.status == "failed":
+        if view.status in ("failed", "stopped"):
             return
+        lost = not crashed and bool(LOST_PEER.search(summary or ""))
         view.status, view.detail = "failed", summary.splitlines()[0] if summary else ""
-        self.failures.append(Failure(rank, summary, traceback, crashed, original))
+        view.ended_at = view.ended_at or time.monotonic()
+        if ended_early:  # it had finished; it is now the cause of the others' wait
+            self.values.pop(rank, None)
+        self.failures.append(Failure(rank, summary, traceback, crashed, lost, exception))
+        self._blame()
+
+    def stop(self, rank: int, why: str = "", stack: str = "") -> None:
+        """`rank` was stopped (or interrupted) because of another rank's failure or a time-out."""
+        view = self.ranks[rank]
+        if view.status in ("failed", "stopped"):
+            return
+        view.status, view.reason = "stopped", why.splitlines()[0] if why else ""
+        view.ended_at = time.monotonic()
+        if stack:
+            view.reason += f"\n{stack}"
+        self._blame()
+
+    def _blame(self) -> None:
+        """Ranks whose only fault is a lost peer, or that were stopped, read as stopped by the cause."""
         self.version += 1
+        if not self.failures:
+            for view in self.ranks.values():
+                if view.status == "stopped":
+                    view.detail = "stopped"
+            return
+        cause = self.root_cause()
+        for failure in self.failures:
+            view = self.ranks[failure.rank]
+            if failure is not cause and failure.lost_peer and view.status == "failed":
+                view.status, view.reason = "stopped", view.detail
+        for view in self.ranks.values():
+            if view.status == "stopped":
+                view.detail = f"stopped (rank {cause.rank} failed)"
 
     def unfinished(self) -> list[int]:
         return [r for r, v in self.ranks.items() if v.status in ("starting", "running")]
 
+    def ended_ranks(self) -> list[int]:
+        return [r for r, v in self.ranks.items() if v.status == "finished"]
+
+    def only_lost_peers(self) -> bool:
+        return bool(self.failures) and all(f.lost_peer for f in self.failures)
+
     def root_cause(self) -> Failure:
-        # A rank that crashed explains the peers' "connection closed" errors that may have
-        # arrived first; otherwise the earliest failure is the cause.
-        crashed = [f for f in self.failures if f.crashed]
-        return crashed[0] if crashed else self.failures[0]
+        # A crash (or a rank that ended early) explains the peers' "connection closed" errors that
+        # may have arrived first; then a rank's own exception; a lost peer only when nothing else is known.
+        for kind in (lambda f: f.crashed, lambda f: not f.lost_peer, lambda f: True):
+            found = [f for f in self.failures if kind(f)]
+            if found:
+                return found[0]
+        raise LookupError("no failure")
+
+    def outcome_lines(self, cause: Failure) -> list[str]:
+        """Every other rank's outcome, one line each, in rank order."""
+        lines = []
+        for rank, view in sorted(self.ranks.items()):
+            if rank == cause.rank:
+                continue
+            if view.status == "stopped":
+                own = view.reason.splitlines()[0] if view.reason else ""
+                if own.startswith("stopped"):  # the launcher already said who stopped it, and why
+                    lines.append(f"rank {rank}: {own}")
+                else:
+                    lines.append(f"rank {rank}: stopped after rank {cause.rank} failed" + (f" ({own})" if own else ""))
+            elif view.status == "failed":
+                lines.append(f"rank {rank}: failed: {view.detail}")
+            elif view.status == "finished":
+                lines.append(f"rank {rank}: finished" + (f" ({view.ended_where})" if view.ended_where else ""))
+            else:
+                lines.append(f"rank {rank}: {view.status}")
+        return lines
 
     def latest_metrics(self) -> dict[str, Metric]:
         latest: dict[str, Metric] = {}

@@ -1,5 +1,5 @@
 """The rank side of strategy "ddp": what a rank started by torchrun (or accelerate, deepspeed)
-does before and after the shared `worker.run_rank`.
+does before and after the command loop every rank runs (`rankloop.serve`).
 
 The launcher (`launchers/script.py`) writes a bootstrap script into the launch's private
 directory; the bootstrap calls `rank_main`, which points the rank's output at the notebook's
@@ -22,8 +22,9 @@ def pipe_name(stream: str, local_rank) -> str:
 def rank_main(job_dir: str, parent: int) -> None:
     """A rank started by the launcher (pid `parent`): output to the notebook's pipes, then the
     job; exits."""
+    from .rankloop import serve
     from .transfer import unpack_job
-    from .worker import die_with_parent, enable_stacks, limit_threads, redirect_output, run_rank
+    from .worker import die_with_parent, enable_stacks, limit_threads, redirect_output
 
     die_with_parent(parent)
     local = os.environ["LOCAL_RANK"]
@@ -43,7 +44,7 @@ def rank_main(job_dir: str, parent: int) -> None:
         fn, args, kwargs = unpack_job(payload)
         return (_leave_to_launcher(fn) if _restarts_left() else fn), args, kwargs
 
-    _exit(run_rank(load_job))
+    _exit(serve(("run", 0, load_job), once=True))
 
 
 def _exit(code: int) -> None:

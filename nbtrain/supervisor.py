@@ -1,20 +1,22 @@
-"""The notebook side of a running launch: watch every rank until all finish or one fails.
+"""The notebook side of one command on the ranks: watch until every rank replied or one failed.
 
 Runs on the kernel's main thread, so Ctrl-C reaches it and output lands in the running cell.
-On a failure, a timeout or an interrupt every rank is stopped (SIGTERM to its process group,
-SIGKILL after a short grace) before the error is raised: nothing is left running.
+What happens after a failure depends on the pool: a launch's ranks are stopped (the pool is
+closed by the caller); live ranks are interrupted and keep their state, and only ranks that
+cannot be interrupted (stuck in C code or a collective) are diagnosed by their stacks and the
+pool restarted. A wait that can never complete — a rank ended while another waits for it in
+a collective — is recognised from the waiting rank's stack within seconds, not left to hang.
 """
 from __future__ import annotations
 
 import logging
 import os
 import queue
-import signal
+import re
 import time
 from collections import defaultdict, deque
 
 from .errors import WorkerError
-from .launchers.base import RankProcess
 from .runstate import RunState
 from .transfer import unpack_exception
 from .worker import STACKS_SIGNAL
@@ -22,17 +24,27 @@ from .worker import STACKS_SIGNAL
 log = logging.getLogger(__name__)
 
 TICK = 0.05  # seconds between checks of the processes
-EXIT_POLL = 0.002  # while ranks that reported are exiting: the launch returns as soon as they are gone
-SETTLING = ("result", "value", "error", "closed")
+SETTLING = ("result", "error", "closed")
 EXIT_DRAIN = 1.0  # after a process exits, how long its last messages may take to arrive
 PEER_ERRORS = 0.3  # after a failure, how long to listen for the others' before naming the cause
-STOP_GRACE = 1.0  # between SIGTERM and SIGKILL
+CULPRIT_WAIT = 5.0  # when every failure so far is a lost peer: how long to wait for the rank that was lost
+INTERRUPT_GRACE = 2.0  # live ranks: how long an interrupted rank may take to return
 STACK_WAIT = 1.0  # for faulthandler's dumps after asking for them
+STACK_QUIET = 0.15  # a dump is complete once its rank has been silent this long
 STDERR_TAIL = 300  # lines of a rank's stderr kept to explain a crash
+EARLY_EXIT_AFTER = 1.0  # a rank ended this long ago while others still run: look at where they wait
+EARLY_EXIT_PROBES = 2  # consecutive stacks showing the same wait before it counts as a deadlock
+PROBE_INTERVAL = 1.0
 
-
-OWN_THREADS = ("in _send_loop", "in _watch_parent")  # nbtrain's helper threads in a rank
-RANK_ENTRY = "in run_rank"  # below it: the launcher, and in a fork the kernel's own frames
+OWN_THREADS = ("in _send_loop", "in _receive_loop", "in _watch_parent", "in _forward")  # nbtrain's threads in a rank
+RANK_ENTRY = re.compile(r"in (serve|_execute|_do_\w+|_user_code)$")  # below it: nbtrain's loop, the launcher, the kernel
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+# Where a rank blocks on its peers: torch.distributed's collectives, rendezvous and DDP's start-up syncs.
+_DIST_FILES = re.compile(r"torch/distributed/|torch/nn/parallel/distributed\.py")
+_BLOCKING = re.compile(r"^(barrier|monitored_barrier|all_reduce|all_gather\w*|broadcast\w*|reduce\w*|gather\w*|"
+                       r"scatter\w*|all_to_all\w*|send|recv|isend|irecv|wait|init_process_group|new_group|"
+                       r"_store_based_barrier|rendezvous|_env_rendezvous_handler|_create_c10d_store|"
+                       r"_verify_param_shape_across_processes|_sync_module_states|_sync_params_and_buffers)$")
 
 
 def tidy_stacks(dump: str) -> str:
@@ -42,73 +54,107 @@ def tidy_stacks(dump: str) -> str:
         if any(marker in block for marker in OWN_THREADS):
             continue
         lines = block.splitlines()
-        entry = next((i for i, line in enumerate(lines) if RANK_ENTRY in line), None)
+        entry = next((i for i, line in enumerate(lines) if RANK_ENTRY.search(line) and "rankloop" in line), None)
         blocks.append("\n".join(lines if entry is None else lines[:entry]))
     return "\n\n".join(b for b in blocks if b.strip() and not b.startswith("Extension modules"))
 
 
+def blocked_on_peers(stack: str) -> str | None:
+    """'all_reduce (cell.py line 7 in train)' when the rank's main thread waits on other ranks."""
+    for block in stack.split("\n\n"):
+        frames = [m for m in map(_FRAME.match, block.splitlines()) if m]
+        waits = [i for i, m in enumerate(frames) if _DIST_FILES.search(m["file"]) and _BLOCKING.match(m["func"])]
+        if not waits:
+            continue
+        op = frames[waits[-1]]["func"]  # the outermost torch.distributed call: the one the user made
+        caller = next((m for m in frames[waits[-1] + 1:] if "/torch/" not in m["file"]), None)
+        where = f" ({os.path.basename(caller['file'])} line {caller['line']} in {caller['func']})" if caller else ""
+        return f"{op}{where}"
+    return None
+
+
 class Supervisor:
-    def __init__(self, state: RunState, inbox: queue.Queue, processes: list[RankProcess], display,
-                 timeout: float | None, start_timeout: float | None):
+    """Watches the ranks of `state` for one command of `pool`."""
+
+    def __init__(self, pool, state: RunState, display, timeout: float | None, start_timeout: float | None = None):
+        self.pool = pool
         self.state = state
-        self.inbox = inbox
-        self.processes = processes
         self.display = display
         self.timeout = timeout
         self.start_timeout = start_timeout
-        self._closed: set[int] = set()
-        self._stderr: dict[int, deque] = defaultdict(lambda: deque(maxlen=STDERR_TAIL))
         self._capturing: dict[int, list[str]] | None = None  # stacks being collected
+        self._heard: dict[int, float] = {}
+        self._probes: dict[int, tuple[str, int]] = {}  # rank: (the wait seen, times in a row)
+        self._probed = 0.0
+
+    @property
+    def processes(self):
+        return self.pool.processes
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> None:
-        """Return when every rank finished; raise WorkerError or KeyboardInterrupt otherwise."""
+        """Return when every rank replied; raise WorkerError or KeyboardInterrupt otherwise."""
         try:
             while self.state.unfinished() and not self.state.failures:
                 self._pump(TICK, until_settled=True)
                 self._check_processes()
                 self._check_deadlines()
+                self._check_early_exit()
                 self.display.update(self.state)
             if self.state.failures:
-                self._pump(PEER_ERRORS)
-                self._check_processes()
+                self._settle_failure()
                 raise self._worker_error()
-            self._wait_exits()
         except KeyboardInterrupt:
-            self.stop(grace=0.2)
+            self._on_kernel_interrupt()
             raise
         finally:
-            self.stop()
             self.state.ended = time.monotonic()
 
     def _pump(self, timeout: float, until_settled: bool = False) -> None:
         """Handle messages for up to `timeout` s; with `until_settled`, return as soon as one
-        may have ended the run (a result, an error, a closed channel), so no tick is wasted."""
+        may have ended the command (a result, an error, a closed channel), so no tick is wasted."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                message = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+                message = self.pool.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 return
             self._handle(message)
             if until_settled and message[0] in SETTLING:
                 return
-            if self.inbox.empty() and time.monotonic() >= deadline:
+            if self.pool.inbox.empty() and time.monotonic() >= deadline:
                 return
 
     def _handle(self, message: tuple) -> None:
         kind, rank = message[0], message[1]
+        pool = self.pool
         if kind == "closed":
-            self._closed.add(rank)
+            pool.closed.add(rank)
         elif kind == "output":
             _, rank, stream, text = message
             if stream == "stderr" and rank is not None:
-                self._stderr[rank].append(text)
-            if self._capturing is not None and rank in self._capturing and stream == "stderr":
+                pool.stderr[rank].append(text)
+            if stream == "debug":  # pdb on a rank talking to the user: as it is, untagged
+                print(text, flush=True)
+            elif self._capturing is not None and rank in self._capturing and stream == "stderr":
                 self._capturing[rank].append(text)
+                self._heard[rank] = time.monotonic()
             else:
                 self.display.output(rank, stream, text)
+        elif kind == "begin":
+            pool.current[rank] = message[2]
+        elif kind == "hello":
+            self.state.handle(message)
+        elif pool.current.get(rank) != pool.seq:
+            return  # a late word about an earlier command
+        elif kind == "need":
+            pool.answer_need(rank, message[2], message[3], self.display)
+        elif kind == "prompt":
+            pool.answer_prompt(rank, message[2])
         else:
+            if kind == "error" and rank in self.state.interrupted and message[2].startswith("KeyboardInterrupt"):
+                self.state.stop(rank)  # interrupted by us, because another rank failed or time ran out
+                return
             self.state.handle(message)
 
     # -- failures ------------------------------------------------------------------------
@@ -119,31 +165,41 @@ class Supervisor:
             if code is None:
                 continue
             proc.exited_at = proc.exited_at or now
-            missing = [r for r in proc.ranks if r in self.state.unfinished()]
-            drained = all(r in self._closed for r in missing)
+            missing = [r for r in proc.ranks if r in self.state.ranks and self.state.ranks[r].status in ("starting", "running")]
+            drained = all(r in self.pool.closed for r in missing)
             if not missing or (not drained and now - proc.exited_at < EXIT_DRAIN):
                 continue  # its own result or error report may still be on the way
             for r in missing:
                 summary, crashed = proc.exit_reason(r, code, self.state.ranks[r].pid or proc.pid)
-                self.state.fail(r, summary, self._last_words(r), crashed=crashed)
+                if crashed:
+                    self.state.fail(r, summary, self._last_words(r), crashed=True)
+                else:
+                    self.state.stop(r, summary)
+            self.pool.lost(proc, code)
 
     def _last_words(self, rank: int) -> str:
         # faulthandler's report of a fatal signal, if the rank wrote one; else its last stderr lines.
-        lines = list(self._stderr[rank])
+        lines = list(self.pool.stderr[rank])
         starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
         return tidy_stacks("\n".join(lines[starts[-1]:] if starts else lines[-40:]))
 
     def _check_deadlines(self) -> None:
         elapsed = self.state.elapsed
         if self.timeout is not None and elapsed > self.timeout:
-            self._fail_with_stacks(f"timed out after {self.timeout:g} s")
+            self._time_out(f"timed out after {self.timeout:g} s")
         elif self.start_timeout is not None and elapsed > self.start_timeout:
             silent = [r for r, v in self.state.ranks.items() if v.status == "starting"]
             if silent:
-                self._fail_with_stacks(f"did not start within {self.start_timeout:g} s", only=silent)
+                self._time_out(f"did not start within {self.start_timeout:g} s", only=silent)
 
-    def _fail_with_stacks(self, why: str, only: list[int] | None = None) -> None:
+    def _time_out(self, why: str, only: list[int] | None = None) -> None:
         running = only or self.state.unfinished()
+        if self.pool.live and only is None:
+            # Interrupted ranks keep their state; only those that do not return are diagnosed.
+            running = self._interrupt(running)
+            if not running:
+                self.state.fail(min(self.state.interrupted), why)
+                return
         stacks = self.collect_stacks(running)
         done = [r for r, v in self.state.ranks.items() if v.status == "finished"]
         summary = f"{why}; still running: ranks {running}" + (f"; finished: ranks {done}" if done else "")
@@ -152,50 +208,113 @@ class Supervisor:
         self.state.fail(running[0], summary, text)
         for r in running[1:]:
             self.state.fail(r, why)
+        self.pool.stuck(running, summary)
+
+    def _check_early_exit(self) -> None:
+        """A rank that ended while another waits for it in a collective: that wait never ends."""
+        ended = self.state.ended_ranks()
+        running = [r for r in self.state.unfinished() if self.state.ranks[r].status == "running"]
+        now = time.monotonic()
+        if not ended or not running or now - self._probed < PROBE_INTERVAL:
+            return
+        first_end = min(self.state.ranks[r].ended_at or now for r in ended)
+        if now - first_end < EARLY_EXIT_AFTER:
+            return
+        self._probed = now
+        stacks = self.collect_stacks(running)
+        for rank in running:
+            wait = blocked_on_peers(stacks.get(rank, ""))
+            seen, count = self._probes.get(rank, (None, 0))
+            self._probes[rank] = (wait, count + 1 if wait and wait == seen else 1 if wait else 0)
+        waiting = [r for r in running if self._probes[r][1] >= EARLY_EXIT_PROBES]
+        if not waiting or not self.state.unfinished():
+            return
+        culprit = min(ended, key=lambda r: self.state.ranks[r].ended_at or now)
+        view = self.state.ranks[culprit]
+        waits = "; ".join(f"rank {r} waits for it in {self._probes[r][0]}" for r in waiting)
+        summary = (f"rank {culprit} ended ({view.ended_where or 'finished'}) while the others still needed it: "
+                   f"{waits}. That wait can never complete.")
+        text = "\n\n".join([f"--- rank {culprit}: {view.ended_where or 'finished'} ---",
+                            *(f"--- rank {r} stack (waiting) ---\n{stacks.get(r, '')}" for r in waiting)])
+        self.state.fail(culprit, summary, text, crashed=True, ended_early=True)
+        for r in waiting:
+            self.state.stop(r, f"waiting for rank {culprit} in {self._probes[r][0]}")
+        self.pool.stuck(waiting, summary)
 
     def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Every listed rank's Python stacks (faulthandler), before anything is stopped."""
         self._capturing = {r: [] for r in ranks}
-        pids = {r: self.state.ranks[r].pid for r in ranks}
-        for pid in filter(None, pids.values()):
-            try:
-                os.kill(pid, STACKS_SIGNAL)
-            except ProcessLookupError:
-                pass
-        self._pump(STACK_WAIT)
+        self._heard = {}
+        self.pool.ask_stacks({r: self.state.ranks[r].pid for r in ranks})
+        started = time.monotonic()
+        while time.monotonic() - started < STACK_WAIT:
+            self._pump(0.05)
+            quiet = time.monotonic() - STACK_QUIET
+            if self._heard and all(self._heard.get(r, started + STACK_WAIT) < quiet for r in ranks):
+                break
         captured, self._capturing = self._capturing, None
         return {r: tidy_stacks("\n".join(lines)) for r, lines in captured.items()}
 
+    def _settle_failure(self) -> None:
+        """Hear the other ranks, make sure the right one is blamed, and bring the rest to rest."""
+        self._pump(PEER_ERRORS)
+        self._check_processes()
+        deadline = time.monotonic() + CULPRIT_WAIT
+        # Errors about a lost peer are consequences; the peer that was lost is the cause.
+        while self.state.only_lost_peers() and time.monotonic() < deadline and self.pool.any_alive():
+            self._pump(TICK)
+            self._check_processes()
+        if self.pool.live:
+            running = [r for r in self.state.unfinished() if self.state.ranks[r].status == "running"]
+            stuck = self._interrupt(running) if running else []
+            if stuck:
+                stacks = self.collect_stacks(stuck)
+                cause = self.state.root_cause()
+                for r in stuck:
+                    self.state.stop(r, f"did not return after an interrupt (rank {cause.rank} failed)",
+                                    stack=stacks.get(r, ""))
+                self.pool.stuck(stuck, f"rank {cause.rank} failed")
+
+    def _interrupt(self, ranks: list[int]) -> list[int]:
+        """Interrupt live ranks and wait for them to return; the ranks that did not."""
+        self.state.interrupted.update(ranks)
+        self.pool.interrupt(ranks)
+        deadline = time.monotonic() + INTERRUPT_GRACE
+        while time.monotonic() < deadline and any(r in self.state.unfinished() for r in ranks):
+            self._pump(TICK)
+            self._check_processes()
+        return [r for r in ranks if r in self.state.unfinished()]
+
+    def _on_kernel_interrupt(self) -> None:
+        if not self.pool.live:
+            return  # the caller stops a launch's ranks
+        try:
+            running = [r for r in self.state.unfinished()]
+            stuck = self._interrupt(running) if running else []
+            if stuck:
+                stacks = self.collect_stacks(stuck)
+                why = "interrupted, and ranks {} did not return".format(stuck)
+                self.display.note(why + ":\n" + "\n\n".join(f"--- rank {r} ---\n{stacks.get(r, '')}" for r in stuck))
+                self.pool.stuck(stuck, why)
+        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, restart
+            self.pool.stuck(self.state.unfinished(), "interrupted twice")
+
     def _worker_error(self) -> WorkerError:
         cause = self.state.root_cause()
-        others = tuple(f"rank {f.rank}: {f.summary.splitlines()[0]}" for f in self.state.failures if f is not cause)
-        return WorkerError.from_failure(cause.rank, cause.summary, cause.traceback, others,
-                                        original=unpack_exception(cause.original))
-
-    # -- stopping ------------------------------------------------------------------------
-    def _wait_exits(self) -> None:
-        # Every rank reported; give the processes a moment to exit on their own.
-        deadline = time.monotonic() + 5.0
-        while any(p.poll() is None for p in self.processes) and time.monotonic() < deadline:
-            self._pump(EXIT_POLL)
-
-    def stop(self, grace: float = STOP_GRACE) -> None:
-        alive = [p for p in self.processes if p.poll() is None]
-        for p in alive:
-            p.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for p in self.processes:
-            p.signal(signal.SIGKILL)  # the group too: grandchildren such as DataLoader workers
-            p.join(1.0)
-            p.close()
-        self.processes = []
+        others = tuple(self.state.outcome_lines(cause))
+        note = self.pool.restart_note()
+        summary = cause.summary + (f"\n{note}" if note else "")
+        return WorkerError.from_failure(cause.rank, summary, cause.traceback, others,
+                                        original=unpack_exception(cause.exception))
 
     def flush(self) -> None:
         """Hand what is still queued (the ranks' last output lines) to the display."""
         while True:
             try:
-                self._handle(self.inbox.get_nowait())
+                self._handle(self.pool.inbox.get_nowait())
             except queue.Empty:
                 return
+
+
+def stderr_tails():
+    return defaultdict(lambda: deque(maxlen=STDERR_TAIL))

@@ -1,4 +1,8 @@
-"""The rank side of every launch: lifetime, output, the user's function, the report home."""
+"""A rank's process: lifetime (dies with the notebook), output, stacks on request, threads.
+
+What a rank *does* (the command loop) is `rankloop.py`; this module only prepares the
+process it runs in, for every placement (forked, spawned, template-forked, torchrun, remote).
+"""
 from __future__ import annotations
 
 import ctypes
@@ -9,14 +13,13 @@ import signal
 import sys
 import threading
 import time
-import traceback
 
 STACKS_SIGNAL = signal.SIGUSR1  # the notebook sends it to see where a rank is stuck
 PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """A rank must not outlive the kernel that started it (an orphan can sit in gloo forever)."""
+    """A rank must not outlive the process that started it (an orphan can sit in gloo forever)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the watchdog below still covers it
@@ -45,6 +48,30 @@ def redirect_output(stdout_fd: int, stderr_fd: int) -> None:
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, errors="replace")
 
 
+def forward_output(link) -> None:
+    """For ranks with no pipe to the notebook (another machine): fds 1 and 2 become pipes
+    read by threads that send each line over the channel as ("output", rank, stream, line)."""
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        read, write = os.pipe()
+        os.dup2(write, fd)
+        os.close(write)
+        threading.Thread(target=_forward, args=(read, stream, link), name=f"nbtrain-{stream}", daemon=True).start()
+    redirect_output(1, 2)
+
+
+def _forward(fd: int, stream: str, link) -> None:
+    partial = b""
+    while True:
+        chunk = os.read(fd, 65536)
+        lines = (partial + chunk).split(b"\n")
+        partial = lines.pop() if chunk else b""
+        for line in lines:
+            if line or chunk:
+                link.emit("output", stream, line.decode(errors="replace").rstrip("\r"))
+        if not chunk:
+            return
+
+
 def enable_stacks() -> None:
     faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
@@ -58,42 +85,3 @@ def limit_threads(local_world_size: int) -> None:
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
-
-
-def _user_traceback(exc: BaseException) -> str:
-    # Drop the launcher's own frame: the traceback should start at the user's function.
-    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-    return "".join(traceback.format_exception(type(exc), exc, tb))
-
-
-def run_rank(load_job) -> int:
-    """Run the job as this rank (environment already set); report; return the exit code.
-
-    `load_job()` returns (fn, args, kwargs); it runs inside the report so that a job that
-    fails to arrive (unpickling in a spawned rank) is reported like any other failure.
-    """
-    from .channel import Link
-    from .context import Context, set_current
-    from .transfer import pack_exception, pack_result
-
-    rank = int(os.environ["RANK"])
-    link = Link.from_environ(rank)
-    ctx = Context.from_environ(os.environ, link)
-    set_current(ctx)
-    link.emit("hello", os.getpid())
-    try:
-        try:
-            fn, args, kwargs = load_job()
-            value = fn(*args, **kwargs)
-        except SystemExit as exc:
-            if exc.code not in (None, 0):
-                raise
-            value = None  # scripts that end with sys.exit(0) finished normally
-        ctx.close()
-        final, code = ("result", pack_result(value, rank)), 0
-    except BaseException as exc:  # KeyboardInterrupt included: the notebook must hear of it
-        final, code = ("error", f"{type(exc).__name__}: {exc}", _user_traceback(exc), pack_exception(exc)), 1
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    link.close(final)
-    return code

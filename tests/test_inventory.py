@@ -61,6 +61,7 @@ def _nvml_gpu_count() -> int:
     return len(NvmlInventory().physical_gpus())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_nvml_gpu_count() > 0, reason="a GPU driver is present here; this test covers machines without one")
 def test_nvml_without_driver_is_quiet_and_empty():
     out = subprocess.run([sys.executable, "-W", "default", "-c", "import nbtrain; print(len(nbtrain.gpus()))"],
@@ -77,6 +78,7 @@ def test_nvml_reads_real_gpus():
     print(found)
 
 
+@pytest.mark.slow
 def test_cli_gpus_prints_table_or_cpu_line():
     out = subprocess.run([sys.executable, "-m", "nbtrain.cli", "gpus"], capture_output=True, text=True, check=True)
     expected = "GPU" if _nvml_gpu_count() else f"no GPU visible: {os.cpu_count()} CPU cores"

@@ -254,7 +254,8 @@ def test_launch_needs_a_callable():
 def test_auto_says_what_it_chose(capfd):
     nbtrain.launch(report_environment, devices=2, accelerator="cpu")
     out = capfd.readouterr().out
-    assert "nbtrain: strategy 'auto' -> ddp_fork (2 CPU ranks, gloo)" in out
+    assert "nbtrain: ddp_fork on 2 CPU ranks, gloo (chosen by strategy='auto')\n" in out
+    assert "nbtrain: ddp_fork on 2 CPU ranks, gloo\n" not in out  # said once, not twice
     assert "finished in" in out
 
 
@@ -296,6 +297,7 @@ def test_stack_dumps_lead_with_the_users_code():
 
     dump = ("Thread 0x1 (most recent call first):\n  File \"nbtrain/channel.py\", line 125 in _send_loop\n\n"
             "Current thread 0x2 (most recent call first):\n  File \"cell.py\", line 5 in train\n"
-            "  File \"nbtrain/worker.py\", line 87 in run_rank\n  File \"ipykernel/kernelapp.py\", line 1 in start\n\n"
+            "  File \"nbtrain/rankloop.py\", line 140 in _do_run\n"
+                "  File \"nbtrain/rankloop.py\", line 101 in _execute\n  File \"ipykernel/kernelapp.py\", line 1 in start\n\n"
             "Extension modules: torch._C (total: 1)")
     assert tidy_stacks(dump) == "Current thread 0x2 (most recent call first):\n  File \"cell.py\", line 5 in train"

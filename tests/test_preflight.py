@@ -121,7 +121,7 @@ def test_auto_picks_spawn_and_says_why_in_one_line(cuda_state):
     cuda_state["on"] = True
     name, note = resolve_strategy("auto", cpu_plan())
     assert name == "ddp_spawn" and "\n" not in note
-    assert note.startswith("strategy 'auto' -> ddp_spawn (2 CPU ranks, gloo), not ddp_fork: CUDA is already "
+    assert note.startswith("ddp_spawn on 2 CPU ranks, gloo (chosen by strategy='auto'), not ddp_fork: CUDA is already "
                            f"initialised in this kernel, at test_preflight line {NAMED_LINE} (`[call() for")
     assert resolve_strategy("ddp_spawn", cpu_plan()) == ("ddp_spawn", None)
 
@@ -381,7 +381,7 @@ def test_in_a_kernel_the_refusal_names_the_cell_and_line(nb):
     assert error["evalue"].startswith(f"strategy='ddp_fork' refused: {cause}; a forked rank cannot")
 
     _, out = ok(nb, "r = nbtrain.launch(work, 2, devices=2, accelerator='cpu', strategy='auto', progress=False)")
-    assert f"nbtrain: strategy 'auto' -> ddp_spawn (2 CPU ranks, gloo), not ddp_fork: {cause}\n" in out
+    assert f"nbtrain: ddp_spawn on 2 CPU ranks, gloo (chosen by strategy='auto'), not ddp_fork: {cause}\n" in out
     assert nb.value("r.strategy, r.values") == ("ddp_spawn", [0, 2])
 
     _, out = ok(nb, "r = nbtrain.launch(work, 3, devices=2, accelerator='cpu', strategy='ddp_spawn', progress=False)")

@@ -96,6 +96,7 @@ class QuietDisplay:
 
     def __init__(self, file=None):
         self._file = file
+        self._said = ""  # the latest note
 
     def _write(self, text: str, stream: str = "stdout") -> None:
         target = self._file or (sys.stderr if stream == "stderr" else sys.stdout)
@@ -105,6 +106,7 @@ class QuietDisplay:
         pass
 
     def note(self, text: str) -> None:
+        self._said = text
         self._write(f"nbtrain: {text}")
 
     def output(self, rank, stream: str, text: str) -> None:
@@ -127,7 +129,8 @@ class LineDisplay(QuietDisplay):
 
     def start(self, state) -> None:
         self._last = time.monotonic()
-        self._write(f"nbtrain: {state.title}")
+        if not self._said.startswith(state.title):  # launch's note on what 'auto' chose said it already
+            self._write(f"nbtrain: {state.title}")
 
     def update(self, state) -> None:
         now = time.monotonic()

@@ -1,7 +1,8 @@
 """What every launcher shares: the job, the ranks' environment, and the process handle.
 
-A launcher only starts processes; which launcher runs is the strategy's decision (launch.py),
-and watching the processes is the supervisor's (supervisor.py).
+A launcher (a placement) only starts rank processes; which launcher runs is the strategy's
+decision (launch.py); the processes, the channel and the commands are the pool's (pool.py),
+and watching one command is the supervisor's. Layering: launch -> launchers -> pool -> supervisor.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class Job:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     options: dict[str, Any] = field(default_factory=dict)  # launcher-specific settings
+    first: tuple | None = None  # the ranks' first command: a launch's ("run", 0, job), live ranks' ("start", 0)
+    live: bool = False  # live ranks serve commands until stopped; a launch's ranks exit after the first
 
     @property
     def ranks(self) -> list[int]:
@@ -136,41 +139,31 @@ class ProcessLauncher:
     def _prepare(self, job: Job) -> None:
         """Checks and shipping that must succeed before any process starts."""
 
+    remote = False  # ranks on other machines: stacks are asked for over the channel, not by signal
+
+    def channel_options(self, job: Job) -> dict:
+        """Where the notebook's channel listens (loopback unless ranks run elsewhere)."""
+        return {}
+
     def launch(self, job: Job, display):
-        import queue
-
-        from ..channel import Hub, OutputPump
+        """Start the ranks with `job.fn` as their one command, watch it, stop them: a `Result`."""
+        from ..pool import Pool
         from ..result import Result
-        from ..runstate import RunState
-        from ..supervisor import Supervisor
-        from ..tensor_files import LaunchFiles
 
-        self._prepare(job)
-        self._apply_nccl_quirks(job, display)
-        job.master_port = job.master_port or free_port()
-        inbox: queue.Queue = queue.Queue()
-        hub, pump = Hub(inbox), OutputPump(inbox)
-        state = RunState(f"{job.strategy} on {job.plan.describe()}", job.ranks)
-        display.start(state)
-        supervisor = Supervisor(state, inbox, [], display, job.timeout, job.start_timeout)
-        files = LaunchFiles()  # large returned tensors come through shared memory
+        pool = Pool(self, job, live=False)
         ok = False
         try:
-            self._start(job, {**hub.environ, **files.environ}, pump, supervisor.processes)
-            hub.start()
-            pump.start()
-            supervisor.run()
+            pool.start(display, job.timeout)
             ok = True
         finally:
-            supervisor.stop()
-            pump.drain(timeout=1.0)
-            supervisor.flush()
-            hub.close()
-            pump.close()
-            self._cleanup(job)
-            files.cleanup()
-            display.finish(state, ok)
-        return Result.from_state(state, job.strategy, job.plan.describe())
+            pool.close(ok, display)
+            if pool.state is not None:  # None: it failed in its checks, before anything was shown
+                display.finish(pool.state, ok)
+        return Result.from_state(pool.state, job.strategy, job.plan.describe())
+
+    def _first_job(self, job: Job):
+        """How the function travels to the ranks: in memory (fork) or as a payload (the others)."""
+        return job.options.get("payload")  # script mode: the ranks read it from their job directory
 
     def _cleanup(self, job: Job) -> None:
         """Undo what `_prepare`/`_start` left behind (temp files, helper processes)."""

@@ -10,7 +10,7 @@ import os
 import warnings
 
 from ..preflight import check_fork
-from ..worker import die_with_parent, enable_stacks, limit_threads, redirect_output, run_rank
+from ..worker import die_with_parent, enable_stacks, limit_threads, redirect_output
 from .base import Job, ProcessLauncher, RankProcess, rank_environ
 
 _warm = False
@@ -42,23 +42,25 @@ def _become_rank(parent_pid: int, env: dict, stdout_fd: int, stderr_fd: int) -> 
     limit_threads(int(env["LOCAL_WORLD_SIZE"]))
 
 
-def _fork_main(fn, args, kwargs, env, stdout_fd, stderr_fd, inherited_fds, parent_pid):
+def _fork_main(first, live, env, stdout_fd, stderr_fd, inherited_fds, parent_pid):
     for fd in inherited_fds:  # other ranks' pipe ends: holding them would hide their EOF
         try:
             os.close(fd)
         except OSError:
             pass
     _become_rank(parent_pid, env, stdout_fd, stderr_fd)
-    os._exit(run_rank(lambda: (fn, args, kwargs)))
+    from ..rankloop import serve
+
+    os._exit(serve(first, once=not live, live=live))
 
 
-def _spawn_main(payload, env, stdout_conn, stderr_conn, parent_pid):
+def _spawn_main(first, live, env, stdout_conn, stderr_conn, parent_pid):
     _become_rank(parent_pid, env, stdout_conn.fileno(), stderr_conn.fileno())
     stdout_conn.close()
     stderr_conn.close()
-    from ..transfer import unpack_job
+    from ..rankloop import serve
 
-    os._exit(run_rank(lambda: unpack_job(payload)))
+    os._exit(serve(first, once=not live, live=live))
 
 
 def _own_group(pid: int) -> None:
@@ -109,6 +111,9 @@ class ForkLauncher(ProcessLauncher):
         check_fork()
         warm_kernel()
 
+    def _first_job(self, job: Job):
+        return (job.fn, job.args, job.kwargs)  # inherited by the fork: nothing needs to pickle
+
     def _start(self, job, channel_env, pump, started) -> None:
         import multiprocess
 
@@ -122,7 +127,7 @@ class ForkLauncher(ProcessLauncher):
                 out_w, err_w = pipes.write_ends[rank]
                 others = [fd for fd in every_end if fd not in (out_w, err_w)]
                 proc = context.Process(target=_fork_main, name=f"nbtrain-rank{rank}",
-                                       args=(job.fn, job.args, job.kwargs, env, out_w, err_w, others, os.getpid()))
+                                       args=(job.first, job.live, env, out_w, err_w, others, os.getpid()))
                 with warnings.catch_warnings():
                     # A kernel always has threads (Python 3.12+ warns on every fork). The child
                     # touches none of their state: it replaces the kernel's streams and runs
@@ -163,7 +168,8 @@ class SpawnLauncher(ProcessLauncher):
     def _prepare(self, job: Job) -> None:
         from ..transfer import pack_job
 
-        job.options["payload"] = pack_job(job.fn, job.args, job.kwargs)
+        if not job.live:
+            job.options["payload"] = pack_job(job.fn, job.args, job.kwargs)
 
     def _start(self, job, channel_env, pump, started) -> None:
         import multiprocess
@@ -180,7 +186,7 @@ class SpawnLauncher(ProcessLauncher):
                     # Connections pickle as inheritable fds: that is how the pipes reach a spawned rank.
                     out_w, err_w = (Connection(fd, readable=False) for fd in pipes.write_ends[rank])
                     proc = context.Process(target=_spawn_main, name=f"nbtrain-rank{rank}",
-                                           args=(job.options["payload"], env, out_w, err_w, os.getpid()))
+                                           args=(job.first, job.live, env, out_w, err_w, os.getpid()))
                     try:
                         proc.start()
                     finally:

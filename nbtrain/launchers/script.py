@@ -2,8 +2,9 @@
 
 The job travels in a private temporary directory (mode 0700, files 0600), removed when the
 launch ends however it ends (a killed kernel's, by the next launch): the dill payload and a
-bootstrap script that runs `script_rank.rank_main`, around the same `run_rank` the fork and
-spawn launchers use, so results, errors and metrics come home through the same channel.
+bootstrap script that runs `script_rank.rank_main`, whose rank body is the same command loop
+(`rankloop.serve`) every placement uses, so results, errors and metrics come home through the
+same channel.
 
 Output: each rank points its fds 1 and 2 (C code and faulthandler included) at a pair of
 named pipes in that directory, read by the notebook's output pump. Nothing is polled and

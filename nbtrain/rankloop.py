@@ -1,0 +1,377 @@
+"""The rank side of every run: receive a command, run it in this rank, stream events, reply.
+
+One loop serves `launch` (one `run` command, then the rank exits) and live `Ranks` (commands
+until `stop`), whatever started the rank. Commands run on the main thread, so an interrupt
+(SIGINT, raised only while user code runs) lands in the user's code as KeyboardInterrupt; the
+channel's second thread receives commands, interrupts, stack requests and debugger input.
+
+Commands (notebook -> rank), each `(kind, seq, ...)`:
+  run    (job)                 launch's function, with its own globals: fork hands (fn, args, kwargs)
+                               over in memory, other placements a dill payload
+  call   (payload)             a notebook function run with this rank's namespace as its globals
+  exec   (source, filename, want_repr)   code in this rank's namespace; the last expression's repr back
+  eval   (source)              an expression's value back
+  push   (payload)             {name: object} into the namespace
+  pull   (name)                a name's value back
+  debug  ()                    pdb on the last failure's traceback, its prompt and input via the notebook
+  names  (payload)             answer to this rank's "need": names it lacked, from the notebook
+Messages besides commands: ("interrupt", seq), ("stacks",), ("stdin", line), ("stop",).
+Replies (rank -> notebook): ("begin", seq) then ("result", payload, where) or
+("error", summary, traceback, exception payload); ("need", seq, names); ("prompt", text).
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import faulthandler
+import linecache
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+import types
+
+NOTHING = object()  # an exec whose code ends without an expression
+
+
+class RankLoop:
+    def __init__(self, ctx, link, live: bool):
+        self.ctx, self.link, self.live = ctx, link, live
+        self.commands: queue.Queue = queue.Queue()
+        self.names: queue.Queue = queue.Queue()
+        self.stdin: queue.Queue = queue.Queue()
+        self.namespace = _fresh_main(ctx) if live else None
+        self.last_traceback = None
+        self._lock = threading.Lock()
+        self._running: int | None = None  # seq of the command whose user code runs now
+        self._interrupting = False
+        self._main = threading.main_thread().ident
+        signal.signal(signal.SIGINT, self._on_sigint)
+        if live:
+            sys.breakpointhook = self._breakpoint
+
+    # -- the receiving thread ------------------------------------------------------------
+    def on_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "interrupt":
+            with self._lock:
+                if self._running is not None and self._running == message[1]:
+                    self._interrupting = True
+                    signal.pthread_kill(self._main, signal.SIGINT)
+        elif kind == "stacks":  # remote ranks; local ones are asked by signal (works even when the GIL is held)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        elif kind == "stdin":
+            self.stdin.put(message[1])
+        elif kind == "names":
+            self.names.put(message)
+        else:
+            self.commands.put(message)
+
+    def _on_sigint(self, signum, frame) -> None:
+        # Only an interrupt asked for the running command counts: a late one, arriving after
+        # the user's code returned, must not break the reply or the next command.
+        if self._interrupting:
+            self._interrupting = False
+            raise KeyboardInterrupt
+
+    # -- the main thread -----------------------------------------------------------------
+    def serve(self, first: tuple | None = None, once: bool = False) -> int:
+        """Run commands until `stop` (or, with `once`, after the first); the exit code."""
+        if first is not None:
+            self.commands.put(first)
+        code = 0
+        while True:
+            command = self.commands.get()
+            if command[0] == "stop":
+                return code
+            code = self._execute(command, once)
+            if once:
+                return code
+
+    def _execute(self, command: tuple, once: bool) -> int:
+        kind, seq, *args = command
+        self.ctx._begin_command()
+        self.link.emit("begin", seq)
+        handler = getattr(self, f"_do_{kind}", None)
+        try:
+            if handler is None:
+                raise ValueError(f"unknown command {kind!r}")
+            value, where = handler(seq, *args)
+            if once:
+                value = self.ctx.prepare_return(value) if hasattr(self.ctx, "prepare_return") else value
+                self.ctx.close()
+            reply, code = ("result", self._pack(value), where), 0
+        except BaseException as exc:  # KeyboardInterrupt included: the notebook must hear of it
+            self.last_traceback = exc.__traceback__
+            reply, code = ("error", f"{type(exc).__name__}: {exc}", user_traceback(exc), _pack_exception(exc)), 1
+        finally:
+            with self._lock:
+                self._running, self._interrupting = None, False
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        if once:
+            self.link.close(reply)
+        else:
+            self.link.emit(*reply)
+        return code
+
+    def _user_code(self, seq: int):
+        """Marks the span in which an interrupt for `seq` may land (see `_on_sigint`)."""
+        loop = self
+
+        class _Span:
+            def __enter__(self):
+                with loop._lock:
+                    loop._running = seq
+
+            def __exit__(self, *exc):
+                with loop._lock:
+                    loop._running, loop._interrupting = None, False
+
+        return _Span()
+
+    def _pack(self, value) -> bytes:
+        from .transfer import pack_result
+
+        return pack_result(_detached(value) if self.live else value, self.ctx.rank)
+
+    # -- commands ------------------------------------------------------------------------
+    def _do_run(self, seq, job):
+        if isinstance(job, bytes):
+            from .transfer import unpack_job
+
+            job = unpack_job(job)
+        elif callable(job):  # a loader (script mode reads the payload from its job directory)
+            job = job()
+        fn, args, kwargs = job
+        with self._user_code(seq):
+            try:
+                value = fn(*args, **kwargs)
+            except SystemExit as exc:
+                if exc.code not in (None, 0):
+                    raise
+                return None, f"called sys.exit({exc.code if exc.code is not None else ''}) at {_exit_site(exc)}"
+        return value, f"returned from {getattr(fn, '__qualname__', 'the function')}()"
+
+    def _do_call(self, seq, payload):
+        import dill
+
+        bare, args, kwargs = dill.loads(payload)
+        from .pickling import code_global_names
+
+        self._fetch_missing(seq, code_global_names(bare.__code__))
+        fn = types.FunctionType(bare.__code__, self.namespace, bare.__name__, bare.__defaults__, bare.__closure__)
+        fn.__kwdefaults__, fn.__qualname__ = bare.__kwdefaults__, bare.__qualname__
+        with self._user_code(seq):
+            value = fn(*args, **kwargs)
+        return value, f"returned from {fn.__qualname__}()"
+
+    def _do_exec(self, seq, source: str, filename: str, want_repr: bool):
+        from .cell import free_names
+
+        lines = source.splitlines(keepends=True)
+        linecache.cache[filename] = (len(source), None, lines, filename)
+        self._fetch_missing(seq, free_names(source, filename))
+        body, last = _compile_cell(source, filename)
+        with self._user_code(seq):
+            exec(body, self.namespace)
+            value = eval(last, self.namespace) if last is not None else NOTHING
+        if value is NOTHING or value is None or not want_repr:
+            return None, ""
+        return repr(value), ""
+
+    def _do_eval(self, seq, source: str):
+        filename = "<nbtrain eval>"
+        linecache.cache[filename] = (len(source), None, [source], filename)
+        from .cell import free_names
+
+        self._fetch_missing(seq, free_names(source, filename))
+        code = compile(source, filename, "eval")
+        with self._user_code(seq):
+            return eval(code, self.namespace), ""
+
+    def _do_push(self, seq, payload: bytes):
+        import dill
+
+        self.namespace.update(dill.loads(payload))
+        return None, ""
+
+    def _do_pull(self, seq, name: str):
+        if name not in self.namespace:
+            raise NameError(f"name {name!r} is not defined on rank {self.ctx.rank}")
+        return self.namespace[name], ""
+
+    def _do_start(self, seq):
+        with self._user_code(seq):  # a rendezvous that never completes can be interrupted
+            self.ctx.start_group()
+        return None, ""
+
+    def _do_debug(self, seq):
+        if self.last_traceback is None:
+            raise RuntimeError(f"rank {self.ctx.rank} has no failure to debug: nothing raised since the ranks started.")
+        debugger = RemoteDebugger(self)
+        with self._user_code(seq):
+            debugger.reset()
+            debugger.interaction(None, self.last_traceback)
+        return None, ""
+
+    def _breakpoint(self, *args, **kwargs) -> None:
+        """`breakpoint()` in code running on a live rank: pdb, through the notebook."""
+        RemoteDebugger(self).set_trace(sys._getframe(1))
+
+    # -- names the rank lacks ------------------------------------------------------------
+    def _fetch_missing(self, seq: int, names) -> None:
+        """Ask the notebook for the names this code reads that this rank does not have.
+
+        The rank's own names win: state that lives here is never overwritten from the notebook.
+        """
+        missing = [n for n in dict.fromkeys(names) if n not in self.namespace and not hasattr(builtins, n)]
+        if not missing:
+            return
+        self.link.emit("need", seq, missing)
+        with self._user_code(seq):
+            while True:
+                _, answered, payload = self.names.get()
+                if answered == seq:
+                    break
+        if payload is not None:
+            import dill
+
+            self.namespace.update(dill.loads(payload))
+
+
+class RemoteDebugger:
+    """pdb whose prompt and input travel through the notebook (the rank has no terminal)."""
+
+    def __new__(cls, loop: RankLoop):
+        import pdb
+
+        class _Debugger(pdb.Pdb):
+            def __init__(self):
+                io = _DebugIO(loop)
+                super().__init__(stdin=io, stdout=io, nosigint=True)
+                self.use_rawinput = False
+                self.prompt = f"(Pdb rank {loop.ctx.rank}) "
+
+        return _Debugger()
+
+
+class _DebugIO:
+    def __init__(self, loop: RankLoop):
+        self.loop = loop
+        self._text = ""
+
+    def write(self, text: str) -> int:
+        self._text += text
+        if "\n" in self._text:
+            done, self._text = self._text.rsplit("\n", 1)
+            self.loop.link.emit("output", "debug", done)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def readline(self) -> str:
+        prompt, self._text = self._text, ""
+        self.loop.link.emit("prompt", prompt)
+        return self.loop.stdin.get() + "\n"
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+def _fresh_main(ctx) -> dict:
+    """A live rank's namespace: a new `__main__` module, so what is defined there pickles by
+    reference (DataLoader workers, results) as it would in a notebook."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__builtins__=builtins, ctx=ctx)
+    sys.modules["__main__"] = main
+    return main.__dict__
+
+
+def _compile_cell(source: str, filename: str):
+    """The code as its body and its last expression (None if it ends otherwise), as a cell runs."""
+    from .cell import parse_cell
+
+    tree = parse_cell(source, filename)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    body = compile(tree, filename, "exec")
+    return body, (compile(ast.Expression(last.value), filename, "eval") if last is not None else None)
+
+
+def _detached(value):
+    """What a live rank sends back must not change its own state: modules off the CPU are copied
+    to it (a launch's rank may move its own, it ends anyway), DDP/DataParallel unwrapped."""
+    import copy
+
+    import torch
+
+    if isinstance(value, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        value = value.module
+    if isinstance(value, torch.nn.Module) and any(p.device.type != "cpu" for p in value.parameters()):
+        return copy.deepcopy(value).to("cpu")
+    if type(value) in (list, tuple):
+        return type(value)(_detached(v) for v in value)
+    if type(value) is dict:
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def _pack_exception(exc: BaseException) -> bytes | None:
+    try:
+        from .transfer import pack_exception
+    except ImportError:
+        return None
+    return pack_exception(exc)
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback from the user's first frame: this module's own frames are dropped."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _exit_site(exc: SystemExit) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "an unknown place"
+    frame = frames[-1]
+    line = f" (`{frame.line}`)" if frame.line else ""
+    return f"{frame.filename} line {frame.lineno}{line}"
+
+
+def serve(first: tuple | None = None, once: bool = False, live: bool = False, forward_output: bool = False) -> int:
+    """Be a rank (environment already set): connect, say hello, run commands; the exit code.
+
+    `forward_output`: this rank has no pipe to the notebook (another machine): its fds 1 and 2
+    travel over the channel instead.
+    """
+    from .channel import Link
+    from .context import Context, set_current
+
+    rank = int(os.environ["RANK"])
+    link = Link.from_environ(rank)
+    if forward_output:
+        from .worker import forward_output as forward
+
+        forward(link)
+    ctx = Context.from_environ(os.environ, link)
+    set_current(ctx)
+    loop = RankLoop(ctx, link, live)
+    link.listen(loop.on_message)
+    link.emit("hello", os.getpid())
+    return loop.serve(first, once)
+
+
+def remote_main(environ: dict, first: tuple | None, live: bool) -> int:
+    """A rank started by a remote engine (a SLURM task, a Ray actor) in a process of its own:
+    `environ` holds the torchrun-standard variables and the channel's address and authkey."""
+    from .worker import enable_stacks, limit_threads
+
+    os.environ.update(environ)
+    enable_stacks()
+    limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return serve(first, once=not live, live=live, forward_output=True)
