@@ -23,7 +23,8 @@ LAUNCHERS = ("torchrun", "accelerate", "deepspeed")
 RESULT_NAME = "_nbtrain_result"
 DEFAULTS = {"strategy": "ddp", "devices": "auto", "accelerator": "auto", "nnodes": 1, "node_rank": 0,
             "rdzv_endpoint": None, "max_restarts": 0, "launcher": "torchrun", "timeout": None, "no_progress": False}
-COMMANDS = "Accepted: `%nbtrain config [options]`, `%nbtrain config reset`, `%nbtrain gpus`; " \
+COMMANDS = "Accepted: `%nbtrain config [options]`, `%nbtrain config reset`, `%nbtrain gpus`, " \
+           "`%nbtrain start [options]` / `%nbtrain stop` (live ranks, then `%%ranks` cells), `%nbtrain warm`; " \
            "`%%nbtrain [options]` as a cell's first line runs the cell on every rank."
 
 
@@ -162,6 +163,10 @@ class NbtrainMagics(Magics):
 
             display(gpus())
             return None
+        if command in ("start", "stop", "warm"):
+            from .ranks_magics import command as live_command
+
+            return live_command(self.shell, command, rest)
         what = f"unknown command {command!r}" if command else "a command is needed"
         raise UsageError(f"%nbtrain: {what}. {COMMANDS}")
 
@@ -180,4 +185,7 @@ class NbtrainMagics(Magics):
 
 
 def register(ipython) -> None:
+    from .ranks_magics import register as register_live
+
     ipython.register_magics(NbtrainMagics)
+    register_live(ipython)

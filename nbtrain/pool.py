@@ -149,6 +149,8 @@ class Pool:
             self._watch(state, display, timeout, None)
             ok = True
         finally:
+            if self.broken:
+                self.stop_processes()
             display.finish(state, ok)
         return state
 
@@ -193,12 +195,12 @@ class Pool:
                 pass
 
     def lost(self, proc, code: int) -> None:
-        """A rank's process ended. A live pool cannot go on without it."""
+        """A rank's process ended. A live pool cannot go on without it (its peers are stopped
+        once the command is over: their process group lost a member)."""
         if self.live and not self.broken:
             from .launchers.base import describe_exit
 
             self.broken = f"rank {proc.ranks[0]} ended: {describe_exit(code, proc.pid)}"
-            self.stop_processes()
 
     def stuck(self, ranks: list[int], why: str) -> None:
         """Ranks that did not return when interrupted: only a restart frees them (live pools)."""

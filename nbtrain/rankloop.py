@@ -104,7 +104,8 @@ class RankLoop:
                 self.ctx.close()
             reply, code = ("result", self._pack(value), where), 0
         except BaseException as exc:  # KeyboardInterrupt included: the notebook must hear of it
-            self.last_traceback = exc.__traceback__
+            _cut_inherited(exc)
+            self.last_traceback = _user_frames(exc.__traceback__)
             reply, code = ("error", f"{type(exc).__name__}: {exc}", user_traceback(exc), _pack_exception(exc)), 1
         finally:
             with self._lock:
@@ -174,10 +175,10 @@ class RankLoop:
         lines = source.splitlines(keepends=True)
         linecache.cache[filename] = (len(source), None, lines, filename)
         self._fetch_missing(seq, free_names(source, filename))
-        body, last = _compile_cell(source, filename)
+        code = _compile_cell(source, filename)
         with self._user_code(seq):
-            exec(body, self.namespace)
-            value = eval(last, self.namespace) if last is not None else NOTHING
+            exec(code, self.namespace)
+        value = self.namespace.pop(_LAST, NOTHING)
         if value is NOTHING or value is None or not want_repr:
             return None, ""
         return repr(value), ""
@@ -290,14 +291,21 @@ def _fresh_main(ctx) -> dict:
     return main.__dict__
 
 
+_LAST = "<nbtrain last value>"  # not an identifier: no name of the user's can clash with it
+
+
 def _compile_cell(source: str, filename: str):
-    """The code as its body and its last expression (None if it ends otherwise), as a cell runs."""
+    """The code as one code object whose last expression, if it ends with one, is kept in
+    `_LAST`, as a cell shows its last value. One code object: a debugger stepping through the
+    cell sees it run to its end, not a body that returns before its last line."""
     from .cell import parse_cell
 
     tree = parse_cell(source, filename)
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    body = compile(tree, filename, "exec")
-    return body, (compile(ast.Expression(last.value), filename, "eval") if last is not None else None)
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = tree.body[-1]
+        tree.body[-1] = ast.copy_location(ast.Assign([ast.Name(_LAST, ast.Store())], last.value), last)
+        ast.fix_missing_locations(tree)
+    return compile(tree, filename, "exec")
 
 
 def _detached(value):
@@ -326,12 +334,34 @@ def _pack_exception(exc: BaseException) -> bytes | None:
     return pack_exception(exc)
 
 
-def user_traceback(exc: BaseException) -> str:
+def _user_frames(tb):
     """The traceback from the user's first frame: this module's own frames are dropped."""
-    tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    return tb
+
+
+def user_traceback(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
+
+
+# A rank forked while the kernel was handling an exception (a launch from an `except:` block, a
+# restart after Ctrl-C) inherits it as the exception being handled: it is not the rank's story.
+def _cut_inherited(exc: BaseException) -> None:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__context__ is not None and exc.__context__ is _inherited():
+            exc.__context__ = None
+            return
+        exc = exc.__context__
+
+
+def _inherited():
+    return _RANK_START_EXCEPTION[0]
+
+
+_RANK_START_EXCEPTION: list = [None]
 
 
 def _exit_site(exc: SystemExit) -> str:
@@ -352,6 +382,7 @@ def serve(first: tuple | None = None, once: bool = False, live: bool = False, fo
     from .channel import Link
     from .context import Context, set_current
 
+    _RANK_START_EXCEPTION[0] = sys.exc_info()[1]
     rank = int(os.environ["RANK"])
     link = Link.from_environ(rank)
     if forward_output:

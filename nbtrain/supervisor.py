@@ -264,7 +264,7 @@ class Supervisor:
         while self.state.only_lost_peers() and time.monotonic() < deadline and self.pool.any_alive():
             self._pump(TICK)
             self._check_processes()
-        if self.pool.live:
+        if self.pool.live and not self.pool.broken:  # a broken pool's ranks are all stopped anyway
             running = [r for r in self.state.unfinished() if self.state.ranks[r].status == "running"]
             stuck = self._interrupt(running) if running else []
             if stuck:

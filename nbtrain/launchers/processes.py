@@ -72,14 +72,22 @@ def _own_group(pid: int) -> None:
 
 
 def _handle(proc, ranks: list[int]) -> RankProcess:
+    ended: list[int] = []  # the exit code, kept: a closed process object cannot be asked again
+
+    def poll() -> int | None:
+        if not ended and proc.exitcode is not None:
+            ended.append(proc.exitcode)
+        return ended[0] if ended else None
+
     def join(timeout: float) -> None:
-        proc.join(timeout)
+        if not ended:
+            proc.join(timeout)
 
     def close() -> None:
-        if proc.exitcode is not None:
+        if poll() is not None and not proc._closed:
             proc.close()
 
-    return RankProcess(ranks, proc.pid, lambda: proc.exitcode, join, close)
+    return RankProcess(ranks, proc.pid, poll, join, close)
 
 
 class _Pipes:
