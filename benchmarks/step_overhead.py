@@ -5,14 +5,15 @@ A small MLP on 2 CPU ranks (gloo). Variants:
   quiet    nbtrain.launch(strategy="ddp_fork") with ctx.progress (epoch, batch) and
            ctx.log(sync_dist=False) every step, nothing drawn (progress=False): the channel's cost
   line     the same, drawn by the LineDisplay
-  widgets  the same, drawn by the WidgetDisplay dashboard
+  widgets  the same, drawn by the WidgetDisplay dashboard: bars, each rank's step rate and memory
+           (sampled once a second), the SVG chart of the metrics, then the summary table and PNG
 Only the timed steps count (after warm-up, between barriers), so launch cost is excluded: this
 measures what reporting and drawing cost a running loop. Variants are interleaved, each
 repeated; the median is reported. `--where kernel` runs everything from a real Jupyter
 kernel (widget updates then travel as real comm messages); `--where process` (the default:
 both) from this process, the dashboard headless.
 
-    python benchmarks/step_overhead.py [--repeats 5] [--steps 600] [--where process kernel]
+    python benchmarks/step_overhead.py [--repeats 5] [--steps 600] [--where process kernel] [--note TEXT]
 
 Prints a table and replaces its section of benchmarks/RESULTS.md (--no-save: print only).
 """
@@ -170,7 +171,7 @@ def _cpus() -> str:
     return pinned + (f", OMP_NUM_THREADS={threads}" if threads else "")
 
 
-def report(results: dict[str, dict[str, dict[str, list[float]]]], repeats: int, steps: int) -> str:
+def report(results: dict[str, dict[str, dict[str, list[float]]]], repeats: int, steps: int, note: str = "") -> str:
     rows = []
     for where, runs in results.items():
         raw = runs["raw"]["rate"]
@@ -184,10 +185,11 @@ def report(results: dict[str, dict[str, dict[str, list[float]]]], repeats: int, 
     return (f"Small MLP (64-256-256-10, batch 64, SGD), {WORLD} CPU ranks, gloo, {_cpus()}, torch {torch.__version__}; "
             f"{steps // EPOCHS * EPOCHS} timed steps after {WARMUP} warm-up steps; {repeats} interleaved repeats, median. "
             f"quiet/line/widgets: ctx.progress (epoch, batch) + ctx.log(sync_dist=False) every step, drawn by no display, "
-            f"the LineDisplay, the WidgetDisplay (headless when launched from this process, real comm messages from a kernel). "
+            f"the LineDisplay, the WidgetDisplay with its chart and per-rank vitals (headless when launched from this process, "
+            f"real comm messages from a kernel). "
             f"Paired ratio: each run against the raw run of its own round. Launcher CPU: the launching process's "
             f"CPU time over the whole launch, % of one core (supervisor, channel, display; the kernel's I/O threads).\n\n"
-            f"{body}\n\nTarget: ratio >= 0.98 for every nbtrain variant.")
+            f"{body}\n\nTarget: ratio >= 0.98 for every nbtrain variant." + (f" {note}" if note else ""))
 
 
 def main(argv=None) -> int:
@@ -196,12 +198,13 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=600, help="timed steps per run")
     parser.add_argument("--where", nargs="+", choices=("process", "kernel"), default=["process", "kernel"])
     parser.add_argument("--no-save", action="store_true", help="print only; leave RESULTS.md alone")
+    parser.add_argument("--note", default="", help="a sentence under the table (e.g. that the machine was shared)")
     args = parser.parse_args(argv)
     results = {}
     for where in args.where:
         run = measure if where == "process" else measure_in_kernel
         results[where] = run(args.repeats, args.steps)
-    body = report(results, args.repeats, args.steps)
+    body = report(results, args.repeats, args.steps, args.note)
     if args.no_save:
         print(body)
     else:

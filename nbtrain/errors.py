@@ -55,7 +55,9 @@ class WorkerError(RuntimeError):
         lines = [f"WorkerError: rank {self.rank} failed: {self.summary}"]
         lines += [f"then: {line}" for line in self.others]
         if self.traceback:
-            lines += ["", f"--- rank {self.rank} ---", *self.traceback.rstrip().splitlines()]
+            from .display.tracebacks import name_cells  # notebook files as `Cell In[3]`, like IPython
+
+            lines += ["", f"--- rank {self.rank} ---", *name_cells(self.traceback).rstrip().splitlines()]
         return lines
 
 

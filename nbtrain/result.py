@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .runstate import Metric, RunState
+from .runstate import Metric, RunState, Vital
 
 
 @dataclass
@@ -16,16 +16,26 @@ class Result:
     strategy: str = ""
     effective_batch_size: int | None = None
     devices: str = ""  # the plan, in words
+    vitals: list[Vital] = field(default_factory=list)  # per-rank step rate and memory, about once a second
 
     @classmethod
     def from_state(cls, state: RunState, strategy: str, devices: str) -> "Result":
         values = [state.values.get(r) for r in sorted(state.ranks)]
         return cls(values[0] if values else None, values, list(state.history), state.elapsed,
-                   strategy, state.effective_batch_size, devices)
+                   strategy, state.effective_batch_size, devices, list(state.vitals))
 
     def metrics(self, name: str, rank: int | None = 0) -> list[float]:
         """The values logged under `name` (by `rank`; None for every rank), in order."""
         return [m.value for m in self.history if m.name == name and (rank is None or m.rank == rank)]
+
+    def plot(self, *names: str):
+        """A matplotlib Figure of the logged metrics (all, or those named): a panel per metric, a
+        line per rank or the mean over ranks, losses on a log scale. Needs `nbtrain[plot]`."""
+        from .display.figure import make_displayable, metrics_figure
+
+        fig = metrics_figure(self.history, names, title=f"{self.strategy} on {self.devices}")
+        make_displayable()
+        return fig
 
     def __repr__(self) -> str:
         batch = f", effective_batch_size={self.effective_batch_size}" if self.effective_batch_size else ""

@@ -21,6 +21,17 @@ class Metric(NamedTuple):
     synced: bool
 
 
+class Vital(NamedTuple):
+    """One rank's vital signs at one moment, sampled in the notebook at most about once a second."""
+    time: float  # seconds since the run started
+    rank: int
+    step_rate: float | None  # steps/s at the innermost progress level, over the last few seconds
+    rss: int | None  # bytes: the rank process's resident memory
+    gpu_memory: int | None  # bytes: GPU memory held by the rank's process (NVML)
+    gpu_util: int | None  # percent: utilisation of the rank's GPU (NVML)
+    gpu: int | None  # physical index of the rank's GPU
+
+
 @dataclass
 class Bar:
     desc: str
@@ -61,6 +72,28 @@ class RankView:
     ended_where: str = ""  # how a finished rank ended: "returned from train()", "called sys.exit(0) at ..."
     bars: dict[int, Bar] = field(default_factory=dict)
     metrics: dict[str, Metric] = field(default_factory=dict)
+    # Iterations of the innermost progress level, across its restarts (epochs), and when the
+    # first and latest of them arrived: the rank's step rate.
+    steps: int = 0
+    step_level: int = -1
+    first_step: float | None = None
+    last_step: float | None = None
+
+    def count_steps(self, level: int, n: int, previous: int, now: float) -> None:
+        if level < self.step_level:
+            return
+        if level > self.step_level:  # a deeper loop: its iterations are the steps
+            self.step_level, self.steps, self.first_step = level, 0, None
+        self.steps += max(0, n - previous)
+        self.first_step = now if self.first_step is None else self.first_step
+        self.last_step = now
+
+    @property
+    def step_rate(self) -> float | None:
+        """Steps per second over the whole run so far; None before half a second of steps
+        (messages arrive in batches every 0.1 s: a shorter span would not measure anything)."""
+        span = (self.last_step or 0.0) - (self.first_step or 0.0)
+        return self.steps / span if self.steps and span >= 0.5 else None
 
 
 @dataclass
@@ -81,6 +114,7 @@ class RunState:
         self.history: list[Metric] = []
         self.values: dict[int, Any] = {}
         self.failures: list[Failure] = []
+        self.vitals: list[Vital] = []  # sampled by the display, kept in Result.vitals
         self.effective_batch_size: int | None = None
         self.per_rank_batch_size: int | None = None
         self.version = 0  # bumped on every change, so a display redraws only when needed
@@ -112,6 +146,7 @@ class RunState:
             bar = view.bars[level] = Bar(desc, total=total)
             for deeper in [lv for lv in view.bars if lv > level]:
                 del view.bars[deeper]
+        view.count_steps(level, n, bar.n, time.monotonic())
         bar.n, bar.total, bar.done, bar.updated = n, total, done, time.monotonic()
 
     def _on_metric(self, view: RankView, step: int, name: str, value: float, synced: bool) -> None:

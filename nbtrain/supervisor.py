@@ -264,16 +264,20 @@ class Supervisor:
         while self.state.only_lost_peers() and time.monotonic() < deadline and self.pool.any_alive():
             self._pump(TICK)
             self._check_processes()
-        if self.pool.live and not self.pool.broken:  # a broken pool's ranks are all stopped anyway
-            running = [r for r in self.state.unfinished() if self.state.ranks[r].status == "running"]
-            stuck = self._interrupt(running) if running else []
-            if stuck:
-                stacks = self.collect_stacks(stuck)
-                cause = self.state.root_cause()
-                for r in stuck:
-                    self.state.stop(r, f"did not return after an interrupt (rank {cause.rank} failed)",
-                                    stack=stacks.get(r, ""))
-                self.pool.stuck(stuck, f"rank {cause.rank} failed")
+        if not self.pool.live or self.pool.broken:  # the caller stops these ranks now: say so
+            for rank in self.state.unfinished():
+                self.state.stop(rank)
+            return
+        # Live ranks keep their state: interrupt the others; only those that cannot return are diagnosed.
+        running = [r for r in self.state.unfinished() if self.state.ranks[r].status == "running"]
+        stuck = self._interrupt(running) if running else []
+        if stuck:
+            stacks = self.collect_stacks(stuck)
+            cause = self.state.root_cause()
+            for r in stuck:
+                self.state.stop(r, f"did not return after an interrupt (rank {cause.rank} failed)",
+                                stack=stacks.get(r, ""))
+            self.pool.stuck(stuck, f"rank {cause.rank} failed")
 
     def _interrupt(self, ranks: list[int]) -> list[int]:
         """Interrupt live ranks and wait for them to return; the ranks that did not."""

@@ -72,12 +72,12 @@ def _receive(sock: socket.socket, max_fds: int = 0):
 
 # -- the template process ----------------------------------------------------------------------
 
-def _serve(control_fd: int, kernel_pid: int) -> None:
+def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
     from .worker import die_with_parent
 
     die_with_parent(kernel_pid)
     sock = socket.socket(fileno=control_fd)
-    for name in PRELOAD:
+    for name in (*PRELOAD, *extra):
         __import__(name)
     import torch
 
@@ -147,7 +147,7 @@ def _become_rank(request: dict, fds: list[int]) -> None:
 class Template:
     """The kernel's handle on its template: start, fork ranks, hear of their exits, stop."""
 
-    def __init__(self):
+    def __init__(self, preload: tuple[str, ...] = ()):
         import tempfile
 
         kernel_end, template_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -157,10 +157,11 @@ class Template:
         # happens to run: ipykernel forwards fd 2 of the kernel's children to the notebook.
         self._log = tempfile.TemporaryFile(prefix="nbtrain-template-")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "nbtrain.template", str(template_end.fileno()), str(os.getpid())],
+            [sys.executable, "-m", "nbtrain.template", str(template_end.fileno()), str(os.getpid()), *preload],
             pass_fds=[template_end.fileno()], stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
             start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
         template_end.close()
+        self.preload = tuple(preload)
         self.pid: int | None = None
         self.exits: dict[int, int] = {}
         self._changed = threading.Condition()
@@ -193,12 +194,11 @@ class Template:
         with self._changed:
             self._changed.wait_for(lambda: self.pid is not None or not self.alive() or self._replies, timeout)
         if self.pid is None:
-            code = self.process.poll()
+            ended = not self.alive() or ("gone",) in self._replies
             self._log.seek(0)
-            said = self._log.read().decode(errors="replace").strip().splitlines()[-5:]
-            raise RuntimeError("nbtrain's template process did not start" +
-                               (f" (it exited with code {code})" if code is not None else f" within {timeout:g} s") +
-                               (": " + " / ".join(said) if said else ""))
+            said = self._log.read().decode(errors="replace").strip().splitlines()[-1:]
+            raise RuntimeError("nbtrain's template process " + ("ended before it was ready" if ended else
+                               f"was not ready within {timeout:g} s") + (f": {said[0]}" if said else ""))
 
     def fork(self, env: dict, first, live: bool, fds: list[int]) -> int:
         """A new rank, forked from the template, with `env` over the kernel's environment; its pid."""
@@ -239,33 +239,61 @@ class Template:
 
 
 _template: Template | None = None
+_preload: tuple[str, ...] = ()  # the user's own additions (warm_up(preload=...))
+_failed: str | None = None  # why the last start failed: not tried again at every launch, only by warm_up()
 _guard = threading.Lock()
 
 
 def template(start: bool = True) -> Template | None:
-    """This kernel's template: the running one, or a new one if it died (or never started)."""
-    global _template
+    """This kernel's template, ready: the running one, or a new one if it died (or never started).
+
+    Raises RuntimeError when it cannot start (and, until `warm_up()` is called again, at once).
+    """
+    global _template, _failed
     with _guard:
         if _template is not None and not _template.alive():
             _template.close()
             _template = None
         if _template is None and start:
-            _template = Template()
-        return _template
+            if _failed:
+                raise RuntimeError(f"{_failed} (nbtrain.warm_up() tries again)")
+            _template = Template(_preload)
+        handle = _template
+    if handle is not None and start:
+        try:
+            handle.wait_ready()
+        except RuntimeError as exc:
+            with _guard:
+                _failed = str(exc)
+                if _template is handle:
+                    _template = None
+            handle.close()
+            raise
+    return handle
 
 
-def warm_up(restart: bool = False, wait: bool = True) -> float:
+def warm_up(restart: bool = False, preload=(), wait: bool = True) -> float:
     """Start this kernel's template now, so the first CUDA-safe launch is as fast as later ones.
 
-    `restart=True` replaces a running one (after changing a variable torch reads at import).
-    Returns the seconds it took to be ready.
+    `preload`: more packages for it to import once (third-party ones every rank imports, e.g.
+    `["transformers"]`; never your own modules, which ranks import fresh). `restart=True`
+    replaces a running one (after changing a variable torch reads at import). Returns the
+    seconds since the template was started, once it is ready.
     """
-    global _template
+    global _preload, _failed
+    if isinstance(preload, str) or not all(isinstance(name, str) and name for name in preload):
+        raise TypeError(f"preload={preload!r}: give a list of module names, e.g. ['transformers'].")
+    if tuple(preload) and tuple(preload) != _preload:
+        _preload, restart = tuple(preload), True
     if restart:
         stop()
+    _failed = None
+    if not wait:
+        with _guard:
+            if _template is None:
+                globals()["_template"] = Template(_preload)
+        return 0.0
     handle = template()
-    if wait:
-        handle.wait_ready()
     return time.monotonic() - handle.started
 
 
@@ -283,4 +311,4 @@ import atexit  # noqa: E402 - registered once the functions exist
 atexit.register(stop)
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]), int(sys.argv[2]))
+    _serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])

@@ -1,5 +1,6 @@
 """The text displays: GPU tables, rank lines, summaries, and a real launch read as a log."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -45,6 +46,31 @@ def test_rank_line_and_summary():
     head, *rows = summary_lines(state, ok=False)
     assert head.startswith("nbtrain: ddp_fork on 2 CPU ranks, gloo: failed in ")
     assert head.endswith("effective batch size 16 (8 per rank x 2 ranks)") and len(rows) == 2
+
+
+def test_stopped_and_interrupted_ranks_read_as_such():
+    state = _state()
+    view = state.ranks[0]  # as RunState leaves a rank stopped because rank 1 failed
+    view.status, view.detail = "stopped", "stopped (rank 1 failed)"
+    view.reason = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] " + "Connection closed by peer " * 5
+    line = rank_line(view, state, final=True)
+    assert line.startswith("rank 0  stopped (rank 1 failed)  epoch 1/3 batch 5/10  loss=0.5  RuntimeError: [")
+    assert line.endswith("…") and len(line) < 160  # its own message, clipped
+    assert summary_lines(state, ok=False)[0].startswith("nbtrain: ddp_fork on 2 CPU ranks, gloo: failed in ")
+    interrupted = RunState("single on CPU", [0])
+    interrupted.handle(("hello", 0, None))
+    head, row = summary_lines(interrupted, ok=False)
+    assert ": interrupted in " in head and row == "  rank 0  stopped (interrupted)"
+
+
+def test_rank_line_shows_step_rate_and_memory():
+    from nbtrain.runstate import Vital
+
+    state = _state()
+    vital = Vital(3.0, 0, 12.5, 300 * 2**20, None, None, None)
+    assert rank_line(state.ranks[0], vital=vital) == "rank 0  running  epoch 1/3 batch 5/10  12.5 it/s  RSS 300 MiB  loss=0.5"
+    gpu = Vital(3.0, 0, 12.5, 300 * 2**20, 3 * GiB, 87, 2)
+    assert "12.5 it/s  GPU 2 3.0 GiB 87%  loss=0.5" in rank_line(state.ranks[0], vital=gpu)
 
 
 def test_output_keeps_its_stream_and_rank_tag(capsys):
@@ -101,7 +127,9 @@ def test_launch_outside_jupyter_reads_as_a_log(tmp_path):
     assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
     assert "[rank 0] careful on 0" in err and "[rank 1] careful on 1" in err
     assert "nbtrain: ddp_fork on 2 CPU ranks, gloo: finished in" in out
-    assert "  rank 1  finished  epoch 2/2 batch 3/3  loss=0.3333" in out and "values [0, 1]" in out
+    # The step rate and memory show when the run lasted long enough to sample them.
+    assert re.search(r"  rank 1  finished  epoch 2/2 batch 3/3  (\S+ it/s  )?(RSS \S+ \S+  )?loss=0.3333", out)
+    assert "values [0, 1]" in out
     assert "\x1b" not in out + err and "\r" not in out + err  # no cursor movement in a log
 
 

@@ -1,4 +1,9 @@
-"""Logged metrics as small inline SVG line charts: no plotting library, renders anywhere HTML does.
+"""The live chart: every logged metric as a small SVG plot with axes, drawn by hand.
+
+SVG in an ipywidgets HTML widget renders wherever ipywidgets does (JupyterLab, Notebook 7,
+VS Code, Colab) with no front-end extension, and a redraw is one string of a few kB: about a
+millisecond to build, once a second. It is for the running kernel only; the record a notebook
+keeps is the PNG drawn by `figure.py` at the end (untrusted notebooks strip inline SVG).
 
 `MetricSeries` reads `RunState.history` incrementally (only what is new since the last call)
 and keeps a bounded number of points per line, so drawing costs the same at step 100 and at
@@ -12,6 +17,10 @@ import math
 MAX_POINTS = 200  # per line; older points are thinned, never the newest
 MAX_CHARTS = 8
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+WIDTH, HEIGHT = 340, 150
+LEFT, RIGHT, TOP, BOTTOM = 46, 10, 20, 20  # margins around the plotting area, px
+MEAN = -1  # the "rank" of a synced metric's line: the mean over ranks
+MEAN_COLOUR = "#37474f"  # dark grey: not to be read as rank 0's blue in a shared legend
 
 
 class _Line:
@@ -43,65 +52,140 @@ class _Line:
 
 
 class MetricSeries:
-    """Every metric's lines: synced metrics once (rank 0's), the others one line per rank."""
+    """Every metric's lines: a synced metric once (the mean, as rank 0 logged it), others per rank."""
 
     def __init__(self):
         self.lines: dict[str, dict[int, _Line]] = {}
+        self._first: dict[str, tuple[bool, int]] = {}
         self._read = 0
 
     def consume(self, history: list) -> bool:
         """Take the metrics logged since the last call; True when there were any."""
         new = history[self._read:]
-        self._read += len(new)
-        for m in new:
+        for i, m in enumerate(new, self._read):
+            self._first[m.name] = min(self._first.get(m.name, (True, i)), (m.rank != 0, i))
             if m.synced and m.rank != 0:
                 continue  # the same mean on every rank: draw it once
-            self.lines.setdefault(m.name, {}).setdefault(m.rank, _Line()).add(m.step, m.value)
+            self.lines.setdefault(m.name, {}).setdefault(MEAN if m.synced else m.rank, _Line()).add(m.step, m.value)
+        self._read += len(new)
         return bool(new)
 
+    def names(self) -> list[str]:
+        """In the order rank 0 logged them (ranks' messages interleave in any order)."""
+        return sorted(self.lines, key=self._first.__getitem__)
 
-def _fmt(value: float) -> str:
+
+def line_label(key: int) -> str:
+    return "mean over ranks" if key == MEAN else f"rank {key}"
+
+
+def line_colour(key: int) -> str:
+    return MEAN_COLOUR if key == MEAN else COLOURS[key % len(COLOURS)]
+
+
+def use_log_scale(name: str, values) -> bool:
+    """Losses are read on a log scale, when every value is positive."""
+    return "loss" in name.lower() and bool(values) and all(v > 0 for v in values)
+
+
+def fmt(value: float) -> str:
     return f"{value:.4g}"
 
 
-def sparkline_svg(name: str, lines: dict[int, _Line], width: int = 220, height: int = 56) -> str:
-    """One metric's lines in a small SVG with its name, latest value and range."""
-    drawn = {rank: line.points() for rank, line in sorted(lines.items())}
+def nice_ticks(lo: float, hi: float, count: int = 4) -> list[float]:
+    """About `count` round numbers (1, 2, 5 x 10^k apart) covering [lo, hi]."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return []
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / count
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    first = math.ceil(lo / step - 1e-9) * step
+    return [round(first + i * step, 12) for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def log_ticks(lo: float, hi: float) -> list[float]:
+    """Powers of ten within [lo, hi]; 1-2-5 steps when fewer than three decades fit; round
+    linear ticks when even those are too few."""
+    powers = range(math.floor(math.log10(lo)), math.floor(math.log10(hi)) + 1)
+    decades = [10.0 ** k for k in powers if lo <= 10.0 ** k <= hi]
+    if len(decades) >= 3:
+        return decades
+    steps = [round(m * 10.0 ** k, 12) for k in powers for m in (1, 2, 5) if lo <= m * 10.0 ** k <= hi]
+    return steps if len(steps) >= 2 else nice_ticks(lo, hi)
+
+
+class _Axes:
+    """Maps data to pixels within a panel (y on a log scale when asked)."""
+
+    def __init__(self, steps: list[int], values: list[float], log: bool):
+        self.log = log
+        self.x0, self.x1 = min(steps), max(steps)
+        lo, hi = min(values), max(values)
+        if hi == lo:  # a flat line sits in the middle
+            pad = abs(lo) * 0.1 or 1.0
+            lo, hi = (lo / 2, hi * 2) if log else (lo - pad, hi + pad)
+        self.y0, self.y1 = lo, hi
+        self.yticks = log_ticks(lo, hi) if log else nice_ticks(lo, hi)
+        self.xticks = [int(t) for t in nice_ticks(self.x0, self.x1) if t == int(t)]
+
+    def x(self, step: float) -> float:
+        span = (self.x1 - self.x0) or 1
+        return LEFT + (step - self.x0) / span * (WIDTH - LEFT - RIGHT)
+
+    def y(self, value: float) -> float:
+        lo, hi, v = self.y0, self.y1, value
+        if self.log:
+            lo, hi, v = math.log10(lo), math.log10(hi), math.log10(value)
+        return TOP + (hi - v) / ((hi - lo) or 1) * (HEIGHT - TOP - BOTTOM)
+
+
+def panel_svg(name: str, lines: dict[int, _Line]) -> str:
+    """One metric: axes with round ticks, a line per rank (or the mean), its latest value."""
+    drawn = {key: line.points() for key, line in sorted(lines.items())}
     finite = [v for _, values in drawn.values() for v in values if math.isfinite(v)]
     steps = [x for xs, _ in drawn.values() for x in xs]
-    top, pad = 14, 2
-    parts = []
+    log = use_log_scale(name, finite)
+    latest = lines[min(lines)].last if lines else None
+    title = f"{name} {fmt(latest[1])}" if latest else name
+    parts = [f'<text x="{LEFT}" y="13" font-size="12" fill="#222">{html.escape(title)}'
+             f'{" (log scale)" if log else ""}</text>']
     if finite and steps:
-        lo, hi = min(finite), max(finite)
-        first, last = min(steps), max(steps)
-        xspan, yspan = (last - first) or 1, (hi - lo) or 1
-        plot_h = height - top - pad
-        for rank, (xs, ys) in drawn.items():
-            coords = " ".join(
-                f"{(x - first) / xspan * (width - 2 * pad) + pad:.1f},{top + (hi - y) / yspan * plot_h:.1f}"
-                for x, y in zip(xs, ys) if math.isfinite(y)
-            )
-            colour = COLOURS[rank % len(COLOURS)]
-            parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{coords}">'
-                         f'<title>rank {rank}</title></polyline>')
-        latest = lines[min(lines)].last
-        label = f"{name} {_fmt(latest[1])}" if latest else name
-        parts.append(f'<text x="{width - pad}" y="10" font-size="9" text-anchor="end" fill="#666">'
-                     f'{_fmt(lo)} – {_fmt(hi)}</text>')
-    else:
-        label = name
-    parts.insert(0, f'<text x="{pad}" y="10" font-size="10" fill="#333">{html.escape(label)}</text>')
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" style="margin:2px 8px 2px 0">{"".join(parts)}</svg>')
+        axes = _Axes(steps, finite, log)
+        bottom, right = HEIGHT - BOTTOM, WIDTH - RIGHT
+        for tick in axes.yticks:
+            y = axes.y(tick)
+            parts.append(f'<line x1="{LEFT}" x2="{right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e6e6e6"/>'
+                         f'<text x="{LEFT - 4}" y="{y + 3:.1f}" font-size="10" text-anchor="end" '
+                         f'fill="#555">{fmt(tick)}</text>')
+        for tick in axes.xticks:
+            x = axes.x(tick)
+            parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{bottom}" y2="{bottom + 3}" stroke="#888"/>'
+                         f'<text x="{x:.1f}" y="{bottom + 14}" font-size="10" text-anchor="middle" '
+                         f'fill="#555">{tick}</text>')
+        parts.append(f'<polyline fill="none" stroke="#888" points="{LEFT},{TOP} {LEFT},{bottom} {right},{bottom}"/>')
+        for key, (xs, ys) in drawn.items():
+            coords = " ".join(f"{axes.x(x):.1f},{axes.y(y):.1f}" for x, y in zip(xs, ys)
+                              if math.isfinite(y) and (y > 0 or not log))
+            parts.append(f'<polyline class="nbtrain-line" fill="none" stroke="{line_colour(key)}" stroke-width="1.5" '
+                         f'points="{coords}"><title>{line_label(key)}</title></polyline>')
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
+            f'viewBox="0 0 {WIDTH} {HEIGHT}" style="margin:2px 12px 2px 0">{"".join(parts)}</svg>')
+
+
+def legend_html(series: MetricSeries, names: list[str]) -> str:
+    keys = sorted({key for n in names for key in series.lines[n]})
+    if keys == [MEAN] or keys == [0]:
+        return ""  # one line per chart needs no legend
+    items = " ".join(f'<span style="color:{line_colour(k)}">&#9644; {line_label(k)}</span>' for k in keys)
+    return f'<div style="font-size:11px">{items} <span style="color:#777">(x: step)</span></div>'
 
 
 def chart_html(series: MetricSeries) -> str:
-    """Every metric's sparkline side by side, with a legend when ranks are drawn separately."""
-    names = list(series.lines)[:MAX_CHARTS]
+    """Every metric's plot side by side (up to MAX_CHARTS), with a legend for the lines."""
+    names = series.names()[:MAX_CHARTS]
     if not names:
         return ""
-    charts = "".join(sparkline_svg(n, series.lines[n]) for n in names)
-    ranks = sorted({r for n in names if len(series.lines[n]) > 1 for r in series.lines[n]})
-    legend = " ".join(f'<span style="color:{COLOURS[r % len(COLOURS)]}">&#9644; rank {r}</span>' for r in ranks)
-    legend = f'<div style="font-size:10px">{legend}</div>' if legend else ""
-    return f'<div style="display:flex;flex-wrap:wrap">{charts}</div>{legend}'
+    charts = "".join(panel_svg(n, series.lines[n]) for n in names)
+    return f'<div class="nbtrain-chart" style="display:flex;flex-wrap:wrap">{charts}</div>{legend_html(series, names)}'

@@ -15,7 +15,7 @@ import weakref
 from typing import Mapping
 
 from ..inventory import Gpu, Inventory, describe_holders, find_free_gpus, visible_gpus
-from .text import _processes, gpu_table, memory_bar_html
+from .text import _processes, gpu_table, gpu_table_html, memory_bar_html
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +41,6 @@ def _refresh_loop(ref: "weakref.ref[GpuPicker]", stop: threading.Event, interval
         except Exception as exc:  # NVML hiccup: keep the last table, try again next time
             log.debug("GPU picker refresh failed: %s", exc)
         del picker
-
-
-def _close_tree(widget) -> None:
-    for child in getattr(widget, "children", ()):
-        _close_tree(child)
-    widget.close()
 
 
 class _GpuRow:
@@ -85,6 +79,8 @@ class GpuPicker:
         self._rows: dict[str, _GpuRow] = {}  # by GPU uuid, so a refresh keeps the selection
         self._gpus: list[Gpu] = []
         self._closed = False
+        self._shown_in = None  # the execution count of the cell that last showed the picker,
+        self._handle = None  # and that output's display handle
         cores = os.cpu_count() or 1
         self.header = w.HTML()
         self.columns = w.HBox([w.HTML(f"<b>{name}</b>", layout=w.Layout(width=width)) for name, width in COLUMNS])
@@ -218,7 +214,9 @@ class GpuPicker:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         _open_pickers.discard(self)
-        _close_tree(self.widget)
+        from .widgets import close_tree
+
+        close_tree(self.widget, *(row.box for row in self._rows.values()))
 
     def __del__(self) -> None:
         stop = getattr(self, "_stop", None)
@@ -229,14 +227,35 @@ class GpuPicker:
         return f"GpuPicker(devices={self.devices!r})"
 
     def __str__(self) -> str:
+        if not self._gpus:
+            return f"{gpu_table(self._gpus)}\nselected: {self.devices} CPU rank{'s' if self.devices != 1 else ''}"
         return f"{gpu_table(self._gpus)}\nselected: {self.devices}"
 
-    def show(self) -> None:
-        """Display the picker in the running cell (again); the table as text where widgets do not render."""
-        from .widgets import show
+    def _repr_html_(self) -> str:
+        return f"{gpu_table_html(self._gpus)}<p>selected: {html.escape(str(self.devices))}</p>"
 
+    def _bundle(self) -> dict:
         bundle = self.widget._repr_mimebundle_() if not self._closed else {}
-        show({**bundle, "text/plain": str(self)})
+        return {**bundle, "text/html": self._repr_html_(), "text/plain": str(self)}
+
+    def show(self) -> None:
+        """Display the picker in the running cell (again); where widgets do not render (nbviewer,
+        GitHub, a terminal) the GPU table and the selection as HTML and text."""
+        from .widgets import ipython_shell, show
+
+        self._handle = show(self._bundle(), display_id=True)
+        self._shown_in = getattr(ipython_shell(), "execution_count", None)
+
+    def _ipython_display_(self) -> None:
+        # `picker` (or `nbtrain.pick_gpus()`) as a cell's last line: the picker once, not the
+        # widget and then its repr. If this cell already showed it, that output is refreshed
+        # instead, so its text reads the selection made since (say, by auto_select).
+        from .widgets import ipython_shell, replace
+
+        if self._handle is not None and getattr(ipython_shell(), "execution_count", None) == self._shown_in:
+            replace(self._handle, self._bundle())
+        else:
+            self.show()
 
 
 def pick_gpus(inventory: Inventory | None = None, refresh: float | None = 2.0) -> GpuPicker:

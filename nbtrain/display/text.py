@@ -72,31 +72,71 @@ def _metric_text(metrics: dict) -> str:
     return " ".join(f"{name}={m.value:.4g}" for name, m in metrics.items())
 
 
-def rank_line(view) -> str:
-    """One line for one rank: status, every progress level, latest metrics."""
+def verdict(state, ok: bool) -> str:
+    """How a run ended: finished, failed (a rank failed or timed out) or interrupted (Ctrl-C)."""
+    return "finished" if ok else ("failed" if state.failures else "interrupted")
+
+
+def final_status(view, state, final: bool) -> tuple[str, str, str]:
+    """(status, detail, reason) as a reader should see them.
+
+    A rank still running when the run ended was stopped by nbtrain: it reads
+    "stopped (rank N failed)" (or "interrupted"), never "failed". `reason` is a stopped rank's
+    own message (often a peer's disconnect), shown folded.
+    """
+    status, detail, reason = view.status, view.detail, getattr(view, "reason", "")
+    if final and status in ("starting", "running"):
+        status = "stopped"
+    if status == "stopped" and not detail:
+        detail = f"stopped (rank {state.root_cause().rank} failed)" if state.failures else "stopped (interrupted)"
+    return status, detail, reason
+
+
+def _clip(text: str, width: int = 80) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def rank_line(view, state=None, final: bool = False, vital=None) -> str:
+    """One line for one rank: status, every progress level, step rate, memory, latest metrics."""
+    from .vitals import memory_text, rate_text
+
+    status, detail, reason = final_status(view, state, final) if state is not None else (view.status, view.detail, "")
+    if detail.startswith(status):  # "stopped (rank 1 failed)" says the status and why
+        status, detail = detail, ""
     bars = " ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in sorted(view.bars.items()))
-    parts = [f"rank {view.rank}", view.status, bars, _metric_text(view.metrics)]
-    if view.detail:
-        parts.append(view.detail)
+    rate = view.step_rate if final or vital is None else vital.step_rate
+    parts = [f"rank {view.rank}", status, bars, rate_text(rate), memory_text(vital), _metric_text(view.metrics),
+             detail, _clip(reason.splitlines()[0]) if reason else ""]  # its first line; a stack may follow
     return "  ".join(p for p in parts if p)
 
 
+def batch_text(state, times: str = "x") -> str:
+    if not state.effective_batch_size:
+        return ""
+    per, n = state.per_rank_batch_size, len(state.ranks)
+    split = f" ({per} per rank {times} {state.effective_batch_size // per} ranks)" if n > 1 and per else ""
+    return f"effective batch size {state.effective_batch_size}{split}"
+
+
 def summary_lines(state, ok: bool) -> list[str]:
-    verdict = "finished" if ok else "failed"
-    head = f"nbtrain: {state.title}: {verdict} in {state.elapsed:.2f} s"
-    if state.effective_batch_size:
-        per, n = state.per_rank_batch_size, len(state.ranks)
-        split = f" ({per} per rank x {state.effective_batch_size // per} ranks)" if n > 1 and per else ""
-        head += f"; effective batch size {state.effective_batch_size}{split}"
-    return [head, *("  " + rank_line(v) for v in state.ranks.values())]
+    from .vitals import latest
+
+    head = f"nbtrain: {state.title}: {verdict(state, ok)} in {state.elapsed:.2f} s"
+    batch = batch_text(state)
+    head += f"; {batch}" if batch else ""
+    vitals = latest(state)
+    return [head, *("  " + rank_line(v, state, True, vitals.get(r)) for r, v in state.ranks.items())]
 
 
 class QuietDisplay:
     """progress=False: no bars, no summary; the ranks' own output is still shown."""
 
     def __init__(self, file=None):
+        from .vitals import VitalsSampler
+
         self._file = file
         self._said = ""  # the latest note
+        self.vitals = VitalsSampler()  # every display samples them, so Result.vitals is always kept
 
     def _write(self, text: str, stream: str = "stdout") -> None:
         target = self._file or (sys.stderr if stream == "stderr" else sys.stdout)
@@ -113,7 +153,7 @@ class QuietDisplay:
         self._write(text if rank is None else f"[rank {rank}] {text}", stream)
 
     def update(self, state) -> None:
-        pass
+        self.vitals.maybe_sample(state)
 
     def finish(self, state, ok: bool) -> None:
         pass
@@ -133,11 +173,15 @@ class LineDisplay(QuietDisplay):
             self._write(f"nbtrain: {state.title}")
 
     def update(self, state) -> None:
+        self.vitals.maybe_sample(state)
         now = time.monotonic()
         if now - self._last >= self.interval:
+            from .vitals import latest
+
             self._last = now
-            for view in state.ranks.values():
-                self._write("  " + rank_line(view))
+            vitals = latest(state)
+            for rank, view in state.ranks.items():
+                self._write("  " + rank_line(view, vital=vitals.get(rank)))
 
     def finish(self, state, ok: bool) -> None:
         for line in summary_lines(state, ok):
@@ -158,6 +202,7 @@ class TqdmDisplay(LineDisplay):
         tqdm.write(text, file=self._file)
 
     def update(self, state) -> None:
+        self.vitals.maybe_sample(state)
         now = time.monotonic()
         if state.version == self._seen or now - self._last < self.interval:
             return

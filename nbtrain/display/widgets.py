@@ -1,22 +1,29 @@
-"""The live dashboard in Jupyter: a row per rank (status, a bar per progress level, metrics),
-a chart of the logged metrics, elapsed time and effective batch size.
+"""The live dashboard in Jupyter, and the static record that replaces it when the run ends.
 
-Like tqdm.notebook, this only draws: RunState counts. Drawing happens at most ~10 times a
-second and only when the state changed, so a fast loop never waits on the front end. When
-the run ends the widgets keep their final state, and a static HTML summary follows for
-renderers without widgets (GitHub, nbviewer, nbconvert).
+During a run: a row per rank (status, a bar per progress level, step rate with the slowest
+rank marked, memory, latest metrics), then a chart of every logged metric. Like
+tqdm.notebook this only draws: RunState counts. Drawing happens at most ~10 times a second
+and only when the state changed, so a fast loop never waits on the front end.
+
+When the run ends (finished, failed or interrupted) both outputs are replaced in place
+(IPython display ids) by a static summary: an HTML table with a text/plain twin, and the
+metrics as a PNG from matplotlib. Then every widget is closed. A saved notebook thus holds no
+widget models of finished runs, and reads the same after reopening, untrusted, on nbviewer
+and on GitHub.
 
 After a run, `nbtrain.display.widgets.last_dashboard` is the dashboard that drew it.
 """
 from __future__ import annotations
 
+import base64
 import html
 import logging
 import sys
 import time
 
 from .chart import MetricSeries, chart_html
-from .text import QuietDisplay, _fraction, _metric_text, summary_lines
+from .text import QuietDisplay, _fraction, _metric_text, batch_text, final_status, summary_lines, verdict
+from .vitals import latest, memory_text, rate_text, slowest
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +36,12 @@ PREBUILT_LEVELS = 2  # progress bars made per rank at start (epoch, batch)
 
 MISSING_IPYWIDGETS = ("ipywidgets is not installed, so progress is shown as text. For the live dashboard "
                       "and pick_gpus(): pip install 'ipywidgets>=8', then restart the kernel.")
-STATUS_COLOURS = {"starting": "#757575", "running": "#1565c0", "finished": "#2e7d32",
-                  "failed": "#c62828", "stopped": "#ef6c00"}
-BAR_STYLES = {"failed": "danger", "stopped": "warning", "finished": "success"}
+NEUTRAL = "#757575"
+STATUS_COLOURS = {"starting": NEUTRAL, "running": "#1565c0", "finished": "#2e7d32", "failed": "#c62828",
+                  "stopped": NEUTRAL, "interrupted": NEUTRAL}
+# (bar_style, bar_color): a stopped rank's bar goes grey, not amber: it did nothing wrong.
+BAR_STYLES = {"failed": ("danger", None), "stopped": ("", "#9e9e9e"), "finished": ("success", None)}
+STRAGGLER_MARK = '<b style="color:#ef6c00" title="the slowest rank">slowest</b>'
 
 last_dashboard: "WidgetDisplay | None" = None
 
@@ -65,14 +75,33 @@ def ipython_shell():
     return ipython.get_ipython() if ipython is not None else None
 
 
-def show(bundle: dict) -> None:
-    """Display a MIME bundle in the running cell; outside IPython print its text."""
+def show(bundle: dict, display_id: bool = False):
+    """Display a MIME bundle in the running cell (a handle to replace it with `update` when
+    `display_id`); outside IPython print its text."""
     if ipython_shell() is None:
         print(bundle.get("text/plain", ""), flush=True)
-        return
+        return None
     from IPython.display import display
 
-    display(bundle, raw=True)
+    return display(bundle, raw=True, display_id=True) if display_id else display(bundle, raw=True)
+
+
+def replace(handle, bundle: dict) -> None:
+    """Put `bundle` where `handle`'s output is; show it anew when there is no such output."""
+    if handle is None:
+        show(bundle)
+    else:
+        handle.update(bundle, raw=True)
+
+
+def close_tree(*widgets) -> None:
+    """Close widgets with their children, layouts and styles: each is a model in the front end."""
+    for widget in widgets:
+        close_tree(*getattr(widget, "children", ()))
+        for part in (getattr(widget, "layout", None), getattr(widget, "style", None)):
+            if part is not None:
+                part.close()
+        widget.close()
 
 
 def _duration(seconds: float) -> str:
@@ -81,26 +110,23 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def _bar_info(bar) -> str:
+def _bar_info(bar, rate: float | None) -> str:
+    """n/total, and for the innermost loop the time left at the rank's step rate."""
     parts = [_fraction(bar.n, bar.total)]
-    if bar.rate:
-        parts.append(f"{bar.rate:.3g} it/s")
-    if bar.eta is not None and not bar.done:
-        parts.append(f"eta {_duration(bar.eta)}")
+    if rate and bar.total is not None and not bar.done:
+        parts.append(f"eta {_duration((bar.total - bar.n) / rate)}")
     return "  ".join(parts)
 
 
-def _status(view, final: bool) -> str:
-    # Ranks still "running" when a failed or interrupted run ended were stopped by nbtrain.
-    return "stopped" if final and view.status in ("starting", "running") else view.status
-
-
-def _batch_text(state) -> str:
-    if not state.effective_batch_size:
-        return ""
-    per, n = state.per_rank_batch_size, len(state.ranks)
-    split = f" ({per} per rank × {state.effective_batch_size // per} ranks)" if n > 1 and per else ""
-    return f"effective batch size {state.effective_batch_size}{split}"
+def detail_html(status: str, detail: str, reason: str) -> str:
+    """A failed rank's first line in red; a stopped rank's "stopped (rank N failed)" in grey, its own
+    message (often a peer's disconnect, not the cause) folded underneath."""
+    colour = STATUS_COLOURS["failed"] if status == "failed" else NEUTRAL
+    text = f'<span style="color:{colour}">{html.escape(detail)}</span>' if detail else ""
+    if reason:
+        text += (f'<details style="color:{NEUTRAL}"><summary>its own message</summary>'
+                 f'<pre style="white-space:pre-wrap;margin:0">{html.escape(reason)}</pre></details>')
+    return text
 
 
 class _BarRow:
@@ -108,22 +134,24 @@ class _BarRow:
     # ~10 µs even when unchanged, and a changed one a comm message (~80 µs in a kernel).
     def __init__(self, w, desc: str):
         self.label = w.Label(desc, layout=w.Layout(width="5em"))
-        self.progress = w.IntProgress(value=0, min=0, max=1, layout=w.Layout(width="16em"))
-        self.info = w.Label(layout=w.Layout(width="16em"))
+        self.progress = w.IntProgress(value=0, min=0, max=1, layout=w.Layout(width="14em"))
+        self.info = w.Label(layout=w.Layout(width="10em"))
         self.box = w.HBox([self.label, self.progress, self.info])
         self._shown: tuple = ()
 
-    def draw(self, bar, style: str) -> None:
+    def draw(self, bar, status: str, rate: float | None) -> None:
         total = bar.total if bar.total else max(bar.n, 1)
-        shown = (total, min(bar.n, total), style, bar.desc, _bar_info(bar))
+        style, colour = BAR_STYLES.get(status, ("", None))
+        shown = (total, min(bar.n, total), style, colour, bar.desc, _bar_info(bar, rate))
         if shown == self._shown:
             return
-        if shown[:3] != self._shown[:3]:
+        if shown[:4] != self._shown[:4]:
             with self.progress.hold_sync():
                 self.progress.max = total  # before value: value is clamped to [min, max]
                 self.progress.value = shown[1]
                 self.progress.bar_style = style
-        self.label.value, self.info.value = shown[3:]
+                self.progress.style.bar_color = colour
+        self.label.value, self.info.value = shown[4:]
         self._shown = shown
 
 
@@ -136,16 +164,18 @@ class _RankRow:
         # bar, better spent now than while the ranks train. Most loops nest two levels.
         self.bars: dict[int, _BarRow] = {level: _BarRow(w, "") for level in range(PREBUILT_LEVELS)}
         self.bar_box = w.VBox()
+        self.vitals = w.HTML(layout=w.Layout(width="15em", margin="0 0 0 1em"))
         self.metrics = w.HTML(layout=w.Layout(margin="0 0 0 1em"))
-        self.detail = w.HTML(layout=w.Layout(display="none"))
+        self.detail = w.HTML(layout=w.Layout(display="none", margin="0 0 0 4.5em"))
         head = w.Label(f"rank {rank}", layout=w.Layout(width="4.5em"))
-        self.box = w.VBox([w.HBox([head, self.status, self.bar_box, self.metrics]), self.detail])
-        self._metrics: tuple = ()
+        self.box = w.VBox([w.HBox([head, self.status, self.bar_box, self.vitals, self.metrics]), self.detail])
+        self.box.add_class("nbtrain-rank")  # a handle for styling and for the browser tests
+        self._drawn: tuple = ()
         self._levels: list[int] = []
 
-    def draw(self, view, final: bool) -> bool:
+    def draw(self, view, state, final: bool, vital, straggler: bool) -> bool:
         """Show `view`; True when widgets had to be created (a one-off cost)."""
-        status = _status(view, final)
+        status, detail, reason = final_status(view, state, final)
         if self.status.value != status:
             self.status.value = status
             self.status.style.text_color = STATUS_COLOURS.get(status, "")
@@ -157,25 +187,32 @@ class _RankRow:
         if levels != self._levels:  # a new level, or a deeper one ended; its widgets are kept for reuse
             self._levels = levels
             self.bar_box.children = [self.bars[lv].box for lv in levels]
-        style = BAR_STYLES.get(status, "")
+        rate = view.step_rate if final else (vital.step_rate if vital else None)
         for level, bar in view.bars.items():
-            self.bars[level].draw(bar, style)
-        metrics = tuple(view.metrics.values())
-        if metrics != self._metrics:
-            self._metrics = metrics
-            text = html.escape(_metric_text(view.metrics))
-            self.metrics.value = f"<code>{text}</code>" if text else ""
-        if view.detail and self.detail.layout.display == "none":
-            colour = STATUS_COLOURS["failed"]
-            self.detail.value = f'<span style="color:{colour}">{html.escape(view.detail)}</span>'
-            self.detail.layout.display = ""
+            self.bars[level].draw(bar, status, rate if level == view.step_level else None)
+        drawn = (tuple(view.metrics.values()), vital, straggler, detail, reason, rate)
+        if drawn != self._drawn:
+            metrics, _, _, _, _, _ = self._drawn or (None,) * 6
+            self._drawn = drawn
+            if drawn[0] != metrics:
+                text = html.escape(_metric_text(view.metrics))
+                self.metrics.value = f"<code>{text}</code>" if text else ""
+            parts = [rate_text(rate), html.escape(memory_text(vital)), STRAGGLER_MARK if straggler else ""]
+            self.vitals.value = " · ".join(p for p in parts if p)
+            self.detail.value = detail_html(status, detail, reason)
+            self.detail.layout.display = "" if detail or reason else "none"
         return built
+
+    def widgets(self) -> list:
+        return [self.box, *(bar.box for bar in self.bars.values())]
 
     def snapshot(self) -> dict:
         return {
             "status": self.status.value,
             "bars": {lv: {"desc": b.label.value, "value": b.progress.value, "max": b.progress.max,
-                          "bar_style": b.progress.bar_style} for lv, b in sorted(self.bars.items()) if lv in self._levels},
+                          "bar_style": b.progress.bar_style, "bar_color": b.progress.style.bar_color}
+                     for lv, b in sorted(self.bars.items()) if lv in self._levels},
+            "vitals": self.vitals.value,
             "metrics": self.metrics.value,
             "detail": self.detail.value,
         }
@@ -186,15 +223,18 @@ class WidgetDisplay(QuietDisplay):
 
     def __init__(self):
         super().__init__()
-        self._w = load_ipywidgets()
+        self._w = w = load_ipywidgets()
         self.rows: dict[int, _RankRow] = {}
         self.series = MetricSeries()
-        self.header = self._w.HTML()
-        self.chart = self._w.HTML()
-        self.rows_box = self._w.VBox()
-        self.root = self._w.VBox([self.header, self.rows_box, self.chart])
+        self.header = w.HTML()
+        self.rows_box = w.VBox()
+        self.root = w.VBox([self.header, self.rows_box])
+        self.root.add_class("nbtrain-dashboard")
+        self.chart = w.HTML(layout=w.Layout(display="none"))  # shown with the first metric
         self.ok: bool | None = None  # None while running
-        self.summary = ""  # the static HTML emitted at the end
+        self.summary = ""  # the static HTML left at the end
+        self.plot_png: bytes | None = None  # and the metrics' picture, when matplotlib is there
+        self._handles = (None, None)
         self._seen = -1
         self._drawn = self._clock = self._charted = 0.0
         self._interval = REDRAW_INTERVAL
@@ -204,15 +244,19 @@ class WidgetDisplay(QuietDisplay):
     # -- the display interface -----------------------------------------------------------
     def start(self, state) -> None:
         global last_dashboard
+        if self.ok is not None:  # started again after a run ended: fresh widgets for the new run
+            self.__init__()
         last_dashboard = self
         self._draw(state, time.monotonic())
-        bundle = self.root._repr_mimebundle_()
-        bundle["text/plain"] = f"nbtrain: {state.title} (live widget; a summary follows when the run ends)"
-        show(bundle)
+        dashboard = {**self.root._repr_mimebundle_(),
+                     "text/plain": f"nbtrain: {state.title} (live; replaced by a summary when the run ends)"}
+        chart = {**self.chart._repr_mimebundle_(), "text/plain": ""}
+        self._handles = (show(dashboard, display_id=True), show(chart, display_id=True))
 
     def update(self, state) -> None:
+        self.vitals.maybe_sample(state)
         now = time.monotonic()
-        if now - self._drawn < self._interval:
+        if now - self._drawn < self._interval or self.ok is not None:  # after finish: nothing live to draw
             return
         if state.version != self._seen:
             self._draw(state, now)
@@ -224,15 +268,25 @@ class WidgetDisplay(QuietDisplay):
 
     def finish(self, state, ok: bool) -> None:
         self.ok = ok
-        self._draw(state, time.monotonic(), force_chart=True)
-        self.summary = summary_html(state, ok, self.series)
-        show({"text/html": self.summary, "text/plain": "\n".join(summary_lines(state, ok))})
+        self._draw(state, time.monotonic(), force_chart=True)  # the widgets' last state, for snapshot()
+        self.summary = summary_html(state, ok)
+        table = {"text/html": self.summary, "text/plain": "\n".join(summary_lines(state, ok))}
+        plot = plot_bundle(state.history)
+        self.plot_png = base64.b64decode(plot["image/png"]) if "image/png" in plot else None
+        # Replace first, close after: a closed widget still on screen reads "model not found".
+        replace(self._handles[0], table)
+        replace(self._handles[1], plot)
+        close_tree(self.root, self.chart, *(w for row in self.rows.values() for w in row.widgets()))
 
     # -- drawing -------------------------------------------------------------------------
     def _draw(self, state, now: float, force_chart: bool = False) -> None:
         started = time.perf_counter()
         self._seen, self._drawn, self._clock = state.version, now, now
         final = self.ok is not None
+        vitals = latest(state)
+        rates = {r: (v.step_rate if final else (vitals[r].step_rate if r in vitals else None))
+                 for r, v in state.ranks.items()}
+        straggler = slowest(rates)
         built = False
         for rank, view in state.ranks.items():
             row = self.rows.get(rank)
@@ -240,7 +294,7 @@ class WidgetDisplay(QuietDisplay):
                 row = self.rows[rank] = _RankRow(self._w, rank)
                 self.rows_box.children = [r.box for _, r in sorted(self.rows.items())]
                 built = True
-            built |= row.draw(view, final)
+            built |= row.draw(view, state, final, vitals.get(rank), rank == straggler)
         self._draw_header(state)
         self._chart_stale |= self.series.consume(state.history)
         if not built:  # creating widgets is a one-off: it must not slow the redraws after it
@@ -252,46 +306,60 @@ class WidgetDisplay(QuietDisplay):
 
     def _draw_chart(self, now: float) -> None:
         self.chart.value = chart_html(self.series)
+        self.chart.layout.display = ""
         self._charted, self._drawn, self._chart_stale = now, now, False
 
     def _draw_header(self, state) -> None:
-        verdict = "running" if self.ok is None else _verdict(state, self.ok)
-        colour = STATUS_COLOURS[verdict]
+        word = "running" if self.ok is None else verdict(state, self.ok)
         parts = [f"<b>nbtrain</b> {html.escape(state.title)}",
-                 f'<span style="color:{colour}">{verdict}</span>', f"{_duration(state.elapsed)} elapsed",
-                 _batch_text(state)]
+                 f'<span style="color:{STATUS_COLOURS[word]}">{word}</span>', f"{_duration(state.elapsed)} elapsed",
+                 batch_text(state, "×")]
         self.header.value = " · ".join(p for p in parts if p)
 
     def snapshot(self) -> dict:
         """What the widgets show now, as plain data (for tests and for a look after a run)."""
         return {"header": self.header.value, "ok": self.ok,
                 "ranks": {rank: row.snapshot() for rank, row in sorted(self.rows.items())},
-                "chart": self.chart.value}
+                "chart": self.chart.value, "closed": self.root.comm is None and self.chart.comm is None}
 
 
-def _verdict(state, ok: bool) -> str:
-    # Not ok without a failure: interrupted (Ctrl-C), and the ranks were stopped.
-    return "finished" if ok else ("failed" if state.failures else "stopped")
-
-
-def summary_html(state, ok: bool, series: MetricSeries | None = None) -> str:
-    """The run's end state as static HTML: reads where widgets do not render."""
-    verdict = _verdict(state, ok)
-    head = (f'<b>nbtrain</b> {html.escape(state.title)}: <span style="color:{STATUS_COLOURS[verdict]}">'
-            f"{verdict}</span> in {state.elapsed:.2f} s")
-    batch = _batch_text(state)
+def summary_html(state, ok: bool) -> str:
+    """The run's end state as a static HTML table: how it ended, and each rank's progress,
+    step rate (the slowest marked), memory, metrics and failure or stop reason."""
+    word = verdict(state, ok)
+    head = (f'<b>nbtrain</b> {html.escape(state.title)}: <span style="color:{STATUS_COLOURS[word]}">'
+            f"{word}</span> in {state.elapsed:.2f} s")
+    batch = batch_text(state, "×")
     head += f"; {batch}" if batch else ""
-    cells = ["rank", "status", "progress", "rate", "metrics", ""]
+    vitals = latest(state)
+    straggler = slowest({r: v.step_rate for r, v in state.ranks.items()})
+    cells = ["rank", "status", "progress", "steps/s", "memory", "metrics", ""]
     rows = ["<tr>" + "".join(f"<th style='text-align:left'>{c}</th>" for c in cells) + "</tr>"]
     for rank, view in sorted(state.ranks.items()):
-        status = _status(view, final=True)
-        levels = [b for _, b in sorted(view.bars.items())]
-        progress = ", ".join(f"{b.desc} {_fraction(b.n, b.total)}" for b in levels)
-        rate = f"{levels[-1].rate:.3g} it/s" if levels and levels[-1].rate else ""
-        values = [str(rank), f'<span style="color:{STATUS_COLOURS.get(status, "")}">{status}</span>',
-                  html.escape(progress), rate, html.escape(_metric_text(view.metrics)), html.escape(view.detail)]
+        status, detail, reason = final_status(view, state, final=True)
+        label = detail if detail.startswith(status) else status  # "stopped (rank 1 failed)"
+        why = detail_html(status, "" if label == detail else detail, reason)
+        progress = ", ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in sorted(view.bars.items()))
+        rate = rate_text(view.step_rate) + (f" {STRAGGLER_MARK}" if rank == straggler else "")
+        values = [str(rank), f'<span style="color:{STATUS_COLOURS.get(status, "")}">{html.escape(label)}</span>',
+                  html.escape(progress), rate, html.escape(memory_text(vitals.get(rank))),
+                  html.escape(_metric_text(view.metrics)), why]
         rows.append("<tr>" + "".join(f"<td style='text-align:left'>{v}</td>" for v in values) + "</tr>")
-    if series is None:
-        series = MetricSeries()
-        series.consume(state.history)
-    return f'<div class="nbtrain-summary"><div>{head}</div><table>{"".join(rows)}</table>{chart_html(series)}</div>'
+    return f'<div class="nbtrain-summary"><div>{head}</div><table>{"".join(rows)}</table></div>'
+
+
+def plot_bundle(history) -> dict:
+    """The logged metrics as a PNG with a text twin; text only without metrics or matplotlib."""
+    from .figure import MISSING_MATPLOTLIB, have_matplotlib, metrics_figure, metrics_text, png
+
+    if not history:
+        return {"text/plain": ""}
+    text = metrics_text(history)
+    if not have_matplotlib():
+        return {"text/plain": f"{text}\n({MISSING_MATPLOTLIB})"}
+    try:
+        picture = png(metrics_figure(history))
+    except Exception as exc:  # a picture must never hide how the run ended
+        log.warning("could not draw the metrics: %s", exc)
+        return {"text/plain": text}
+    return {"image/png": base64.b64encode(picture).decode("ascii"), "text/plain": text}

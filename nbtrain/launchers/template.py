@@ -21,7 +21,6 @@ class TemplateLauncher(ProcessLauncher):
         if not job.live:
             job.options["payload"] = pack_job(job.fn, job.args, job.kwargs)
         self.template = template()
-        self.template.wait_ready()
 
     def _start(self, job, channel_env, pump, started) -> None:
         pipes = _Pipes(job.ranks, pump)
@@ -52,7 +51,7 @@ def start_ranks_cleanly(display):
     from .processes import SpawnLauncher
 
     try:
-        template().wait_ready()
+        template()
         return TemplateLauncher()
     except (RuntimeError, OSError) as exc:
         display.note(f"the warm template did not start ({exc}); starting ranks with plain spawn instead")
