@@ -23,16 +23,6 @@ slow = pytest.mark.slow
 PROCESS_STRATEGIES = ["ddp_fork", "ddp_spawn", "ddp"]
 
 
-@pytest.fixture
-def no_leftovers(no_leftovers):
-    """conftest's check, once this process's warm template is stopped: ddp_spawn forks its ranks
-    from it and keeps it, by design, for the next launch; it is not something a launch left."""
-    yield
-    from nbtrain import template
-
-    template.stop()
-
-
 # -- 3. a rank's exception can be caught by its own class ----------------------------------
 
 class CodedError(Exception):
