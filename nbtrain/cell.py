@@ -280,7 +280,10 @@ class _LastValue:
     """
 
     def __init__(self, value):
-        self.value = value
+        from .context import context
+
+        # Evaluated on every rank: where sharded models are gathered (a collective) under fsdp.
+        self.value = context().prepare_return(value)
 
     def __reduce__(self):
         import dill
@@ -365,7 +368,7 @@ def run_cell(source: str, namespace: Mapping[str, Any], *, strategy: str = "ddp"
 
     job = cell_job(source, namespace, strategy, hidden)
     options = None
-    if strategy == "ddp":
+    if strategy in ("ddp", "fsdp", "deepspeed"):  # a script under the launcher
         options = {"launcher": launcher, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,
                    "max_restarts": max_restarts}
         if rerun_as:

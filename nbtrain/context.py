@@ -15,8 +15,10 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from . import strategies
+from .strategies import DDP_STRATEGIES, DEFAULT_MIN_PARAMS, SHARDED_STRATEGIES
+
 PROGRESS_INTERVAL = 0.1  # seconds between progress events of one bar
-DDP_STRATEGIES = ("ddp_fork", "ddp_spawn", "ddp")
 
 
 class _NoSink:
@@ -63,8 +65,8 @@ class Context:
 
     @property
     def is_distributed(self) -> bool:
-        """Several ranks, or a DDP strategy asked for explicitly (DDP on one rank, as Lightning does)."""
-        return self.world_size > 1 or self.strategy in DDP_STRATEGIES
+        """Several ranks, or a DDP or sharded strategy asked for explicitly (DDP on one rank, as Lightning does)."""
+        return self.world_size > 1 or self.strategy in DDP_STRATEGIES or self.strategy in SHARDED_STRATEGIES
 
     @property
     def is_global_zero(self) -> bool:
@@ -107,16 +109,41 @@ class Context:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
     # -- model and data -----------------------------------------------------------------
-    def setup(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Move to this rank's device and wrap for the strategy (DDP, DataParallel or none)."""
-        module = module.to(self.device)
-        if self._dp_device_ids:
-            return torch.nn.DataParallel(module, device_ids=list(self._dp_device_ids))
-        if self.is_distributed:
-            self._ensure_group()
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
-        return module
+    def setup(self, module: torch.nn.Module, *, shard=None, min_params: int = DEFAULT_MIN_PARAMS,
+              mixed_precision=None, cpu_offload=False, reshard_after_forward: bool = True) -> torch.nn.Module:
+        """Move to this rank's device and wrap for the strategy (FSDP2, DDP, DataParallel or none).
+
+        The keyword options configure FSDP (strategy 'fsdp'): `shard` names the module classes
+        sharded as units of their own (default: each submodule with at least `min_params`
+        parameters), `mixed_precision` 'bf16'/'fp16' or a MixedPrecisionPolicy, `cpu_offload`
+        True or a CPUOffloadPolicy, `reshard_after_forward` as FSDP2's. Other strategies check
+        them and leave them unused, so one training function runs under ddp and fsdp alike.
+        """
+        options = strategies.ShardOptions.check(shard, min_params, mixed_precision, cpu_offload, reshard_after_forward)
+        return strategies.wrap(module, self, options)
+
+    def prepare_return(self, value):
+        """The training function's return value, ready to leave this rank: under fsdp, sharded
+        modules are gathered whole to CPU on rank 0 (None on other ranks). Collective there:
+        every rank calls it. Other strategies: `value` itself."""
+        if self.strategy in SHARDED_STRATEGIES:
+            return strategies.gather_returned(value, self)
+        return value
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def save_checkpoint(self, path, **objects) -> None:
+        """Save models, optimizers and plain state (`model=m, optimizer=opt, step=3`) to the
+        directory `path`, each rank writing its own shard (torch.distributed.checkpoint)."""
+        from .checkpoint import save
+
+        save(self, path, objects)
+
+    def load_checkpoint(self, path, **objects) -> dict:
+        """Load what `save_checkpoint` saved into the given models and optimizers (in place),
+        on any number of ranks; returns every name's loaded value (plain state included)."""
+        from .checkpoint import load
+
+        return load(self, path, objects)
 
     def loader(self, dataset, **dataloader_kwargs) -> "EpochLoader":
         """A DataLoader that gives each rank its own shard (DistributedSampler) and reshuffles per epoch."""

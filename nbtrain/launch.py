@@ -9,25 +9,54 @@ from .launchers.base import Job
 from .preflight import fork_blocker
 from .result import Result
 
-STRATEGIES = ("auto", "dp", "ddp_fork", "ddp_spawn", "ddp")
+STRATEGIES = ("auto", "dp", "ddp_fork", "ddp_spawn", "ddp", "fsdp", "deepspeed")
 ALIASES = {"ddp_notebook": "ddp_fork", "fork": "ddp_fork", "spawn": "ddp_spawn", "ddp_script": "ddp"}
 
 
-def _launcher(strategy: str, options: dict, display):
+def _launcher(placement: str, options: dict, display):
+    """The launcher for where the ranks run: in the kernel, forked, spawned, or a script ('ddp')."""
     from .launchers.inprocess import InProcessLauncher
     from .launchers.processes import ForkLauncher, SpawnLauncher
 
-    if strategy == "ddp":
+    if placement == "ddp":
         from .launchers.script import ScriptLauncher
 
         return ScriptLauncher()
-    if strategy == "ddp_spawn":
+    if placement == "ddp_spawn":
         if not options.pop("template", True):
             return SpawnLauncher()  # plain spawn: fresh interpreters, for code that breaks even in a clean fork
         from .launchers.template import start_ranks_cleanly
 
         return start_ranks_cleanly(display)
-    return {"single": InProcessLauncher, "dp": InProcessLauncher, "ddp_fork": ForkLauncher}[strategy]()
+    return {"single": InProcessLauncher, "dp": InProcessLauncher, "ddp_fork": ForkLauncher}[placement]()
+
+
+def _processes(plan: DevicePlan, strategy: str) -> tuple[str, str]:
+    """Ranks forked from the kernel when that is safe, else spawned; and a note saying so.
+
+    Each note starts with the run's title ("<strategy> on <devices>"), so a display that shows
+    the title says the choice on that one line instead of repeating it (see LineDisplay.start).
+    """
+    blocker = fork_blocker()
+    placement = "ddp_fork" if blocker is None else "ddp_spawn"
+    if strategy == "auto":
+        note = f"{placement} on {plan.describe()} (chosen by strategy='auto')"
+    else:
+        note = f"{strategy} on {plan.describe()} (ranks started by {placement}, as strategy='auto' would)"
+    # The blocker names its cause (the cell line or import that initialised CUDA).
+    return placement, note if blocker is None else f"{note}, not ddp_fork: {blocker}"
+
+
+def deepspeed_options(given: dict | None) -> dict:
+    """strategy='deepspeed' runs as a script under DeepSpeed's own launcher."""
+    options = dict(given or {})
+    if options.get("launcher") not in (None, "deepspeed"):
+        raise ValueError(f"strategy='deepspeed' runs under DeepSpeed's launcher; launcher={options['launcher']!r} "
+                         "is for strategy='ddp'.")
+    if options.get("max_restarts"):
+        raise ValueError(f"max_restarts={options['max_restarts']!r}: DeepSpeed's launcher does not restart ranks; "
+                         "strategies 'ddp' and 'fsdp' (torchrun) do.")
+    return {**options, "launcher": "deepspeed"}
 
 
 def _check_launcher_options(options: dict | None, name: str, strategy: str) -> dict:
@@ -50,23 +79,18 @@ def resolve_strategy(strategy: str, plan: DevicePlan) -> tuple[str, str | None]:
     if name not in STRATEGIES:
         accepted = ", ".join(repr(s) for s in (*STRATEGIES, *ALIASES))
         raise ValueError(f"strategy={strategy!r} is not known. Accepted: {accepted}.")
-    if plan.num_nodes > 1 and name != "ddp":
-        raise ValueError(f"num_nodes={plan.num_nodes} needs strategy='ddp' (torchrun's rendezvous across "
-                         f"machines); {name!r} runs on this machine only.")
+    if plan.num_nodes > 1 and name not in ("ddp", "fsdp"):
+        raise ValueError(f"num_nodes={plan.num_nodes} needs strategy='ddp' or 'fsdp' (torchrun's rendezvous "
+                         f"across machines); {name!r} runs on this machine only.")
     if name == "dp" and plan.accelerator == "cpu" and plan.nprocs > 1:
         raise ValueError(f"strategy='dp' runs one process; on CPU it cannot use {plan.nprocs} devices. "
                          "Use devices=1, or strategy='ddp_fork'/'ddp_spawn' for several CPU ranks.")
     if name != "auto":
         return name, None
-    # Each note starts with the run's title ("<strategy> on <devices>"), so a display that shows
-    # the title says the choice on that one line instead of repeating it (see LineDisplay.start).
+    # Each note starts with the run's title ("<strategy> on <devices>"), see `_processes`.
     if plan.world_size == 1:
         return "single", f"single on {plan.describe()} (chosen by strategy='auto': one device runs in this kernel)"
-    blocker = fork_blocker()
-    if blocker is None:
-        return "ddp_fork", f"ddp_fork on {plan.describe()} (chosen by strategy='auto')"
-    # The blocker names its cause (the cell line or import that initialised CUDA).
-    return "ddp_spawn", f"ddp_spawn on {plan.describe()} (chosen by strategy='auto'), not ddp_fork: {blocker}"
+    return _processes(plan, "auto")
 
 
 def check_timeout(timeout):
@@ -87,16 +111,29 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     'ddp' (node_rank, rdzv_endpoint, max_restarts, launcher; see `launchers/script.py`), and
     with 'ddp_spawn' `{"template": False}` starts plain spawned interpreters instead of forks
     of the warm template (see `nbtrain.warm_up`).
+    Strategy 'fsdp' (FSDP2 sharding in `ctx.setup`) starts its ranks as 'auto' would, or as a
+    script under the launcher when `launcher_options` are given (or num_nodes > 1). Strategy
+    'deepspeed' runs the job as a script under DeepSpeed's launcher; `fn` calls
+    `deepspeed.initialize` itself.
     """
     if not callable(fn):
         raise TypeError(f"launch(fn=...) needs a callable training function, got {type(fn).__name__}.")
     check_timeout(timeout)
     plan = plan_devices(devices, accelerator, backend, num_nodes)
     name, note = resolve_strategy(strategy, plan)
-    options = _check_launcher_options(launcher_options, name, strategy)
+    placement = name  # where the ranks run; `name` (the Context's strategy) says how models are wrapped
+    if name == "fsdp":
+        script = launcher_options is not None or plan.num_nodes > 1
+        placement, note = ("ddp", None) if script else _processes(plan, name)
+    elif name == "deepspeed":
+        placement, launcher_options = "ddp", deepspeed_options(launcher_options)
+    elif (launcher_options or {}).get("launcher") == "deepspeed":
+        raise ValueError("launcher='deepspeed' runs strategy='deepspeed' (the job calls deepspeed.initialize); "
+                         f"strategy {strategy!r} runs under torchrun or accelerate.")
+    options = _check_launcher_options(launcher_options, placement, strategy)
     display = make_display(progress)
     if note:
         display.note(note)
-    launcher = _launcher(name, options, display)
+    launcher = _launcher(placement, options, display)
     job = Job(fn, args, kwargs, plan, name, timeout, options=options)
     return launcher.launch(job, display)

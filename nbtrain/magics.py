@@ -1,6 +1,8 @@
 """IPython magics, loaded by `%load_ext nbtrain`.
 
-    %%nbtrain [options]        run the cell on every rank (default strategy: ddp, a script under torchrun)
+    %%nbtrain [options]        run the cell on every rank (default strategy: ddp, a script under torchrun;
+                               fsdp: the same, with ctx.setup sharding the model;
+                               deepspeed: under DeepSpeed's launcher)
     %nbtrain config [options]  session defaults for those options; alone, shows them; `config reset` clears
     %nbtrain gpus              the GPU table (`nbtrain.gpus()`)
 
@@ -17,7 +19,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-STRATEGIES = ("ddp", "ddp_fork", "ddp_spawn", "dp")
+STRATEGIES = ("ddp", "ddp_fork", "ddp_spawn", "dp", "fsdp", "deepspeed")
+SCRIPT_STRATEGIES = ("ddp", "fsdp", "deepspeed")  # the cell as a script under the launcher
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed")
 RESULT_NAME = "_nbtrain_result"
@@ -64,14 +67,15 @@ def _endpoint(text: str) -> str:
 
 # Defaults are None here: what a cell leaves out comes from `%nbtrain config`, then DEFAULTS.
 RUN_OPTIONS = [
-    argument("--strategy", choices=STRATEGIES, help="how ranks start; ddp: the cell as a script under the launcher"),
+    argument("--strategy", choices=STRATEGIES, help="how ranks start; ddp, fsdp, deepspeed: the cell as a script under the launcher"),
     argument("--devices", help="how many / which devices: 2, -1, '0,1', auto (Lightning's grammar)"),
     argument("--accelerator", choices=ACCELERATORS, help="cpu, gpu or auto"),
     argument("--nnodes", type=_at_least(1), help="machines taking part (ddp)"),
     argument("--node-rank", dest="node_rank", type=_at_least(0), help="this machine's place, 0 .. nnodes-1"),
     argument("--rdzv-endpoint", dest="rdzv_endpoint", type=_endpoint, help="HOST:PORT of node 0, the same everywhere"),
     argument("--max-restarts", dest="max_restarts", type=_at_least(0), help="times the launcher may restart the ranks"),
-    argument("--launcher", choices=LAUNCHERS, help="what runs the script (ddp): torchrun (default), accelerate, deepspeed"),
+    argument("--launcher", choices=LAUNCHERS, help="what runs the script: torchrun (default), accelerate (ddp); "
+             "deepspeed (the launcher of --strategy deepspeed)"),
     argument("--timeout", type=_seconds, help="seconds before the run is stopped, with every rank's stack"),
     argument("--no-progress", dest="no_progress", action="store_true", default=None, help="no progress display"),
 ]
@@ -91,26 +95,41 @@ def _given(args) -> dict:
 def check_options(options: dict) -> None:
     """Refuse, as UsageError, what cannot run, before anything starts."""
     from .devices import plan_devices
-    from .launch import resolve_strategy
+    from .launch import deepspeed_options, resolve_strategy
     from .launchers.script import check_installed, script_options
 
-    strategy, nodes = options["strategy"], options["nnodes"]
+    strategy, nodes, launcher = options["strategy"], options["nnodes"], _launcher(options)
+    if launcher == "deepspeed" and strategy != "deepspeed":
+        raise UsageError(f"--launcher deepspeed runs --strategy deepspeed (the cell calls deepspeed.initialize); "
+                         f"--strategy {strategy} runs under torchrun or accelerate.")
+    if strategy == "fsdp" and launcher != "torchrun":
+        raise UsageError(f"--strategy fsdp runs under torchrun; --launcher {launcher} is for --strategy ddp.")
     try:
         plan = plan_devices(options["devices"], options["accelerator"], None, nodes)
         resolve_strategy(strategy, plan)
-        if strategy == "ddp":
-            script_options({k: options[k] for k in ("launcher", "node_rank", "rdzv_endpoint", "max_restarts")}, nodes)
-            check_installed(options["launcher"])
+        if strategy in SCRIPT_STRATEGIES:
+            given = {k: options[k] for k in ("node_rank", "rdzv_endpoint", "max_restarts")}
+            if strategy == "deepspeed":
+                given = deepspeed_options({**given, "launcher": launcher})
+            script_options({**given, "launcher": launcher}, nodes)
+            check_installed(launcher)
     except (ValueError, TypeError, RuntimeError, ImportError) as exc:
         raise UsageError(str(exc)) from None
-    if strategy != "ddp" and options["launcher"] != "torchrun":
-        raise UsageError(f"--launcher {options['launcher']} starts a script: it needs --strategy ddp "
+    if strategy not in SCRIPT_STRATEGIES and launcher != "torchrun":
+        raise UsageError(f"--launcher {launcher} starts a script: it needs --strategy ddp "
                          f"(got --strategy {strategy}).")
+
+
+def _launcher(options: dict) -> str:
+    # --strategy deepspeed means DeepSpeed's launcher; torchrun is only the session default.
+    if options["strategy"] == "deepspeed" and options["launcher"] == "torchrun":
+        return "deepspeed"
+    return options["launcher"]
 
 
 def rerun_line(options: dict) -> str:
     """The magic line another node runs: this one with its own `--node-rank`."""
-    parts = ["%%nbtrain", "--strategy", "ddp", "--devices", str(options["devices"]), "--accelerator",
+    parts = ["%%nbtrain", "--strategy", options["strategy"], "--devices", str(options["devices"]), "--accelerator",
              options["accelerator"], "--nnodes", str(options["nnodes"]), "--node-rank", "{node_rank}",
              "--rdzv-endpoint", options["rdzv_endpoint"]]
     if options["launcher"] != "torchrun":
@@ -148,7 +167,7 @@ class NbtrainMagics(Magics):
             cell, self.shell.user_ns, strategy=options["strategy"], devices=options["devices"],
             accelerator=options["accelerator"], num_nodes=options["nnodes"], node_rank=options["node_rank"],
             rdzv_endpoint=options["rdzv_endpoint"], max_restarts=options["max_restarts"],
-            launcher=options["launcher"], timeout=options["timeout"], progress=not options["no_progress"],
+            launcher=_launcher(options), timeout=options["timeout"], progress=not options["no_progress"],
             hidden=self.shell.user_ns_hidden, rerun_as=rerun_line(options) if options["nnodes"] > 1 else None)
 
     def _command(self, line: str):

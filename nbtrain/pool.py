@@ -13,6 +13,7 @@ import signal
 import time
 
 from .channel import Hub, OutputPump
+from .rankloop import MARK
 from .runstate import RunState
 from .supervisor import Supervisor, stderr_tails
 from .tensor_files import LaunchFiles
@@ -37,6 +38,7 @@ class Pool:
         self.closed: set[int] = set()  # ranks whose channel closed
         self.stderr = stderr_tails()
         self.current: dict[int, int] = {}  # rank: the seq of the command it last began
+        self.marks: dict[tuple, int] = {}  # (rank, stream): the seq whose output is complete
         self.pids: dict[int, int] = {}
         self.seq = 0
         self.broken: str | None = None  # why the pool refuses work
@@ -120,7 +122,7 @@ class Pool:
                 message = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            if message[0] == "output" and display is not None:
+            if message[0] == "output" and display is not None and not message[3].startswith(MARK):
                 display.output(*message[1:])
 
     def any_alive(self) -> bool:
@@ -169,7 +171,8 @@ class Pool:
             except queue.Empty:
                 break
             if message[0] == "output":
-                display.output(*message[1:])
+                if not message[3].startswith(MARK):
+                    display.output(*message[1:])
             elif message[0] == "closed":
                 self.closed.add(message[1])
             else:

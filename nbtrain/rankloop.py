@@ -34,6 +34,7 @@ import traceback
 import types
 
 NOTHING = object()  # an exec whose code ends without an expression
+MARK = "\x00nbtrain-done "  # written to both output streams after each command: the output before it is all there
 
 
 class RankLoop:
@@ -113,8 +114,11 @@ class RankLoop:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         if once:
-            self.link.close(reply)
+            self.link.close(reply)  # its output ends with the process: nothing to mark
         else:
+            # Output travels on its own pipe: the mark lets the notebook show all of it in this cell.
+            for fd in (1, 2):
+                os.write(fd, f"{MARK}{seq}\n".encode())
             self.link.emit(*reply)
         return code
 
@@ -335,10 +339,22 @@ def _pack_exception(exc: BaseException) -> bytes | None:
 
 
 def _user_frames(tb):
-    """The traceback from the user's first frame: this module's own frames are dropped."""
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    """The traceback without this module's own frames at either end: from the user's first
+    frame to where the user's code was (an interrupt is raised in `_on_sigint`, below it)."""
+    entries = []
+    while tb is not None:
+        entries.append(tb)
         tb = tb.tb_next
-    return tb
+    while entries and entries[0].tb_frame.f_code.co_filename == __file__:
+        entries.pop(0)
+    if not entries or entries[-1].tb_frame.f_code.co_filename != __file__:
+        return entries[0] if entries else None
+    while entries and entries[-1].tb_frame.f_code.co_filename == __file__:
+        entries.pop()
+    rebuilt = None
+    for entry in reversed(entries):
+        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return rebuilt
 
 
 def user_traceback(exc: BaseException) -> str:

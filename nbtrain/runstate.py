@@ -61,6 +61,13 @@ LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|DistBacke
                        r"RendezvousClosed|TCPStore|recvValue|Socket Timeout", re.IGNORECASE)
 
 
+def brief(text: str) -> str:
+    """A lost peer's error in a few words: gloo's source location and its advice trimmed off."""
+    line = text.splitlines()[0] if text else ""
+    line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
+    return re.split(r"\.\s+This is typically caused", line)[0]
+
+
 @dataclass
 class RankView:
     rank: int
@@ -174,9 +181,9 @@ class RunState:
         self.fail(view.rank, summary, traceback, exception=exception)
 
     def fail(self, rank: int, summary: str, traceback: str = "", crashed: bool = False, ended_early: bool = False,
-             exception: bytes | None = None) -> None:
+             exception: bytes | None = None, even_if_stopped: bool = False) -> None:
         view = self.ranks[rank]
-        if view.status in ("failed", "stopped"):
+        if view.status == "failed" or (view.status == "stopped" and not even_if_stopped):
             return
         lost = not crashed and bool(LOST_PEER.search(summary or ""))
         view.status, view.detail = "failed", summary.splitlines()[0] if summary else ""
@@ -209,7 +216,7 @@ class RunState:
         for failure in self.failures:
             view = self.ranks[failure.rank]
             if failure is not cause and failure.lost_peer and view.status == "failed":
-                view.status, view.reason = "stopped", view.detail
+                view.status, view.reason = "stopped", brief(view.detail)
         for view in self.ranks.values():
             if view.status == "stopped":
                 view.detail = f"stopped (rank {cause.rank} failed)"

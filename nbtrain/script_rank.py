@@ -27,6 +27,7 @@ def rank_main(job_dir: str, parent: int) -> None:
     from .worker import die_with_parent, enable_stacks, limit_threads, redirect_output
 
     die_with_parent(parent)
+    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1"))  # DeepSpeed's launcher's name for it
     local = os.environ["LOCAL_RANK"]
     out, err = (_open_pipe(os.path.join(job_dir, pipe_name(stream, local))) for stream in ("stdout", "stderr"))
     redirect_output(out, err)

@@ -17,13 +17,14 @@ import time
 from collections import defaultdict, deque
 
 from .errors import WorkerError
-from .runstate import RunState
+from .rankloop import MARK
+from .runstate import RunState, brief
 from .transfer import unpack_exception
-from .worker import STACKS_SIGNAL
 
 log = logging.getLogger(__name__)
 
 TICK = 0.05  # seconds between checks of the processes
+OUTPUT_WAIT = 2.0  # live ranks that replied: how long their last output may take to follow
 SETTLING = ("result", "error", "closed")
 EXIT_DRAIN = 1.0  # after a process exits, how long its last messages may take to arrive
 PEER_ERRORS = 0.3  # after a failure, how long to listen for the others' before naming the cause
@@ -103,7 +104,9 @@ class Supervisor:
                 self.display.update(self.state)
             if self.state.failures:
                 self._settle_failure()
+                self._await_output()
                 raise self._worker_error()
+            self._await_output()
         except KeyboardInterrupt:
             self._on_kernel_interrupt()
             raise
@@ -132,6 +135,9 @@ class Supervisor:
             pool.closed.add(rank)
         elif kind == "output":
             _, rank, stream, text = message
+            if text.startswith(MARK):
+                pool.marks[(rank, stream)] = int(text[len(MARK):])
+                return
             if stream == "stderr" and rank is not None:
                 pool.stderr[rank].append(text)
             if stream == "debug":  # pdb on a rank talking to the user: as it is, untagged
@@ -156,6 +162,18 @@ class Supervisor:
                 self.state.stop(rank)  # interrupted by us, because another rank failed or time ran out
                 return
             self.state.handle(message)
+
+    def _await_output(self) -> None:
+        """Live ranks that replied: wait (bounded) for the mark that ends their output, so
+        what they printed lands in this cell and not in the next one."""
+        if not self.pool.live:
+            return  # a launch's ranks end: their pipes' end of file says the same
+        seq, deadline = self.pool.seq, time.monotonic() + OUTPUT_WAIT
+        replied = [r for r, v in self.state.ranks.items() if v.status in ("finished", "failed", "stopped")
+                   and self.pool.current.get(r) == seq and r not in self.pool.closed]
+        while time.monotonic() < deadline and any(
+                self.pool.marks.get((r, stream)) != seq for r in replied for stream in ("stdout", "stderr")):
+            self._pump(0.01)
 
     # -- failures ------------------------------------------------------------------------
     def _check_processes(self) -> None:
@@ -196,9 +214,11 @@ class Supervisor:
         running = only or self.state.unfinished()
         if self.pool.live and only is None:
             # Interrupted ranks keep their state; only those that do not return are diagnosed.
+            interrupted = running
             running = self._interrupt(running)
-            if not running:
-                self.state.fail(min(self.state.interrupted), why)
+            if not running:  # every rank returned: their state is kept
+                self.state.fail(min(interrupted), f"{why}; ranks {interrupted} were interrupted (their state is kept)",
+                                even_if_stopped=True)
                 return
         stacks = self.collect_stacks(running)
         done = [r for r, v in self.state.ranks.items() if v.status == "finished"]
@@ -264,6 +284,7 @@ class Supervisor:
         while self.state.only_lost_peers() and time.monotonic() < deadline and self.pool.any_alive():
             self._pump(TICK)
             self._check_processes()
+        self._blame_early_end()
         if not self.pool.live or self.pool.broken:  # the caller stops these ranks now: say so
             for rank in self.state.unfinished():
                 self.state.stop(rank)
@@ -278,6 +299,17 @@ class Supervisor:
                 self.state.stop(r, f"did not return after an interrupt (rank {cause.rank} failed)",
                                 stack=stacks.get(r, ""))
             self.pool.stuck(stuck, f"rank {cause.rank} failed")
+
+    def _blame_early_end(self) -> None:
+        """Only lost peers, and a rank had already ended: that rank left the others waiting."""
+        ended = self.state.ended_ranks()
+        if not (self.state.only_lost_peers() and ended):
+            return
+        culprit = min(ended, key=lambda r: self.state.ranks[r].ended_at or 0.0)
+        where = self.state.ranks[culprit].ended_where or "finished"
+        lost = "; ".join(f"rank {f.rank} lost it: {brief(f.summary)}" for f in self.state.failures)
+        self.state.fail(culprit, f"rank {culprit} ended ({where}) while the others still needed it; {lost}",
+                        f"--- rank {culprit}: {where} ---", crashed=True, ended_early=True)
 
     def _interrupt(self, ranks: list[int]) -> list[int]:
         """Interrupt live ranks and wait for them to return; the ranks that did not."""

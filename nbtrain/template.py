@@ -272,19 +272,21 @@ def template(start: bool = True) -> Template | None:
     return handle
 
 
-def warm_up(restart: bool = False, preload=(), wait: bool = True) -> float:
+def warm_up(restart: bool = False, preload=None, wait: bool = True) -> float:
     """Start this kernel's template now, so the first CUDA-safe launch is as fast as later ones.
 
     `preload`: more packages for it to import once (third-party ones every rank imports, e.g.
-    `["transformers"]`; never your own modules, which ranks import fresh). `restart=True`
+    `["transformers"]`; never your own modules, which ranks import fresh); None keeps the last
+    list, `[]` has none. `restart=True`
     replaces a running one (after changing a variable torch reads at import). Returns the
     seconds since the template was started, once it is ready.
     """
     global _preload, _failed
-    if isinstance(preload, str) or not all(isinstance(name, str) and name for name in preload):
-        raise TypeError(f"preload={preload!r}: give a list of module names, e.g. ['transformers'].")
-    if tuple(preload) and tuple(preload) != _preload:
-        _preload, restart = tuple(preload), True
+    if preload is not None:
+        if isinstance(preload, str) or not all(isinstance(name, str) and name for name in preload):
+            raise TypeError(f"preload={preload!r}: give a list of module names, e.g. ['transformers'].")
+        if tuple(preload) != _preload:
+            _preload, restart = tuple(preload), True
     if restart:
         stop()
     _failed = None

@@ -77,11 +77,17 @@ def enable_stacks() -> None:
     faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
 
 
-def limit_threads(local_world_size: int) -> None:
-    # Ranks sharing a machine each get their share of cores, and after a fork the intra-op
-    # pool inherited from the kernel must be rebuilt in the child, not reused.
-    if "OMP_NUM_THREADS" in os.environ:
-        return
+def limit_threads(local_world_size: int, forked_from_kernel: bool = False) -> None:
+    """Each rank's share of the cores for torch's intra-op threads.
+
+    A rank forked from a process that has run torch ops gets one thread: GNU OpenMP keeps its
+    pool's state across fork but not its threads, and the child's first parallel region would
+    wait for them forever (a matmul that never returns). Forks of the template (which never
+    ran an op), spawned and torchrun-started ranks get their share of the cores.
+    """
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
+    if forked_from_kernel:
+        torch.set_num_threads(1)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))

@@ -37,9 +37,18 @@ class Kernel:
 
         self.manager, self.client = start_new_kernel(kernel_name="python3")
 
-    def run(self, code: str, timeout: float = 120):
-        """Execute a cell; return (stdout text, stderr text, error content or None, results)."""
+    def run(self, code: str, timeout: float = 120, answers: list[str] | None = None):
+        """Execute a cell; return (stdout text, stderr text, error content or None, results).
+
+        `answers`: lines typed at the cell's `input()` prompts (pdb's included), in order;
+        the prompts are kept in `self.prompts`.
+        """
         out, err, results, error = [], [], [], None
+        self.prompts, pending = [], list(answers or [])
+
+        def stdin_hook(msg):
+            self.prompts.append(msg["content"]["prompt"])
+            self.client.input(pending.pop(0) if pending else "q")
 
         def hook(msg):
             nonlocal error
@@ -51,7 +60,8 @@ class Kernel:
             elif kind == "error":
                 error = content
 
-        self.client.execute_interactive(code, timeout=timeout, output_hook=hook, allow_stdin=False)
+        self.client.execute_interactive(code, timeout=timeout, output_hook=hook, allow_stdin=answers is not None,
+                                        stdin_hook=stdin_hook)
         return "".join(out), "".join(err), error, results
 
     def value(self, expression: str):

@@ -301,3 +301,21 @@ def test_stack_dumps_lead_with_the_users_code():
                 "  File \"nbtrain/rankloop.py\", line 101 in _execute\n  File \"ipykernel/kernelapp.py\", line 1 in start\n\n"
             "Extension modules: torch._C (total: 1)")
     assert tidy_stacks(dump) == "Current thread 0x2 (most recent call first):\n  File \"cell.py\", line 5 in train"
+
+
+def matmul_threads():
+    b = torch.randn(512, 512)
+    (b @ b).sum()
+    return torch.get_num_threads()
+
+
+def test_a_single_forked_rank_computes_after_the_kernel_used_its_thread_pool(no_leftovers):
+    # GNU OpenMP is not fork-safe: a fork of a process that ran a parallel region hangs in its
+    # first one if it uses more than one thread. Forked ranks use one; template ranks their share.
+    a = torch.randn(512, 512)
+    for _ in range(3):
+        a @ a
+    forked = nbtrain.launch(matmul_threads, devices=1, accelerator="cpu", strategy="ddp_fork", progress=False, timeout=60)
+    assert forked.values == [1]
+    templated = nbtrain.launch(matmul_threads, devices=1, accelerator="cpu", strategy="ddp_spawn", progress=False, timeout=60)
+    assert templated.values == [max(1, os.cpu_count())]

@@ -1,5 +1,4 @@
 """%load_ext nbtrain, %%nbtrain and %nbtrain in a real Jupyter kernel."""
-import importlib.util
 import time
 
 import psutil
@@ -169,10 +168,14 @@ def test_bad_options_are_usage_errors_and_the_cell_does_not_run(nb, line, words)
     assert len(err.strip().splitlines()) == 1  # one line, no traceback
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed is installed here")
 def test_a_missing_launcher_package_is_a_usage_error(nb):
-    _, err, _, _ = nb.run("%%nbtrain --launcher deepspeed --accelerator cpu\nprint('the cell ran')")
-    assert "UsageError: launcher='deepspeed' needs the 'deepspeed' package" in err and "pip install deepspeed" in err
+    # A None entry in sys.modules makes the package absent to the kernel, installed or not.
+    run_ok(nb, "import sys; hidden = sys.modules.get('accelerate'); sys.modules['accelerate'] = None")
+    try:
+        _, err, _, _ = nb.run("%%nbtrain --launcher accelerate --accelerator cpu\nprint('the cell ran')")
+    finally:
+        run_ok(nb, "sys.modules.pop('accelerate'); hidden is None or sys.modules.setdefault('accelerate', hidden)")
+    assert "UsageError: launcher='accelerate' needs the 'accelerate' package" in err and "pip install accelerate" in err
 
 
 def test_config_sets_session_defaults(nb):

@@ -30,7 +30,7 @@ def warm_kernel() -> None:
         _warm = True
 
 
-def _become_rank(parent_pid: int, env: dict, stdout_fd: int, stderr_fd: int) -> None:
+def _become_rank(parent_pid: int, env: dict, stdout_fd: int, stderr_fd: int, forked: bool) -> None:
     try:
         os.setpgid(0, 0)  # stops reach the rank's own children; the kernel's Ctrl-C does not
     except OSError:
@@ -39,7 +39,7 @@ def _become_rank(parent_pid: int, env: dict, stdout_fd: int, stderr_fd: int) -> 
     redirect_output(stdout_fd, stderr_fd)
     os.environ.update(env)
     enable_stacks()
-    limit_threads(int(env["LOCAL_WORLD_SIZE"]))
+    limit_threads(int(env["LOCAL_WORLD_SIZE"]), forked_from_kernel=forked)
 
 
 def _fork_main(first, live, env, stdout_fd, stderr_fd, inherited_fds, parent_pid):
@@ -48,14 +48,14 @@ def _fork_main(first, live, env, stdout_fd, stderr_fd, inherited_fds, parent_pid
             os.close(fd)
         except OSError:
             pass
-    _become_rank(parent_pid, env, stdout_fd, stderr_fd)
+    _become_rank(parent_pid, env, stdout_fd, stderr_fd, forked=True)
     from ..rankloop import serve
 
     os._exit(serve(first, once=not live, live=live))
 
 
 def _spawn_main(first, live, env, stdout_conn, stderr_conn, parent_pid):
-    _become_rank(parent_pid, env, stdout_conn.fileno(), stderr_conn.fileno())
+    _become_rank(parent_pid, env, stdout_conn.fileno(), stderr_conn.fileno(), forked=False)
     stdout_conn.close()
     stderr_conn.close()
     from ..rankloop import serve

@@ -137,10 +137,9 @@ def launcher_command(launcher: str, job: Job, options: dict, script: str) -> lis
                 "--num_machines", str(plan.num_nodes), "--machine_rank", str(job.node_rank),
                 "--main_process_ip", addr, "--main_process_port", port, "--rdzv_backend", "static",
                 "--max_restarts", restarts, "--monitor_interval", "0.1", script]
-    nodes = ["--num_nodes", str(plan.num_nodes), "--node_rank", str(job.node_rank), "--no_ssh"] \
-        if plan.num_nodes > 1 else []
-    return ["-m", "deepspeed.launcher.runner", "--num_gpus", nproc, *nodes, "--master_addr", addr,
-            "--master_port", port, script]
+    # GPUs by their indices: with --num_gpus DeepSpeed would take the first n, ignoring the plan.
+    gpus = ["--include", f"localhost:{plan.cuda_visible_devices}"] if plan.accelerator == "gpu" else ["--num_gpus", nproc]
+    return ["-m", "deepspeed.launcher.runner", *gpus, "--master_addr", addr, "--master_port", port, script]
 
 
 def launcher_environ(job: Job, channel_env: dict[str, str], tmpdir: str | None = None) -> dict[str, str]:
@@ -161,6 +160,7 @@ def launcher_environ(job: Job, channel_env: dict[str, str], tmpdir: str | None =
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.plan.nprocs)))
     if job.plan.accelerator == "cpu":
         env["ACCELERATE_USE_CPU"] = "true"  # an Accelerator in the ranks then stays on CPU, as planned
+        env["DS_ACCELERATOR"] = "cpu"  # and DeepSpeed too
     return env
 
 

@@ -5,7 +5,6 @@ at fork speed. Falls back to plain spawn, saying why, when the template cannot s
 """
 from __future__ import annotations
 
-import os
 
 from .base import Job, ProcessLauncher, RankProcess, rank_environ
 from .processes import _Pipes

@@ -1,0 +1,162 @@
+"""Checkpoints for every strategy: torch.distributed.checkpoint (DCP), each rank its own shard.
+
+`ctx.save_checkpoint(path, model=m, optimizer=opt, step=3)` writes a directory that any
+number of ranks can load again, whatever the strategy that wrote it: models and optimizers go
+through `torch.distributed.checkpoint.state_dict` (FQN keys without DDP's `module.` prefix,
+FSDP shards as DTensors), so a 2-rank fsdp checkpoint loads into one plain module and a
+single-device one into fsdp. Plain state (numbers, tensors, anything with
+`state_dict`/`load_state_dict`, such as an LR scheduler) travels as DCP stores it; plain
+values are the same on every rank (a step, an epoch), and one rank's copy is kept.
+
+A save is written beside `path` and swapped in when complete, so `path` always holds the
+last whole checkpoint: a run killed while saving resumes from the one before.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+
+import torch
+
+METADATA = ".metadata"  # DCP's index file: its presence marks a checkpoint directory
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    # DataParallel is not known to DCP's state_dict helpers; DDP's prefix they strip themselves.
+    return module.module if isinstance(module, torch.nn.DataParallel) else module
+
+
+class _ModelState:
+    """A model as DCP's Stateful: sharded or plain, keyed by fully qualified names."""
+
+    def __init__(self, model):
+        self.model = _unwrap(model)
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.model, state)
+
+
+class _OptimizerState:
+    """An optimizer as DCP's Stateful, keyed by its model's parameter names (not positions),
+    which is what lets it load onto another sharding."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = _unwrap(model), optimizer
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state):
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+def _stateful(objects: dict, verb: str) -> dict:
+    """The objects as DCP's state dict; optimizers paired with the model holding their parameters."""
+    if not objects:
+        raise ValueError(f"ctx.{verb}_checkpoint(path, ...) needs what to {verb} by name, e.g. "
+                         f"ctx.{verb}_checkpoint(path, model=model, optimizer=optimizer, step=step).")
+    for name, obj in objects.items():
+        if any(cls.__name__ == "DeepSpeedEngine" for cls in type(obj).__mro__):
+            raise ValueError(f"{name}=: a DeepSpeed engine keeps its ZeRO partitions in DeepSpeed's own checkpoint "
+                             f"format: use {name}.save_checkpoint(directory) and {name}.load_checkpoint(directory).")
+    models = {name: obj for name, obj in objects.items() if isinstance(obj, torch.nn.Module)}
+    state = {}
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            state[name] = _ModelState(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            state[name] = _OptimizerState(_owner(name, obj, models, verb), obj)
+        else:
+            state[name] = obj
+    return state
+
+
+def _owner(name: str, optimizer, models: dict, verb: str) -> torch.nn.Module:
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in models.values():
+        if any(id(p) in params for p in model.parameters()):
+            return model
+    given = f" (models given: {', '.join(models)})" if models else ""
+    raise ValueError(f"{name}=: the optimizer's parameters belong to no model given to {verb}_checkpoint{given}; "
+                     f"give its model too, e.g. ctx.{verb}_checkpoint(path, model=model, {name}={name}).")
+
+
+def _group(ctx):
+    """The process group to use, or None for a single process (DCP then runs without one)."""
+    import torch.distributed as dist
+
+    if ctx.is_distributed:
+        ctx._ensure_group()
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def _barrier(group) -> None:
+    import torch.distributed as dist
+
+    if group is not None:
+        dist.barrier(group)
+
+
+@contextlib.contextmanager
+def _single_process_is_meant():
+    # DCP warns on every call without a process group; one process is what a single-device run is.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def is_checkpoint(path) -> bool:
+    return os.path.isfile(os.path.join(path, METADATA))
+
+
+def save(ctx, path, objects: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and not is_checkpoint(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise FileExistsError(f"save_checkpoint: {path} exists and is not a checkpoint; nbtrain replaces only "
+                              "checkpoints it wrote. Give a new path, or remove it.")
+    state = _stateful(objects, "save")
+    group = _group(ctx)
+    partial = path + ".partial"
+    if ctx.is_global_zero and os.path.exists(partial):  # left by a run killed while saving
+        shutil.rmtree(partial)
+    _barrier(group)
+    with _single_process_is_meant():
+        dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=group is None)
+    if ctx.is_global_zero:  # dcp.save returns on rank 0 once every rank's shard is written
+        old = path + ".old"
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier(group)  # nobody reads `path` before it is whole
+
+
+def load(ctx, path, objects: dict) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.abspath(os.fspath(path))
+    if not is_checkpoint(path):
+        raise FileNotFoundError(f"load_checkpoint: no checkpoint at {path} (a directory written by "
+                                "ctx.save_checkpoint). To resume only when there is one: "
+                                "`if os.path.exists(path): ctx.load_checkpoint(path, ...)`.")
+    state = _stateful(objects, "load")
+    group = _group(ctx)
+    with _single_process_is_meant():
+        dcp.load(state, checkpoint_id=path, process_group=group, no_dist=group is None)
+    return {name: objects[name] if isinstance(state[name], (_ModelState, _OptimizerState)) else state[name]
+            for name in objects}

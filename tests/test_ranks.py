@@ -1,0 +1,231 @@
+"""Live ranks (nbtrain.Ranks, %nbtrain start, %%ranks) in a real Jupyter kernel, 2 CPU ranks, gloo:
+state kept, objects both ways, output, failures, interrupts, stuck ranks, post-mortem debugging,
+lifetime. Tests that restart the ranks build the state they need first."""
+import time
+
+import pytest
+
+
+pytestmark = pytest.mark.slow
+
+SETUP = '''
+%load_ext nbtrain
+import os, time, torch, psutil
+import torch.nn.functional as F
+import nbtrain
+os.environ["NBTRAIN_PROGRESS"] = "text"
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+    def forward(self, x):
+        return self.layer(x)
+
+lr = 0.1
+
+def children():
+    import nbtrain.template
+    keep = nbtrain.template.template(start=False)
+    keep = keep.process.pid if keep else None
+    return [c.pid for c in psutil.Process().children(recursive=True) if c.pid != keep]
+'''
+
+STATE = '''%%ranks
+import torch.distributed as dist
+t = torch.tensor([ctx.rank + 1.0])
+dist.all_reduce(t)                 # the process group is ready in the first cell
+model = ctx.setup(Net())           # Net and lr come from the notebook
+opt = torch.optim.SGD(model.parameters(), lr=lr)
+t.item()
+'''
+
+
+def ok(nb, code, **kw):
+    out, err, error, results = nb.run(code, **kw)
+    assert error is None, "\n".join(error["traceback"])
+    return plain(out), err
+
+
+def plain(text: str) -> str:
+    """Without terminal colours (pdb's listing is coloured)."""
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def failing(nb, code, ename="WorkerError", **kw):
+    out, err, error, _ = nb.run(code, **kw)
+    assert error is not None and error["ename"] == ename, (out, err, error)
+    return "\n".join(error["traceback"]), out
+
+
+def wait_for_reply(nb, timeout=30):
+    while True:
+        reply = nb.client.get_shell_msg(timeout=timeout)
+        if reply["msg_type"] == "execute_reply":
+            return reply
+
+
+@pytest.fixture(scope="module")
+def nb(kernel):
+    ok(kernel, SETUP)
+    out, _ = ok(kernel, "%nbtrain start --devices 2 --accelerator cpu")
+    assert "2 live ranks (fork, 2 CPU ranks, gloo) ready" in out
+    yield kernel
+    ok(kernel, "%nbtrain stop")
+    assert kernel.value("children()") == []
+
+
+def test_process_group_ready_state_kept_names_from_the_notebook(nb):
+    out, _ = ok(nb, STATE)
+    assert "[rank 0] 3.0" in out and "[rank 1] 3.0" in out  # the last value, per rank
+    assert nb.value("ranks.eval('t.item()')") == [3.0, 3.0]  # state kept between calls
+    assert nb.value("ranks.eval('type(model).__name__')") == ["DistributedDataParallel"] * 2
+    assert nb.value("ranks.world_size, len(ranks), nbtrain.Ranks.current() is ranks") == (2, 2, True)
+
+
+def test_objects_travel_both_ways(nb):
+    ok(nb, STATE)
+    ok(nb, "ranks.push(scale=3, twice=lambda v: 2 * v)")
+    assert nb.value("ranks.eval('twice(scale) + ctx.rank')") == [6, 7]
+    assert nb.value("[isinstance(m, Net) for m in ranks.pull('model')]") == [True, True]  # the notebook's own class, unwrapped
+    assert nb.value("ranks[1].pull('t').item(), ranks[1].eval('ctx.rank')") == (3.0, 1)
+    ok(nb, "ranks[0].push(only_here=1)")
+    assert nb.value("ranks.eval('\"only_here\" in globals()')") == [True, False]
+
+
+def test_run_uses_the_ranks_own_names_and_shows_progress(nb):
+    ok(nb, STATE)
+    code = '''
+def train_epoch(steps):
+    for _ in ctx.progress(range(steps), desc="step"):
+        loss = F.mse_loss(model(torch.randn(8, 4)), torch.zeros(8, 2))   # model, opt: the rank's own
+        opt.zero_grad(); loss.backward(); opt.step()
+        ctx.log("loss", loss, sync_dist=True)
+    return ctx.rank
+r = ranks.run(train_epoch, 3)
+'''
+    out, _ = ok(nb, code)
+    assert "train_epoch on live ranks" in out and "finished" in out
+    assert nb.value("r.values, len(r.metrics('loss')), r.metrics('loss') == r.metrics('loss', rank=1)") == ([0, 1], 3, True)
+    # The weights changed on the ranks, and stayed there: DDP kept the replicas equal.
+    assert nb.value("ranks.eval('round(float(model.module.layer.weight.sum()), 5)')[0] == "
+                    "ranks.eval('round(float(model.module.layer.weight.sum()), 5)')[1]")
+
+
+def test_output_streams_live_tagged_by_rank(nb):
+    msg_id = nb.client.execute("%%ranks\nprint('early', ctx.rank, flush=True)\ntime.sleep(3)\nprint('late', ctx.rank)")
+    arrivals = {}
+    while True:
+        msg = nb.client.get_iopub_msg(timeout=30)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            for line in msg["content"]["text"].splitlines():
+                arrivals.setdefault(line, time.monotonic())
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    wait_for_reply(nb)
+    assert {"[rank 0] early 0", "[rank 1] early 1", "[rank 0] late 0", "[rank 1] late 1"} <= arrivals.keys()
+    assert arrivals["[rank 0] late 0"] - arrivals["[rank 0] early 0"] > 1.5  # streamed while the cell ran
+
+
+def test_a_failing_cell_names_the_rank_and_leaves_state_as_it_was(nb):
+    ok(nb, "%%ranks\nkeep = 41")
+    shown, _ = failing(nb, '%%ranks\nif ctx.rank == 1:\n    raise ValueError("rank one says no")\nkeep += 1')
+    assert "rank 1 failed: ValueError: rank one says no" in shown
+    assert "<%%ranks In[" in shown and 'raise ValueError("rank one says no")' in shown
+    assert nb.value("ranks.eval('keep')") == [42, 41]
+    assert nb.value("type(nbtrain.Ranks.current()._pool).__name__") == "Pool"
+
+
+def test_interrupt_reaches_every_rank_and_keeps_state(nb):
+    ok(nb, "%%ranks\nkept = ctx.rank\nseen = None")
+    nb.client.execute("%%ranks\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    seen = time.time()\n    raise")
+    time.sleep(2)
+    asked = time.time()
+    nb.manager.interrupt_kernel()
+    reply = wait_for_reply(nb)
+    ended = time.time()
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    assert ended - asked < 10  # the issue asks for 3 s; benchmarks/live_ranks.py measures it
+    seen = nb.value("ranks.eval('seen')")
+    assert all(s is not None and s - asked < 10 for s in seen), seen  # KeyboardInterrupt inside the rank's code
+    assert nb.value("ranks.eval('kept')") == [0, 1]
+
+
+def test_a_rank_that_cannot_be_interrupted_is_diagnosed_and_the_ranks_restarted(nb):
+    ok(nb, STATE)
+    nb.client.execute("%%ranks\nif ctx.rank == 0:\n    dist.barrier()   # rank 1 never comes\nelse:\n    time.sleep(60)")
+    time.sleep(2)
+    asked = time.monotonic()
+    nb.manager.interrupt_kernel()
+    reply = wait_for_reply(nb)
+    assert time.monotonic() - asked < 15  # the issue asks for 10 s
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    out, _ = ok(nb, "print(ranks)")
+    assert "ready" in out
+    assert nb.value("ranks.eval('ctx.rank')") == [0, 1]
+    shown, _ = failing(nb, "ranks.eval('t')")  # the old state is gone
+    assert "NameError" in shown
+
+
+def test_the_stuck_ranks_stacks_are_shown(nb):
+    ok(nb, STATE)
+    shown, out = failing(nb, "%%ranks --timeout 3\nif ctx.rank == 0:\n    dist.barrier()\nelse:\n    time.sleep(60)")
+    assert "timed out after 3 s" in shown
+    assert "--- rank 0 stack ---" in shown and "in barrier" in shown  # rank 0 waits in the barrier
+    assert "restarted" in shown and "state is lost" in shown
+    assert nb.value("ranks.eval('1')") == [1, 1]
+
+
+def test_a_timeout_interrupts_and_keeps_state(nb):
+    ok(nb, "%%ranks\nstays = ctx.rank + 10")
+    shown, _ = failing(nb, "%%ranks --timeout 2\ntime.sleep(60)")
+    assert "timed out after 2 s" in shown and "restarted" not in shown
+    assert nb.value("ranks.eval('stays')") == [10, 11]
+
+
+def test_post_mortem_debugging_in_the_failed_rank(nb):
+    code = "%%ranks\ndef f(v):\n    y = v * 2\n    if ctx.rank == 1:\n        raise ValueError(f'bad {y}')\n    return y\nf(21)"
+    failing(nb, code)
+    out, _ = ok(nb, "%debug", answers=["p y", "p v", "q"])
+    assert nb.prompts == ["(Pdb rank 1) "] * 3
+    assert "42" in out and "21" in out and "raise ValueError" in out
+    assert "rankloop" not in out  # the debugger starts in the user's frames
+    out, _ = ok(nb, "ranks[1].debug()", answers=["p ctx.rank", "c"])
+    assert "\n1\n" in out
+
+
+def test_breakpoint_on_one_rank(nb):
+    out, _ = ok(nb, "%%ranks --rank 0\nz = 5\nbreakpoint()\nprint('after', z)", answers=["p z", "z = 7", "c"])
+    assert nb.prompts[0] == "(Pdb rank 0) " and "5" in out and "[rank 0] after 7" in out
+
+
+def test_a_dead_rank_is_named_and_work_refused_until_restart(nb):
+    shown, _ = failing(nb, "%%ranks --rank 1\nos._exit(3)")
+    assert "rank 1 failed: exited with code 3" in shown and ".restart()" in shown
+    shown, _ = failing(nb, "ranks.eval('1')", ename="PoolBroken")
+    assert "rank 1 ended: exited with code 3" in shown
+    ok(nb, "ranks.restart()")
+    assert nb.value("ranks.eval('ctx.rank')") == [0, 1]
+    assert len(nb.value("children()")) == 2
+    shown, _ = failing(nb, "ranks[0].debug()")
+    assert "rank 0 has no failure to debug" in shown
+
+
+def test_launch_works_beside_live_ranks(nb):
+    ok(nb, "r = nbtrain.launch(lambda: nbtrain.context().rank, devices=2, accelerator='cpu', strategy='ddp_fork', progress=False)")
+    assert nb.value("r.values, ranks.eval('ctx.rank')") == ([0, 1], [0, 1])
+
+
+def test_magic_mistakes_are_one_line_usage_errors(nb):
+    _, err = ok(nb, "%%ranks --rank 9\n1")  # IPython prints a UsageError as one line, with no traceback
+    assert err.strip() == "UsageError: --rank [9]: the live ranks are 0 .. 1."
+    ok(nb, "%nbtrain stop")
+    _, err = ok(nb, "%%ranks\n1")
+    assert err.startswith("UsageError: no live ranks") and "%nbtrain start" in err
+    _, err = ok(nb, "%nbtrain start --devices 0 --accelerator cpu")
+    assert err.startswith("UsageError: devices='0': a count must be positive")
+    ok(nb, "%nbtrain start --devices 2 --accelerator cpu")
