@@ -1,7 +1,8 @@
 """100 launches in one Jupyter kernel: the kernel's processes, file descriptors, threads and
-resident memory before and after. Target: no growth beyond noise.
+resident memory before and after (and, with ddp_spawn, those of the warm template that forks
+the ranks). Target: no growth beyond noise.
 
-    python benchmarks/soak.py [--launches 100] [--strategy ddp_fork]
+    python benchmarks/soak.py [--launches 100] [--strategy ddp_fork|ddp_spawn]
 """
 from __future__ import annotations
 
@@ -26,8 +27,15 @@ def step():
 
 def snapshot():
     gc.collect()
-    return dict(children=len(me.children(recursive=True)), fds=me.num_fds(), threads=threading.active_count(),
-                rss_mib=round(me.memory_info().rss / 2**20, 1))
+    import nbtrain.template
+    found = dict(children=len(me.children(recursive=True)), fds=me.num_fds(), threads=threading.active_count(),
+                 rss_mib=round(me.memory_info().rss / 2**20, 1))
+    running = nbtrain.template.template(start=False)
+    if running is not None:  # the template is one of the children; its own state counts too
+        t = psutil.Process(running.process.pid)
+        found.update(template_children=len(t.children()), template_fds=t.num_fds(),
+                     template_rss_mib=round(t.memory_info().rss / 2**20, 1))
+    return found
 '''
 
 

@@ -8,7 +8,7 @@ from . import __version__
 
 
 def _gpus(args) -> int:
-    from .inventory import gpus
+    from .display.gpus import gpus
 
     print(gpus())
     return 0

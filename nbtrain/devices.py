@@ -5,6 +5,8 @@ Everything here is pure: it reads an inventory and an environment mapping and re
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -18,6 +20,12 @@ ACCEPTED = (
 )
 ACCELERATORS = ("auto", "gpu", "cpu")
 BACKENDS = ("nccl", "gloo", "mpi", "ucc")
+# CPU ranks are whole processes (torch imported, a few hundred MB, a dozen fds and threads each):
+# past a few per core they only slow each other down, and a typo such as devices=10**6 would
+# exhaust the kernel's file descriptors and memory before anything could fail cleanly.
+CPU_RANKS_PER_CORE = 4
+CPU_RANKS_FLOOR = 16  # small machines can still try world sizes a real cluster would use
+MAX_CPU_RANKS_VAR = "NBTRAIN_MAX_CPU_RANKS"
 
 
 @dataclass(frozen=True)
@@ -60,13 +68,21 @@ class _Refusal(Exception):
 
 
 def _refusing(parse):
-    def wrapper(devices, *args):
+    """Turn a parser's `_Refusal` into an error quoting the caller's `devices`.
+
+    The wrapper takes whatever the parser takes (positional or keyword: `available=4`) and
+    shows the parser's own signature to `help()` and `inspect.signature`.
+    """
+    signature = inspect.signature(parse)
+
+    @functools.wraps(parse)
+    def wrapper(*args, **kwargs):
         try:
-            return parse(devices, *args)
+            return parse(*args, **kwargs)
         except _Refusal as r:
+            devices = signature.bind(*args, **kwargs).arguments["devices"]
             raise r.exc(f"devices={devices!r}: {r.what}. {ACCEPTED}") from None
 
-    wrapper.__name__, wrapper.__doc__ = parse.__name__, parse.__doc__
     return wrapper
 
 
@@ -184,8 +200,33 @@ def plan_devices(
         plan = DevicePlan("gpu", tuple(indices), physical, "nccl", num_nodes)
     else:
         n = parse_cpu_devices(devices, os.cpu_count() or 1)
+        _check_cpu_rank_count(devices, n, os.cpu_count() or 1, environ)
         plan = DevicePlan("cpu", tuple(range(n)), (), "gloo", num_nodes)
     return _with_backend(plan, backend)
+
+
+def cpu_rank_limit(cores: int, environ: Mapping[str, str] = os.environ) -> int:
+    """How many CPU ranks one node may start: NBTRAIN_MAX_CPU_RANKS, else
+    max(CPU_RANKS_FLOOR, CPU_RANKS_PER_CORE x cores)."""
+    given = environ.get(MAX_CPU_RANKS_VAR, "").strip()
+    if not given:
+        return max(CPU_RANKS_FLOOR, CPU_RANKS_PER_CORE * cores)
+    try:
+        limit = int(given)
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        raise ValueError(f"{MAX_CPU_RANKS_VAR}={given!r}: give a positive int, the most CPU ranks one launch may start.")
+    return limit
+
+
+def _check_cpu_rank_count(devices, n: int, cores: int, environ: Mapping[str, str]) -> None:
+    limit = cpu_rank_limit(cores, environ)
+    if n > limit:
+        raise ValueError(
+            f"devices={devices!r}: {n} CPU ranks is more than this machine can run ({cores} cores; the limit is "
+            f"{limit}, {CPU_RANKS_PER_CORE} per core and at least {CPU_RANKS_FLOOR}). Each CPU rank is a whole "
+            f"process. To oversubscribe on purpose, set {MAX_CPU_RANKS_VAR}={n} in the environment.")
 
 
 def _check_accelerator(accelerator) -> str:

@@ -1,13 +1,35 @@
 """Errors that reach the notebook. They pickle, because they cross process boundaries."""
 from __future__ import annotations
 
+import inspect
+
 
 class WorkerError(RuntimeError):
     """A rank failed: it raised, died by a signal, exited non-zero or timed out.
 
     `rank` is the first rank that failed (the root cause); `traceback` is that worker's own
     traceback or stacks, as text; `others` lists the later failures, one line each.
+
+    When the rank's exception could be rebuilt in the notebook, `from_failure` returns an
+    instance of a subclass of both WorkerError and the exception's class, so `except MyErr`
+    catches it and its attributes are there; `__cause__` is the rebuilt exception itself.
     """
+
+    @classmethod
+    def from_failure(cls, rank: int, summary: str, traceback: str = "", others: tuple[str, ...] = (),
+                     original: BaseException | None = None) -> "WorkerError":
+        both = _with_original_class(type(original)) if isinstance(original, Exception) else None
+        try:
+            error = (both or cls)(rank, summary, traceback, others)
+        except Exception:  # the original class's __new__ wants arguments of its own (ExceptionGroup)
+            both, error = None, cls(rank, summary, traceback, others)
+        for name, value in _attributes(original) if both is not None else ():
+            try:
+                setattr(error, name, value)
+            except (AttributeError, TypeError):  # read-only: still there through __cause__
+                pass
+        error.__cause__ = original
+        return error
 
     def __init__(self, rank: int, summary: str, traceback: str = "", others: tuple[str, ...] = ()):
         self.rank = rank
@@ -39,6 +61,63 @@ class WorkerError(RuntimeError):
         return lines
 
 
+_OWN_ATTRIBUTES = ("rank", "summary", "traceback", "others")
+_combined: dict[type, type] = {}  # one class per original class: `type(e) is type(e2)` holds
+
+
+def _attributes(original: BaseException):
+    """The original's own attributes (`.code`), and the C fields of built-in exception classes
+    (OSError's errno and filename, StopIteration's value), which live outside its __dict__."""
+    names = [n for cls in type(original).__mro__ if cls.__module__ == "builtins" and cls not in (BaseException, object)
+             for n, attr in vars(cls).items() if not n.startswith("_") and inspect.isdatadescriptor(attr)]
+    names += list(vars(original))
+    for name in dict.fromkeys(names):
+        if name in _OWN_ATTRIBUTES:
+            continue
+        try:
+            yield name, getattr(original, name)
+        except AttributeError:  # a field left unset (OSError.characters_written)
+            pass
+
+
+def _with_original_class(original: type) -> type | None:
+    """A subclass of WorkerError and `original`, or None where Python cannot combine them."""
+    if issubclass(WorkerError, original) or issubclass(original, WorkerError):  # RuntimeError: nothing to add
+        return None
+    if original not in _combined:
+        try:
+            _combined[original] = type("WorkerError", (WorkerError, original), {
+                # Named WorkerError, as the notebook shows it (`ename`); the qualname tells them apart.
+                "__qualname__": f"WorkerError({original.__qualname__})",
+                "__module__": __name__,
+                "__reduce__": _reduce_with_original,
+                "__getattr__": _attribute_of_original,
+                "__str__": WorkerError.__str__,
+                "__repr__": WorkerError.__repr__,
+            })
+        except TypeError:  # incompatible layouts, a class that refuses subclasses
+            return None
+    return _combined[original]
+
+
+def _reduce_with_original(self):
+    # The combined class is made at run time and cannot be pickled by name: rebuild it.
+    return (_rebuild, (self.rank, self.summary, self.traceback, self.others, self.__cause__))
+
+
+def _rebuild(rank, summary, traceback, others, original):
+    return WorkerError.from_failure(rank, summary, traceback, others, original=original)
+
+
+def _attribute_of_original(self, name: str):
+    # Only reached when normal lookup failed: what could not be copied (slots, read-only
+    # fields) is read from the original.
+    cause = self.__cause__
+    if cause is None or name.startswith("__"):
+        raise AttributeError(name)
+    return getattr(cause, name)
+
+
 class UnpicklableError(TypeError):
     """Something that must travel to another process cannot be serialised.
 
@@ -46,24 +125,29 @@ class UnpicklableError(TypeError):
     reason, hint) for each offending leaf.
     """
 
-    def __init__(self, what: str, findings=(), detail: str = ""):
+    def __init__(self, what: str, findings=(), detail: str = "", advice: str = "", returning: bool = False):
         self.what = what
         self.findings = list(findings)
         self.detail = detail
+        self.advice = advice  # a closing line: what to do instead
+        self.returning = returning  # a rank's return value, on its way back to the notebook
         super().__init__(self._message())
 
     def _message(self) -> str:
-        lines = [f"{self.what} cannot be sent to the worker processes."]
+        where = "cannot travel back to the notebook" if self.returning else "cannot be sent to the worker processes"
+        lines = [f"{self.what} {where}."]
         for f in self.findings:
             lines.append(f"  {f.path}: {f.type} — {f.reason}")
             if getattr(f, "hint", ""):
                 lines.append(f"      hint: {f.hint}")
         if self.detail and not self.findings:
             lines.append(f"  {self.detail}")
+        if self.advice:
+            lines.append(self.advice)
         return "\n".join(lines)
 
     def __reduce__(self):
-        return (type(self), (self.what, self.findings, self.detail))
+        return (type(self), (self.what, self.findings, self.detail, self.advice, self.returning))
 
     def _render_traceback_(self) -> list[str]:
         return [f"UnpicklableError: {line}" if i == 0 else line for i, line in enumerate(str(self).splitlines())]

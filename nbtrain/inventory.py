@@ -3,6 +3,7 @@
 Read through NVML (`nvidia-ml-py`), never through torch: asking torch creates a CUDA
 context in the kernel, after which forking ranks is impossible. The source is injectable
 (`StaticInventory`, `use_inventory`) so selection logic and displays are exercised without a GPU.
+Showing GPUs is the display layer's job (`display/gpus.py`, `nbtrain.gpus()`): nothing here renders.
 """
 from __future__ import annotations
 
@@ -205,25 +206,3 @@ def find_free_gpus(k: int | None = None, inventory: Inventory | None = None,
         found = f"{len(free)} of {len(visible)} visible {'is' if len(free) == 1 else 'are'} free"
         raise RuntimeError(f"asked for {asked}, but {found}" + (f". Busy: {busy}." if busy else "."))
     return free[:wanted]
-
-
-class GpuTable(list):
-    """The visible GPUs; shows itself as a table in a terminal and in a notebook."""
-
-    def __str__(self) -> str:
-        from .display.text import gpu_table
-
-        return gpu_table(self)
-
-    def _repr_pretty_(self, printer, cycle) -> None:
-        printer.text(str(self))
-
-    def _repr_html_(self) -> str:
-        from .display.text import gpu_table_html
-
-        return gpu_table_html(self)
-
-
-def gpus(inventory: Inventory | None = None) -> GpuTable:
-    """Visible GPUs with memory, utilisation and processes; empty when there is no GPU or NVML."""
-    return GpuTable(visible_gpus(inventory))

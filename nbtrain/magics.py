@@ -178,7 +178,7 @@ class NbtrainMagics(Magics):
         if command == "gpus":
             from IPython.display import display
 
-            from .inventory import gpus
+            from .display.gpus import gpus
 
             display(gpus())
             return None

@@ -16,7 +16,7 @@ import sys
 import threading
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import dill
 
@@ -72,7 +72,7 @@ def _save_module_by_name(pickler, module) -> None:
         dill._dill.save_module(pickler, module)
 
 
-class _ShippingPickler(dill.Pickler):
+class ShippingPickler(dill.Pickler):
     """dill in recurse mode, except that a module importable by name travels as its name.
 
     dill sends a module from outside site-packages (an editable install such as nbtrain
@@ -88,7 +88,7 @@ class _ShippingPickler(dill.Pickler):
 def ship_bytes(obj) -> bytes:
     """`obj` serialised exactly as the launchers send it to ranks."""
     buffer = io.BytesIO()
-    _ShippingPickler(buffer, recurse=True).dump(obj)
+    ShippingPickler(buffer, recurse=True).dump(obj)
     return buffer.getvalue()
 
 
@@ -443,3 +443,30 @@ def _hint(obj, tname: str, pickler: str) -> str:
     if pickler == "pickle" and isinstance(obj, (types.FunctionType, types.MethodType, type)):
         return "use pickler='dill' or define it at module level"
     return _GENERIC_HINT
+
+
+# A rank's return value travels the other way: advice about creating things inside the
+# training function would be backwards there.
+RETURN_ADVICE = ("Return plain data instead: numbers, strings, lists and dicts of them, tensors, a model "
+                 "(or its state_dict()), an optimizer's state_dict().")
+_RETURN_HINTS = {
+    "generator": "return the items themselves, e.g. list(...) of it, not the generator",
+    "coroutine": "return the coroutine's result (await it in the rank), not the coroutine",
+    "async_generator": "return the items themselves, not the async generator",
+    "frame": "return what you need from the frame as plain values",
+    "traceback": "return traceback.format_exc() as a string instead",
+}
+_RETURN_GENERIC = "leave it out of the return value; return plain data (or a state_dict()) instead"
+
+
+def _return_hint(finding: Finding) -> str:
+    if finding.type in _RETURN_HINTS:
+        return _RETURN_HINTS[finding.type]
+    if "file" in finding.type.lower() or "socket" in finding.type or finding.type.startswith("sqlite3."):
+        return "return what you read from it (or its path), not the open object"
+    return _RETURN_GENERIC
+
+
+def explain_return(value, name: str = "value") -> list[Finding]:
+    """`explain_pickling` for a rank's return value, with hints for that direction."""
+    return [replace(f, hint=_return_hint(f)) for f in explain_pickling(value, "dill", name)]

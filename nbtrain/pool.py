@@ -16,6 +16,7 @@ from .channel import Hub, OutputPump
 from .rankloop import MARK
 from .runstate import RunState
 from .supervisor import Supervisor, stderr_tails
+from .tensor_files import LaunchFiles
 
 EXIT_WAIT = 5.0  # ranks that replied: how long they may take to exit on their own
 STOP_GRACE = 1.0  # between SIGTERM and SIGKILL
@@ -31,6 +32,8 @@ class Pool:
         self.inbox: queue.Queue = queue.Queue()
         self.hub = Hub(self.inbox, **launcher.channel_options(job))
         self.pump = OutputPump(self.inbox)
+        # Large returned tensors come through files this machine shares with its ranks.
+        self.files = LaunchFiles() if not launcher.remote else None
         self.processes: list = []
         self.closed: set[int] = set()  # ranks whose channel closed
         self.stderr = stderr_tails()
@@ -63,7 +66,8 @@ class Pool:
         job.master_port = job.master_port or free_port()
         state = self.state = RunState(self._title(), job.ranks)
         display.start(state)
-        self.launcher._start(job, self.hub.environ, self.pump, self.processes)
+        self.launcher._start(job, {**self.hub.environ, **(self.files.environ if self.files else {})}, self.pump,
+                             self.processes)
         self.hub.start()
         self.pump.start()
         self._watch(state, display, timeout, job.start_timeout)
@@ -91,6 +95,8 @@ class Pool:
             self.hub.close()
             self.pump.close()
             self.launcher._cleanup(self.job)
+            if self.files is not None:
+                self.files.cleanup()
 
     def _wait_exits(self, limit: float) -> None:
         deadline = time.monotonic() + limit

@@ -19,6 +19,7 @@ from collections import defaultdict, deque
 from .errors import WorkerError
 from .rankloop import MARK
 from .runstate import RunState, brief
+from .transfer import unpack_exception
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +340,8 @@ class Supervisor:
         others = tuple(self.state.outcome_lines(cause))
         note = self.pool.restart_note()
         summary = cause.summary + (f"\n{note}" if note else "")
-        return WorkerError(cause.rank, summary, cause.traceback, others)
+        return WorkerError.from_failure(cause.rank, summary, cause.traceback, others,
+                                        original=unpack_exception(cause.exception))
 
     def flush(self) -> None:
         """Hand what is still queued (the ranks' last output lines) to the display."""

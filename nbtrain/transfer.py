@@ -6,7 +6,9 @@ as the notebook's own classes, so `isinstance(result.value, Net)` holds.
 """
 from __future__ import annotations
 
+import io
 import linecache
+import pickle
 import sys
 import warnings
 from typing import Any
@@ -15,6 +17,8 @@ import dill
 import torch
 
 from .errors import UnpicklableError
+from .pickling import RETURN_ADVICE, ShippingPickler, dumps, explain_return, ship_bytes
+from .tensor_files import RankFiles, map_storage
 
 
 def to_cpu(value: Any) -> Any:
@@ -42,15 +46,7 @@ def _cell_sources(fn) -> dict[str, tuple]:
     return {code.co_filename: entry} if entry else {}
 
 
-def _dumps(obj, what: str, name: str | None = None) -> bytes:
-    from .pickling import dumps
-
-    return dumps(obj, what, name=name)
-
-
 def pack_job(fn, args: tuple, kwargs: dict) -> bytes:
-    from .pickling import ship_bytes
-
     try:
         return ship_bytes((fn, args, kwargs, _cell_sources(fn)))
     except Exception:
@@ -59,8 +55,8 @@ def pack_job(fn, args: tuple, kwargs: dict) -> bytes:
     name = getattr(fn, "__name__", "fn")
     what = f"the function `{getattr(fn, '__qualname__', name)}` and its arguments"
     for part, root in ((fn, name), (args, "args"), (kwargs, "kwargs")):
-        _dumps(part, what, root)
-    return _dumps((fn, args, kwargs), what)
+        dumps(part, what, root)
+    return dumps((fn, args, kwargs), what)
 
 
 def _publish_notebook_classes(fn, main=None, seen=None) -> None:
@@ -87,15 +83,106 @@ def unpack_job(payload: bytes):
     return fn, args, kwargs
 
 
+_SHARED = "nbtrain.tensor_file"  # tag of a storage that travels as a shared-memory file
+
+
+class _ResultPickler(ShippingPickler):
+    """dill as the job travels, with large tensor storages written to shared-memory files
+    (`files`) and only their names pickled, as torch.save does with its storage records."""
+
+    def __init__(self, file, files: RankFiles | None, **options):
+        super().__init__(file, **options)
+        self._files = files
+
+    def persistent_id(self, obj):
+        if self._files is None or not isinstance(obj, torch.storage.TypedStorage):
+            return None
+        storage = obj._untyped_storage
+        path = self._files.write(storage)
+        return None if path is None else (_SHARED, path, storage.nbytes(), obj.dtype)
+
+
+class _ResultUnpickler(dill.Unpickler):
+    def __init__(self, file):
+        super().__init__(file)
+        self._mapped: dict[str, torch.UntypedStorage] = {}  # views of one storage share its file
+
+    def persistent_load(self, pid):
+        tag, path, nbytes, dtype = pid
+        if tag != _SHARED:
+            raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
+        if path not in self._mapped:
+            self._mapped[path] = map_storage(path, nbytes)
+        return torch.storage.TypedStorage(wrap_storage=self._mapped[path], dtype=dtype, _internal=True)
+
+
+def _dump_result(value, files: RankFiles | None, **options) -> bytes:
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _ResultPickler(buffer, files, **options).dump(value)
+    return buffer.getvalue()
+
+
 def pack_result(value: Any, rank: int) -> bytes:
+    """Rank `rank`'s return value for the notebook: tensors on CPU, large storages through
+    shared memory when this launch offers it (see `tensor_files`), the rest pickled."""
     value = to_cpu(value)
+    files = RankFiles.from_environ(rank)
     try:  # by reference first: the notebook then gets instances of its own classes back
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return dill.dumps(value, byref=True)
+        return _dump_result(value, files, byref=True)
     except Exception:
-        return _dumps(value, f"the return value of rank {rank}")
+        pass
+    try:  # by value, as the job itself travels (dill recurse)
+        return _dump_result(value, files, recurse=True)
+    except Exception as exc:
+        if files is not None:
+            files.discard()
+        raise UnpicklableError(f"the return value of rank {rank}", explain_return(value), str(exc),
+                               RETURN_ADVICE, returning=True) from exc
 
 
 def unpack_result(payload: bytes) -> Any:
-    return dill.loads(payload)
+    return _ResultUnpickler(io.BytesIO(payload)).load()
+
+
+class _ExceptionPickler(dill.Pickler):
+    """dill by reference, except that an exception of a user-defined class is rebuilt without
+    calling its __init__: pickle's default calls `cls(*exc.args)`, which fails (or garbles the
+    message) whenever __init__ takes other arguments than it passes to Exception.__init__."""
+
+    def reducer_override(self, obj):
+        cls = type(obj)
+        if isinstance(obj, BaseException) and cls.__module__ != "builtins" and cls.__reduce__ is BaseException.__reduce__:
+            return _new_exception, (cls, obj.args), (vars(obj) or None)
+        return NotImplemented
+
+
+def _new_exception(cls, args):
+    return cls.__new__(cls, *args)
+
+
+def pack_exception(exc: BaseException) -> bytes | None:
+    """A rank's exception as bytes for the notebook, classes by reference (a class defined in
+    the notebook comes back as the notebook's own); None if it cannot travel. Never raises:
+    it runs while a failure is being reported."""
+    try:
+        buffer = io.BytesIO()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _ExceptionPickler(buffer, byref=True).dump(exc)
+        return buffer.getvalue()
+    except Exception:
+        return None
+
+
+def unpack_exception(payload: bytes | None) -> BaseException | None:
+    """The rank's exception rebuilt in the notebook, or None where it cannot be (a class the
+    notebook does not have, a __new__ that refuses)."""
+    if payload is None:
+        return None
+    try:
+        exc = dill.loads(payload)
+    except Exception:
+        return None
+    return exc if isinstance(exc, BaseException) else None

@@ -190,3 +190,11 @@ def test_pci_bus_order_is_set_only_when_unset():
     env = {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}
     ensure_pci_bus_order(env)
     assert env["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
+
+
+def test_cpu_rank_count_is_limited_per_machine():
+    plan = plan_devices(16, accelerator="cpu", environ={})
+    assert plan.nprocs == 16  # at the floor, whatever the cores
+    with pytest.raises(ValueError, match="set NBTRAIN_MAX_CPU_RANKS=100000"):
+        plan_devices(100000, accelerator="cpu", environ={})
+    assert plan_devices(40, accelerator="cpu", environ={"NBTRAIN_MAX_CPU_RANKS": "40"}).nprocs == 40

@@ -5,7 +5,8 @@ import sys
 import pytest
 
 from nbtrain import inventory
-from nbtrain.inventory import Gpu, GpuProcess, NvmlInventory, StaticInventory, find_free_gpus, gpus, visible_gpus
+from nbtrain.display.gpus import gpus
+from nbtrain.inventory import Gpu, GpuProcess, NvmlInventory, StaticInventory, find_free_gpus, visible_gpus
 
 HOLDER = GpuProcess(4242, "python", 3 * 2**30)
 SYNTHETIC = StaticInventory([
@@ -82,3 +83,18 @@ def test_cli_gpus_prints_table_or_cpu_line():
     out = subprocess.run([sys.executable, "-m", "nbtrain.cli", "gpus"], capture_output=True, text=True, check=True)
     expected = "GPU" if _nvml_gpu_count() else f"no GPU visible: {os.cpu_count()} CPU cores"
     assert expected in out.stdout
+
+
+def test_the_inventory_renders_nothing_the_display_layer_shows_it():
+    # Layering reads one way: display -> inventory. The inventory imports no display code.
+    import ast
+
+    import nbtrain
+    from nbtrain.display.gpus import GpuTable
+
+    tree = ast.parse(open(inventory.__file__).read())
+    imported = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    imported += [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    assert not [name for name in imported if "display" in name]
+    assert not hasattr(inventory, "gpus")
+    assert isinstance(nbtrain.gpus(SYNTHETIC), GpuTable)

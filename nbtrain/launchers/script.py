@@ -2,13 +2,15 @@
 
 The job travels in a private temporary directory (mode 0700, files 0600), removed when the
 launch ends however it ends (a killed kernel's, by the next launch): the dill payload and a
-bootstrap script whose rank body is the same command loop (`rankloop.serve`) every placement uses, so
-results, errors and metrics come home through the same channel.
+bootstrap script that runs `script_rank.rank_main`, whose rank body is the same command loop
+(`rankloop.serve`) every placement uses, so results, errors and metrics come home through the
+same channel.
 
 Output: each rank points its fds 1 and 2 (C code and faulthandler included) at a pair of
 named pipes in that directory, read by the notebook's output pump. Nothing is polled and
 nothing is lost when a rank dies, and the rank is known from the pipe, not from parsing
-prefixes; torchrun's --tee/--log-dir/--redirects are not used. The notebook holds a write end
+prefixes; torchrun's --tee/--redirects are not used, and its log directory (error files) is
+made in that directory too, not left in /tmp. The notebook holds a write end
 of every pipe while the launcher runs, so a restarted rank (--max-restarts) can reopen it.
 
 Rendezvous: static (`--rdzv-backend static --node-rank R`), on a free port for one node, at
@@ -17,21 +19,20 @@ what the notebook's RunState expects. c10d rendezvous would number nodes by arri
 """
 from __future__ import annotations
 
-import collections
 import importlib.util
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
 
+from ..leftovers import remove_orphans
+from ..script_rank import PAYLOAD, pipe_name
 from .base import Job, ProcessLauncher, RankProcess, describe_exit, rank_environ
+from .torchrun_log import LauncherLog
 
 LAUNCHERS = {  # name: (module run with `python -m`, package to install)
     "torchrun": ("torch.distributed.run", "torch"),
@@ -39,13 +40,14 @@ LAUNCHERS = {  # name: (module run with `python -m`, package to install)
     "deepspeed": ("deepspeed.launcher.runner", "deepspeed"),
 }
 OPTIONS = ("launcher", "node_rank", "rdzv_endpoint", "max_restarts", "rerun_as")
-PAYLOAD, BOOTSTRAP = "job.pkl", "rank.py"
+BOOTSTRAP = "rank.py"
 LOG_WAIT = 1.0  # after the launcher exits, how long its last words (the failure report) may take
 RENDEZVOUS_WAIT = 600  # seconds a node waits for the others: torchrun's static rendezvous default
+_JOB_DIR = re.compile(r"nbtrain-(\d+)-\w+")  # tempfile.mkdtemp's, see job_dir
 TORCH_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
                    "MASTER_ADDR", "MASTER_PORT")
 
-# The launcher must not outlive the kernel (its ranks die with it in turn, see `rank_main`):
+# The launcher must not outlive the kernel (its ranks die with it in turn, see `script_rank.rank_main`):
 # a parent-death signal survives exec, so set it and become the launcher.
 _DIE_WITH_KERNEL = (
     "import ctypes, os, signal, sys\n"
@@ -68,8 +70,12 @@ except (OSError, AttributeError):
     pass
 if parent == 1 or os.getppid() != parent:  # the launcher is already gone
     os._exit(1)
+if {tmpdir!r} is None:  # the kernel's TMPDIR again: only the launcher's own temp files go in the job dir
+    os.environ.pop("TMPDIR", None)
+else:
+    os.environ["TMPDIR"] = {tmpdir!r}
 sys.path[0:1] = {path!r}  # the kernel's import path, not this directory
-from nbtrain.launchers.script import rank_main
+from nbtrain.script_rank import rank_main
 rank_main({job_dir!r}, parent)
 '''
 
@@ -136,9 +142,16 @@ def launcher_command(launcher: str, job: Job, options: dict, script: str) -> lis
     return ["-m", "deepspeed.launcher.runner", *gpus, "--master_addr", addr, "--master_port", port, script]
 
 
-def launcher_environ(job: Job, channel_env: dict[str, str]) -> dict[str, str]:
-    """The kernel's environment plus nbtrain's variables; the launcher sets each rank's own."""
+def launcher_environ(job: Job, channel_env: dict[str, str], tmpdir: str | None = None) -> dict[str, str]:
+    """The kernel's environment plus nbtrain's variables; the launcher sets each rank's own.
+
+    `tmpdir` becomes the launcher's TMPDIR: torchrun makes a `torchelastic_*` log directory
+    there on every launch and never removes it, so it goes inside the launch's own directory
+    (the ranks get the kernel's TMPDIR back, see the bootstrap).
+    """
     env = dict(os.environ)
+    if tmpdir is not None:
+        env["TMPDIR"] = tmpdir
     for key in (*TORCH_RANK_VARS, "TORCHELASTIC_RUN_ID"):  # a kernel itself started by torchrun
         env.pop(key, None)
     ours = rank_environ(job, 0, channel_env)
@@ -155,199 +168,11 @@ def job_dir() -> str:
     """A private directory (mode 0700) for one launch, named after this process: a launch
     whose kernel was killed cannot remove its own, so each launch removes those of the dead."""
     root = tempfile.gettempdir()
-    for name in os.listdir(root):
-        owner = re.fullmatch(r"nbtrain-(\d+)-\w+", name)
-        path = os.path.join(root, name)
-        try:
-            if owner and os.stat(path).st_uid == os.getuid() and not _alive(int(owner.group(1))):
-                shutil.rmtree(path, ignore_errors=True)
-        except OSError:  # gone meanwhile
-            pass
+    remove_orphans(root, _JOB_DIR, lambda path: shutil.rmtree(path, ignore_errors=True))
     return tempfile.mkdtemp(prefix=f"nbtrain-{os.getpid()}-")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's
-        return True
-    return True
-
-
-# -- the rank side --------------------------------------------------------------------------
-
-def rank_main(job_dir: str, parent: int) -> None:
-    """A rank started by the launcher (pid `parent`): output to the notebook's pipes, then the
-    job; exits."""
-    from ..transfer import unpack_job
-    from ..rankloop import serve
-    from ..worker import die_with_parent, enable_stacks, limit_threads, redirect_output
-
-    die_with_parent(parent)
-    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1"))  # DeepSpeed's launcher's name for it
-    local = os.environ["LOCAL_RANK"]
-    out, err = (_open_pipe(os.path.join(job_dir, f"{stream}-{local}")) for stream in ("stdout", "stderr"))
-    redirect_output(out, err)
-    os.close(out)
-    os.close(err)
-    enable_stacks()
-    limit_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
-    with open(os.path.join(job_dir, PAYLOAD), "rb") as f:
-        payload = f.read()
-
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)):
-        _fresh_keys_per_attempt()
-
-    def load_job():
-        fn, args, kwargs = unpack_job(payload)
-        return (_leave_to_launcher(fn) if _restarts_left() else fn), args, kwargs
-
-    _exit(serve(("run", 0, True, load_job), once=True))
-
-
-def _exit(code: int) -> None:
-    """Exit after the report: Python's atexit handlers run (loggers flush), C++ static
-    destructors do not. Under torch 2.13 a gloo rank often aborts in them ("terminate called
-    without an active exception"), and torchrun would then stop peers still reporting."""
-    import atexit
-
-    try:
-        atexit._run_exitfuncs()
-    except BaseException:  # noqa: B036 - a failing handler must not keep the rank alive
-        traceback.print_exc()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
-def _open_pipe(path: str) -> int:
-    # Non-blocking open fails at once if the notebook is not reading; writes then block as usual.
-    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-    os.set_blocking(fd, True)
-    return fd
-
-
-def _restarts_left() -> bool:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
-
-
-def _fresh_keys_per_attempt() -> None:
-    """A restarted rank's `init_process_group("...")` (env://) gets keys of its own attempt.
-
-    With static rendezvous torchrun keeps one store across restarts, and the keys the failed
-    attempt left there (its ranks' gloo addresses) make the new attempt hang or connect to
-    dead peers. Wrapping env:// in a per-attempt PrefixStore covers user code and Lightning
-    alike, which call init_process_group themselves.
-    """
-    import torch.distributed as dist
-
-    registry = sys.modules["torch.distributed.rendezvous"]._rendezvous_handlers  # no public way to wrap one
-    original, attempt = registry["env"], os.environ["TORCHELASTIC_RESTART_COUNT"]
-
-    def per_attempt(url, **kwargs):
-        for store, rank, world_size in original(url, **kwargs):
-            yield dist.PrefixStore(f"nbtrain/attempt_{attempt}", store), rank, world_size
-
-    registry["env"] = per_attempt
-
-
-def _leave_to_launcher(fn):
-    """While restarts remain, a failure is torchrun's to handle: say it on stderr and exit
-    without reporting an error, which would end the whole launch."""
-
-    def attempt(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except SystemExit as exc:
-            if exc.code in (None, 0):
-                raise
-            failed = exc
-        except BaseException as exc:
-            failed = exc
-        traceback.print_exception(type(failed), failed, failed.__traceback__.tb_next)  # from the user's frame
-        count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-        print(f"nbtrain: rank {os.environ['RANK']} failed in attempt {count + 1} of "
-              f"{int(os.environ['TORCHELASTIC_MAX_RESTARTS']) + 1}; the launcher restarts the ranks.",
-              file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)
-
-    return attempt
-
-
 # -- the notebook side ----------------------------------------------------------------------
-
-class LauncherLog:
-    """The launcher's own stderr, read on a thread of its own.
-
-    Its lines go to the cell until the launcher starts reporting a failure or is being
-    stopped; from then on the WorkerError says it better. torchrun's failure report is
-    parsed for each failed rank's exit code and PID.
-    """
-
-    TAIL = 60
-    _FAILING = re.compile(r"failed \(exitcode|closing signal|death signal|ChildFailedError")
-    _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
-    _EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
-
-    def __init__(self, fd: int, inbox):
-        self.inbox = inbox
-        self.tail: collections.deque[str] = collections.deque(maxlen=self.TAIL)
-        self.exits: dict[int, tuple[int, int]] = {}  # rank: (exit code, pid)
-        self.root: int | None = None  # torchrun's "root cause" rank
-        self.quiet = False
-        self.done = threading.Event()
-        self._fd = fd
-        self._stop = threading.Event()
-        self._section = ""
-        self._rank: int | None = None
-        self._thread = threading.Thread(target=self._run, name="nbtrain-launcher-log", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        partial = b""
-        try:
-            while not self._stop.is_set():
-                if not select.select([self._fd], [], [], 0.1)[0]:
-                    continue
-                chunk = os.read(self._fd, 65536)
-                lines = (partial + chunk).split(b"\n")
-                partial = lines.pop() if chunk else b""
-                for line in lines:
-                    self._line(line.decode(errors="replace").rstrip("\r"))
-                if not chunk:
-                    return
-        finally:
-            os.close(self._fd)
-            self.done.set()
-
-    def _line(self, text: str) -> None:
-        self.tail.append(text)
-        if self._FAILING.search(text):
-            self.quiet = True
-        if text.startswith("Root Cause"):
-            self._section = "root"
-        elif text.startswith("Failures"):
-            self._section = "failures"
-        rank, exit_ = self._RANK.match(text), self._EXIT.match(text)
-        if rank:
-            self._rank = int(rank.group(1))
-        elif exit_ and self._rank is not None:
-            self.exits[self._rank] = (int(exit_.group(1)), int(exit_.group(2)))
-            if self._section == "root" and self.root is None:
-                self.root = self._rank
-        elif not self.quiet and text:
-            self.inbox.put(("output", None, "stderr", text))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
-
 
 class LauncherProcess(RankProcess):
     """The launcher's process, carrying every rank of this node."""
@@ -440,7 +265,7 @@ class ScriptLauncher(ProcessLauncher):
         try:
             popen = subprocess.Popen(
                 [sys.executable, "-c", _DIE_WITH_KERNEL, str(os.getpid()), *command],
-                env=launcher_environ(job, channel_env), stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                env=launcher_environ(job, channel_env, self._launcher_tmp()), stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
                 start_new_session=True)  # its own group: a stop reaches it, the kernel's Ctrl-C does not
         finally:
             os.close(out_w)
@@ -450,6 +275,11 @@ class ScriptLauncher(ProcessLauncher):
         self._loose.remove(err_r)
         log = LauncherLog(err_r, pump.inbox)  # the log closes it
         started.append(LauncherProcess(popen, job.ranks, launcher, log, self._holds))
+
+    def _launcher_tmp(self) -> str:
+        path = os.path.join(self._dir, "tmp")
+        os.mkdir(path, 0o700)
+        return path
 
     def _write_job(self, job: Job) -> str:
         def private(name: str, data: bytes) -> str:
@@ -461,13 +291,14 @@ class ScriptLauncher(ProcessLauncher):
 
         private(PAYLOAD, self._payload)
         path = [os.getcwd() if p == "" else p for p in sys.path]
-        return private(BOOTSTRAP, _BOOTSTRAP_TEXT.format(path=path, job_dir=self._dir).encode())
+        text = _BOOTSTRAP_TEXT.format(path=path, job_dir=self._dir, tmpdir=os.environ.get("TMPDIR"))
+        return private(BOOTSTRAP, text.encode())
 
     def _rank_pipes(self, job: Job, pump) -> None:
         """A named pipe per rank and stream: the pump reads it, and we hold a write end."""
         for local, rank in enumerate(job.ranks):
             for stream in ("stdout", "stderr"):
-                path = os.path.join(self._dir, f"{stream}-{local}")
+                path = os.path.join(self._dir, pipe_name(stream, local))
                 os.mkfifo(path, 0o600)
                 read = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
                 pump.add(read, rank, stream)  # the pump closes it

@@ -1,0 +1,389 @@
+"""Hostile use, kept fixed: each section is one item of issue 17, tried as a user would.
+
+Sections follow the issue's numbering. Tests that need a real kernel come last: the module-scoped
+kernel is a child of this process, which `no_leftovers` in later tests would count as left behind.
+"""
+import glob
+import inspect
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import nbtrain
+from nbtrain import UnpicklableError, WorkerError
+from nbtrain import devices as devices_module
+from nbtrain.tensor_files import LaunchFiles
+
+slow = pytest.mark.slow
+PROCESS_STRATEGIES = ["ddp_fork", "ddp_spawn", "ddp"]
+
+
+# -- 3. a rank's exception can be caught by its own class ----------------------------------
+
+class CodedError(Exception):
+    """Defined in the caller's module (the kernel's __main__ in a notebook)."""
+
+    def __init__(self, code):
+        super().__init__(f"bad code {code}")
+        self.code = code
+
+
+def raise_on_rank_1(kind):
+    ctx = nbtrain.context()
+    if ctx.rank != 1:
+        return "fine"
+    if kind == "coded":
+        raise CodedError(42)
+    if kind == "file":
+        open("/nonexistent/nbtrain-test")
+    if kind == "local":
+        class Local(Exception):  # the notebook has no such class: it cannot be rebuilt there
+            pass
+        raise Local("only here")
+    raise ValueError(f"unknown kind {kind}")
+
+
+@slow
+@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
+def test_a_rank_exception_is_caught_by_its_own_class(strategy, no_leftovers):
+    with pytest.raises(CodedError) as info:
+        nbtrain.launch(raise_on_rank_1, "coded", strategy=strategy, devices=2, accelerator="cpu", progress=False,
+                       timeout=120)
+    error = info.value
+    assert isinstance(error, WorkerError) and error.rank == 1 and error.code == 42
+    assert type(error.__cause__) is CodedError and error.__cause__.code == 42 and str(error.__cause__) == "bad code 42"
+    assert str(error).startswith("rank 1 failed: CodedError: bad code 42")
+    assert 'raise CodedError(42)' in error.traceback
+    assert error._render_traceback_()[0] == "WorkerError: rank 1 failed: CodedError: bad code 42"
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error) and again.code == 42 and again.rank == 1 and str(again) == str(error)
+
+
+@slow
+def test_a_builtin_exception_keeps_its_fields(no_leftovers):
+    with pytest.raises(FileNotFoundError) as info:
+        nbtrain.launch(raise_on_rank_1, "file", strategy="ddp_fork", devices=2, accelerator="cpu", progress=False,
+                       timeout=60)
+    assert info.value.errno == 2 and info.value.filename == "/nonexistent/nbtrain-test" and info.value.rank == 1
+
+
+@slow
+def test_an_exception_the_notebook_cannot_rebuild_is_a_plain_worker_error(no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(raise_on_rank_1, "local", strategy="ddp_spawn", devices=2, accelerator="cpu", progress=False,
+                       timeout=120)
+    assert type(info.value) is WorkerError and info.value.__cause__ is None
+    assert str(info.value).startswith("rank 1 failed: Local: only here")
+
+
+def test_worker_error_from_failure_without_an_original_is_as_before():
+    plain = WorkerError.from_failure(0, "ValueError: x", "tb", ("rank 1: stopped",))
+    assert type(plain) is WorkerError and plain.others == ("rank 1: stopped",)
+    # never a SystemExit or a Ctrl-C in the notebook; a RuntimeError adds nothing to a WorkerError
+    for plain_kind in (SystemExit(3), KeyboardInterrupt(), RuntimeError("x")):
+        error = WorkerError.from_failure(0, "SystemExit: 3", original=plain_kind)
+        assert type(error) is WorkerError and error.__cause__ is plain_kind
+    assert type(pickle.loads(pickle.dumps(plain))) is WorkerError
+
+
+class Slotted(Exception):
+    __slots__ = ("where",)
+
+
+def test_worker_error_from_failure_copes_with_unusual_exception_classes():
+    group = ExceptionGroup("several", [ValueError(1)])  # its __new__ wants its own arguments
+    error = WorkerError.from_failure(1, "ExceptionGroup: several", original=group)
+    assert type(error) is WorkerError and error.__cause__ is group
+    slotted = Slotted("x")
+    slotted.where = "batch 3"  # not in __dict__: read through __cause__
+    error = WorkerError.from_failure(1, "Slotted: x", original=slotted)
+    assert isinstance(error, Slotted) and error.where == "batch 3" and error.rank == 1
+
+
+# -- 4. large returns travel through shared memory, and leave nothing behind ------------------
+
+BIG = 4 << 20  # bytes: above tensor_files.INLINE_LIMIT
+
+
+class BigModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(1024, 1024)  # a 4 MB weight
+        self.register_buffer("table", torch.arange(BIG // 8, dtype=torch.float64))
+
+
+def return_big(kind="plain"):
+    ctx = nbtrain.context()
+    if ctx.rank != 0:
+        return None
+    torch.manual_seed(0)
+    big = torch.randn(BIG // 4)
+    value = {"big": big, "view": big[10:20], "pair": (big, torch.ones(3)), "model": BigModel()}
+    if kind == "unpicklable":
+        value["batches"] = (i for i in range(3))
+    if kind == "dies":
+        class DiesWhilePacked:
+            def __reduce__(self):  # called after `big` was written: the rank dies mid-report
+                os._exit(3)
+        value["last"] = DiesWhilePacked()
+    return value
+
+
+def file_backed(tensor) -> str | None:
+    """The deleted file whose mapping holds `tensor`'s memory, if any (from /proc/self/maps)."""
+    address = tensor.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high and len(fields) == 6:
+                return fields[5].strip()
+    return None
+
+
+def my_files():
+    return [p for root in ("/dev/shm", tempfile.gettempdir()) for p in glob.glob(f"{root}/nbtrain-{os.getpid()}-*")
+            if os.path.isfile(p)]
+
+
+@slow
+@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
+def test_large_tensors_come_back_through_shared_memory(strategy, no_leftovers):
+    result = nbtrain.launch(return_big, strategy=strategy, devices=2, accelerator="cpu", progress=False, timeout=120)
+    value = result.value
+    torch.manual_seed(0)
+    assert torch.equal(value["big"], torch.randn(BIG // 4))
+    assert torch.equal(value["view"], value["big"][10:20]) and torch.equal(value["pair"][1], torch.ones(3))
+    # one storage, one file: views and repeats still share memory, as they did in the rank
+    assert value["view"].untyped_storage().data_ptr() == value["big"].untyped_storage().data_ptr()
+    assert value["pair"][0].untyped_storage().data_ptr() == value["big"].untyped_storage().data_ptr()
+    model = value["model"]
+    assert isinstance(model, BigModel) and torch.equal(model.table, torch.arange(BIG // 8, dtype=torch.float64))
+    for tensor in (value["big"], model.layer.weight, model.table):  # parameters and buffers too
+        backing = file_backed(tensor)
+        assert backing is not None and "/nbtrain-" in backing and backing.endswith("(deleted)"), backing
+    assert file_backed(value["pair"][1]) is None or "nbtrain-" not in file_backed(value["pair"][1])  # small: inline
+    model.layer.weight.data.add_(1)  # private memory: writable, changes nothing elsewhere
+    assert my_files() == []
+
+
+@slow
+def test_shared_memory_can_be_turned_off_for_ranks_elsewhere(monkeypatch, no_leftovers):
+    monkeypatch.setenv("NBTRAIN_SHARED_MEMORY", "0")
+    value = nbtrain.launch(return_big, strategy="ddp_fork", devices=2, accelerator="cpu", progress=False,
+                           timeout=60).value
+    torch.manual_seed(0)
+    assert torch.equal(value["big"], torch.randn(BIG // 4))
+    backing = file_backed(value["big"])
+    assert backing is None or "nbtrain-" not in backing
+    assert my_files() == []
+
+
+@slow
+@pytest.mark.parametrize("kind", ["unpicklable", "dies"])
+def test_files_of_a_result_that_never_arrives_are_removed(kind, no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(return_big, kind, strategy="ddp_fork", devices=2, accelerator="cpu", progress=False, timeout=60)
+    assert info.value.rank == 0
+    assert ("cannot travel back" if kind == "unpicklable" else "exited with code 3") in str(info.value)
+    assert my_files() == []
+
+
+@slow  # starts a short-lived process, for a pid that is surely dead
+def test_files_of_a_killed_kernel_are_removed_by_the_next_launch(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = tmp_path / f"nbtrain-{dead.pid}-0123456789ab-r0-0"
+    orphan.write_bytes(b"x")
+    other = tmp_path / "nbtrain-notes.txt"  # not ours: left alone
+    other.write_bytes(b"x")
+    files = LaunchFiles(roots=(str(tmp_path),))
+    assert not orphan.exists() and other.exists()
+    assert files.environ["NBTRAIN_RESULT_FILES"].startswith(str(tmp_path / f"nbtrain-{os.getpid()}-"))
+    mine = tmp_path / (os.path.basename(files.prefixes[0]) + "r1-0")
+    mine.write_bytes(b"x")
+    files.cleanup()
+    assert not mine.exists() and other.exists()
+
+
+# -- 5. script mode leaves no torchelastic_* directory behind --------------------------------
+
+def where_torchrun_logs():
+    return os.path.dirname(os.path.abspath(sys.argv[0])), os.environ.get("TORCHELASTIC_ERROR_FILE"), \
+        os.environ.get("TMPDIR"), tempfile.gettempdir()
+
+
+@slow
+def test_a_script_launch_leaves_no_torchelastic_directory(tmp_path, monkeypatch, no_leftovers):
+    private = tmp_path / "tmp"  # this test's own TMPDIR: torchrun's default log dir would land here
+    private.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    result = nbtrain.launch(where_torchrun_logs, strategy="ddp", devices=2, accelerator="cpu", progress=False,
+                            timeout=120)
+    for job_dir, error_file, rank_tmpdir, rank_gettempdir in result.values:
+        assert job_dir.startswith(str(private))
+        assert error_file and error_file.startswith(job_dir + os.sep)  # torchrun's log dir was in the job dir
+        assert rank_tmpdir == rank_gettempdir == str(private)  # the ranks still see the kernel's TMPDIR
+    assert os.listdir(private) == []  # no torchelastic_*, no job dir
+
+
+# -- 6. an unpicklable return value is described as what it is -------------------------------
+
+def return_a_generator():
+    ctx = nbtrain.context()
+    return {"rank": ctx.rank, "batches": (i for i in range(3))}
+
+
+@slow
+@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp"])
+def test_an_unpicklable_return_value_is_named_as_the_ranks_return_value(strategy, no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(return_a_generator, strategy=strategy, devices=2, accelerator="cpu", progress=False,
+                       timeout=120)
+    error = info.value
+    assert isinstance(error, UnpicklableError)  # caught by its own class too (item 3)
+    message = str(error)
+    assert f"the return value of rank {error.rank} cannot travel back to the notebook" in message
+    assert "value['batches']: generator" in message  # where it is, as a path
+    assert "return the items themselves, e.g. list(...)" in message
+    assert "Return plain data instead" in message and "state_dict()" in message
+    assert "sent to the worker processes" not in message and "inside the training function" not in message
+
+
+# -- 7. an absurd CPU rank count is refused before anything starts --------------------------
+
+def two_ranks_report():
+    ctx = nbtrain.context()
+    return ctx.rank, ctx.world_size
+
+
+def test_a_million_cpu_ranks_is_refused_before_anything_starts(no_leftovers):
+    with pytest.raises(ValueError) as info:
+        nbtrain.launch(two_ranks_report, devices=10**6, accelerator="cpu", strategy="ddp_fork", progress=False)
+    message = str(info.value)
+    assert "devices=1000000" in message and "more than this machine can run" in message
+    assert "NBTRAIN_MAX_CPU_RANKS=1000000" in message  # how to oversubscribe on purpose
+
+
+@slow
+def test_the_cpu_rank_limit_can_be_overridden(monkeypatch, no_leftovers):
+    monkeypatch.setenv("NBTRAIN_MAX_CPU_RANKS", "1")
+    with pytest.raises(ValueError, match="the limit is 1"):
+        nbtrain.launch(two_ranks_report, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False)
+    monkeypatch.setenv("NBTRAIN_MAX_CPU_RANKS", "2")
+    result = nbtrain.launch(two_ranks_report, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False,
+                            timeout=60)
+    assert result.values == [(0, 2), (1, 2)]
+    monkeypatch.setenv("NBTRAIN_MAX_CPU_RANKS", "many")
+    with pytest.raises(ValueError, match="NBTRAIN_MAX_CPU_RANKS='many': give a positive int"):
+        nbtrain.launch(two_ranks_report, devices=2, accelerator="cpu", progress=False)
+
+
+def test_the_default_cpu_rank_limit_scales_with_cores():
+    assert devices_module.cpu_rank_limit(2, {}) == 16  # the floor
+    assert devices_module.cpu_rank_limit(64, {}) == 256
+    assert devices_module.cpu_rank_limit(2, {"NBTRAIN_MAX_CPU_RANKS": "100"}) == 100
+
+
+# -- 8. the public parsers take their arguments by keyword too --------------------------------
+
+WRAPPED = [getattr(devices_module, name) for name in dir(devices_module)
+           if not name.startswith("_") and hasattr(getattr(devices_module, name), "__wrapped__")]
+
+
+def test_parse_devices_by_keyword():
+    assert nbtrain.parse_devices(2, available=4) == [0, 1]
+    assert nbtrain.parse_devices(devices="1, 3", available=4) == [1, 3]
+    with pytest.raises(ValueError, match=r"devices=\[9\]: GPU 9 is not visible"):
+        nbtrain.parse_devices(devices=[9], available=4)
+    assert devices_module.parse_cpu_devices(devices=3, cores=2) == 3
+    with pytest.raises(TypeError):  # a wrong call is still a wrong call
+        nbtrain.parse_devices(2, avail=4)
+
+
+@pytest.mark.parametrize("wrapped", WRAPPED, ids=lambda f: f.__name__)
+def test_every_wrapped_parser_shows_its_own_signature(wrapped):
+    assert {f.__name__ for f in WRAPPED} >= {"parse_devices", "parse_cpu_devices"}
+    assert inspect.signature(wrapped) == inspect.signature(wrapped.__wrapped__)
+    first, second = inspect.signature(wrapped).parameters
+    assert first == "devices"
+    assert wrapped.__doc__ == wrapped.__wrapped__.__doc__
+
+
+# -- 3 and 6 from a real kernel, with classes defined in its cells ----------------------------
+
+KERNEL_SETUP = '''
+import pickle
+import nbtrain
+
+class MyErr(Exception):
+    def __init__(self, code):
+        super().__init__(f"bad code {code}")
+        self.code = code
+
+def fail_on_rank_1():
+    if nbtrain.context().rank == 1:
+        raise MyErr(42)
+    return "fine"
+
+class Holder:
+    def __init__(self):
+        self.batches = (i for i in range(3))
+
+def give_holder():
+    return Holder()
+
+CPU2 = dict(devices=2, accelerator="cpu", progress=False, timeout=120)
+'''
+
+
+@pytest.fixture(scope="module")
+def nb(kernel):
+    _, _, error, _ = kernel.run(KERNEL_SETUP)
+    assert error is None, error
+    return kernel
+
+
+@slow
+@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
+def test_a_notebook_defined_exception_is_caught_in_the_notebook(nb, strategy):
+    _, _, error, _ = nb.run(f'''
+try:
+    nbtrain.launch(fail_on_rank_1, strategy={strategy!r}, **CPU2)
+except MyErr as e:
+    caught = (e.code, e.rank, type(e.__cause__) is MyErr, e.__cause__.code, isinstance(e, nbtrain.WorkerError),
+              e._render_traceback_()[0], type(pickle.loads(pickle.dumps(e))) is type(e))
+''')
+    assert error is None, error
+    assert nb.value("caught") == (42, 1, True, 42, True, "WorkerError: rank 1 failed: MyErr: bad code 42", True)
+
+
+@slow
+def test_an_uncaught_notebook_exception_shows_the_ranks_traceback(nb):
+    _, _, error, _ = nb.run("nbtrain.launch(fail_on_rank_1, strategy='ddp_spawn', **CPU2)")
+    assert error is not None and error["ename"] == "WorkerError"  # as before, whatever the rank raised
+    shown = "\n".join(error["traceback"])
+    assert "rank 1 failed: MyErr: bad code 42" in shown and "raise MyErr(42)" in shown
+
+
+@slow
+@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
+def test_a_notebook_class_holding_a_generator_is_named_as_the_return_value(nb, strategy):
+    _, _, error, _ = nb.run(f'''
+try:
+    nbtrain.launch(give_holder, strategy={strategy!r}, **CPU2)
+except nbtrain.UnpicklableError as e:
+    message = str(e)
+''')
+    assert error is None, error
+    message = nb.value("message")
+    assert "the return value of rank 0 cannot travel back to the notebook" in message \
+        or "the return value of rank 1 cannot travel back to the notebook" in message
+    assert "value.batches: generator" in message and "Return plain data instead" in message
+    assert "inside the training function" not in message
