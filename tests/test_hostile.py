@@ -23,6 +23,101 @@ slow = pytest.mark.slow
 PROCESS_STRATEGIES = ["ddp_fork", "ddp_spawn", "ddp"]
 
 
+# -- 1. the rank that failed first on its own is blamed, every rank's outcome listed ---------
+
+def one_rank_exits_mid_collective():
+    ctx = nbtrain.context()
+    ctx.barrier()  # both ranks are up and connected
+    if ctx.rank == 1:
+        os._exit(3)
+    ctx.barrier()  # rank 0 loses its peer here: "Connection closed by peer"
+
+
+@slow
+@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
+def test_the_rank_that_died_is_blamed_not_the_one_that_lost_it(strategy, no_leftovers):
+    # Script mode got this wrong 4 times in 5: rank 0's "connection closed" arrives before
+    # torchrun reports rank 1's exit. Three launches, so luck cannot pass it.
+    for _ in range(3 if strategy == "ddp" else 1):
+        with pytest.raises(WorkerError) as info:
+            nbtrain.launch(one_rank_exits_mid_collective, devices=2, accelerator="cpu", strategy=strategy,
+                           progress=False, timeout=120)
+        error = info.value
+        assert error.rank == 1 and "exited with code 3" in error.summary, str(error)
+        assert error.others and error.others[0].startswith("rank 0: stopped"), error.others
+
+
+# -- 2. a rank that ended early cannot leave the others waiting forever ------------------------
+
+def exits_before_setup():
+    ctx = nbtrain.context()
+    if ctx.rank == 1:
+        sys.exit(0)  # "finished", while rank 0 waits for it in the process group's set-up
+    ctx.setup(torch.nn.Linear(2, 2))
+
+
+def returns_before_the_second_barrier():
+    ctx = nbtrain.context()
+    ctx.barrier()
+    if ctx.rank == 1:
+        return "done early"
+    ctx.barrier()
+
+
+def exits_with_a_code():
+    if nbtrain.context().rank == 1:
+        sys.exit(4)
+    import time
+
+    time.sleep(60)
+
+
+@slow
+@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
+def test_a_rank_that_exits_early_is_named_with_where_the_others_wait(strategy, no_leftovers):
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as info:  # no timeout=: torch's own default wait is 30 minutes
+        nbtrain.launch(exits_before_setup, devices=2, accelerator="cpu", strategy=strategy, progress=False)
+    assert time.monotonic() - started < 120
+    error = info.value
+    assert error.rank == 1
+    assert "rank 1 ended (called sys.exit(0) at" in error.summary and "sys.exit(0)" in error.summary
+    assert "rank 0 waits for it in init_process_group" in error.summary
+    assert "--- rank 0 stack (waiting) ---" in error.traceback
+
+
+@slow
+@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
+def test_a_rank_that_returns_early_is_blamed_for_its_peers_lost_collective(strategy, no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(returns_before_the_second_barrier, devices=2, accelerator="cpu", strategy=strategy,
+                       progress=False, timeout=120)
+    error = info.value
+    assert error.rank == 1 and "rank 1 ended (returned from returns_before_the_second_barrier())" in error.summary
+    assert error.others[0].startswith("rank 0: stopped after rank 1 failed")
+
+
+@slow
+def test_sys_exit_with_a_code_is_a_failure_of_that_rank(no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(exits_with_a_code, devices=2, accelerator="cpu", progress=False, timeout=120)
+    assert info.value.rank == 1 and info.value.summary == "SystemExit: 4"
+
+
+@slow
+def test_a_live_rank_that_finished_while_another_waits_for_it(no_leftovers):
+    with nbtrain.Ranks(devices=2, accelerator="cpu", progress=False) as ranks:
+        ranks.exec("import torch.distributed as dist\nkept = 1")
+        with pytest.raises(WorkerError) as info:
+            ranks.exec("if ctx.rank == 0:\n    dist.barrier()   # rank 1 has nothing to do and returns")
+        error = info.value
+        assert error.rank == 1 and "rank 0 waits for it in barrier" in error.summary
+        assert "restarted" in error.summary  # rank 0 cannot leave gloo's wait: fresh ranks
+        assert ranks.eval("ctx.rank") == [0, 1]
+
+
 # -- 3. a rank's exception can be caught by its own class ----------------------------------
 
 class CodedError(Exception):
