@@ -74,6 +74,7 @@ class Hub:
             self._spawn(self._read_loop, conn)
 
     def _read_loop(self, conn) -> None:
+        no_delay(conn)
         rank = None
         try:
             while True:
@@ -138,6 +139,7 @@ class Link:
         host, port = environ[ADDRESS_VAR].rsplit(":", 1)
         self.rank = rank
         self._conn = Client((host, int(port)), authkey=bytes.fromhex(environ[AUTHKEY_VAR]))
+        no_delay(self._conn)
         self._pending: list[tuple] = []
         self._lock = threading.Condition()
         self._closing = False
@@ -194,6 +196,20 @@ class Link:
             self._lock.notify()
         self._thread.join()
         self._conn.close()
+
+
+def no_delay(conn) -> None:
+    """Send each message at once. With Nagle's algorithm a reply written right after another
+    small message waits for the peer's delayed acknowledgement: ~40 ms per command round trip."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except OSError:
+        return
+    try:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.close()
 
 
 def _end_rank() -> None:
