@@ -79,3 +79,149 @@ def kernel():
     k = Kernel()
     yield k
     k.close()
+
+
+# -- a one-node SLURM cluster on this machine ---------------------------------------------------
+
+SLURM_PROGRAMS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue", "scancel", "srun", "sinfo")
+
+
+def slurm_unavailable() -> str | None:
+    """Why a local SLURM cluster cannot be started here, or None."""
+    import shutil
+
+    missing = [p for p in SLURM_PROGRAMS if shutil.which(p) is None]
+    if missing:
+        return f"SLURM is not installed here (no {', '.join(missing)}; `apt-get install slurm-wlm munge`)"
+    if os.geteuid() != 0:
+        return "a local SLURM cluster needs root (slurmd and munged run as root)"
+    if not os.access("/etc/munge/munge.key", os.R_OK):
+        return "no readable munge key (/etc/munge/munge.key; `apt-get install munge` makes one)"
+    return None
+
+
+class LocalSlurm:
+    """A one-node SLURM cluster private to this test session: its own munged (socket in a temp
+    dir), its own ports, state, spool and logs; the default partition `debug`."""
+
+    def __init__(self, root):
+        from pathlib import Path
+
+        self.root = Path(root)
+        self.conf = self.root / "slurm.conf"
+        self.socket = self.root / "munge" / "munge.socket"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def _conf(self) -> str:
+        import socket
+
+        def port():
+            with socket.socket() as s:
+                s.bind(("", 0))
+                return s.getsockname()[1]
+
+        host, r = socket.gethostname().split(".")[0], self.root
+        return "\n".join([
+            f"ClusterName=nbtrain{os.getpid()}", f"SlurmctldHost={host}", "SlurmUser=root", "SlurmdUser=root",
+            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.socket}",
+            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core", "SchedulerType=sched/backfill", "MpiDefault=none", "ReturnToService=2",
+            "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
+            f"SlurmctldPort={port()}", f"SlurmdPort={port()}", f"StateSaveLocation={r}/state",
+            f"SlurmdSpoolDir={r}/spool", f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd.pid",
+            f"SlurmctldLogFile={r}/log/slurmctld.log", f"SlurmdLogFile={r}/log/slurmd.log",
+            f"NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN",
+            f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4", ""])
+
+    def start(self, timeout: float = 60.0) -> None:
+        import subprocess
+        import time
+
+        for d in ("state", "spool", "log", "munge"):
+            (self.root / d).mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.conf.write_text(self._conf())
+        m = self.root / "munge"
+        subprocess.run(["munged", "--force", f"--socket={self.socket}", f"--pid-file={m}/munged.pid",
+                        f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed"], check=True,
+                       capture_output=True)
+        for daemon in ("slurmctld", "slurmd"):
+            subprocess.run([daemon, "-f", str(self.conf)], env=self.env, check=True, capture_output=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = subprocess.run(["sinfo", "--noheader", "--format", "%t"], env=self.env, capture_output=True,
+                                   text=True).stdout.strip()
+            if state == "idle":
+                return
+            time.sleep(0.5)
+        logs = "\n".join((self.root / "log" / f).read_text()[-2000:] for f in ("slurmctld.log", "slurmd.log")
+                         if (self.root / "log" / f).exists())
+        self.stop()
+        raise RuntimeError(f"the local SLURM cluster did not become idle within {timeout:g} s:\n{logs}")
+
+    def jobs(self) -> list[str]:
+        """The ids of jobs still in the queue, in any state."""
+        import subprocess
+
+        out = subprocess.run(["squeue", "--noheader", "--format", "%i"], env=self.env, capture_output=True, text=True)
+        return out.stdout.split()
+
+    def stop(self) -> None:
+        import shutil
+        import signal
+        import subprocess
+        import time
+
+        subprocess.run(["scancel", "--full", *self.jobs()], env=self.env, capture_output=True) if self.jobs() else None
+        pids = []
+        for name in ("slurmd.pid", "slurmctld.pid", "munge/munged.pid"):
+            try:
+                pids.append(int((self.root / name).read_text()))
+            except (OSError, ValueError):
+                continue
+            try:
+                os.kill(pids[-1], signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 15
+        while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in pids:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def local_slurm(tmp_path_factory):
+    """The session's SLURM cluster (SLURM_CONF exported, so kernels started later use it), or
+    None where it cannot run; see `slurm` for tests that need it."""
+    reason = slurm_unavailable()
+    if reason is not None:
+        yield reason
+        return
+    import tempfile
+
+    # Not under pytest's tmp_path: slurmd and munged refuse paths whose parents others may write.
+    cluster = LocalSlurm(tempfile.mkdtemp(prefix="nbtrain-slurm-"))
+    try:
+        cluster.start()
+    except (OSError, RuntimeError) as exc:
+        yield f"the local SLURM cluster did not start: {exc}"
+        return
+    before = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(cluster.conf)
+    try:
+        yield cluster
+    finally:
+        if before is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = before
+        cluster.stop()
+
+
+@pytest.fixture
+def slurm(local_slurm):
+    if isinstance(local_slurm, str):
+        pytest.skip(local_slurm)
+    return local_slurm
