@@ -191,12 +191,12 @@ def one_rank_stalls():
         time.sleep(120)
     dist.barrier()
 try:
-    nbtrain.launch(one_rank_stalls, cluster=nbtrain.Ray(num_workers=2), timeout=8, progress=False)
+    nbtrain.launch(one_rank_stalls, cluster=nbtrain.Ray(num_workers=2), timeout=15, progress=False)
 except nbtrain.WorkerError as e:
     stalled = str(e)
 ''')
     text = rk.value("stalled")
-    assert "timed out after 8 s" in text
+    assert "timed out after 15 s" in text
     assert "--- rank 0 stack ---" in text and "in one_rank_stalls" in text
     assert "--- rank 1 stack ---" in text and "in barrier" in text
     assert rk.value("settled(ray_is_empty)")

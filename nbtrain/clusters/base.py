@@ -184,12 +184,18 @@ def rank_entry(environ: dict[str, str], first: tuple | None, live: bool) -> int:
     """A remote rank's entry, in the process the engine started: the exit code."""
     from ..rankloop import remote_main
 
+    environ = here(environ)
+    check_reachable(environ, int(environ["RANK"]))
+    return remote_main(environ, first, live)
+
+
+def here(environ: dict[str, str]) -> dict[str, str]:
+    """A rank's environment fitted to the machine it landed on (its own copy)."""
     environ = dict(environ)
     if environ.pop(MACHINE_VAR, None) != machine_identity():
         environ[SHARED_MEMORY_VAR] = "0"  # the notebook cannot map this machine's memory
     _as_in_the_notebook(environ.pop(PATH_VAR, ""), environ.pop(CWD_VAR, ""))
-    check_reachable(environ, int(environ["RANK"]))
-    return remote_main(environ, first, live)
+    return environ
 
 
 def _as_in_the_notebook(path: str, cwd: str) -> None:

@@ -2,8 +2,9 @@
 
 Each actor runs its rank inside one method call (`RankActor.run`). Ray runs the methods of a
 plain (not async, one call at a time) actor on the worker process's main thread, so the
-rank's command loop is where it would be locally: an interrupt (SIGINT to the main thread)
-lands in the user's code, and faulthandler's stacks are asked for over the channel.
+rank's command loop is where it would be locally; Ray blocks SIGINT in its workers, so the
+rank unblocks it on that thread: an interrupt then lands in the user's code. Stacks are asked
+for over the channel (faulthandler, on the rank's receiving thread), as for every remote rank.
 
 Where the actors land is known only once the group is placed: each actor first reports its
 node (and, for rank 0, a free port there), and every rank's `run` receives those reports as
@@ -90,6 +91,10 @@ class Ray(Cluster):
 
 
 class RayPlacement(RemotePlacement):
+    def __init__(self, cluster: Ray):
+        super().__init__(cluster)
+        self.group: RayGroup | None = None
+
     def _ray(self):
         ray = require("ray", "ray")
         _keep_print()
@@ -108,7 +113,6 @@ class RayPlacement(RemotePlacement):
 
     def _prepare(self, job: Job) -> None:
         self.ray = self._ray()
-        self.group = None
         super()._prepare(job)
 
     def _bundles(self, plan) -> tuple[list[dict], str, int]:
@@ -140,6 +144,7 @@ class RayPlacement(RemotePlacement):
                                         scheduling_strategy=where, max_restarts=0).remote()
             group.actors.append(actor)
             places.append(actor.where.remote(rank == 0))
+        group.places = places
         for rank, actor in zip(job.ranks, group.actors):
             # The reports are top-level arguments: Ray passes their values, once every actor is placed.
             started.append(RayRank(group, rank, actor.run.remote(base, rank, job.first, job.live, *places)))
@@ -176,6 +181,10 @@ class RankActor:
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "port": free_port("0.0.0.0") if master else None}
 
     def run(self, base: dict, rank: int, first: tuple | None, live: bool, *places: dict) -> int:
+        import signal
+
+        # Ray blocks SIGINT in its workers; a rank's interrupt is SIGINT to this (the main) thread.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
         mine = places[rank]
         together = [i for i, place in enumerate(places) if place["node"] == mine["node"]]
         nodes = list(dict.fromkeys(place["node"] for place in places))
@@ -193,18 +202,23 @@ class RayGroup:
     def __init__(self, group, bundles: list[dict], strategy: str):
         self.group, self.bundles, self.strategy = group, bundles, strategy
         self.actors: list = []
+        self.places: list = []  # each actor's report of where it runs: ready once the actor exists
         self.started = time.monotonic()
         self._ready_ref = group.ready()
-        self.placed = False
+        self.placed = self.running = False
         self._told = False
 
     def status(self) -> tuple[str, bool]:
+        """Waiting while the group is placed and the actors' processes start (Ray's queue):
+        neither counts against `timeout` or the start clock."""
         import ray
 
         if not self.placed:
             self.placed = bool(ray.wait([self._ready_ref], timeout=0)[0])
+        if self.placed and not self.running:
+            self.running = len(ray.wait(self.places, num_returns=len(self.places), timeout=0)[0]) == len(self.places)
         if self.placed:
-            return "", False
+            return "", not self.running
         line = ""
         if not self._told and time.monotonic() - self.started > PLACING_QUIET:
             self._told = True

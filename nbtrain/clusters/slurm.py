@@ -109,6 +109,11 @@ def _sbatch_options(options: dict) -> dict:
 
 
 class SlurmPlacement(RemotePlacement):
+    def __init__(self, cluster: Slurm):
+        super().__init__(cluster)
+        self.folder: Path | None = None
+        self.queue: Queue | None = None
+
     def channel_options(self, job: Job) -> dict:
         return channel_options(self.cluster.notebook_address, every_interface)
 
@@ -122,7 +127,6 @@ class SlurmPlacement(RemotePlacement):
         base.mkdir(mode=0o700, parents=True, exist_ok=True)
         # Private: the pickled job holds the channel's authkey.
         self.folder = Path(tempfile.mkdtemp(prefix="job-", dir=base))
-        self.queue = None
 
     def _parameters(self, job: Job) -> dict:
         cluster, plan = self.cluster, job.plan
@@ -148,7 +152,8 @@ class SlurmPlacement(RemotePlacement):
     def _cleanup(self, job: Job) -> None:
         if self.queue is not None:
             self.queue.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 # -- the task, on a node --------------------------------------------------------------------
