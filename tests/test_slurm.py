@@ -248,3 +248,17 @@ def test_a_cell_runs_on_slurm_with_names_from_earlier_cells(slurm, slurm_kernel)
     assert error is None, error
     assert slurm_kernel.value("_nbtrain_result.values") == [100, 102]
     assert "[rank 1] on " in out + err
+
+
+def test_the_clusters_notebook_slurm_cell_runs_on_the_cluster(slurm, slurm_kernel):
+    import nbformat
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "notebooks", "08_clusters.ipynb")
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells
+             if c.cell_type == "code" and {"setup", "slurm"} & set(c.metadata.get("tags", []))]
+    assert len(cells) == 3, "the notebook's setup cells and its SLURM cell are tagged"
+    for code in cells:
+        _, _, error, _ = slurm_kernel.run(code, timeout=300)
+        assert error is None, error
+    assert slurm_kernel.value("slurm_here") is True
+    assert slurm_kernel.value("on_slurm.devices, len(on_slurm.values)") == ("2 CPU ranks, gloo, on SLURM", 2)
