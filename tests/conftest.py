@@ -16,7 +16,7 @@ def no_leftovers():
     yield
     if not had_template:  # a template the test started is the kernel's by design: stopping it must leave nothing
         nbtrain.template.stop()
-    children = [c for c in me.children(recursive=True) if not _is_template(c)]
+    children = [c for c in me.children(recursive=True) if not _is_template(c) and not _is_local_slurm(c)]
     assert not children, f"processes left behind: {[(c.pid, c.name()) for c in children]}"
     assert me.num_fds() <= fds_before, f"file descriptors leaked: {fds_before} -> {me.num_fds()}"
     assert "MASTER_PORT" not in os.environ
@@ -102,7 +102,10 @@ def slurm_unavailable() -> str | None:
 
 class LocalSlurm:
     """A one-node SLURM cluster private to this test session: its own munged (socket in a temp
-    dir), its own ports, state, spool and logs; the default partition `debug`."""
+    dir), its own ports, state, spool and logs; the default partition `debug`. The daemons run
+    in the foreground as children of the session and die with it, however it ends."""
+
+    running: set[int] = set()  # the daemons' pids: the session's own, not leftovers of a test
 
     def __init__(self, root):
         from pathlib import Path
@@ -111,6 +114,7 @@ class LocalSlurm:
         self.conf = self.root / "slurm.conf"
         self.socket = self.root / "munge" / "munge.socket"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.daemons = []
 
     def _conf(self) -> str:
         import socket
@@ -133,6 +137,19 @@ class LocalSlurm:
             f"NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN",
             f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4", ""])
 
+    def _daemon(self, *command) -> None:
+        import ctypes
+        import signal
+        import subprocess
+
+        def die_with_the_session():
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: survives exec
+
+        process = subprocess.Popen(command, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, preexec_fn=die_with_the_session)
+        self.daemons.append(process)
+        LocalSlurm.running.add(process.pid)
+
     def start(self, timeout: float = 60.0) -> None:
         import subprocess
         import time
@@ -141,12 +158,13 @@ class LocalSlurm:
             (self.root / d).mkdir(mode=0o700, parents=True, exist_ok=True)
         self.conf.write_text(self._conf())
         m = self.root / "munge"
-        subprocess.run(["munged", "--force", f"--socket={self.socket}", f"--pid-file={m}/munged.pid",
-                        f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed"], check=True,
-                       capture_output=True)
-        for daemon in ("slurmctld", "slurmd"):
-            subprocess.run([daemon, "-f", str(self.conf)], env=self.env, check=True, capture_output=True)
+        self._daemon("munged", "--foreground", "--force", f"--socket={self.socket}", f"--pid-file={m}/munged.pid",
+                     f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed")
         deadline = time.monotonic() + timeout
+        while not self.socket.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._daemon("slurmctld", "-D", "-f", str(self.conf))
+        self._daemon("slurmd", "-D", "-f", str(self.conf))
         while time.monotonic() < deadline:
             state = subprocess.run(["sinfo", "--noheader", "--format", "%t"], env=self.env, capture_output=True,
                                    text=True).stdout.strip()
@@ -167,28 +185,27 @@ class LocalSlurm:
 
     def stop(self) -> None:
         import shutil
-        import signal
         import subprocess
-        import time
 
-        subprocess.run(["scancel", "--full", *self.jobs()], env=self.env, capture_output=True) if self.jobs() else None
-        pids = []
-        for name in ("slurmd.pid", "slurmctld.pid", "munge/munged.pid"):
+        if self.jobs():
+            subprocess.run(["scancel", "--full", *self.jobs()], env=self.env, capture_output=True)
+        for process in reversed(self.daemons):  # slurmd, slurmctld, then munged
+            process.terminate()
             try:
-                pids.append(int((self.root / name).read_text()))
-            except (OSError, ValueError):
-                continue
-            try:
-                os.kill(pids[-1], signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 15
-        while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for pid in pids:
-            if psutil.pid_exists(pid):
-                os.kill(pid, signal.SIGKILL)
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            LocalSlurm.running.discard(process.pid)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _is_local_slurm(process) -> bool:
+    """One of the session's SLURM daemons, or a process they started (slurmscriptd)."""
+    try:
+        return any(p.pid in LocalSlurm.running for p in [process, *process.parents()])
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.fixture(scope="session")
@@ -201,8 +218,14 @@ def local_slurm(tmp_path_factory):
         return
     import tempfile
 
+    import glob
+    import shutil
+
+    for old in glob.glob(os.path.join(tempfile.gettempdir(), "nbtrain-slurm-*-*")):  # of sessions that were killed
+        if not psutil.pid_exists(int(os.path.basename(old).split("-")[2])):
+            shutil.rmtree(old, ignore_errors=True)
     # Not under pytest's tmp_path: slurmd and munged refuse paths whose parents others may write.
-    cluster = LocalSlurm(tempfile.mkdtemp(prefix="nbtrain-slurm-"))
+    cluster = LocalSlurm(tempfile.mkdtemp(prefix=f"nbtrain-slurm-{os.getpid()}-"))
     try:
         cluster.start()
     except (OSError, RuntimeError) as exc:

@@ -69,6 +69,8 @@ def test_the_channel_listens_where_the_nodes_are_told_to_dial():
     assert base.channel_options("login.example.invalid", default) == {"host": "0.0.0.0",
                                                                       "advertise": "login.example.invalid"}
     assert base.channel_options("0.0.0.0", default) == {"host": "0.0.0.0", "advertise": socket.gethostname()}
+    # A name may resolve here to loopback, which the nodes cannot use: every interface, the name advertised.
+    assert base.channel_options("localhost", default) == {"host": "0.0.0.0", "advertise": "localhost"}
     address = this_machines_address()
     if address is not None:  # one of this machine's own addresses is bound, and only it
         assert base.channel_options(address, default) == {"host": address, "advertise": address}

@@ -1,6 +1,7 @@
 """Ranks as Ray actors, against a real local Ray started in a real kernel (2 CPUs): values,
 metrics, errors, the live view, interrupts, cells, live ranks."""
 import importlib.util
+import os
 import socket
 import time
 
@@ -15,9 +16,10 @@ SETTLE = 30.0  # generous bound for "nothing is left": the machine is shared and
 
 SETUP = '''
 %load_ext nbtrain
-import os, socket, time, psutil, ray, torch
+import os, socket, sys, time, psutil, ray, torch
 import nbtrain
-from nbtrain.display.text import QuietDisplay
+sys.path.insert(0, TESTS_DIR)  # cluster_helpers: the ranks get this import path too
+from cluster_helpers import Recorder, one_rank_stalls, stack_report_problems, wait_for_the_notebook
 
 ray.init(num_cpus=2, include_dashboard=False)
 
@@ -32,33 +34,6 @@ def train(steps):
         ctx.log("loss", loss, sync_dist=True)
     print(f"rank {ctx.rank} done")
     return ctx.rank, float(sum(p.sum() for p in model.parameters()))
-
-class Recorder(QuietDisplay):
-    """Raises a flag (a file the ranks wait for) once every rank's progress and metric are
-    seen while all of them still run; keeps what it was shown."""
-    def __init__(self, flag):
-        self.flag, self.notes, self.lines, self.seen_live = flag, [], [], False
-    def note(self, text):
-        self.notes.append(text)
-    def output(self, rank, stream, text):
-        self.lines.append((rank, text))
-    def update(self, state):
-        views = state.ranks.values()
-        if all(v.status == "running" and v.metrics and v.bars for v in views) and not self.seen_live:
-            self.seen_live = True
-            open(self.flag, "w").close()
-
-def wait_for_the_notebook(flag):
-    ctx = nbtrain.context()
-    for _ in ctx.progress(range(1), desc="waiting"):
-        ctx.log("alive", 1.0)
-        print(f"rank {ctx.rank} waits for the notebook to see it")
-    deadline = time.monotonic() + 60
-    while not os.path.exists(flag):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the notebook never saw this rank's events while it ran")
-        time.sleep(0.05)
-    return ctx.rank
 
 def ray_is_empty():
     """Every CPU free again, every placement group nbtrain made removed."""
@@ -79,7 +54,7 @@ def rk():
     from conftest import Kernel
 
     kernel = Kernel()
-    _, _, error, _ = kernel.run(SETUP, timeout=300)
+    _, _, error, _ = kernel.run(SETUP.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__)))), timeout=300)
     assert error is None, error
     yield kernel
     kernel.run("ray.shutdown()")
@@ -182,23 +157,13 @@ def test_ranks_dial_ray_s_address_of_this_node_or_the_one_given(rk):
 
 
 def test_a_timeout_shows_every_rank_stack_and_frees_the_cluster(rk):
-    run(rk, '''
-def one_rank_stalls():
-    import torch.distributed as dist
-    ctx = nbtrain.context()
-    ctx.barrier()
-    if ctx.rank == 0:
-        time.sleep(120)
-    dist.barrier()
+    run(rk, """
 try:
     nbtrain.launch(one_rank_stalls, cluster=nbtrain.Ray(num_workers=2), timeout=15, progress=False)
 except nbtrain.WorkerError as e:
     stalled = str(e)
-''')
-    text = rk.value("stalled")
-    assert "timed out after 15 s" in text
-    assert "--- rank 0 stack ---" in text and "in one_rank_stalls" in text
-    assert "--- rank 1 stack ---" in text and "in barrier" in text
+""")
+    assert rk.value("stack_report_problems(stalled, 15)") == [], rk.value("stalled")
     assert rk.value("settled(ray_is_empty)")
 
 

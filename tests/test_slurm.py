@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 import nbtrain
-from nbtrain.display.text import QuietDisplay
+from cluster_helpers import Recorder, one_rank_stalls, stack_report_problems, wait_for_the_notebook
 
 pytestmark = pytest.mark.slow
 
@@ -57,39 +57,6 @@ def wait_until(condition, timeout: float = SETTLE) -> bool:
             return True
         time.sleep(0.1)
     return condition()
-
-
-class Recorder(QuietDisplay):
-    """A display that notes what it is shown, and raises a flag (a file the ranks wait for)
-    once it has seen every rank's progress and metric while they all still run."""
-
-    def __init__(self, flag):
-        self.flag, self.notes, self.lines, self.seen_live = flag, [], [], False
-
-    def note(self, text):
-        self.notes.append(text)
-
-    def output(self, rank, stream, text):
-        self.lines.append((rank, text))
-
-    def update(self, state):
-        views = state.ranks.values()
-        if all(v.status == "running" and v.metrics and v.bars for v in views) and not self.seen_live:
-            self.seen_live = True
-            self.flag.write_text("seen")
-
-
-def wait_for_the_notebook(flag):
-    ctx = nbtrain.context()
-    for _ in ctx.progress(range(1), desc="waiting"):
-        ctx.log("alive", 1.0)
-        print(f"rank {ctx.rank} waits for the notebook to see it")
-    deadline = time.monotonic() + 60
-    while not os.path.exists(flag):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the notebook never saw this rank's events while it ran")
-        time.sleep(0.05)
-    return ctx.rank
 
 
 def test_two_ranks_train_and_return_values_and_metrics(slurm, no_leftovers):
@@ -156,21 +123,9 @@ def test_a_waiting_job_says_why_and_its_wait_is_not_a_stall(slurm, tmp_path):
 
 
 def test_a_timeout_shows_every_rank_stack_and_cancels_the_job(slurm, no_leftovers):
-    def one_rank_stalls():
-        import torch.distributed as dist
-
-        ctx = nbtrain.context()
-        ctx.barrier()
-        if ctx.rank == 0:
-            time.sleep(120)
-        dist.barrier()
-
     with pytest.raises(nbtrain.WorkerError) as caught:
         nbtrain.launch(one_rank_stalls, devices=2, cluster=nbtrain.Slurm(), timeout=8, progress=False)
-    text = str(caught.value)
-    assert "timed out after 8 s" in text
-    assert "--- rank 0 stack ---" in text and "in one_rank_stalls" in text
-    assert "--- rank 1 stack ---" in text and "in barrier" in text
+    assert stack_report_problems(str(caught.value), 8) == [], str(caught.value)
     assert wait_until(lambda: not slurm.jobs()), slurm.jobs()
 
 
@@ -201,6 +156,21 @@ def test_live_ranks_on_slurm_keep_state_and_leave_the_queue_when_closed(slurm):
         job = ranks.eval("os.environ['SLURM_JOB_ID']")[0]
         assert job in slurm.jobs()
     assert wait_until(lambda: job not in slurm.jobs()), slurm.jobs()
+
+
+def test_a_job_slurm_refuses_is_an_error_saying_what_slurm_said(slurm, no_leftovers):
+    with pytest.raises(RuntimeError, match="SLURM refused the job .*invalid partition"):
+        nbtrain.launch(print, devices=2, cluster=nbtrain.Slurm(partition="nbtrain-no-such-partition"), progress=False)
+
+
+def test_job_folders_go_with_their_run_and_a_killed_kernel_s_with_the_next(slurm, tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = tmp_path / f"job-{socket.gethostname()}-{dead.pid}-abcd1234"
+    orphan.mkdir()
+    (orphan / "1_submitted.pkl").write_bytes(b"a killed kernel's job")
+    nbtrain.launch(print, devices=1, cluster=nbtrain.Slurm(folder=tmp_path), progress=False)
+    assert list(tmp_path.iterdir()) == [], "the run's own folder and the orphan are gone"
 
 
 # -- in a real kernel: interrupts and cells -------------------------------------------------------

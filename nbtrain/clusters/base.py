@@ -8,6 +8,7 @@ protocol. Only where its process comes from, and how it is stopped, is the engin
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import os
 import socket
 import sys
@@ -117,9 +118,10 @@ def check_cluster(cluster) -> Cluster:
 def channel_options(notebook_address: str | None, default) -> dict:
     """Where the notebook's channel listens and the address ranks are told to dial.
 
-    A given address is bound when it is this machine's own, else (a name the nodes resolve
-    differently, a forwarded port) the channel listens on every interface and ranks are told
-    that address. Either way only a peer that proves the launch's random authkey is heard.
+    A given IP address of this machine is listened on alone; anything else (a host name, which
+    may resolve here to a loopback address the nodes cannot use, or an address this machine is
+    reached by but does not have) means every interface, and ranks are told that address.
+    Either way only a peer that proves the launch's random authkey is heard.
     """
     if notebook_address is None:
         host, advertise = default()
@@ -137,11 +139,13 @@ def every_interface() -> tuple[str, str]:
 
 
 def _bindable(address: str) -> bool:
+    """An IPv4 address of this machine's own (names are not: see `channel_options`)."""
     try:
+        ipaddress.IPv4Address(address)
         with socket.socket() as s:
             s.bind((address, 0))
         return True
-    except OSError:
+    except (ValueError, OSError):
         return False
 
 

@@ -14,6 +14,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -125,8 +126,9 @@ class SlurmPlacement(RemotePlacement):
         super()._prepare(job)
         base = self.cluster.folder or Path.home() / ".cache" / "nbtrain" / "slurm"
         base.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # Private: the pickled job holds the channel's authkey.
-        self.folder = Path(tempfile.mkdtemp(prefix="job-", dir=base))
+        _remove_orphans(base)
+        # Private: the pickled job holds the channel's authkey. Named for its kernel, see _remove_orphans.
+        self.folder = Path(tempfile.mkdtemp(prefix=f"job-{socket.gethostname()}-{os.getpid()}-", dir=base))
 
     def _parameters(self, job: Job) -> dict:
         cluster, plan = self.cluster, job.plan
@@ -154,6 +156,25 @@ class SlurmPlacement(RemotePlacement):
             self.queue.close()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _remove_orphans(base: Path) -> None:
+    """Job folders of this machine's kernels that died before their run ended (killed)."""
+    host = socket.gethostname()
+    for folder in base.glob(f"job-{host}-*-*"):
+        pid = folder.name[len(f"job-{host}-"):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 # -- the task, on a node --------------------------------------------------------------------
