@@ -376,7 +376,7 @@ def run_cell(source: str, namespace: Mapping[str, Any], *, strategy: str = "ddp"
 
     job = cell_job(source, namespace, "ddp" if cluster is not None else strategy, hidden)
     if cluster is not None:
-        return launch(job, strategy="ddp", devices=devices, accelerator=accelerator, num_nodes=num_nodes,
+        return launch(job, strategy=strategy, devices=devices, accelerator=accelerator, num_nodes=num_nodes,
                       timeout=timeout, progress=progress, cluster=cluster)
     options = None
     if strategy in ("ddp", "fsdp", "deepspeed"):  # a script under the launcher

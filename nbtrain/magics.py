@@ -121,7 +121,7 @@ def make_cluster(options: dict):
     if name is None:
         return None
     changed = [k for k in LOCAL_ONLY if options[k] != DEFAULTS[k]]
-    if changed or options["strategy"] != "ddp":
+    if changed or options["strategy"] not in ("ddp", "fsdp"):
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in changed) or f"--strategy {options['strategy']}"
         raise UsageError(f"{flags} apply to ranks started on this machine; with --cluster {name} the cluster starts "
                          "them (--devices is ranks per node, --nnodes the nodes).")

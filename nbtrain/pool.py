@@ -32,8 +32,9 @@ class Pool:
         self.inbox: queue.Queue = queue.Queue()
         self.hub = Hub(self.inbox, **launcher.channel_options(job))
         self.pump = OutputPump(self.inbox)
-        # Large returned tensors come through files this machine shares with its ranks.
-        self.files = LaunchFiles() if not launcher.remote else None
+        # Large returned tensors come through files this machine shares with its ranks (a remote
+        # rank on another machine sends bytes instead: see clusters.base.here).
+        self.files = LaunchFiles()
         self.processes: list = []
         self.closed: set[int] = set()  # ranks whose channel closed
         self.stderr = stderr_tails()

@@ -33,7 +33,8 @@ def train(steps):
         opt.zero_grad(); loss.backward(); opt.step()
         ctx.log("loss", loss, sync_dist=True)
     print(f"rank {ctx.rank} done")
-    return ctx.rank, float(sum(p.sum() for p in model.parameters()))
+    big = torch.full((1 << 20,), float(ctx.rank))  # 4 MB: through shared memory, as on this machine
+    return ctx.rank, float(sum(p.sum() for p in model.parameters())), big
 
 def ray_is_empty():
     """Every CPU free again, every placement group nbtrain made removed."""
@@ -78,9 +79,10 @@ def run(kernel, code, timeout=300):
 
 def test_two_ranks_train_and_return_values_and_metrics(rk):
     run(rk, "result = nbtrain.launch(train, 4, devices=2, cluster=nbtrain.Ray(), progress=False)")
-    values = rk.value("result.values")
+    values = rk.value("[v[:2] for v in result.values]")
     assert [v[0] for v in values] == [0, 1]
     assert values[0][1] == pytest.approx(values[1][1]), "DDP keeps the ranks' models equal"
+    assert rk.value("[float(v[2].sum()) for v in result.values]") == [0.0, float(1 << 20)]
     assert rk.value("len(result.metrics('loss', rank=0)), len(result.metrics('loss', rank=1))") == (4, 4)
     assert rk.value("result.devices") == "2 CPU ranks, gloo, on Ray"
     assert rk.value("settled(ray_is_empty)")

@@ -35,7 +35,8 @@ def train(steps):
             break
         steps -= 1
     print(f"rank {ctx.rank} of {ctx.world_size} done")
-    return ctx.rank, os.environ["SLURM_JOB_ID"], float(sum(p.sum() for p in model.parameters()))
+    big = torch.full((1 << 20,), float(ctx.rank))  # 4 MB: through shared memory, as on this machine
+    return ctx.rank, os.environ["SLURM_JOB_ID"], float(sum(p.sum() for p in model.parameters())), big
 
 
 def job_processes(job_id: str) -> list[int]:
@@ -61,7 +62,8 @@ def wait_until(condition, timeout: float = SETTLE) -> bool:
 
 def test_two_ranks_train_and_return_values_and_metrics(slurm, no_leftovers):
     result = nbtrain.launch(train, 3, devices=2, cluster=nbtrain.Slurm(), progress=False)
-    ranks, jobs, sums = zip(*result.values)
+    ranks, jobs, sums, big = zip(*result.values)
+    assert [float(b.sum()) for b in big] == [0.0, float(1 << 20)]
     assert ranks == (0, 1)
     assert jobs[0] == jobs[1], "one job, one task per rank"
     assert sums[0] == pytest.approx(sums[1]), "DDP keeps the ranks' models equal"

@@ -17,6 +17,7 @@ from .ray import Ray
 from .slurm import Slurm
 
 __all__ = ["Cluster", "ClusterJob", "Ray", "Slurm", "launch_on"]
+STRATEGIES = ("auto", "ddp", "fsdp")  # how ctx.setup wraps models; the engine starts the processes
 
 
 @dataclass
@@ -32,12 +33,14 @@ def launch_on(cluster, fn, args: tuple, kwargs: dict, *, strategy: str, devices,
     from ..display import make_display
 
     cluster = check_cluster(cluster)
-    if strategy not in ("auto", "ddp"):
+    if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} with cluster={cluster!r}: the engine starts the ranks, each a process "
-                         "of its own; give strategy='auto' or 'ddp' (ctx.setup wraps models in DDP).")
+                         "of its own; give strategy='auto' or 'ddp' (ctx.setup wraps models in DDP), or 'fsdp' "
+                         "(ctx.setup shards them).")
     if launcher_options:
         raise ValueError(f"launcher_options={launcher_options!r} are for ranks started on this machine; with a cluster, "
                          "give the engine's settings to the cluster object.")
     plan = cluster.plan(devices, accelerator, backend, num_nodes)
     display = make_display(progress)
-    return cluster.placement().launch(ClusterJob(fn, args, kwargs, plan, "ddp", timeout), display)
+    job = ClusterJob(fn, args, kwargs, plan, "ddp" if strategy == "auto" else strategy, timeout)
+    return cluster.placement().launch(job, display)

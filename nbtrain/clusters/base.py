@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 from ..devices import BACKENDS, DevicePlan
 from ..launchers.base import Job, ProcessLauncher, RankProcess, rank_environ
+from ..tensor_files import ENABLE_VAR as SHARED_MEMORY_VAR  # "0": a rank returns tensors as bytes
 
 MACHINE_VAR = "NBTRAIN_KERNEL_MACHINE"  # the notebook's machine, so a rank can tell whether it shares it
 PATH_VAR, CWD_VAR = "NBTRAIN_KERNEL_PATH", "NBTRAIN_KERNEL_CWD"  # the notebook's sys.path and directory
-SHARED_MEMORY_VAR = "NBTRAIN_SHARED_MEMORY"  # "0": return tensors as bytes (see transfer's shared-memory returns)
 CONNECT_SECONDS = 30.0  # how long a rank tries to reach the notebook before saying it cannot
 # Set per rank by the engine, not from the notebook's view of the job:
 PER_RANK = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
