@@ -96,7 +96,7 @@ class RayPlacement(RemotePlacement):
         self.group: RayGroup | None = None
 
     def _ray(self):
-        ray = require("ray", "ray")
+        ray = require("ray", self.cluster.extra)
         _keep_print()
         if not ray.is_initialized():
             ray.init(address=self.cluster.address)

@@ -119,7 +119,7 @@ class SlurmPlacement(RemotePlacement):
         return channel_options(self.cluster.notebook_address, every_interface)
 
     def _prepare(self, job: Job) -> None:
-        self.submitit = require("submitit", "slurm")
+        self.submitit = require("submitit", self.cluster.extra)
         if shutil.which("sbatch") is None:
             raise RuntimeError("cluster=Slurm(...): `sbatch` is not on PATH here. Run the notebook on a machine that "
                                "submits SLURM jobs (a login node, or a node of an interactive job).")
