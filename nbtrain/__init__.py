@@ -1,6 +1,7 @@
 """nbtrain: multi-device PyTorch training from a Jupyter notebook."""
 from importlib import metadata as _metadata
 
+from .clusters import Ray, Slurm
 from .context import Context, context, rank_zero_only
 from .devices import DevicePlan, ensure_pci_bus_order, parse_devices, plan_devices
 from .display.gpus import gpus

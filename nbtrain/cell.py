@@ -201,13 +201,13 @@ class CellJob:
     """
 
     def __init__(self, source: str, imports: list[tuple[str, str]] = (), payload: bytes | None = None,
-                 namespace: dict | None = None, sources: dict | None = None, origin: int | None = None):
+                 namespace: dict | None = None, sources: dict | None = None, origin: str | None = None):
         self.source = source
         self.imports = list(imports)  # (name in the cell, module to import)
         self.payload = payload  # dill of {name: value} for the other names
         self.namespace = namespace  # the kernel's own namespace, for strategies that run in place
         self.sources = sources or {}  # linecache entries of earlier cells' functions
-        self.origin = origin or os.getpid()  # the kernel: there the value needs no wrapping
+        self.origin = origin or _here()  # the kernel: there the value needs no wrapping
         self.__qualname__ = self.__name__ = "cell"
 
     def __reduce__(self):
@@ -257,7 +257,7 @@ class CellJob:
         lines = self.source.splitlines(keepends=True)
         linecache.cache.update(self.sources)
         linecache.cache[CELL_FILENAME] = (len(self.source), None, lines, CELL_FILENAME)
-        in_kernel = os.getpid() == self.origin
+        in_kernel = _here() == self.origin
         ns = self.namespace if self.namespace is not None else self._fresh_main(install=not in_kernel)
         if not in_kernel:
             ns[_WRAP] = _LastValue
@@ -270,6 +270,13 @@ class CellJob:
         # of ours sits between the caller and the cell.
         steps = map(operator.methodcaller("__call__"), (run_body, types.FunctionType(value, ns, "<cell>")))
         return functools.partial(functools.reduce, {}.get, steps)
+
+
+def _here() -> str:
+    """This process, told apart from processes on other machines (a pid alone is not)."""
+    import socket
+
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 class _LastValue:
@@ -361,12 +368,16 @@ def _pack_names(values: dict) -> bytes:
 def run_cell(source: str, namespace: Mapping[str, Any], *, strategy: str = "ddp", devices="auto",
              accelerator: str = "auto", num_nodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
              max_restarts: int = 0, launcher: str = "torchrun", timeout: float | None = None, progress=True,
-             hidden=(), rerun_as: str | None = None):
+             hidden=(), rerun_as: str | None = None, cluster=None):
     """Run a cell's code on every rank and return the `Result` (the last expression's value
-    on each rank in `values`, rank 0's in `value`). What `%%nbtrain` calls."""
+    on each rank in `values`, rank 0's in `value`). What `%%nbtrain` calls; with `cluster`
+    (`nbtrain.Slurm(...)`, `nbtrain.Ray(...)`) the ranks run there, the names shipped."""
     from .launch import launch
 
-    job = cell_job(source, namespace, strategy, hidden)
+    job = cell_job(source, namespace, "ddp" if cluster is not None else strategy, hidden)
+    if cluster is not None:
+        return launch(job, strategy=strategy, devices=devices, accelerator=accelerator, num_nodes=num_nodes,
+                      timeout=timeout, progress=progress, cluster=cluster)
     options = None
     if strategy in ("ddp", "fsdp", "deepspeed"):  # a script under the launcher
         options = {"launcher": launcher, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,

@@ -16,8 +16,10 @@ import logging
 import os
 import queue
 import socket
+import struct
 import threading
-from multiprocessing.connection import Client, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Listener, answer_challenge, deliver_challenge
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,7 @@ ADDRESS_VAR = "NBTRAIN_CHANNEL"
 AUTHKEY_VAR = "NBTRAIN_AUTHKEY"
 FLUSH_SECONDS = 0.1
 BATCH_LIMIT = 512
+AUTH_SECONDS = 10.0  # a connection that has not proven the authkey by then is dropped
 URGENT = frozenset({"hello", "begin", "result", "error", "need", "prompt"})  # sent without batching delay
 
 
@@ -39,7 +42,9 @@ class Hub:
     def __init__(self, inbox: queue.Queue, host: str = "127.0.0.1", advertise: str | None = None):
         self.inbox = inbox
         self._authkey = os.urandom(32)
-        self._listener = Listener((host, 0), authkey=self._authkey)
+        # The challenge is run per connection (`_serve`), not by Listener.accept: there one
+        # stranger that connects and stays silent would block every rank's connection.
+        self._listener = Listener((host, 0))
         self._advertise = advertise or host
         self._threads: list[threading.Thread] = []
         self._connections = []
@@ -66,12 +71,36 @@ class Hub:
         while not self._closed.is_set():
             try:
                 conn = self._listener.accept()
-            except Exception:  # closed listener, or a stranger failing the authkey challenge
+            except OSError:  # the listener was closed
                 if self._closed.is_set():
                     return
                 continue
+            if self._closed.is_set():
+                conn.close()
+                return
             self._connections.append(conn)
-            self._spawn(self._read_loop, conn)
+            self._spawn(self._serve, conn)
+
+    def _serve(self, conn) -> None:
+        if self._authenticate(conn):
+            self._read_loop(conn)
+        else:
+            conn.close()
+
+    def _authenticate(self, conn) -> bool:
+        """The authkey's challenge, both ways; nothing is unpickled from a peer before it passes."""
+        _receive_timeout(conn, AUTH_SECONDS)  # a silent stranger is dropped, not waited for
+        try:
+            deliver_challenge(conn, self._authkey)
+            answer_challenge(conn, self._authkey)
+        except AuthenticationError as exc:
+            log.warning("channel: refused a connection that failed the authkey challenge (%s)", exc)
+            return False
+        except (OSError, EOFError, ValueError) as exc:  # silent, gone, or not speaking the protocol
+            log.debug("channel: dropped a connection: %s", exc)
+            return False
+        _receive_timeout(conn, 0.0)
+        return True
 
     def _read_loop(self, conn) -> None:
         no_delay(conn)
@@ -214,6 +243,14 @@ def no_delay(conn) -> None:
 
 def _end_rank() -> None:
     os._exit(1)
+
+
+def _receive_timeout(conn, seconds: float) -> None:
+    """SO_RCVTIMEO on a connection's socket (0: none). Set on the socket itself, so the
+    connection's own blocking reads honour it, unlike a timeout on a Python socket object."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        whole = int(seconds)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
 class OutputPump:

@@ -8,7 +8,8 @@ class WorkerError(RuntimeError):
     """A rank failed: it raised, died by a signal, exited non-zero or timed out.
 
     `rank` is the first rank that failed (the root cause); `traceback` is that worker's own
-    traceback or stacks, as text; `others` lists the later failures, one line each.
+    traceback or stacks, as text; `others` lists the later failures, one line each; `node`
+    the machine the rank ran on, where ranks run on a cluster (None on this machine).
 
     When the rank's exception could be rebuilt in the notebook, `from_failure` returns an
     instance of a subclass of both WorkerError and the exception's class, so `except MyErr`
@@ -17,12 +18,12 @@ class WorkerError(RuntimeError):
 
     @classmethod
     def from_failure(cls, rank: int, summary: str, traceback: str = "", others: tuple[str, ...] = (),
-                     original: BaseException | None = None) -> "WorkerError":
+                     original: BaseException | None = None, node: str | None = None) -> "WorkerError":
         both = _with_original_class(type(original)) if isinstance(original, Exception) else None
         try:
-            error = (both or cls)(rank, summary, traceback, others)
+            error = (both or cls)(rank, summary, traceback, others, node)
         except Exception:  # the original class's __new__ wants arguments of its own (ExceptionGroup)
-            both, error = None, cls(rank, summary, traceback, others)
+            both, error = None, cls(rank, summary, traceback, others, node)
         for name, value in _attributes(original) if both is not None else ():
             try:
                 setattr(error, name, value)
@@ -31,15 +32,21 @@ class WorkerError(RuntimeError):
         error.__cause__ = original
         return error
 
-    def __init__(self, rank: int, summary: str, traceback: str = "", others: tuple[str, ...] = ()):
+    def __init__(self, rank: int, summary: str, traceback: str = "", others: tuple[str, ...] = (),
+                 node: str | None = None):
         self.rank = rank
         self.summary = summary
         self.traceback = traceback
         self.others = tuple(others)
+        self.node = node
         super().__init__(self._message())
 
+    @property
+    def _who(self) -> str:
+        return f"rank {self.rank}" + (f" (on {self.node})" if self.node else "")
+
     def _message(self) -> str:
-        text = f"rank {self.rank} failed: {self.summary}"
+        text = f"{self._who} failed: {self.summary}"
         if self.others:
             text += "\nthen: " + "; ".join(self.others)
         if self.traceback:
@@ -47,12 +54,12 @@ class WorkerError(RuntimeError):
         return text
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.summary, self.traceback, self.others))
+        return (type(self), (self.rank, self.summary, self.traceback, self.others, self.node))
 
     def _render_traceback_(self) -> list[str]:
         # IPython shows this instead of the launcher's own frames: the worker's traceback
         # is the one that points at the user's code.
-        lines = [f"WorkerError: rank {self.rank} failed: {self.summary}"]
+        lines = [f"WorkerError: {self._who} failed: {self.summary}"]
         lines += [f"then: {line}" for line in self.others]
         if self.traceback:
             from .display.tracebacks import name_cells  # notebook files as `Cell In[3]`, like IPython
@@ -61,7 +68,7 @@ class WorkerError(RuntimeError):
         return lines
 
 
-_OWN_ATTRIBUTES = ("rank", "summary", "traceback", "others")
+_OWN_ATTRIBUTES = ("rank", "summary", "traceback", "others", "node")
 _combined: dict[type, type] = {}  # one class per original class: `type(e) is type(e2)` holds
 
 
@@ -102,11 +109,11 @@ def _with_original_class(original: type) -> type | None:
 
 def _reduce_with_original(self):
     # The combined class is made at run time and cannot be pickled by name: rebuild it.
-    return (_rebuild, (self.rank, self.summary, self.traceback, self.others, self.__cause__))
+    return (_rebuild, (self.rank, self.summary, self.traceback, self.others, self.__cause__, self.node))
 
 
-def _rebuild(rank, summary, traceback, others, original):
-    return WorkerError.from_failure(rank, summary, traceback, others, original=original)
+def _rebuild(rank, summary, traceback, others, original, node=None):
+    return WorkerError.from_failure(rank, summary, traceback, others, original=original, node=node)
 
 
 def _attribute_of_original(self, name: str):

@@ -102,7 +102,7 @@ def check_timeout(timeout):
 
 def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelerator: str = "auto",
            num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
-           progress=True, launcher_options: dict | None = None, **kwargs) -> Result:
+           progress=True, launcher_options: dict | None = None, cluster=None, **kwargs) -> Result:
     """Run `fn(*args, **kwargs)` on every rank and return a `Result`.
 
     Inside `fn`, `nbtrain.context()` is this rank's Context. Keyword arguments that `launch`
@@ -115,10 +115,17 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     script under the launcher when `launcher_options` are given (or num_nodes > 1). Strategy
     'deepspeed' runs the job as a script under DeepSpeed's launcher; `fn` calls
     `deepspeed.initialize` itself.
+    `cluster` runs the ranks elsewhere: `nbtrain.Slurm(...)` or `nbtrain.Ray(...)` (see nbtrain/clusters).
     """
     if not callable(fn):
         raise TypeError(f"launch(fn=...) needs a callable training function, got {type(fn).__name__}.")
     check_timeout(timeout)
+    if cluster is not None:
+        from .clusters import launch_on
+
+        return launch_on(cluster, fn, args, kwargs, strategy=strategy, devices=devices, accelerator=accelerator,
+                         num_nodes=num_nodes, backend=backend, timeout=timeout, progress=progress,
+                         launcher_options=launcher_options)
     plan = plan_devices(devices, accelerator, backend, num_nodes)
     name, note = resolve_strategy(strategy, plan)
     placement = name  # where the ranks run; `name` (the Context's strategy) says how models are wrapped

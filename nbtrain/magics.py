@@ -2,7 +2,8 @@
 
     %%nbtrain [options]        run the cell on every rank (default strategy: ddp, a script under torchrun;
                                fsdp: the same, with ctx.setup sharding the model;
-                               deepspeed: under DeepSpeed's launcher)
+                               deepspeed: under DeepSpeed's launcher;
+                               --cluster slurm|ray: on a cluster's nodes)
     %nbtrain config [options]  session defaults for those options; alone, shows them; `config reset` clears
     %nbtrain gpus              the GPU table (`nbtrain.gpus()`)
 
@@ -24,8 +25,13 @@ SCRIPT_STRATEGIES = ("ddp", "fsdp", "deepspeed")  # the cell as a script under t
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed")
 RESULT_NAME = "_nbtrain_result"
+CLUSTERS = ("slurm", "ray")
 DEFAULTS = {"strategy": "ddp", "devices": "auto", "accelerator": "auto", "nnodes": 1, "node_rank": 0,
-            "rdzv_endpoint": None, "max_restarts": 0, "launcher": "torchrun", "timeout": None, "no_progress": False}
+            "rdzv_endpoint": None, "max_restarts": 0, "launcher": "torchrun", "timeout": None, "no_progress": False,
+            "cluster": None, "partition": None, "time": None, "account": None, "sbatch": None, "address": None,
+            "num_workers": None, "notebook_address": None}
+CLUSTER_OPTIONS = {"slurm": ("partition", "time", "account", "sbatch"), "ray": ("address", "num_workers")}
+LOCAL_ONLY = ("node_rank", "rdzv_endpoint", "max_restarts", "launcher")  # ranks this machine starts itself
 COMMANDS = "Accepted: `%nbtrain config [options]`, `%nbtrain config reset`, `%nbtrain gpus`, " \
            "`%nbtrain start [options]` / `%nbtrain stop` (live ranks, then `%%ranks` cells), `%nbtrain warm`; " \
            "`%%nbtrain [options]` as a cell's first line runs the cell on every rank."
@@ -78,6 +84,14 @@ RUN_OPTIONS = [
              "deepspeed (the launcher of --strategy deepspeed)"),
     argument("--timeout", type=_seconds, help="seconds before the run is stopped, with every rank's stack"),
     argument("--no-progress", dest="no_progress", action="store_true", default=None, help="no progress display"),
+    argument("--cluster", choices=CLUSTERS, help="run the ranks on a SLURM cluster (submitit) or a Ray cluster"),
+    argument("--partition", help="slurm: the partition"),
+    argument("--time", help="slurm: the job's time limit (minutes, or HH:MM:SS)"),
+    argument("--account", help="slurm: the account charged"),
+    argument("--sbatch", nargs="+", action="extend", metavar="KEY=VALUE", help="slurm: more sbatch options (qos=high)"),
+    argument("--address", help="ray: the cluster's address (default: this kernel's Ray, or a new local one)"),
+    argument("--num-workers", dest="num_workers", type=_at_least(1), help="ray: ranks, placed wherever they fit"),
+    argument("--notebook-address", dest="notebook_address", help="cluster: the address the nodes reach this kernel by"),
 ]
 
 
@@ -92,9 +106,56 @@ def _given(args) -> dict:
     return {k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None}
 
 
+def make_cluster(options: dict):
+    """The cluster object a cell's --cluster options describe (None: this machine)."""
+    from .clusters import Ray, Slurm
+
+    name = options["cluster"]
+    given = [k for k in ("partition", "time", "account", "sbatch", "address", "num_workers", "notebook_address")
+             if options[k] is not None and k not in CLUSTER_OPTIONS.get(name, ()) + ("notebook_address",)]
+    if given or (name is None and options["notebook_address"] is not None):
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in given or ["notebook_address"])
+        where = f"--cluster {name}" if name else "no --cluster"
+        raise UsageError(f"{flags} do not apply with {where}. Options per cluster: " + "; ".join(
+            f"--cluster {c}: " + ", ".join(f"--{k.replace('_', '-')}" for k in ks) for c, ks in CLUSTER_OPTIONS.items()))
+    if name is None:
+        return None
+    changed = [k for k in LOCAL_ONLY if options[k] != DEFAULTS[k]]
+    if changed or options["strategy"] not in ("ddp", "fsdp"):
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in changed) or f"--strategy {options['strategy']}"
+        raise UsageError(f"{flags} apply to ranks started on this machine; with --cluster {name} the cluster starts "
+                         "them (--devices is ranks per node, --nnodes the nodes).")
+    try:
+        if name == "slurm":
+            time_limit = options["time"]
+            extra = dict(_key_value(item) for item in options["sbatch"] or ())
+            return Slurm(partition=options["partition"], account=options["account"],
+                         time=int(time_limit) if time_limit and time_limit.isdigit() else time_limit,
+                         notebook_address=options["notebook_address"], **extra)
+        return Ray(address=options["address"], num_workers=options["num_workers"],
+                   notebook_address=options["notebook_address"])
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _key_value(item: str) -> tuple[str, str | bool]:
+    key, sep, value = item.partition("=")
+    if not key.strip():
+        raise UsageError(f"--sbatch {item!r}: give KEY=VALUE (e.g. qos=high, mem=16G) or a flag's KEY (exclusive).")
+    return key.strip(), value if sep else True
+
+
 def check_options(options: dict) -> None:
     """Refuse, as UsageError, what cannot run, before anything starts."""
     from .devices import plan_devices
+
+    cluster = make_cluster(options)
+    if cluster is not None:
+        try:
+            cluster.plan(options["devices"], options["accelerator"], None, options["nnodes"])
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return
     from .launch import deepspeed_options, resolve_strategy
     from .launchers.script import check_installed, script_options
 
@@ -168,7 +229,8 @@ class NbtrainMagics(Magics):
             accelerator=options["accelerator"], num_nodes=options["nnodes"], node_rank=options["node_rank"],
             rdzv_endpoint=options["rdzv_endpoint"], max_restarts=options["max_restarts"],
             launcher=_launcher(options), timeout=options["timeout"], progress=not options["no_progress"],
-            hidden=self.shell.user_ns_hidden, rerun_as=rerun_line(options) if options["nnodes"] > 1 else None)
+            hidden=self.shell.user_ns_hidden, cluster=make_cluster(options),
+            rerun_as=rerun_line(options) if options["nnodes"] > 1 and not options["cluster"] else None)
 
     def _command(self, line: str):
         words = line.split(None, 1)
@@ -197,7 +259,7 @@ class NbtrainMagics(Magics):
             check_options({**DEFAULTS, **self.config_options, **given})
             self.config_options.update(given)
         settings = {**DEFAULTS, **self.config_options}
-        shown = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+        shown = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {' '.join(v) if isinstance(v, list) else v}")
                          for k, v in settings.items() if v is not None and v is not False)
         mine = ", ".join(f"--{k.replace('_', '-')}" for k in DEFAULTS if k in self.config_options) or "none"
         print(f"nbtrain: %%nbtrain defaults: {shown} (set by %nbtrain config: {mine})")

@@ -32,14 +32,16 @@ class Pool:
         self.inbox: queue.Queue = queue.Queue()
         self.hub = Hub(self.inbox, **launcher.channel_options(job))
         self.pump = OutputPump(self.inbox)
-        # Large returned tensors come through files this machine shares with its ranks.
-        self.files = LaunchFiles() if not launcher.remote else None
+        # Large returned tensors come through files this machine shares with its ranks (a remote
+        # rank on another machine sends bytes instead: see clusters.base.here).
+        self.files = LaunchFiles()
         self.processes: list = []
         self.closed: set[int] = set()  # ranks whose channel closed
         self.stderr = stderr_tails()
         self.current: dict[int, int] = {}  # rank: the seq of the command it last began
         self.marks: dict[tuple, int] = {}  # (rank, stream): the seq whose output is complete
         self.pids: dict[int, int] = {}
+        self.hosts: dict[int, str | None] = {}
         self.seq = 0
         self.broken: str | None = None  # why the pool refuses work
         self.restart_reason: str | None = None  # ranks stuck beyond an interrupt: the pool must restart
@@ -72,6 +74,7 @@ class Pool:
         self.pump.start()
         self._watch(state, display, timeout, job.start_timeout)
         self.pids = {r: v.pid for r, v in state.ranks.items()}
+        self.hosts = {r: v.host for r, v in state.ranks.items()}
         return state
 
     def _title(self) -> str:
@@ -140,7 +143,7 @@ class Pool:
         self._namespace, self._answers = namespace or {}, {}
         state = RunState(title or f"{kind} on live ranks {targets}", targets)
         for rank in targets:
-            state.handle(("hello", rank, self.pids.get(rank)))
+            state.handle(("hello", rank, self.pids.get(rank), self.hosts.get(rank)))
         self.drain_idle_output(display)
         display.start(state)
         ok = False

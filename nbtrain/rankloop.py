@@ -29,10 +29,13 @@ import linecache
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import traceback
 import types
+
+from .worker import drain_output
 
 NOTHING = object()  # an exec whose code ends without an expression
 MARK = "\x00nbtrain-done "  # written to both output streams after each command: the output before it is all there
@@ -115,6 +118,7 @@ class RankLoop:
                 self._running, self._interrupting = None, False
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        drain_output()  # output that travels over the channel: all of it before the reply
         if once:
             self.link.close(reply)  # its output ends with the process: nothing to mark
         else:
@@ -420,7 +424,7 @@ def serve(first: tuple | None = None, once: bool = False, live: bool = False, fo
     set_current(ctx)
     loop = RankLoop(ctx, link, live)
     link.listen(loop.on_message)
-    link.emit("hello", os.getpid())
+    link.emit("hello", os.getpid(), socket.gethostname())
     return loop.serve(first, once)
 
 

@@ -38,11 +38,13 @@ class Ranks:
     `start` how they are started: 'auto' forks the kernel when that is safe, and otherwise
     forks the warm template (a clean process; see `nbtrain.warm_up`), as `launch` does;
     'fork', 'template' and 'spawn' (plain fresh interpreters) choose one. `timeout` is the default limit, in seconds, of
-    each call (none by default: a cell may run for hours).
+    each call (none by default: a cell may run for hours). `cluster` (`nbtrain.Slurm(...)`,
+    `nbtrain.Ray(...)`) starts them there instead: `devices` ranks on each of the cluster's nodes.
     """
 
     def __init__(self, devices="auto", accelerator: str = "auto", backend: str | None = None,
-                 timeout: float | None = None, strategy: str = "ddp", start: str = "auto", progress=True):
+                 timeout: float | None = None, strategy: str = "ddp", start: str = "auto", progress=True,
+                 cluster=None):
         from .launch import check_timeout
 
         if strategy not in WRAPPINGS:
@@ -50,7 +52,15 @@ class Ranks:
         if start not in START_METHODS:
             raise ValueError(f"start={start!r} is not known. Accepted: {', '.join(map(repr, START_METHODS))}.")
         self.timeout = check_timeout(timeout)
-        self.plan = plan_devices(devices, accelerator, backend)
+        if cluster is not None:
+            from .clusters import check_cluster
+
+            if start != "auto":
+                raise ValueError(f"start={start!r} with cluster={cluster!r}: the cluster's engine starts the ranks.")
+            self.plan = check_cluster(cluster).plan(devices, accelerator, backend, 1)
+        else:
+            self.plan = plan_devices(devices, accelerator, backend)
+        self.cluster = cluster
         self.strategy, self.start_method, self.progress = strategy, start, progress
         self.placement = ""
         self._pool: Pool | None = None
@@ -61,8 +71,13 @@ class Ranks:
     def _start(self) -> None:
         from .display.text import QuietDisplay
 
-        launcher, self.placement, note = _placement(self.start_method)
-        job = Job(None, (), {}, self.plan, self.strategy, start_timeout=120.0)
+        if self.cluster is not None:
+            from .clusters import ClusterJob
+
+            launcher, self.placement, note, make_job = self.cluster.placement(), self.cluster.engine, None, ClusterJob
+        else:
+            (launcher, self.placement, note), make_job = _placement(self.start_method), Job
+        job = make_job(None, (), {}, self.plan, self.strategy, start_timeout=120.0)
         display = QuietDisplay()
         if note:
             display.note(note)

@@ -75,6 +75,7 @@ class RankView:
     detail: str = ""  # first line of the failure; for a stopped rank "stopped (rank 1 failed)"
     reason: str = ""  # a stopped rank's own first line (what it said as it was stopped), may be ""
     pid: int | None = None
+    host: str | None = None  # the machine it runs on, as it names itself
     ended_at: float | None = None  # when it finished or failed
     ended_where: str = ""  # how a finished rank ended: "returned from train()", "called sys.exit(0) at ..."
     bars: dict[int, Bar] = field(default_factory=dict)
@@ -143,8 +144,8 @@ class RunState:
     def _on_unknown(self, view, *payload) -> None:
         pass
 
-    def _on_hello(self, view: RankView, pid: int) -> None:
-        view.pid = pid
+    def _on_hello(self, view: RankView, pid: int, host: str | None = None) -> None:
+        view.pid, view.host = pid, host or view.host
         view.status = "running"
 
     def _on_progress(self, view: RankView, level: int, desc: str, n: int, total, done: bool) -> None:

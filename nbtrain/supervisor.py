@@ -87,6 +87,9 @@ class Supervisor:
         self._heard: dict[int, float] = {}
         self._probes: dict[int, tuple[str, int]] = {}  # rank: (the wait seen, times in a row)
         self._probed = 0.0
+        self._closed_at: dict[int, float] = {}  # remote ranks whose connection closed without a reply
+        self._queued = 0.0  # seconds the ranks waited in an engine's queue (not counted by timeouts)
+        self._queued_since: float | None = None
 
     @property
     def processes(self):
@@ -99,6 +102,7 @@ class Supervisor:
             while self.state.unfinished() and not self.state.failures:
                 self._pump(TICK, until_settled=True)
                 self._check_processes()
+                self._check_placement()
                 self._check_deadlines()
                 self._check_early_exit()
                 self.display.update(self.state)
@@ -194,6 +198,24 @@ class Supervisor:
                 else:
                     self.state.stop(r, summary)
             self.pool.lost(proc, code)
+        if self.pool.launcher.remote:
+            self._check_connections(now)
+
+    def _check_connections(self, now: float) -> None:
+        """A remote rank whose connection closed without a reply has ended: its process is the
+        engine's, not ours to watch (one SLURM task of several can die while the job runs)."""
+        for rank in sorted(self.pool.closed):
+            view = self.state.ranks.get(rank)
+            if view is None or view.status not in ("starting", "running"):
+                continue
+            if now - self._closed_at.setdefault(rank, now) < EXIT_DRAIN:
+                continue  # its reply may still be on the way
+            self.state.fail(rank, f"rank {rank} ended without a reply: its connection to the notebook closed (its "
+                                  "process exited or was killed, or its machine went away)",
+                            self._last_words(rank), crashed=True)
+            proc = next((p for p in self.processes if rank in p.ranks), None)
+            if proc is not None:
+                self.pool.lost(proc, 1)
 
     def _last_words(self, rank: int) -> str:
         # faulthandler's report of a fatal signal, if the rank wrote one; else its last stderr lines.
@@ -201,8 +223,32 @@ class Supervisor:
         starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
         return tidy_stacks("\n".join(lines[starts[-1]:] if starts else lines[-40:]))
 
+    def _check_placement(self) -> None:
+        """Say where an engine holds the ranks (a SLURM job's queue state), and stop the clocks
+        while they wait there: queue time is not a stall."""
+        waiting = False
+        for proc in self.processes:
+            status = proc.status()
+            if status is None:
+                continue
+            line, queued = status
+            waiting = waiting or queued
+            if line:  # a new line only: the process says each once
+                self.display.note(line)
+        now = time.monotonic()
+        if waiting and self._queued_since is None:
+            self._queued_since = now
+        elif not waiting and self._queued_since is not None:
+            self._queued += now - self._queued_since
+            self._queued_since = None
+
+    def _running_time(self) -> float:
+        """Seconds since the command began, less the time its ranks waited in a queue."""
+        waiting = time.monotonic() - self._queued_since if self._queued_since is not None else 0.0
+        return self.state.elapsed - self._queued - waiting
+
     def _check_deadlines(self) -> None:
-        elapsed = self.state.elapsed
+        elapsed = self._running_time()
         if self.timeout is not None and elapsed > self.timeout:
             self._time_out(f"timed out after {self.timeout:g} s")
         elif self.start_timeout is not None and elapsed > self.start_timeout:
@@ -340,8 +386,9 @@ class Supervisor:
         others = tuple(self.state.outcome_lines(cause))
         note = self.pool.restart_note()
         summary = cause.summary + (f"\n{note}" if note else "")
+        node = self.state.ranks[cause.rank].host if self.pool.launcher.remote else None  # named where ranks are elsewhere
         return WorkerError.from_failure(cause.rank, summary, cause.traceback, others,
-                                        original=unpack_exception(cause.exception))
+                                        original=unpack_exception(cause.exception), node=node)
 
     def flush(self) -> None:
         """Hand what is still queued (the ranks' last output lines) to the display."""

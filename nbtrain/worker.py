@@ -48,6 +48,10 @@ def redirect_output(stdout_fd: int, stderr_fd: int) -> None:
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, errors="replace")
 
 
+_DRAINED = b"\x00nbtrain-drained\x00"  # written after a command's output; its arrival means all came before
+_forwarded: list[threading.Event] = []  # one per forwarded stream: set when its marker is read
+
+
 def forward_output(link) -> None:
     """For ranks with no pipe to the notebook (another machine): fds 1 and 2 become pipes
     read by threads that send each line over the channel as ("output", rank, stream, line)."""
@@ -55,19 +59,36 @@ def forward_output(link) -> None:
         read, write = os.pipe()
         os.dup2(write, fd)
         os.close(write)
-        threading.Thread(target=_forward, args=(read, stream, link), name=f"nbtrain-{stream}", daemon=True).start()
+        drained = threading.Event()
+        _forwarded.append(drained)
+        threading.Thread(target=_forward, args=(read, stream, link, drained), name=f"nbtrain-{stream}",
+                         daemon=True).start()
     redirect_output(1, 2)
 
 
-def _forward(fd: int, stream: str, link) -> None:
+def drain_output(timeout: float = 2.0) -> None:
+    """Forwarded output: wait until what fds 1 and 2 received so far is on its way (a command's
+    last lines must precede its reply). Nothing to do where the notebook reads the pipes itself."""
+    for fd, drained in zip((1, 2), _forwarded):
+        drained.clear()
+        os.write(fd, _DRAINED + b"\n")
+    for drained in _forwarded:
+        drained.wait(timeout)
+
+
+def _forward(fd: int, stream: str, link, drained: threading.Event) -> None:
     partial = b""
     while True:
         chunk = os.read(fd, 65536)
         lines = (partial + chunk).split(b"\n")
         partial = lines.pop() if chunk else b""
         for line in lines:
-            if line or chunk:
+            marked = line.endswith(_DRAINED)
+            line = line[:-len(_DRAINED)] if marked else line
+            if line or (chunk and not marked):
                 link.emit("output", stream, line.decode(errors="replace").rstrip("\r"))
+            if marked:
+                drained.set()
         if not chunk:
             return
 

@@ -16,7 +16,7 @@ def no_leftovers():
     yield
     if not had_template:  # a template the test started is the kernel's by design: stopping it must leave nothing
         nbtrain.template.stop()
-    children = [c for c in me.children(recursive=True) if not _is_template(c)]
+    children = [c for c in me.children(recursive=True) if not _is_template(c) and not _is_local_slurm(c)]
     assert not children, f"processes left behind: {[(c.pid, c.name()) for c in children]}"
     assert me.num_fds() <= fds_before, f"file descriptors leaked: {fds_before} -> {me.num_fds()}"
     assert "MASTER_PORT" not in os.environ
@@ -79,3 +79,172 @@ def kernel():
     k = Kernel()
     yield k
     k.close()
+
+
+# -- a one-node SLURM cluster on this machine ---------------------------------------------------
+
+SLURM_PROGRAMS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue", "scancel", "srun", "sinfo")
+
+
+def slurm_unavailable() -> str | None:
+    """Why a local SLURM cluster cannot be started here, or None."""
+    import shutil
+
+    missing = [p for p in SLURM_PROGRAMS if shutil.which(p) is None]
+    if missing:
+        return f"SLURM is not installed here (no {', '.join(missing)}; `apt-get install slurm-wlm munge`)"
+    if os.geteuid() != 0:
+        return "a local SLURM cluster needs root (slurmd and munged run as root)"
+    if not os.access("/etc/munge/munge.key", os.R_OK):
+        return "no readable munge key (/etc/munge/munge.key; `apt-get install munge` makes one)"
+    return None
+
+
+class LocalSlurm:
+    """A one-node SLURM cluster private to this test session: its own munged (socket in a temp
+    dir), its own ports, state, spool and logs; the default partition `debug`. The daemons run
+    in the foreground as children of the session and die with it, however it ends."""
+
+    running: set[int] = set()  # the daemons' pids: the session's own, not leftovers of a test
+
+    def __init__(self, root):
+        from pathlib import Path
+
+        self.root = Path(root)
+        self.conf = self.root / "slurm.conf"
+        self.socket = self.root / "munge" / "munge.socket"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.daemons = []
+
+    def _conf(self) -> str:
+        import socket
+
+        def port():
+            with socket.socket() as s:
+                s.bind(("", 0))
+                return s.getsockname()[1]
+
+        host, r = socket.gethostname().split(".")[0], self.root
+        return "\n".join([
+            f"ClusterName=nbtrain{os.getpid()}", f"SlurmctldHost={host}", "SlurmUser=root", "SlurmdUser=root",
+            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.socket}",
+            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core", "SchedulerType=sched/backfill", "MpiDefault=none", "ReturnToService=2",
+            "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
+            f"SlurmctldPort={port()}", f"SlurmdPort={port()}", f"StateSaveLocation={r}/state",
+            f"SlurmdSpoolDir={r}/spool", f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd.pid",
+            f"SlurmctldLogFile={r}/log/slurmctld.log", f"SlurmdLogFile={r}/log/slurmd.log",
+            f"NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN",
+            f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4", ""])
+
+    def _daemon(self, *command) -> None:
+        import ctypes
+        import signal
+        import subprocess
+
+        def die_with_the_session():
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: survives exec
+
+        process = subprocess.Popen(command, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, preexec_fn=die_with_the_session)
+        self.daemons.append(process)
+        LocalSlurm.running.add(process.pid)
+
+    def start(self, timeout: float = 60.0) -> None:
+        import subprocess
+        import time
+
+        for d in ("state", "spool", "log", "munge"):
+            (self.root / d).mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.conf.write_text(self._conf())
+        m = self.root / "munge"
+        self._daemon("munged", "--foreground", "--force", f"--socket={self.socket}", f"--pid-file={m}/munged.pid",
+                     f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed")
+        deadline = time.monotonic() + timeout
+        while not self.socket.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._daemon("slurmctld", "-D", "-f", str(self.conf))
+        self._daemon("slurmd", "-D", "-f", str(self.conf))
+        while time.monotonic() < deadline:
+            state = subprocess.run(["sinfo", "--noheader", "--format", "%t"], env=self.env, capture_output=True,
+                                   text=True).stdout.strip()
+            if state == "idle":
+                return
+            time.sleep(0.5)
+        logs = "\n".join((self.root / "log" / f).read_text()[-2000:] for f in ("slurmctld.log", "slurmd.log")
+                         if (self.root / "log" / f).exists())
+        self.stop()
+        raise RuntimeError(f"the local SLURM cluster did not become idle within {timeout:g} s:\n{logs}")
+
+    def jobs(self) -> list[str]:
+        """The ids of jobs still in the queue, in any state."""
+        import subprocess
+
+        out = subprocess.run(["squeue", "--noheader", "--format", "%i"], env=self.env, capture_output=True, text=True)
+        return out.stdout.split()
+
+    def stop(self) -> None:
+        import shutil
+        import subprocess
+
+        if self.jobs():
+            subprocess.run(["scancel", "--full", *self.jobs()], env=self.env, capture_output=True)
+        for process in reversed(self.daemons):  # slurmd, slurmctld, then munged
+            process.terminate()
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            LocalSlurm.running.discard(process.pid)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _is_local_slurm(process) -> bool:
+    """One of the session's SLURM daemons, or a process they started (slurmscriptd)."""
+    try:
+        return any(p.pid in LocalSlurm.running for p in [process, *process.parents()])
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="session")
+def local_slurm(tmp_path_factory):
+    """The session's SLURM cluster (SLURM_CONF exported, so kernels started later use it), or
+    None where it cannot run; see `slurm` for tests that need it."""
+    reason = slurm_unavailable()
+    if reason is not None:
+        yield reason
+        return
+    import tempfile
+
+    import glob
+    import shutil
+
+    for old in glob.glob(os.path.join(tempfile.gettempdir(), "nbtrain-slurm-*-*")):  # of sessions that were killed
+        if not psutil.pid_exists(int(os.path.basename(old).split("-")[2])):
+            shutil.rmtree(old, ignore_errors=True)
+    # Not under pytest's tmp_path: slurmd and munged refuse paths whose parents others may write.
+    cluster = LocalSlurm(tempfile.mkdtemp(prefix=f"nbtrain-slurm-{os.getpid()}-"))
+    try:
+        cluster.start()
+    except (OSError, RuntimeError) as exc:
+        yield f"the local SLURM cluster did not start: {exc}"
+        return
+    before = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(cluster.conf)
+    try:
+        yield cluster
+    finally:
+        if before is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = before
+        cluster.stop()
+
+
+@pytest.fixture
+def slurm(local_slurm):
+    if isinstance(local_slurm, str):
+        pytest.skip(local_slurm)
+    return local_slurm

@@ -130,7 +130,8 @@ class ReadmeKernel:
 
 
 @pytest.fixture(scope="module")
-def readme_kernel(tmp_path_factory):
+def readme_kernel(tmp_path_factory, local_slurm):
+    # After the session's SLURM cluster (where one can run): the kernel inherits its SLURM_CONF.
     kernel = ReadmeKernel(tmp_path_factory.mktemp("readme"))
     yield kernel
     kernel.close()

@@ -121,6 +121,15 @@ class RankProcess:
         because another rank failed). One process per rank: its own exit says it all."""
         return describe_exit(code, pid), True
 
+    def status(self) -> tuple[str, bool] | None:
+        """(a new line on where an engine holds this process, or "", whether it waits there), or None.
+
+        Engines that queue ranks (SLURM) say so here: each line is shown once, as it comes, and
+        while the process waits the start clock and `timeout` stand still. Called every tick:
+        keep it cheap.
+        """
+        return None
+
     def close(self) -> None:
         self._close()
 

@@ -1,0 +1,186 @@
+"""Ranks as Ray actors, against a real local Ray started in a real kernel (2 CPUs): values,
+metrics, errors, the live view, interrupts, cells, live ranks."""
+import importlib.util
+import os
+import socket
+import time
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                 reason="ray is not installed (pip install 'nbtrain[ray]')")]
+
+SETTLE = 30.0  # generous bound for "nothing is left": the machine is shared and loaded
+
+SETUP = '''
+%load_ext nbtrain
+import os, socket, sys, time, psutil, ray, torch
+import nbtrain
+sys.path.insert(0, TESTS_DIR)  # cluster_helpers: the ranks get this import path too
+from cluster_helpers import Recorder, one_rank_stalls, stack_report_problems, wait_for_the_notebook
+
+ray.init(num_cpus=2, include_dashboard=False)
+
+def train(steps):
+    import torch.nn.functional as F
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in ctx.progress(range(steps), desc="step"):
+        loss = F.mse_loss(model(torch.randn(8, 4)), torch.zeros(8, 2))
+        opt.zero_grad(); loss.backward(); opt.step()
+        ctx.log("loss", loss, sync_dist=True)
+    print(f"rank {ctx.rank} done")
+    big = torch.full((1 << 20,), float(ctx.rank))  # 4 MB: through shared memory, as on this machine
+    return ctx.rank, float(sum(p.sum() for p in model.parameters())), big
+
+def ray_is_empty():
+    """Every CPU free again, every placement group nbtrain made removed."""
+    groups = [g for g in ray.util.placement_group_table().values() if g["name"].startswith("nbtrain-")]
+    return (ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]
+            and all(g["state"] == "REMOVED" for g in groups))
+
+def settled(check, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return check()
+'''
+
+
+@pytest.fixture(scope="module")
+def rk():
+    from conftest import Kernel
+
+    kernel = Kernel()
+    _, _, error, _ = kernel.run(SETUP.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__)))), timeout=300)
+    assert error is None, error
+    yield kernel
+    kernel.run("ray.shutdown()")
+    kernel.close()
+
+
+def rank_actors() -> list[psutil.Process]:
+    """This machine's processes that are nbtrain's Ray actors (Ray names them by class)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any("RankActor" in part for part in proc.info["cmdline"] or ()):
+            found.append(proc)
+    return found
+
+
+def run(kernel, code, timeout=300):
+    out, err, error, _ = kernel.run(code, timeout=timeout)
+    assert error is None, f"{error}\n{out}\n{err}"
+    return out + err
+
+
+def test_two_ranks_train_and_return_values_and_metrics(rk):
+    run(rk, "result = nbtrain.launch(train, 4, devices=2, cluster=nbtrain.Ray(), progress=False)")
+    values = rk.value("[v[:2] for v in result.values]")
+    assert [v[0] for v in values] == [0, 1]
+    assert values[0][1] == pytest.approx(values[1][1]), "DDP keeps the ranks' models equal"
+    assert rk.value("[float(v[2].sum()) for v in result.values]") == [0.0, float(1 << 20)]
+    assert rk.value("len(result.metrics('loss', rank=0)), len(result.metrics('loss', rank=1))") == (4, 4)
+    assert rk.value("result.devices") == "2 CPU ranks, gloo, on Ray"
+    assert rk.value("settled(ray_is_empty)")
+
+
+def test_a_rank_exception_is_a_worker_error_naming_the_rank_and_its_node(rk):
+    run(rk, '''
+def fail_on(bad):
+    ctx = nbtrain.context()
+    if ctx.rank == bad:
+        raise ValueError(f"rank {ctx.rank} refuses")
+    time.sleep(60)
+try:
+    nbtrain.launch(fail_on, 0, cluster=nbtrain.Ray(num_workers=2), progress=False)
+except nbtrain.WorkerError as e:
+    error = e
+''')
+    assert rk.value("error.rank, error.node") == (0, socket.gethostname())
+    assert rk.value("str(error)").startswith(f"rank 0 (on {socket.gethostname()}) failed: ValueError: rank 0 refuses")
+    assert 'raise ValueError(f"rank {ctx.rank} refuses")' in rk.value("error.traceback")
+    assert rk.value("settled(ray_is_empty)")
+
+
+def test_the_live_view_sees_progress_metrics_and_output_while_the_actors_run(rk, tmp_path):
+    flag = str(tmp_path / "seen")
+    run(rk, f"recorder = Recorder({flag!r})\n"
+            f"seen = nbtrain.launch(wait_for_the_notebook, {flag!r}, cluster=nbtrain.Ray(num_workers=2), "
+            "progress=recorder)")
+    assert rk.value("seen.values, recorder.seen_live") == ([0, 1], True)
+    lines = rk.value("recorder.lines")
+    assert (0, "rank 0 waits for the notebook to see it") in lines
+    assert (1, "rank 1 waits for the notebook to see it") in lines
+
+
+def test_interrupting_the_kernel_kills_the_actors_and_frees_the_cluster(rk):
+    rk.client.execute("nbtrain.launch(lambda: time.sleep(300), cluster=nbtrain.Ray(num_workers=2), progress=False)")
+    deadline = time.monotonic() + 120
+    while len(rank_actors()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(rank_actors()) == 2, "the actors never started"
+    time.sleep(2)  # both inside the user's function
+    rk.manager.interrupt_kernel()
+    while True:
+        reply = rk.client.get_shell_msg(timeout=SETTLE)
+        if reply["msg_type"] == "execute_reply":
+            break
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    deadline = time.monotonic() + SETTLE
+    while rank_actors() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rank_actors() == [], "actor processes are left"
+    assert rk.value("settled(ray_is_empty)"), rk.value("ray.available_resources(), ray.util.placement_group_table()")
+
+
+def test_a_cell_runs_on_ray_with_names_from_earlier_cells(rk):
+    run(rk, "offset = 100\ndef scaled(x):\n    return 2 * x + offset\n")
+    out = run(rk, "%%nbtrain --cluster ray --num-workers 2 --no-progress\n"
+                  "import nbtrain\n"
+                  "ctx = nbtrain.context()\n"
+                  "print('rank', ctx.rank, 'of', ctx.world_size)\n"
+                  "scaled(ctx.rank)\n")
+    assert rk.value("_nbtrain_result.values") == [100, 102]
+    assert "[rank 1] rank 1 of 2" in out
+
+
+def test_ranks_dial_ray_s_address_of_this_node_or_the_one_given(rk):
+    run(rk, "dialled = nbtrain.launch(lambda: os.environ['NBTRAIN_CHANNEL'], cluster=nbtrain.Ray(num_workers=2), "
+            "progress=False).values")
+    node = rk.value("ray.util.get_node_ip_address()")
+    assert all(v.startswith(f"{node}:") for v in rk.value("dialled"))
+    run(rk, "given = nbtrain.launch(lambda: os.environ['NBTRAIN_CHANNEL'], progress=False, "
+            "cluster=nbtrain.Ray(num_workers=2, notebook_address='127.0.0.1')).values")
+    assert all(v.startswith("127.0.0.1:") for v in rk.value("given"))
+
+
+def test_a_timeout_shows_every_rank_stack_and_frees_the_cluster(rk):
+    run(rk, """
+try:
+    nbtrain.launch(one_rank_stalls, cluster=nbtrain.Ray(num_workers=2), timeout=15, progress=False)
+except nbtrain.WorkerError as e:
+    stalled = str(e)
+""")
+    assert rk.value("stack_report_problems(stalled, 15)") == [], rk.value("stalled")
+    assert rk.value("settled(ray_is_empty)")
+
+
+def test_live_ranks_on_ray_keep_state_and_an_interrupt_reaches_the_user_code(rk):
+    run(rk, '''
+ranks = nbtrain.Ranks(cluster=nbtrain.Ray(num_workers=2), progress=False)
+ranks.exec("weight = 10 * (ctx.rank + 1)")
+try:
+    ranks.exec("while True:\\n    weight += 0", timeout=3)
+except nbtrain.WorkerError as e:
+    spun = str(e)
+after = ranks.eval("weight + ctx.world_size")
+ranks.close()
+''')
+    assert "timed out after 3 s" in rk.value("spun")
+    assert rk.value("after") == [12, 22], "the interrupted ranks kept their state"
+    assert rk.value("settled(ray_is_empty)")
+
