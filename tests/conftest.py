@@ -29,6 +29,25 @@ def _is_template(process) -> bool:
     return running is not None and process.pid == running.process.pid
 
 
+# A kernel's children as the kernel tests see them, for their set-up cells: the warm template is
+# the kernel's by design (nbtrain.template), its ranks are not.
+CHILDREN = '''
+def children():
+    import psutil, nbtrain.template
+    keep = nbtrain.template.template(start=False)
+    keep = keep.process.pid if keep else None
+    return [c.pid for c in psutil.Process().children(recursive=True) if c.pid != keep]
+'''
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie is not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 class Kernel:
     """A real Jupyter kernel (the same python as the tests) driven through jupyter_client."""
 

@@ -2,6 +2,7 @@
 import time
 
 import pytest
+from conftest import CHILDREN
 
 pytestmark = pytest.mark.slow
 
@@ -30,13 +31,7 @@ def train(steps):
         ctx.log("loss", loss, sync_dist=True)
     return model, square(ctx.rank + 1)
 
-def children():
-    # The warm template is this kernel's by design (see nbtrain.template); its ranks are not.
-    import nbtrain.template
-    keep = nbtrain.template.template(start=False)
-    keep = keep.process.pid if keep else None
-    return [(c.pid, c.name()) for c in psutil.Process().children(recursive=True) if c.pid != keep]
-'''
+''' + CHILDREN
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ import time
 
 import psutil
 import pytest
+from conftest import CHILDREN
 
 pytestmark = pytest.mark.slow
 
@@ -20,13 +21,7 @@ def check(v):
     if v == 1:
         raise KeyError("rank one is unhappy")
 
-def children():
-    # The warm template is this kernel's by design (see nbtrain.template); its ranks are not.
-    import nbtrain.template
-    keep = nbtrain.template.template(start=False)
-    keep = keep.process.pid if keep else None
-    return [(c.pid, c.name()) for c in psutil.Process().children(recursive=True) if c.pid != keep]
-'''
+''' + CHILDREN
 
 
 NO_HANGS = "%nbtrain config --timeout 60"  # a cell that would hang fails instead

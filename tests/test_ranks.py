@@ -4,6 +4,7 @@ lifetime. Tests that restart the ranks build the state they need first."""
 import time
 
 import pytest
+from conftest import CHILDREN
 
 
 pytestmark = pytest.mark.slow
@@ -24,12 +25,7 @@ class Net(torch.nn.Module):
 
 lr = 0.1
 
-def children():
-    import nbtrain.template
-    keep = nbtrain.template.template(start=False)
-    keep = keep.process.pid if keep else None
-    return [c.pid for c in psutil.Process().children(recursive=True) if c.pid != keep]
-'''
+''' + CHILDREN
 
 STATE = '''%%ranks
 import torch.distributed as dist

@@ -7,6 +7,7 @@ import time
 
 import psutil
 import pytest
+from conftest import running
 import torch  # the live ranks also take it from this module, as from a notebook
 
 import nbtrain
@@ -68,19 +69,13 @@ def test_ranks_die_with_a_killed_kernel():
         os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
         kernel.manager.provisioner.process.wait(10)  # reaped: no zombie of ours is left
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(map(_running, pids)):
+        while time.monotonic() < deadline and any(map(running, pids)):
             time.sleep(0.1)
-        assert not any(map(_running, pids))  # the issue asks for 5 s
+        assert not any(map(running, pids))  # the issue asks for 5 s
     finally:
         kernel.client.stop_channels()
         kernel.manager.cleanup_resources()
 
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_fifty_start_stop_cycles_leak_nothing(no_leftovers):

@@ -7,6 +7,7 @@ import time
 
 import psutil
 import pytest
+from conftest import CHILDREN, running
 
 pytestmark = pytest.mark.slow
 
@@ -36,11 +37,7 @@ def template_pid():
     running = nbtrain.template.template(start=False)
     return running.pid if running else None
 
-def children():
-    keep = nbtrain.template.template(start=False)
-    keep = keep.process.pid if keep else None
-    return [c.pid for c in psutil.Process().children(recursive=True) if c.pid != keep]
-'''
+''' + CHILDREN
 
 
 def ok(nb, code):
@@ -160,16 +157,10 @@ def test_the_template_and_its_ranks_die_with_a_killed_kernel():
         os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
         kernel.manager.provisioner.process.wait(10)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(map(_running, family)):
+        while time.monotonic() < deadline and any(map(running, family)):
             time.sleep(0.1)
-        assert len(family) >= 2 and not any(map(_running, family))  # the issue asks for 5 s
+        assert len(family) >= 2 and not any(map(running, family))  # the issue asks for 5 s
     finally:
         kernel.client.stop_channels()
         kernel.manager.cleanup_resources()
 
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
