@@ -12,6 +12,7 @@ is fast only once the kernel holds what the ranks import; the template is starte
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
@@ -105,8 +106,10 @@ def bare_torchrun(script: Path, tries: int = 2) -> float:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     started = time.perf_counter()
+    # torchrun leaves a torchelastic_* log directory in TMPDIR: the script's own directory takes it.
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                          "127.0.0.1", "--master-port", str(port), str(script)], capture_output=True, text=True)
+                          "127.0.0.1", "--master-port", str(port), str(script)], capture_output=True, text=True,
+                         env={**os.environ, "TMPDIR": str(script.parent)})
     if run.returncode != 0:
         print(f"bare torchrun failed:\n{run.stderr[:3000]}", file=sys.stderr)
         if tries > 1:  # a port taken between choosing it and binding it: choose again

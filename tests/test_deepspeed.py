@@ -1,5 +1,6 @@
 """strategy="deepspeed": the job as a script under DeepSpeed's launcher, ZeRO from a config dict,
 on 2 CPU ranks (DeepSpeed's CPU accelerator over gloo); engines come back as plain models."""
+import glob
 import importlib.util
 
 import pytest
@@ -66,7 +67,10 @@ def train_ddp():
 @pytest.mark.slow
 @needs_deepspeed
 def test_zero2_trains_as_ddp_does_and_the_engine_comes_back_as_a_plain_model(tmp_path, no_leftovers):
+    buffers = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     result = nbtrain.launch(train_zero, 2, tmp_path / "c", strategy="deepspeed", **CPU2)
+    # DeepSpeed's CPU all-reduce leaves ~70 MB of shared memory per rank: the launch removes its own.
+    assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= buffers
     (model, refused), (other, _) = result.values
     assert result.strategy == "deepspeed" and type(model) is Net and other is None
     assert "a DeepSpeed engine keeps its ZeRO partitions in DeepSpeed's own checkpoint format" in refused

@@ -19,6 +19,7 @@ what the notebook's RunState expects. c10d rendezvous would number nodes by arri
 """
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import re
@@ -31,6 +32,7 @@ import time
 
 from ..leftovers import remove_orphans
 from ..script_rank import PAYLOAD, pipe_name
+from ..tensor_files import SHM_DIR
 from .base import Job, ProcessLauncher, RankProcess, describe_exit, rank_environ
 from .torchrun_log import LauncherLog
 
@@ -162,6 +164,18 @@ def launcher_environ(job: Job, channel_env: dict[str, str], tmpdir: str | None =
         env["ACCELERATE_USE_CPU"] = "true"  # an Accelerator in the ranks then stays on CPU, as planned
         env["DS_ACCELERATOR"] = "cpu"  # and DeepSpeed too
     return env
+
+
+def remove_deepspeed_buffers(addr: str, port: int | None) -> None:
+    """DeepSpeed's CPU all-reduce leaves a shared-memory buffer per rank (~70 MB each) named
+    after the run's master address and port; nobody else removes them."""
+    if port is None:
+        return
+    for path in glob.glob(os.path.join(SHM_DIR, f"deepspeed_allreduce_buffer_*_{glob.escape(addr)}_{port}_*")):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def job_dir() -> str:
@@ -323,3 +337,5 @@ class ScriptLauncher(ProcessLauncher):
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+        if getattr(self, "options", {}).get("launcher") == "deepspeed":
+            remove_deepspeed_buffers(job.master_addr, job.master_port)
