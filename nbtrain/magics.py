@@ -84,6 +84,8 @@ RUN_OPTIONS = [
              "deepspeed (the launcher of --strategy deepspeed)"),
     argument("--timeout", type=_seconds, help="seconds before the run is stopped, with every rank's stack"),
     argument("--no-progress", dest="no_progress", action="store_true", default=None, help="no progress display"),
+]
+CLUSTER_ARGUMENTS = [  # also taken by `%nbtrain start` (live ranks on a cluster)
     argument("--cluster", choices=CLUSTERS, help="run the ranks on a SLURM cluster (submitit) or a Ray cluster"),
     argument("--partition", help="slurm: the partition"),
     argument("--time", help="slurm: the job's time limit (minutes, or HH:MM:SS)"),
@@ -93,6 +95,7 @@ RUN_OPTIONS = [
     argument("--num-workers", dest="num_workers", type=_at_least(1), help="ray: ranks, placed wherever they fit"),
     argument("--notebook-address", dest="notebook_address", help="cluster: the address the nodes reach this kernel by"),
 ]
+RUN_OPTIONS += CLUSTER_ARGUMENTS
 
 
 def run_options(func):

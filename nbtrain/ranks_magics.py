@@ -1,6 +1,7 @@
 """Magics for live ranks, loaded with the others by `%load_ext nbtrain`.
 
     %nbtrain start [--devices 2] [--accelerator cpu] [--backend gloo] [--strategy ddp|fsdp] [--start auto|fork|template|spawn]
+                   [--cluster slurm|ray [--partition P --time T --account A --sbatch K=V --address A --num-workers N]]
     %%ranks [--rank 0] [--timeout S] [--no-progress]   the cell runs in every live rank (or those named)
     %nbtrain stop                                       close the live ranks
     %nbtrain warm                                       start the warm template now (nbtrain.warm_up)
@@ -16,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .magics import ACCELERATORS, _seconds
+from .magics import ACCELERATORS, CLUSTER_ARGUMENTS, DEFAULTS, _seconds, make_cluster
 
 
 def _rank_list(text: str) -> list[int]:
@@ -31,15 +32,25 @@ def _rank_list(text: str) -> list[int]:
     return ranks
 
 
-@magic_arguments()
-@argument("--devices", default="auto", help="how many / which devices: 2, -1, '0,1', auto (Lightning's grammar)")
-@argument("--accelerator", default="auto", choices=ACCELERATORS, help="cpu, gpu or auto")
-@argument("--backend", default=None, help="gloo, nccl, ... (default: nccl on GPU, gloo on CPU)")
-@argument("--strategy", default="ddp", choices=("ddp", "fsdp"), help="how ctx.setup wraps a model")
-@argument("--start", default="auto", choices=("auto", "fork", "template", "spawn"), help="how the ranks start")
-@argument("--timeout", type=_seconds, default=None, help="default limit, in seconds, of each cell on the ranks")
+START_ARGUMENTS = [
+    argument("--devices", default="auto", help="how many / which devices: 2, -1, '0,1', auto (Lightning's grammar); "
+             "with --cluster, ranks per node"),
+    argument("--accelerator", default="auto", choices=ACCELERATORS, help="cpu, gpu or auto"),
+    argument("--backend", default=None, help="gloo, nccl, ... (default: nccl on GPU, gloo on CPU)"),
+    argument("--strategy", default="ddp", choices=("ddp", "fsdp"), help="how ctx.setup wraps a model"),
+    argument("--start", default="auto", choices=("auto", "fork", "template", "spawn"), help="how the ranks start"),
+    argument("--timeout", type=_seconds, default=None, help="default limit, in seconds, of each cell on the ranks"),
+    *CLUSTER_ARGUMENTS,
+]
+
+
 def _start_options(line):
     """%nbtrain start [options]: start live ranks."""
+
+
+for _decorator in reversed(START_ARGUMENTS):
+    _start_options = _decorator(_start_options)
+_start_options = magic_arguments()(_start_options)
 
 
 @magics_class
@@ -91,9 +102,10 @@ def command(shell, name: str, rest: str):
 
     if name == "start":
         args = parse_argstring(_start_options, rest)
+        cluster = make_cluster({**DEFAULTS, **{k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None}})
         try:
             ranks = Ranks(devices=args.devices, accelerator=args.accelerator, backend=args.backend,
-                          timeout=args.timeout, strategy=args.strategy, start=args.start)
+                          timeout=args.timeout, strategy=args.strategy, start=args.start, cluster=cluster)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise UsageError(str(exc)) from None
         shell.user_ns["ranks"] = ranks

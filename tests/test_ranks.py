@@ -224,4 +224,8 @@ def test_magic_mistakes_are_one_line_usage_errors(nb):
     assert err.startswith("UsageError: no live ranks") and "%nbtrain start" in err
     _, err = ok(nb, "%nbtrain start --devices 0 --accelerator cpu")
     assert err.startswith("UsageError: devices='0': a count must be positive")
+    _, err = ok(nb, "%nbtrain start --devices 2 --partition gpu")
+    assert err.startswith("UsageError: --partition do not apply with no --cluster") and "--cluster slurm:" in err
+    _, err = ok(nb, "%nbtrain start --cluster slurm --start fork")
+    assert err.startswith("UsageError: start='fork' with cluster=") and "the cluster's engine starts the ranks" in err
     ok(nb, "%nbtrain start --devices 2 --accelerator cpu")

@@ -222,6 +222,21 @@ def test_a_cell_runs_on_slurm_with_names_from_earlier_cells(slurm, slurm_kernel)
     assert "[rank 1] on " in out + err
 
 
+def test_live_ranks_started_by_the_magic_on_slurm_keep_state_across_cells(slurm, slurm_kernel):
+    out, err, error, _ = slurm_kernel.run("%nbtrain start --cluster slurm --devices 2")
+    assert error is None and not err.strip(), (error, err)
+    job = slurm.jobs()[0]
+    _, _, error, _ = slurm_kernel.run("%%ranks --no-progress\nstep = 10 * ctx.rank\nprint('job', os.environ['SLURM_JOB_ID'])")
+    assert error is None, error
+    out, err, error, _ = slurm_kernel.run("%%ranks --no-progress\nstep + 1")
+    assert error is None, error
+    assert "[rank 0] 1" in out and "[rank 1] 11" in out  # the last value, per rank
+    assert slurm_kernel.value("ranks.pull('step')") == [0, 10]
+    _, _, error, _ = slurm_kernel.run("%nbtrain stop")
+    assert error is None, error
+    assert wait_until(lambda: job not in slurm.jobs()), f"job {job} is still in the queue"
+
+
 def test_the_clusters_notebook_slurm_cell_runs_on_the_cluster(slurm, slurm_kernel):
     import nbformat
 
