@@ -84,9 +84,13 @@ class Kernel:
         return "".join(out), "".join(err), error, results
 
     def value(self, expression: str):
-        out, err, error, _ = self.run(f"print(repr(({expression})))")
+        # Sent as display data, not printed: ipykernel's stdout flush gives up after a timeout
+        # under heavy load, and the cell can then end before its printed text has been sent.
+        _, _, error, results = self.run(
+            f"__import__('IPython').display.display({{'text/x-python-repr': repr(({expression}))}}, raw=True)")
         assert error is None, error
-        return eval(out.strip())
+        [shown] = [r["text/x-python-repr"] for r in results if "text/x-python-repr" in r]
+        return eval(shown)
 
     def close(self):
         self.client.stop_channels()
