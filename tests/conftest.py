@@ -1,5 +1,4 @@
 import os
-import queue
 
 import psutil
 import pytest
@@ -37,6 +36,17 @@ def children():
     keep = nbtrain.template.template(start=False)
     keep = keep.process.pid if keep else None
     return [c.pid for c in psutil.Process().children(recursive=True) if c.pid != keep]
+'''
+
+
+# The small model the kernel tests define as a notebook would, in a set-up cell.
+NET = '''\
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+    def forward(self, x):
+        return self.layer(x)
 '''
 
 

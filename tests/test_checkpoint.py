@@ -52,6 +52,14 @@ def parts():
     return ctx, model, optimizer, scheduler
 
 
+def one_step(model, optimizer, batch):
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
 def train(path, steps, resume=False, save_after=None):
     ctx, model, optimizer, scheduler = parts()
     start = 0
@@ -59,11 +67,7 @@ def train(path, steps, resume=False, save_after=None):
         start = ctx.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, step=0)["step"]
     batches = list(ctx.loader(DATA, batch_size=8))
     for i in range(start, steps):
-        x, y = batches[i]
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        one_step(model, optimizer, batches[i])
         scheduler.step()
         if save_after == i + 1:
             ctx.save_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, step=i + 1)
@@ -94,11 +98,8 @@ def test_a_resumed_run_ends_where_a_straight_run_does(strategy, tmp_path, no_lef
 
 def save_trained(path):
     ctx, model, optimizer, scheduler = parts()
-    for x, y in list(ctx.loader(DATA, batch_size=8))[:3]:
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    for batch in list(ctx.loader(DATA, batch_size=8))[:3]:
+        one_step(model, optimizer, batch)
     ctx.save_checkpoint(path, model=model, optimizer=optimizer, step=3)
     return model
 
@@ -134,11 +135,7 @@ def flaky(path, steps):
         start = ctx.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, step=0)["step"]
     batches = list(ctx.loader(DATA, batch_size=8))
     for i in range(start, steps):
-        x, y = batches[i]
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        one_step(model, optimizer, batches[i])
         scheduler.step()
         ctx.save_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, step=i + 1)
         if attempt == 0 and ctx.rank == 1 and i + 1 == 2:

@@ -2,7 +2,7 @@
 import time
 
 import pytest
-from conftest import CHILDREN
+from conftest import CHILDREN, NET
 
 pytestmark = pytest.mark.slow
 
@@ -11,13 +11,7 @@ import os, time, torch, psutil
 import torch.nn.functional as F
 import nbtrain
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 2)
-    def forward(self, x):
-        return self.layer(x)
-
+''' + NET + '''
 scale = 3.0
 square = lambda v: v * v * scale
 

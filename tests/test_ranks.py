@@ -4,7 +4,7 @@ lifetime. Tests that restart the ranks build the state they need first."""
 import time
 
 import pytest
-from conftest import CHILDREN
+from conftest import CHILDREN, NET
 
 
 pytestmark = pytest.mark.slow
@@ -16,13 +16,7 @@ import torch.nn.functional as F
 import nbtrain
 os.environ["NBTRAIN_PROGRESS"] = "text"
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 2)
-    def forward(self, x):
-        return self.layer(x)
-
+''' + NET + '''
 lr = 0.1
 
 ''' + CHILDREN
