@@ -158,3 +158,22 @@ class UnpicklableError(TypeError):
 
     def _render_traceback_(self) -> list[str]:
         return [f"UnpicklableError: {line}" if i == 0 else line for i, line in enumerate(str(self).splitlines())]
+
+
+def interrupt_report(live: bool, ranks: list[int], where: dict[int, str], stuck: list[int]) -> list[str]:
+    """What a notebook shows for a Ctrl-C that reached the ranks: where each rank's code was
+    (ranks interrupted at the same place share one traceback), not the kernel's wait loop."""
+    if not live:  # a launch, or live ranks still starting: the ranks are stopped
+        return [f"KeyboardInterrupt: interrupted; nbtrain stopped ranks {ranks}."]
+    lines = [f"KeyboardInterrupt: the live ranks {ranks} were interrupted; " + (
+        f"ranks {sorted(stuck)} did not return, so the live ranks are restarted: their state is lost." if stuck
+        else "their state is kept.")]
+    from .display.tracebacks import name_cells
+
+    places: dict[str, list[int]] = {}
+    for rank in sorted(where):
+        places.setdefault(where[rank], []).append(rank)
+    for traceback, at in places.items():
+        label = f"rank {at[0]}" if len(at) == 1 else f"ranks {', '.join(map(str, at))}"
+        lines += ["", f"--- {label} ---", *name_cells(traceback).rstrip().splitlines()]
+    return lines

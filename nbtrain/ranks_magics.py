@@ -83,9 +83,18 @@ class RanksMagics(Magics):
         ranks.progress = False if args.no_progress else progress  # for this cell only
         try:
             ranks.exec(cell, ranks=args.rank, timeout=args.timeout, _namespace=self.shell.user_ns,
-                       _filename=f"<%%ranks In[{self.shell.execution_count}]>", _show=True)
+                       _filename=self._cell_file(cell), _show=True)
         finally:
             ranks.progress = progress
+
+    def _cell_file(self, cell: str) -> str:
+        """A file name the kernel knows as this cell, so rank tracebacks read `Cell In[N], line L`."""
+        history = getattr(self.shell.history_manager, "input_hist_raw", None)
+        number = len(history) - 1 if history else self.shell.execution_count  # stored before the cell runs
+        try:
+            return self.shell.compile.cache(cell, number)
+        except AttributeError:  # a shell without IPython's caching compiler
+            return f"<%%ranks In[{number}]>"
 
     @line_cell_magic
     def debug(self, line: str = "", cell: str | None = None):

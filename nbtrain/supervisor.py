@@ -16,7 +16,7 @@ import re
 import time
 from collections import defaultdict, deque
 
-from .errors import WorkerError
+from .errors import WorkerError, interrupt_report
 from .rankloop import MARK
 from .runstate import RunState, brief
 from .transfer import unpack_exception
@@ -90,6 +90,7 @@ class Supervisor:
         self._closed_at: dict[int, float] = {}  # remote ranks whose connection closed without a reply
         self._queued = 0.0  # seconds the ranks waited in an engine's queue (not counted by timeouts)
         self._queued_since: float | None = None
+        self._interrupted_at: dict[int, str] = {}  # rank: its traceback when our interrupt reached it
 
     @property
     def processes(self):
@@ -111,8 +112,12 @@ class Supervisor:
                 self._await_output()
                 raise self._worker_error()
             self._await_output()
-        except KeyboardInterrupt:
-            self._on_kernel_interrupt()
+        except KeyboardInterrupt as interrupt:
+            stuck = self._on_kernel_interrupt()
+            # IPython shows this instead of nbtrain's own frames: where the ranks were is what the user needs.
+            serving = self.pool.live and self.start_timeout is None  # not still starting (then they stop)
+            report = interrupt_report(serving, list(self.state.ranks), self._interrupted_at, stuck)
+            interrupt._render_traceback_ = lambda: report
             raise
         finally:
             self.state.ended = time.monotonic()
@@ -163,6 +168,7 @@ class Supervisor:
             pool.answer_prompt(rank, message[2])
         else:
             if kind == "error" and rank in self.state.interrupted and message[2].startswith("KeyboardInterrupt"):
+                self._interrupted_at[rank] = message[3]
                 self.state.stop(rank)  # interrupted by us, because another rank failed or time ran out
                 return
             self.state.handle(message)
@@ -367,9 +373,11 @@ class Supervisor:
             self._check_processes()
         return [r for r in ranks if r in self.state.unfinished()]
 
-    def _on_kernel_interrupt(self) -> None:
+    def _on_kernel_interrupt(self) -> list[int]:
+        """Interrupt live ranks; the ranks that did not return (restarted)."""
         if not self.pool.live:
-            return  # the caller stops a launch's ranks
+            return []  # the caller stops a launch's ranks
+        stuck = []
         try:
             running = [r for r in self.state.unfinished()]
             stuck = self._interrupt(running) if running else []
@@ -379,7 +387,9 @@ class Supervisor:
                 self.display.note(why + ":\n" + "\n\n".join(f"--- rank {r} ---\n{stacks.get(r, '')}" for r in stuck))
                 self.pool.stuck(stuck, why)
         except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, restart
-            self.pool.stuck(self.state.unfinished(), "interrupted twice")
+            stuck = self.state.unfinished()
+            self.pool.stuck(stuck, "interrupted twice")
+        return stuck
 
     def _worker_error(self) -> WorkerError:
         cause = self.state.root_cause()

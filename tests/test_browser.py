@@ -278,3 +278,51 @@ def test_untrusted_copy_without_a_kernel_shows_the_summaries(page, lab, shots, c
     assert images.count() == 2 and all(images.nth(i).evaluate("img => img.naturalWidth") > 200 for i in range(2))
     assert re.search(r"stopped \(rank 1 failed\)", text)
     _print_where(capsys, shots)
+
+
+LIVE_NOTEBOOK = "live_ranks.ipynb"
+LIVE_CELLS = [
+    "%load_ext nbtrain\nimport nbtrain",
+    "%nbtrain start --devices 2 --accelerator cpu",
+    "%%ranks\nprint(f'hello from rank {ctx.rank}')\nx = 10 * ctx.rank\nx",
+    "%%ranks\nimport time\nfor i in ctx.progress(range(40), desc='step'):\n    time.sleep(0.05)\n    ctx.log('loss', 1 / (1 + i))",
+    "%%ranks\nprint('sleeping')\ntime.sleep(120)",
+    "%%ranks\nx + 1",
+]
+
+
+def test_live_ranks_cells_their_output_a_dashboard_and_the_interrupt_button(page, lab, shots, capsys):
+    _, _, root = lab
+    (root / LIVE_NOTEBOOK).write_text(json.dumps(_notebook_json(LIVE_CELLS)))
+    _open(page, lab, LIVE_NOTEBOOK)
+    _command(page, "notebook:run-all-cells")
+
+    hello, train, sleeper = _cell(page, 2), _cell(page, 3), _cell(page, 4)
+    hello.locator(".jp-OutputArea-output", has_text="[rank 1] 10").wait_for(timeout=120_000)
+    said = hello.locator(".jp-OutputArea").inner_text()
+    assert "[rank 0] hello from rank 0" in said and "[rank 1] hello from rank 1" in said, said
+    assert "[rank 0] 0" in said  # each rank's last value, in this cell and no other
+
+    # The cell that reports progress got a dashboard, replaced by its summary when it ended.
+    train.locator(".nbtrain-summary").wait_for(timeout=60_000)
+    assert train.locator(".jupyter-widgets").count() == 0
+    assert "finished" in train.locator(".nbtrain-summary").inner_text()
+
+    # The toolbar's interrupt reaches the ranks; their state is kept for the next cell.
+    sleeper.locator(".jp-OutputArea-output", has_text="[rank 1] sleeping").wait_for(timeout=60_000)
+    time.sleep(1)  # the ranks are in time.sleep
+    page.locator(".jp-NotebookPanel-toolbar [data-command='notebook:interrupt-kernel']:visible").click()
+    sleeper.locator(".jp-OutputArea-output", has_text="KeyboardInterrupt").first.wait_for(timeout=30_000)
+    shown = sleeper.locator(".jp-OutputArea").inner_text()
+    assert "the live ranks [0, 1] were interrupted; their state is kept." in shown and "Cell In[5], line 2" in shown
+    assert "supervisor" not in shown  # where the ranks were, not nbtrain's own frames
+    sleeper.scroll_into_view_if_needed()
+    _snap(page, shots, "7-live-ranks")
+    # Run-all stopped at the interrupted cell; the last cell runs on the same, live ranks.
+    last = _cell(page, 5)
+    last.click()
+    _command(page, "notebook:run-cell")
+    last.locator(".jp-OutputArea-output", has_text="[rank 1] 11").wait_for(timeout=60_000)
+    assert "[rank 0] 1" in last.locator(".jp-OutputArea").inner_text()
+    assert "Error displaying widget" not in _notebook(page).inner_text()
+    _print_where(capsys, shots)

@@ -93,6 +93,7 @@ def test_interrupt_stops_every_rank_and_keeps_the_kernel(nb):
             break
     assert time.monotonic() - interrupted < 5
     assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    assert reply["content"]["traceback"] == ["KeyboardInterrupt: interrupted; nbtrain stopped ranks [0, 1]."]
     assert nb.value("children()") == []
     assert nb.value("1 + 1") == 2
 
