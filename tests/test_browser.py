@@ -142,6 +142,8 @@ def _open(page, lab, name: str) -> None:
     url, token, _ = lab
     page.goto(f"{url}/lab/tree/{name}?token={token}")
     page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+                           " && window.jupyterapp.shell.currentWidget.context"
+                           f" && window.jupyterapp.shell.currentWidget.context.path === {name!r}"  # not the tab before
                            " && window.jupyterapp.shell.currentWidget.sessionContext"
                            " && window.jupyterapp.shell.currentWidget.sessionContext.session"
                            " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
@@ -248,7 +250,7 @@ def test_saved_closed_and_reopened_notebook_shows_no_widget_errors(page, lab, sh
     assert "application/vnd.jupyter.widget-state+json" not in json.dumps(saved)
 
     _open(page, lab, NOTEBOOK)
-    page.locator(".nbtrain-summary").first.wait_for(timeout=30_000)
+    _notebook(page).locator(".nbtrain-summary").first.wait_for(state="attached", timeout=30_000)
     page.locator(".widget-checkbox").first.wait_for(timeout=30_000)  # the picker, from the running kernel
     time.sleep(1)
     _snap(page, shots, "5-reopened")
@@ -266,7 +268,7 @@ def test_untrusted_copy_without_a_kernel_shows_the_summaries(page, lab, shots, c
     saved["metadata"]["copied"] = True  # another notebook: its signature is unknown here
     (root / "copy.ipynb").write_text(json.dumps(saved))
     _open(page, lab, "copy.ipynb")
-    page.locator(".nbtrain-summary").first.wait_for(timeout=30_000)
+    _notebook(page).locator(".nbtrain-summary").first.wait_for(state="attached", timeout=30_000)
     time.sleep(1)
     _snap(page, shots, "6-untrusted-copy")
     notebook = _notebook(page)
