@@ -49,6 +49,21 @@ class Net(torch.nn.Module):
         return self.layer(x)
 '''
 
+# A two-layer model and a batch, as a notebook defines them: the strategy tests' magic cells.
+TINY = '''
+import torch, nbtrain
+import torch.nn.functional as F
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 8)
+        self.b = torch.nn.Linear(8, 2)
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+'''
 
 def running(pid: int) -> bool:
     """Whether `pid` is a live process (a zombie is not)."""

@@ -6,6 +6,7 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY
 from torch.utils.data import TensorDataset
 
 import nbtrain
@@ -97,21 +98,9 @@ def test_what_deepspeed_cannot_do_is_refused_before_anything_starts(launch_kwarg
 
 # -- the magic, in a real kernel --------------------------------------------------------------
 
-EARLIER_CELLS = '''
-import torch, nbtrain
-import torch.nn.functional as F
-
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(4, 8)
-        self.b = torch.nn.Linear(8, 2)
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
-
+EARLIER_CELLS = TINY + '''
 zero3 = {"train_micro_batch_size_per_gpu": 16, "zero_optimization": {"stage": 3},
          "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}}
-x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
 '''
 
 

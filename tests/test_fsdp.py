@@ -6,6 +6,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY
 from torch.utils.data import TensorDataset
 
 import nbtrain
@@ -272,20 +273,7 @@ def test_fsdp_ranks_are_spawned_where_fork_is_unsafe(monkeypatch, capfd, no_left
 
 # -- the magic, in a real kernel --------------------------------------------------------------
 
-NOTEBOOK_CELLS = '''
-import torch, nbtrain
-import torch.nn.functional as F
-
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(4, 8)
-        self.b = torch.nn.Linear(8, 2)
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
-
-x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
-'''
+NOTEBOOK_CELLS = TINY
 
 
 @slow
