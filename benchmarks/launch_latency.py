@@ -42,8 +42,8 @@ def nbtrain_fn():
 def timed(fn):
     t = time.perf_counter(); fn(); print(f"{time.perf_counter() - t:.4f}")
 
-def run_nbtrain(strategy, **options):
-    timed(lambda: nbtrain.launch(nbtrain_fn, devices=2, accelerator="cpu", strategy=strategy, progress=False,
+def run_nbtrain(strategy, n=2, **options):
+    timed(lambda: nbtrain.launch(nbtrain_fn, devices=n, accelerator="cpu", strategy=strategy, progress=False,
                                  launcher_options=options or None))
 
 print("template ready in", nbtrain.warm_up())
@@ -60,8 +60,8 @@ class LitModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 lit_data = DataLoader(TensorDataset(torch.randn(320, 64), torch.zeros(320, 8)), batch_size=32)
 
-def run_lightning():
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_notebook", max_steps=5, logger=False,
+def run_lightning(n=2):
+    trainer = pl.Trainer(accelerator="cpu", devices=n, strategy="ddp_notebook", max_steps=5, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     timed(lambda: trainer.fit(LitModel(), lit_data))
 
@@ -74,8 +74,8 @@ def accelerate_fn():
         loss = F.mse_loss(model(torch.randn(32, 64)), torch.zeros(32, 8))
         opt.zero_grad(); accelerator.backward(loss); opt.step()
 
-def run_accelerate():
-    timed(lambda: notebook_launcher(accelerate_fn, num_processes=2))
+def run_accelerate(n=2):
+    timed(lambda: notebook_launcher(accelerate_fn, num_processes=n))
 '''
 
 TORCHRUN_SCRIPT = '''

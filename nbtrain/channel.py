@@ -16,10 +16,12 @@ import logging
 import os
 import queue
 import socket
+import random
 import struct
 import threading
+import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,13 @@ AUTHKEY_VAR = "NBTRAIN_AUTHKEY"
 FLUSH_SECONDS = 0.1
 BATCH_LIMIT = 512
 AUTH_SECONDS = 10.0  # a connection that has not proven the authkey by then is dropped
+# Every rank of a launch dials at once. Listener's default backlog is 1: the kernel then drops
+# the other SYNs, and worse, the final ACK of a handshake it has no room for, leaving a rank
+# that believes it is connected waiting forever for a challenge the notebook never sends. The
+# kernel caps the backlog at net.core.somaxconn.
+BACKLOG = 4096
+CONNECT_SECONDS = 30.0  # a rank that cannot reach the notebook by then gives up and says why
+HANDSHAKE_SECONDS = 5.0  # one attempt: connect and the authkey challenge, both ways
 URGENT = frozenset({"hello", "begin", "result", "error", "need", "prompt"})  # sent without batching delay
 
 
@@ -44,7 +53,7 @@ class Hub:
         self._authkey = os.urandom(32)
         # The challenge is run per connection (`_serve`), not by Listener.accept: there one
         # stranger that connects and stays silent would block every rank's connection.
-        self._listener = Listener((host, 0))
+        self._listener = Listener((host, 0), backlog=BACKLOG)
         self._advertise = advertise or host
         self._threads: list[threading.Thread] = []
         self._connections = []
@@ -167,8 +176,7 @@ class Link:
     def __init__(self, rank: int, environ=os.environ, on_command=None, on_lost=None):
         host, port = environ[ADDRESS_VAR].rsplit(":", 1)
         self.rank = rank
-        self._conn = Client((host, int(port)), authkey=bytes.fromhex(environ[AUTHKEY_VAR]))
-        no_delay(self._conn)
+        self._conn = dial((host, int(port)), bytes.fromhex(environ[AUTHKEY_VAR]), rank)
         self._pending: list[tuple] = []
         self._lock = threading.Condition()
         self._closing = False
@@ -225,6 +233,61 @@ class Link:
             self._lock.notify()
         self._thread.join()
         self._conn.close()
+
+
+class ChannelUnreachable(ConnectionError):
+    """A rank could not reach the notebook's channel in CONNECT_SECONDS."""
+
+
+def dial(address: tuple[str, int], authkey: bytes, rank: int, seconds: float = CONNECT_SECONDS) -> Connection:
+    """Connect to the Hub and pass the authkey challenge both ways, retrying with back-off.
+
+    Each attempt is bounded: a handshake the notebook lost (its accept queue was full) or a
+    notebook too busy to answer is retried, never waited on forever.
+    """
+    deadline = time.monotonic() + seconds
+    pause, attempts = 0.02, 0
+    while True:
+        attempts += 1
+        try:
+            return _handshake(address, authkey)
+        except AuthenticationError as exc:  # a wrong key will not become right: say so now
+            raise ChannelUnreachable(f"rank {rank}: the notebook at {address[0]}:{address[1]} refused this "
+                                     f"rank's authkey ({exc}); NBTRAIN_AUTHKEY is not this launch's") from None
+        except (OSError, EOFError) as exc:
+            reason = _reason(exc)
+        if time.monotonic() + pause > deadline:
+            raise ChannelUnreachable(
+                f"rank {rank}: could not reach the notebook at {address[0]}:{address[1]} "
+                f"({attempts} attempts in {seconds:g} s; last: {reason}). The kernel may have exited, or this "
+                f"machine cannot reach that address: for ranks on other machines give the notebook an address "
+                f"they can reach (Slurm(notebook_address=...) / Ray(notebook_address=...)).")
+        time.sleep(pause * random.uniform(0.5, 1.5))  # jittered, so retries do not arrive in step
+        pause = min(pause * 2, 1.0)
+
+
+def _handshake(address: tuple[str, int], authkey: bytes) -> Connection:
+    sock = socket.create_connection(address, timeout=HANDSHAKE_SECONDS)
+    sock.settimeout(None)  # blocking again; the challenge's reads are bounded below instead
+    conn = Connection(sock.detach())
+    try:
+        _receive_timeout(conn, HANDSHAKE_SECONDS)
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+        _receive_timeout(conn, 0.0)
+        no_delay(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, (BlockingIOError, TimeoutError, socket.timeout)):
+        return f"no answer within {HANDSHAKE_SECONDS:g} s"
+    if isinstance(exc, EOFError):
+        return "the notebook closed the connection during the handshake"
+    return exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
 
 
 def no_delay(conn) -> None:

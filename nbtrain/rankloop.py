@@ -410,12 +410,16 @@ def serve(first: tuple | None = None, once: bool = False, live: bool = False, fo
     `forward_output`: this rank has no pipe to the notebook (another machine): its fds 1 and 2
     travel over the channel instead.
     """
-    from .channel import Link
+    from .channel import ChannelUnreachable, Link
     from .context import Context, set_current
 
     _RANK_START_EXCEPTION[0] = sys.exc_info()[1]
     rank = int(os.environ["RANK"])
-    link = Link.from_environ(rank)
+    try:
+        link = Link.from_environ(rank)
+    except ChannelUnreachable as exc:  # one line on stderr: the notebook shows it as the rank's failure
+        print(f"nbtrain: {exc}", file=sys.stderr, flush=True)
+        return 1
     if forward_output:
         from .worker import forward_output as forward
 

@@ -1,0 +1,211 @@
+"""Worlds of 8, 16 and 32 ranks: every placement starts them all, three times in one kernel, and
+leaves nothing behind. CPU ranks are cheap (each meets the others in a barrier and returns its
+rank), so this 2-core machine can start as many as an 8-GPU node or a two-node job connects at
+once. Every rank dials the notebook's channel at the same moment: this is what a listener with
+a backlog of 1 failed (a rank waited forever for a handshake the notebook had dropped)."""
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+import nbtrain
+from nbtrain.channel import ChannelUnreachable, Hub, dial
+
+pytestmark = pytest.mark.slow
+
+REPEATS = 3
+
+SETUP = '''
+import os, time
+import torch.distributed as dist
+import nbtrain
+os.environ["NBTRAIN_MAX_CPU_RANKS"] = "32"  # 2 cores allow 16 by default; oversubscribed on purpose
+
+def meet():
+    ctx = nbtrain.context()
+    ctx.barrier()  # every rank joined the group
+    return ctx.rank, ctx.world_size
+
+def launch_times(n, strategy, **options):
+    times = []
+    for _ in range(REPEATS):
+        began = time.monotonic()
+        result = nbtrain.launch(meet, devices=n, accelerator="cpu", strategy=strategy, progress=False,
+                                timeout=150, **options)
+        times.append(round(time.monotonic() - began, 2))
+        assert sorted(result.values) == [(r, n) for r in range(n)], result.values
+    return times
+'''.replace("REPEATS", str(REPEATS))
+
+
+@pytest.fixture(scope="module")
+def big(kernel):
+    from conftest import CHILDREN
+
+    _, _, error, _ = kernel.run(SETUP + CHILDREN)
+    assert error is None, error
+    yield kernel
+    kernel.run("nbtrain.template.stop() if hasattr(nbtrain, 'template') else None")
+
+
+def _launch(kernel, n, strategy, options=""):
+    _, err, error, _ = kernel.run(f"times = launch_times({n}, {strategy!r}{options})", timeout=REPEATS * 200)
+    assert error is None, f"{strategy} with {n} ranks: {error['ename']}: {error['evalue']}\n{err[-3000:]}"
+    print(f"{strategy}{options} x{n}: {kernel.value('times')} s")
+    assert kernel.value("children()") == [], "ranks left behind"
+
+
+@pytest.mark.parametrize("n", [8, 16, 32])
+def test_fork(big, n):
+    _launch(big, n, "ddp_fork")
+
+
+@pytest.mark.parametrize("n", [8, 16, 32])
+def test_template(big, n):
+    _launch(big, n, "ddp_spawn")
+
+
+@pytest.mark.parametrize("n", [8, 16, 32])
+def test_plain_spawn(big, n):
+    _launch(big, n, "ddp_spawn", ', launcher_options={"template": False}')
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_script(big, n):
+    _launch(big, n, "ddp")
+
+
+def test_live_ranks_16(big):
+    """Start, a value from every rank, an interrupt that every rank survives, close."""
+    code = '''
+ranks = nbtrain.Ranks(devices=16, accelerator="cpu", timeout=150)
+assert ranks.eval("dist.get_world_size()") == [16] * 16, ranks
+ranks.exec("import time")
+'''
+    for _ in range(REPEATS):
+        _, err, error, _ = big.run(code, timeout=200)
+        assert error is None, f"{error['ename']}: {error['evalue']}\n{err[-3000:]}"
+        timer = threading.Timer(3.0, big.manager.interrupt_kernel)
+        timer.start()
+        _, _, error, _ = big.run('ranks.exec("time.sleep(60)")', timeout=120)
+        timer.join()
+        assert error is not None and error["ename"] == "KeyboardInterrupt", error
+        assert big.value("ranks.eval('dist.get_rank()')") == list(range(16))
+        _, _, error, _ = big.run("ranks.close()")
+        assert error is None, error
+        assert big.value("children()") == []
+
+
+def test_a_rank_that_cannot_reach_the_notebook_says_so_in_seconds():
+    """Nothing listens at the address: the rank gives up within its deadline, naming the
+    address, the attempts and the reason."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound but not listening: every connect is refused
+        began = time.monotonic()
+        with pytest.raises(ChannelUnreachable) as caught:
+            dial(("127.0.0.1", port), os.urandom(32), rank=5, seconds=2.0)
+    took = time.monotonic() - began
+    message = str(caught.value)
+    assert f"rank 5: could not reach the notebook at 127.0.0.1:{port}" in message, message
+    assert "attempts in 2 s" in message and "refused" in message.lower(), message
+    assert took < 10, took
+
+
+def test_a_silent_notebook_is_not_waited_on_forever():
+    """A listener that accepts but never sends the challenge (the lost-handshake case): each
+    attempt ends after its handshake limit, and the rank gives up at its deadline."""
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as server:
+        port = server.getsockname()[1]
+        with pytest.raises(ChannelUnreachable, match="no answer within"):
+            dial(("127.0.0.1", port), os.urandom(32), rank=0, seconds=1.0)
+
+
+def test_a_wrong_authkey_is_named_at_once():
+    import queue
+
+    hub = Hub(queue.Queue())
+    hub.start()
+    try:
+        host, port = hub.environ[nbtrain.channel.ADDRESS_VAR].rsplit(":", 1)
+        began = time.monotonic()
+        with pytest.raises(ChannelUnreachable, match="refused this rank's authkey"):
+            dial((host, int(port)), os.urandom(32), rank=1, seconds=30.0)
+        assert time.monotonic() - began < 5
+    finally:
+        hub.close()
+
+
+def test_many_ranks_connect_at_once():
+    """64 connections dialled in the same instant all pass the handshake."""
+    import queue
+
+    hub = Hub(queue.Queue())
+    hub.start()
+    host, port = hub.environ[nbtrain.channel.ADDRESS_VAR].rsplit(":", 1)
+    key = bytes.fromhex(hub.environ[nbtrain.channel.AUTHKEY_VAR])
+    connected, failed = [], []
+    go = threading.Event()
+
+    def one(rank):
+        go.wait()
+        try:
+            connected.append(dial((host, int(port)), key, rank, seconds=20.0))
+        except ChannelUnreachable as exc:
+            failed.append(str(exc))
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(64)]
+    for t in threads:
+        t.start()
+    go.set()
+    for t in threads:
+        t.join(30)
+    try:
+        assert not failed and len(connected) == 64, failed[:3]
+    finally:
+        for conn in connected:
+            conn.close()
+        hub.close()
+
+
+def meet_on_a_cluster():
+    ctx = nbtrain.context()
+    ctx.barrier()
+    return ctx.rank, ctx.world_size
+
+
+def test_slurm_8_tasks(slurm, no_leftovers):
+    """One job of 8 tasks on the test node (declared with 8 CPUs, see conftest.LocalSlurm)."""
+    for _ in range(REPEATS):
+        result = nbtrain.launch(meet_on_a_cluster, devices=8, accelerator="cpu",
+                                cluster=nbtrain.Slurm(), progress=False, timeout=150)
+        assert sorted(result.values) == [(r, 8) for r in range(8)]
+    deadline = time.monotonic() + 30
+    while slurm.jobs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert slurm.jobs() == []
+
+
+def test_ray_8_actors():
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed (pip install 'nbtrain[ray]')")
+    from conftest import CHILDREN, Kernel
+
+    kernel = Kernel()
+    try:
+        # 8 logical CPUs on this 2-core machine: one per actor, as on a bigger node.
+        _, _, error, _ = kernel.run(SETUP + CHILDREN + "import ray\nray.init(num_cpus=8, include_dashboard=False)\n",
+                                    timeout=300)
+        assert error is None, error
+        _, err, error, _ = kernel.run(f"times = launch_times(8, 'auto', cluster=nbtrain.Ray(num_workers=8))",
+                                      timeout=REPEATS * 200)
+        assert error is None, f"{error['ename']}: {error['evalue']}\n{err[-3000:]}"
+        print(f"ray x8: {kernel.value('times')} s")
+        kernel.run("ray.shutdown()", timeout=120)
+        assert kernel.value("children()") == []
+    finally:
+        kernel.close()
