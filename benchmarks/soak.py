@@ -27,7 +27,7 @@ def step():
 
 def snapshot():
     gc.collect()
-    import nbtrain.template
+    import nbtrain.placements.template_process
     found = dict(children=len(me.children(recursive=True)), fds=me.num_fds(), threads=threading.active_count(),
                  rss_mib=round(me.memory_info().rss / 2**20, 1))
     running = nbtrain.template.template(start=False)

@@ -1,20 +1,21 @@
 """nbtrain: multi-device PyTorch training from a Jupyter notebook."""
 from importlib import metadata as _metadata
 
-from .clusters import Ray, Slurm
-from .context import Context, context, rank_zero_only
-from .devices import DevicePlan, ensure_pci_bus_order, parse_devices, plan_devices
+from . import template  # noqa: F401 - `nbtrain.template.warm_up/stop`, as before the folders
+from .common.devices import DevicePlan, ensure_pci_bus_order, parse_devices, plan_devices
+from .common.errors import UnpicklableError, WorkerError
+from .common.inventory import Gpu, GpuProcess, StaticInventory, find_free_gpus, use_inventory
+from .common.pickling import Finding, explain_pickling
+from .common.preflight import ForkUnsafeError, install_cuda_init_hook
 from .display.gpus import gpus
 from .display.picker import GpuPicker, pick_gpus
-from .env import environment
-from .errors import UnpicklableError, WorkerError
-from .inventory import Gpu, GpuProcess, StaticInventory, find_free_gpus, use_inventory
-from .launch import launch
-from .pickling import Finding, explain_pickling
-from .preflight import ForkUnsafeError, install_cuda_init_hook
-from .ranks import Rank, Ranks
-from .template import warm_up
-from .result import Result
+from .notebook.env import environment
+from .notebook.launch import launch
+from .notebook.ranks import Rank, Ranks
+from .notebook.result import Result
+from .placements.clusters import Ray, Slurm
+from .placements.template_process import warm_up
+from .rank.context import Context, context, rank_zero_only
 
 ensure_pci_bus_order()
 install_cuda_init_hook()  # so a refused fork can name the line that initialised CUDA
@@ -27,7 +28,7 @@ except _metadata.PackageNotFoundError:  # a source tree put on sys.path, never i
 
 def load_ipython_extension(ipython) -> None:
     """`%load_ext nbtrain`: the %nbtrain / %%nbtrain magics. IPython is imported only here."""
-    from .magics import register
+    from .notebook.magics import register
 
     install_cuda_init_hook()  # already in place from the import; a no-op unless torch was reloaded
     register(ipython)

@@ -5,19 +5,17 @@ import argparse
 import sys
 
 from . import __version__
+from .demo import METRIC, train
+from .display.gpus import gpus
+from .notebook.launch import launch
 
 
 def _gpus(args) -> int:
-    from .display.gpus import gpus
-
     print(gpus())
     return 0
 
 
 def _demo(args) -> int:
-    from . import launch
-    from .demo import METRIC, train
-
     result = launch(train, args.epochs, devices=args.devices, accelerator=args.accelerator,
                     strategy=args.strategy, timeout=args.timeout)
     # Two kinds of loss, labelled apart: each rank's own last batch, and the logged mean over ranks.

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from .context import context
+from .rank.context import context
 
 # The live metric: each step's loss averaged across ranks (sync_dist), so every rank shows the same
 # value; named for that, apart from each rank's own last-batch loss that `train` returns.

@@ -7,7 +7,7 @@ import pytest
 @pytest.fixture
 def no_leftovers():
     """After the test: no child process, no new open file descriptor, MASTER_PORT not leaked."""
-    import nbtrain.template
+    import nbtrain.placements.template_process
 
     me = psutil.Process()
     had_template = nbtrain.template.template(start=False) is not None
@@ -22,7 +22,7 @@ def no_leftovers():
 
 
 def _is_template(process) -> bool:
-    import nbtrain.template
+    import nbtrain.placements.template_process
 
     running = nbtrain.template.template(start=False)
     return running is not None and process.pid == running.process.pid

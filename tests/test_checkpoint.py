@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import nbtrain
-from nbtrain.context import Context
+from nbtrain.rank.context import Context
 
 slow = pytest.mark.slow
 CPU = {"accelerator": "cpu", "progress": False, "timeout": 120}  # never a hang

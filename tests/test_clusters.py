@@ -4,14 +4,12 @@ import os
 import queue
 import socket
 import sys
-from multiprocessing import AuthenticationError
-
 import psutil
 import pytest
 
 import nbtrain
-from nbtrain.channel import ADDRESS_VAR, AUTHKEY_VAR, Hub, Link
-from nbtrain.clusters import base
+from nbtrain.common.channel import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable, Hub, Link
+from nbtrain.placements.clusters import base
 
 
 @pytest.fixture
@@ -43,7 +41,7 @@ def test_a_silent_stranger_does_not_hold_up_the_ranks(hub):
 
 def test_a_wrong_authkey_is_refused_and_nothing_it_sends_is_heard(hub):
     hub, inbox = hub
-    with pytest.raises(AuthenticationError):
+    with pytest.raises(ChannelUnreachable, match="refused this rank's authkey"):
         Link(0, {**hub.environ, AUTHKEY_VAR: os.urandom(32).hex()})
     garbage = dial(hub)
     garbage.sendall(b"\x00\x00\x00\x10" + b"not a challenge!")
@@ -120,7 +118,7 @@ def test_the_plan_says_where_the_ranks_run():
     assert (plan.accelerator, plan.nprocs, plan.num_nodes, plan.world_size, plan.backend) == ("gpu", 4, 2, 8, "nccl")
     assert plan.describe() == "4 GPU ranks per node x 2 nodes, nccl, on SLURM (partition gpu)"
     assert nbtrain.Ray(num_workers=3).plan("auto", "auto", None, 1).describe() == "3 CPU ranks, gloo, on Ray"
-    job = nbtrain.clusters.ClusterJob(print, (), {}, plan, "ddp")
+    job = nbtrain.placements.clusters.ClusterJob(print, (), {}, plan, "ddp")
     assert job.ranks == list(range(8)), "the notebook drives every node's ranks"
 
 
@@ -136,7 +134,7 @@ def test_cell_options_for_clusters_are_checked():
     pytest.importorskip("IPython")
     from IPython.core.error import UsageError
 
-    from nbtrain.magics import DEFAULTS, make_cluster
+    from nbtrain.notebook.magics import DEFAULTS, make_cluster
 
     slurm = make_cluster({**DEFAULTS, "cluster": "slurm", "partition": "gpu", "time": "90",
                           "sbatch": ["qos=high", "exclusive"]})

@@ -1,8 +1,8 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from nbtrain.devices import DevicePlan, ensure_pci_bus_order, parse_cpu_devices, parse_devices, plan_devices
-from nbtrain.inventory import Gpu, GpuProcess, StaticInventory
+from nbtrain.common.devices import DevicePlan, ensure_pci_bus_order, parse_cpu_devices, parse_devices, plan_devices
+from nbtrain.common.inventory import Gpu, GpuProcess, StaticInventory
 
 # Lightning's table (docs "GPU training (Basic)", devices column), with 4 visible GPUs.
 LIGHTNING_TABLE = [

@@ -9,7 +9,7 @@ import pytest
 
 from nbtrain import Gpu, GpuProcess, StaticInventory, gpus
 from nbtrain.display.text import LineDisplay, QuietDisplay, gpu_table, rank_line, summary_lines
-from nbtrain.runstate import RunState
+from nbtrain.display.runstate import RunState
 
 GiB = 2**30
 
@@ -64,7 +64,7 @@ def test_stopped_and_interrupted_ranks_read_as_such():
 
 
 def test_rank_line_shows_step_rate_and_memory():
-    from nbtrain.runstate import Vital
+    from nbtrain.display.runstate import Vital
 
     state = _state()
     vital = Vital(3.0, 0, 12.5, 300 * 2**20, None, None, None)

@@ -11,9 +11,9 @@ from torch.utils.data import TensorDataset
 
 import nbtrain
 from nbtrain import WorkerError
-from nbtrain.context import Context
-from nbtrain.inventory import NvmlInventory
-from nbtrain.strategies import DEFAULT_MIN_PARAMS, ShardOptions, units
+from nbtrain.rank.context import Context
+from nbtrain.common.inventory import NvmlInventory
+from nbtrain.rank.strategies import DEFAULT_MIN_PARAMS, ShardOptions, units
 
 slow = pytest.mark.slow
 CPU2 = {"devices": 2, "accelerator": "cpu", "progress": False, "timeout": 120}  # never a hang
@@ -257,9 +257,9 @@ def test_fsdp_picks_its_placement_as_auto_does(capfd, no_leftovers):
 def test_fsdp_ranks_are_spawned_where_fork_is_unsafe(monkeypatch, capfd, no_leftovers):
     # The kernel's state is the input here (on a GPU machine: CUDA initialised in the kernel);
     # the spawned ranks, the shipped job and the gather back are real.
-    from nbtrain.template import stop
+    from nbtrain.placements.template_process import stop
 
-    monkeypatch.setattr(sys.modules["nbtrain.launch"], "fork_blocker", lambda: "CUDA was initialised by a cell")
+    monkeypatch.setattr(sys.modules["nbtrain.notebook.launch"], "fork_blocker", lambda: "CUDA was initialised by a cell")
     try:
         result = nbtrain.launch(train, strategy="fsdp", shard=(Block,), devices=2, accelerator="cpu", timeout=120)
     finally:

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from nbtrain.inventory import NvmlInventory
+from nbtrain.common.inventory import NvmlInventory
 
 HAS_GPU = bool(NvmlInventory().physical_gpus())
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,

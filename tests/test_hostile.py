@@ -16,8 +16,8 @@ import torch
 
 import nbtrain
 from nbtrain import UnpicklableError, WorkerError
-from nbtrain import devices as devices_module
-from nbtrain.tensor_files import LaunchFiles
+from nbtrain.common import devices as devices_module
+from nbtrain.common.tensor_files import LaunchFiles
 
 slow = pytest.mark.slow
 PROCESS_STRATEGIES = ["ddp_fork", "ddp_spawn", "ddp"]

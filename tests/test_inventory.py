@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from nbtrain import inventory
+from nbtrain.common import inventory
 from nbtrain.display.gpus import gpus
-from nbtrain.inventory import Gpu, GpuProcess, NvmlInventory, StaticInventory, find_free_gpus, visible_gpus
+from nbtrain.common.inventory import Gpu, GpuProcess, NvmlInventory, StaticInventory, find_free_gpus, visible_gpus
 
 HOLDER = GpuProcess(4242, "python", 3 * 2**30)
 SYNTHETIC = StaticInventory([

@@ -293,12 +293,12 @@ def test_unshippable_function_is_refused_with_its_path_before_anything_starts(no
 
 
 def test_stack_dumps_lead_with_the_users_code():
-    from nbtrain.supervisor import tidy_stacks
+    from nbtrain.notebook.supervisor import tidy_stacks
 
     dump = ("Thread 0x1 (most recent call first):\n  File \"nbtrain/channel.py\", line 125 in _send_loop\n\n"
             "Current thread 0x2 (most recent call first):\n  File \"cell.py\", line 5 in train\n"
-            "  File \"nbtrain/rankloop.py\", line 140 in _do_run\n"
-                "  File \"nbtrain/rankloop.py\", line 101 in _execute\n  File \"ipykernel/kernelapp.py\", line 1 in start\n\n"
+            "  File \"nbtrain/rank/loop.py\", line 140 in _do_run\n"
+                "  File \"nbtrain/rank/loop.py\", line 101 in _execute\n  File \"ipykernel/kernelapp.py\", line 1 in start\n\n"
             "Extension modules: torch._C (total: 1)")
     assert tidy_stacks(dump) == "Current thread 0x2 (most recent call first):\n  File \"cell.py\", line 5 in train"
 

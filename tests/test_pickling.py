@@ -10,8 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nbtrain.errors import UnpicklableError
-from nbtrain.pickling import MAX_FINDINGS, Finding, dumps, explain_pickling
+from nbtrain.common.errors import UnpicklableError
+from nbtrain.common.pickling import MAX_FINDINGS, Finding, dumps, explain_pickling
 
 GENERATOR_HINT = "a generator cannot be sent to another process; create it inside the training function"
 

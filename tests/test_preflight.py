@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import nbtrain
-from nbtrain import preflight
-from nbtrain.devices import DevicePlan, plan_devices
-from nbtrain.inventory import Gpu, GpuProcess, StaticInventory, use_inventory
-from nbtrain.launch import resolve_strategy
-from nbtrain.launchers.base import Job, ProcessLauncher, rank_environ
-from nbtrain.preflight import CudaInit, ForkUnsafeError, Frame
+from nbtrain.common import preflight
+from nbtrain.common.devices import DevicePlan, plan_devices
+from nbtrain.common.inventory import Gpu, GpuProcess, StaticInventory, use_inventory
+from nbtrain.notebook.launch import resolve_strategy
+from nbtrain.placements.base import Job, ProcessLauncher, rank_environ
+from nbtrain.common.preflight import CudaInit, ForkUnsafeError, Frame
 
 # What torch.cuda._lazy_init does with its queue, limited to nbtrain's recorder: on a GPU
 # machine torch's own queued checks would really initialise CUDA in the test process.
@@ -360,7 +360,7 @@ def ok(kernel, code):
 
 @pytest.fixture
 def nb(kernel):
-    ok(kernel, "import os, sys, torch, nbtrain\nfrom nbtrain import preflight\n"
+    ok(kernel, "import os, sys, torch, nbtrain\nfrom nbtrain.common import preflight\n"
                "stands_for_torch = preflight.cuda_is_initialized\n"
                "def work(x):\n    return nbtrain.context().rank * x\n")
     yield kernel
@@ -411,7 +411,7 @@ def test_real_cuda_initialisation_is_named(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""\
         import torch, nbtrain
-        from nbtrain import preflight
+        from nbtrain.common import preflight
 
         def work():
             return nbtrain.context().rank
@@ -438,7 +438,7 @@ def test_real_cuda_initialisation_is_named(tmp_path):
     assert "NVML None" not in out, out
 
     imported = tmp_path / "imports.py"
-    imported.write_text("import torch, nbtrain\nimport gpulib\nprint(nbtrain.preflight.fork_blocker())\n")
+    imported.write_text("import torch, nbtrain\nimport gpulib\nprint(nbtrain.common.preflight.fork_blocker())\n")
     run = subprocess.run([sys.executable, str(imported)], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert run.returncode == 0, run.stdout + run.stderr

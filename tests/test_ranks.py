@@ -188,7 +188,7 @@ def test_post_mortem_debugging_in_the_failed_rank(nb):
     out, _ = ok(nb, "%debug", answers=["p y", "p v", "q"])
     assert nb.prompts == ["(Pdb rank 1) "] * 3
     assert "42" in out and "21" in out and "raise ValueError" in out
-    assert "rankloop" not in out  # the debugger starts in the user's frames
+    assert "nbtrain/rank/loop.py" not in out  # the debugger starts in the user's frames
     out, _ = ok(nb, "ranks[1].debug()", answers=["p ctx.rank", "c"])
     assert "\n1\n" in out
 

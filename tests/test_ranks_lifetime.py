@@ -11,7 +11,7 @@ from conftest import running
 import torch  # the live ranks also take it from this module, as from a notebook
 
 import nbtrain
-from nbtrain.pool import PoolBroken
+from nbtrain.notebook.pool import PoolBroken
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def test_bad_input_is_refused_clearly():
 
 
 def test_live_ranks_from_the_template_when_forking_is_unsafe(monkeypatch, no_leftovers):
-    from nbtrain import preflight
+    from nbtrain.common import preflight
 
     monkeypatch.setattr(preflight, "cuda_is_initialized", lambda: True)  # as after torch.zeros(1, device="cuda")
     with nbtrain.Ranks(devices=2, accelerator="cpu") as ranks:

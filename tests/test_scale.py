@@ -11,7 +11,7 @@ import time
 import pytest
 
 import nbtrain
-from nbtrain.channel import ChannelUnreachable, Hub, dial
+from nbtrain.common.channel import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable, Hub, dial
 
 pytestmark = pytest.mark.slow
 
@@ -129,7 +129,7 @@ def test_a_wrong_authkey_is_named_at_once():
     hub = Hub(queue.Queue())
     hub.start()
     try:
-        host, port = hub.environ[nbtrain.channel.ADDRESS_VAR].rsplit(":", 1)
+        host, port = hub.environ[ADDRESS_VAR].rsplit(":", 1)
         began = time.monotonic()
         with pytest.raises(ChannelUnreachable, match="refused this rank's authkey"):
             dial((host, int(port)), os.urandom(32), rank=1, seconds=30.0)
@@ -144,8 +144,8 @@ def test_many_ranks_connect_at_once():
 
     hub = Hub(queue.Queue())
     hub.start()
-    host, port = hub.environ[nbtrain.channel.ADDRESS_VAR].rsplit(":", 1)
-    key = bytes.fromhex(hub.environ[nbtrain.channel.AUTHKEY_VAR])
+    host, port = hub.environ[ADDRESS_VAR].rsplit(":", 1)
+    key = bytes.fromhex(hub.environ[AUTHKEY_VAR])
     connected, failed = [], []
     go = threading.Event()
 
@@ -173,19 +173,22 @@ def test_many_ranks_connect_at_once():
 def meet_on_a_cluster():
     ctx = nbtrain.context()
     ctx.barrier()
-    return ctx.rank, ctx.world_size
+    return ctx.rank, ctx.world_size, os.environ["SLURM_JOB_ID"]
 
 
-def test_slurm_8_tasks(slurm, no_leftovers):
+def test_slurm_8_tasks(slurm):
     """One job of 8 tasks on the test node (declared with 8 CPUs, see conftest.LocalSlurm)."""
+    from test_slurm import job_processes, wait_until
+
+    jobs = set()
     for _ in range(REPEATS):
-        result = nbtrain.launch(meet_on_a_cluster, devices=8, accelerator="cpu",
-                                cluster=nbtrain.Slurm(), progress=False, timeout=150)
-        assert sorted(result.values) == [(r, 8) for r in range(8)]
-    deadline = time.monotonic() + 30
-    while slurm.jobs() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert slurm.jobs() == []
+        result = nbtrain.launch(meet_on_a_cluster, devices=8, accelerator="cpu", cluster=nbtrain.Slurm(),
+                                progress=False, timeout=150)
+        assert sorted(v[:2] for v in result.values) == [(r, 8) for r in range(8)]
+        jobs |= {v[2] for v in result.values}
+    assert len(jobs) == REPEATS, "one job per launch"
+    assert wait_until(lambda: not slurm.jobs()), "the jobs left the queue"
+    assert wait_until(lambda: not any(job_processes(job) for job in jobs)), "the jobs' tasks are gone"
 
 
 def test_ray_8_actors():

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 import nbtrain
 from nbtrain import UnpicklableError, WorkerError
-from nbtrain.cell import free_names, run_cell
-from nbtrain.launchers.base import free_port
+from nbtrain.common.source import free_names
+from nbtrain.notebook.cell import run_cell
+from nbtrain.placements.base import free_port
 
 slow = pytest.mark.slow
 CPU2 = {"strategy": "ddp", "devices": 2, "accelerator": "cpu", "progress": False, "timeout": 60}  # never a hang

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 SETUP = '''
 import importlib, os, sys, time, psutil, torch
 import nbtrain, nbtrain.template
-from nbtrain import preflight
+from nbtrain.common import preflight
 
 class Net(torch.nn.Module):
     def __init__(self):

@@ -16,11 +16,11 @@ import pytest
 
 import nbtrain
 from nbtrain import Gpu, GpuProcess, StaticInventory
-from nbtrain.devices import plan_devices
-from nbtrain.inventory import NvmlInventory
+from nbtrain.common.devices import plan_devices
+from nbtrain.common.inventory import NvmlInventory
 from nbtrain.display import chart, make_display, widgets
 from nbtrain.display.text import LineDisplay, QuietDisplay, summary_lines
-from nbtrain.runstate import RunState
+from nbtrain.display.runstate import RunState
 
 GiB = 2**30
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -214,7 +214,7 @@ def test_chart_draws_synced_metrics_once_and_others_per_rank_with_axes():
 
 def test_metrics_are_drawn_in_the_order_rank_0_logged_them():
     from nbtrain.display.figure import lines_by_metric
-    from nbtrain.runstate import Metric
+    from nbtrain.display.runstate import Metric
 
     # Rank 1's messages may arrive first; the panels still follow rank 0's order.
     history = [Metric(0, 1, "acc", 0.5, False), Metric(0, 0, "loss", 2.0, True), Metric(0, 0, "acc", 0.4, False)]
@@ -242,7 +242,7 @@ def test_ticks_are_round_numbers_inside_the_range():
 
 
 def test_tracebacks_are_left_alone_outside_ipython():
-    from nbtrain.display.tracebacks import name_cells
+    from nbtrain.common.tracebacks import name_cells
 
     text = 'Traceback (most recent call last):\n  File "/tmp/ipykernel_1/2.py", line 3, in train\n'
     assert name_cells(text) == text
@@ -251,7 +251,7 @@ def test_tracebacks_are_left_alone_outside_ipython():
 # -- plots and vitals kept in the Result ---------------------------------------------------
 
 def test_result_plot_draws_every_metric_or_the_named_ones():
-    from nbtrain.result import Result
+    from nbtrain.notebook.result import Result
 
     result = Result.from_state(two_rank_run(), "ddp_fork", "2 CPU ranks, gloo")
     fig = result.plot()
@@ -265,7 +265,7 @@ def test_result_plot_draws_every_metric_or_the_named_ones():
 
 
 def test_result_plot_without_matplotlib_names_the_extra(monkeypatch):
-    from nbtrain.result import Result
+    from nbtrain.notebook.result import Result
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
@@ -291,8 +291,8 @@ def test_vitals_find_each_ranks_gpu_by_pid_and_memory_otherwise(monkeypatch):
     import os
 
     from nbtrain.display.vitals import VitalsSampler, latest, memory_text, slowest
-    from nbtrain.inventory import use_inventory
-    from nbtrain.result import Result
+    from nbtrain.common.inventory import use_inventory
+    from nbtrain.notebook.result import Result
 
     state = RunState("ddp_fork on 2 GPUs, nccl", [0, 1])
     state.handle(("hello", 0, os.getpid()))  # rank 0: this process, which "holds" GPU 1 below

@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 import sys
 
+from .text import LineDisplay, QuietDisplay, TqdmDisplay
+from .widgets import WidgetDisplay
+
 
 def in_jupyter() -> bool:
     shell = sys.modules.get("IPython")
@@ -28,8 +31,6 @@ def make_display(progress=True):
     Notebooks executed headless (nbval, nbconvert) look like Jupyter but draw no widgets:
     NBTRAIN_PROGRESS=text gives them readable lines.
     """
-    from .text import LineDisplay, QuietDisplay, TqdmDisplay
-
     env = os.environ.get("NBTRAIN_PROGRESS", "").strip().lower()
     if progress is False or env == "0":
         return QuietDisplay()
@@ -49,8 +50,6 @@ def make_display(progress=True):
 def _widget_display(fallback):
     global _warned_widgets
     try:
-        from .widgets import WidgetDisplay
-
         return WidgetDisplay()
     except ImportError as exc:
         display = fallback()

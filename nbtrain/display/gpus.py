@@ -5,7 +5,7 @@ so the list type and its reprs live here and call the renderers in `text.py`.
 """
 from __future__ import annotations
 
-from ..inventory import Inventory, visible_gpus
+from ..common.inventory import Inventory, visible_gpus
 from .text import gpu_table, gpu_table_html
 
 

@@ -5,6 +5,7 @@ noise. Once a rank reports progress or a metric, the real display (`make_display
 """
 from __future__ import annotations
 
+from . import make_display
 from .text import QuietDisplay
 
 
@@ -29,8 +30,6 @@ class LazyDisplay:
 
     def update(self, state) -> None:
         if self._inner is None and (state.history or any(v.bars for v in state.ranks.values())):
-            from . import make_display
-
             self._inner = make_display(self._progress)
             self._inner.start(state)
         if self._inner is not None:

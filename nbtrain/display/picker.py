@@ -14,8 +14,9 @@ import threading
 import weakref
 from typing import Mapping
 
-from ..inventory import Gpu, Inventory, describe_holders, find_free_gpus, visible_gpus
+from ..common.inventory import Gpu, Inventory, describe_holders, find_free_gpus, visible_gpus
 from .text import _processes, gpu_table, gpu_table_html, memory_bar_html
+from .widgets import close_tree, ipython_shell, load_ipywidgets, replace, show
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,6 @@ class GpuPicker:
 
     def __init__(self, inventory: Inventory | None = None, refresh: float | None = 2.0,
                  environ: Mapping[str, str] | None = None):
-        from .widgets import load_ipywidgets
-
         w = self._w = load_ipywidgets()
         self._inventory, self._environ = inventory, environ
         self._lock = threading.RLock()  # the refresh thread and the kernel's callbacks both redraw
@@ -214,7 +213,6 @@ class GpuPicker:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         _open_pickers.discard(self)
-        from .widgets import close_tree
 
         close_tree(self.widget, *(row.box for row in self._rows.values()))
 
@@ -241,8 +239,6 @@ class GpuPicker:
     def show(self) -> None:
         """Display the picker in the running cell (again); where widgets do not render (nbviewer,
         GitHub, a terminal) the GPU table and the selection as HTML and text."""
-        from .widgets import ipython_shell, show
-
         self._handle = show(self._bundle(), display_id=True)
         self._shown_in = getattr(ipython_shell(), "execution_count", None)
 
@@ -250,7 +246,6 @@ class GpuPicker:
         # `picker` (or `nbtrain.pick_gpus()`) as a cell's last line: the picker once, not the
         # widget and then its repr. If this cell already showed it, that output is refreshed
         # instead, so its text reads the selection made since (say, by auto_select).
-        from .widgets import ipython_shell, replace
 
         if self._handle is not None and getattr(ipython_shell(), "execution_count", None) == self._shown_in:
             replace(self._handle, self._bundle())
@@ -265,8 +260,6 @@ def pick_gpus(inventory: Inventory | None = None, refresh: float | None = 2.0) -
     between live updates (None or 0: no refresh thread). In IPython the picker shows itself, so
     `picker = nbtrain.pick_gpus()` displays it; `picker.show()` displays it again.
     """
-    from .widgets import ipython_shell
-
     picker = GpuPicker(inventory, refresh)
     if ipython_shell() is not None:
         picker.show()

@@ -6,6 +6,8 @@ import os
 import sys
 import time
 
+from .vitals import VitalsSampler, latest, memory_text, rate_text
+
 
 def _gib(n: int | None) -> str:
     return "-" if not n else f"{n / 2**30:.1f}"
@@ -98,8 +100,6 @@ def _clip(text: str, width: int = 80) -> str:
 
 def rank_line(view, state=None, final: bool = False, vital=None) -> str:
     """One line for one rank: status, every progress level, step rate, memory, latest metrics."""
-    from .vitals import memory_text, rate_text
-
     status, detail, reason = final_status(view, state, final) if state is not None else (view.status, view.detail, "")
     if detail.startswith(status):  # "stopped (rank 1 failed)" says the status and why
         status, detail = detail, ""
@@ -119,8 +119,6 @@ def batch_text(state, times: str = "x") -> str:
 
 
 def summary_lines(state, ok: bool) -> list[str]:
-    from .vitals import latest
-
     head = f"nbtrain: {state.title}: {verdict(state, ok)} in {state.elapsed:.2f} s"
     batch = batch_text(state)
     head += f"; {batch}" if batch else ""
@@ -132,8 +130,6 @@ class QuietDisplay:
     """progress=False: no bars, no summary; the ranks' own output is still shown."""
 
     def __init__(self, file=None):
-        from .vitals import VitalsSampler
-
         self._file = file
         self._said = ""  # the latest note
         self.vitals = VitalsSampler()  # every display samples them, so Result.vitals is always kept
@@ -176,8 +172,6 @@ class LineDisplay(QuietDisplay):
         self.vitals.maybe_sample(state)
         now = time.monotonic()
         if now - self._last >= self.interval:
-            from .vitals import latest
-
             self._last = now
             vitals = latest(state)
             for rank, view in state.ranks.items():

@@ -12,7 +12,8 @@ import os
 import time
 from collections import deque
 
-from ..runstate import RunState, Vital
+from ..common import inventory
+from .runstate import RunState, Vital
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,6 @@ def _rss(pid: int) -> int | None:
 
 def _gpu_use(pids: set[int]) -> dict[int, tuple[int, int | None, int | None]]:
     """pid -> (physical GPU index, its memory on that GPU, the GPU's utilisation) via NVML."""
-    from .. import inventory
-
     found: dict[int, tuple[int, int | None, int | None]] = {}
     try:
         gpus = inventory._default.physical_gpus()

@@ -22,6 +22,7 @@ import sys
 import time
 
 from .chart import MetricSeries, chart_html
+from .figure import MISSING_MATPLOTLIB, have_matplotlib, metrics_figure, metrics_text, png
 from .text import QuietDisplay, _fraction, _metric_text, batch_text, final_status, summary_lines, verdict
 from .vitals import latest, memory_text, rate_text, slowest
 
@@ -350,8 +351,6 @@ def summary_html(state, ok: bool) -> str:
 
 def plot_bundle(history) -> dict:
     """The logged metrics as a PNG with a text twin; text only without metrics or matplotlib."""
-    from .figure import MISSING_MATPLOTLIB, have_matplotlib, metrics_figure, metrics_text, png
-
     if not history:
         return {"text/plain": ""}
     text = metrics_text(history)

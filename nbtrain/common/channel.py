@@ -1,0 +1,391 @@
+"""One two-way channel between the notebook and every rank, whatever started the rank.
+
+The notebook side (`Hub`) listens with a random authkey — on 127.0.0.1 unless a remote
+placement asks for another address — and ranks find it through `NBTRAIN_CHANNEL` /
+`NBTRAIN_AUTHKEY` in their environment, so forked, spawned, template-forked, torchrun-,
+SLURM- and Ray-started ranks speak the same protocol. The authkey is the security boundary:
+a connection that fails its challenge is dropped before anything is read from it.
+
+Ranks -> notebook: tuples whose first item is the kind and second the sender's rank, batched
+on a thread of the rank's own so a slow notebook never slows a training step; replies are
+flushed at once. Notebook -> rank: commands (`Hub.send`), read on a second thread of the rank.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import socket
+import struct
+import threading
+import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
+
+log = logging.getLogger(__name__)
+
+ADDRESS_VAR = "NBTRAIN_CHANNEL"
+AUTHKEY_VAR = "NBTRAIN_AUTHKEY"
+FLUSH_SECONDS = 0.1
+BATCH_LIMIT = 512
+AUTH_SECONDS = 10.0  # a connection that has not proven the authkey by then is dropped
+# Every rank of a launch dials at once. Listener's default backlog is 1: the kernel then drops
+# the other SYNs, and worse, the final ACK of a handshake it has no room for, leaving a rank
+# that believes it is connected waiting forever for a challenge the notebook never sends. The
+# kernel caps the backlog at net.core.somaxconn.
+BACKLOG = 4096
+CONNECT_SECONDS = 30.0  # a rank that cannot reach the notebook by then gives up and says why
+HANDSHAKE_SECONDS = 5.0  # one attempt: connect and the authkey challenge, both ways
+URGENT = frozenset({"hello", "begin", "result", "error", "need", "prompt"})  # sent without batching delay
+
+
+class Hub:
+    """Notebook side: accepts rank connections, puts every message on `inbox`, sends commands.
+
+    A closed connection is reported as ("closed", rank) so the notebook knows that nothing
+    more will come from that rank. `host` is the address to bind (loopback by default);
+    `advertise` the address ranks are told to dial, when it differs (0.0.0.0 bound, say).
+    """
+
+    def __init__(self, inbox: queue.Queue, host: str = "127.0.0.1", advertise: str | None = None):
+        self.inbox = inbox
+        self._authkey = os.urandom(32)
+        # The challenge is run per connection (`_serve`), not by Listener.accept: there one
+        # stranger that connects and stays silent would block every rank's connection.
+        self._listener = Listener((host, 0), backlog=BACKLOG)
+        self._advertise = advertise or host
+        self._threads: list[threading.Thread] = []
+        self._connections = []
+        self._by_rank: dict[int, object] = {}
+        self._send_lock = threading.Lock()
+        self._closed = threading.Event()
+
+    @property
+    def environ(self) -> dict[str, str]:
+        port = self._listener.address[1]
+        return {ADDRESS_VAR: f"{self._advertise}:{port}", AUTHKEY_VAR: self._authkey.hex()}
+
+    def start(self) -> None:
+        # Started only after the first ranks are forked, so no rank inherits another's
+        # connection (which would keep that connection open after its own rank died).
+        self._spawn(self._accept_loop)
+
+    def _spawn(self, target, *args) -> None:
+        thread = threading.Thread(target=target, args=args, name="nbtrain-hub", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn = self._listener.accept()
+            except OSError:  # the listener was closed
+                if self._closed.is_set():
+                    return
+                continue
+            if self._closed.is_set():
+                conn.close()
+                return
+            self._connections.append(conn)
+            self._spawn(self._serve, conn)
+
+    def _serve(self, conn) -> None:
+        if self._authenticate(conn):
+            self._read_loop(conn)
+        else:
+            conn.close()
+
+    def _authenticate(self, conn) -> bool:
+        """The authkey's challenge, both ways; nothing is unpickled from a peer before it passes."""
+        _receive_timeout(conn, AUTH_SECONDS)  # a silent stranger is dropped, not waited for
+        try:
+            deliver_challenge(conn, self._authkey)
+            answer_challenge(conn, self._authkey)
+        except AuthenticationError as exc:
+            log.warning("channel: refused a connection that failed the authkey challenge (%s)", exc)
+            return False
+        except (OSError, EOFError, ValueError) as exc:  # silent, gone, or not speaking the protocol
+            log.debug("channel: dropped a connection: %s", exc)
+            return False
+        _receive_timeout(conn, 0.0)
+        return True
+
+    def _read_loop(self, conn) -> None:
+        no_delay(conn)
+        rank = None
+        try:
+            while True:
+                batch = conn.recv()
+                for message in batch:
+                    if rank is None:
+                        rank = message[1]
+                        self._by_rank[rank] = conn
+                    self.inbox.put(message)
+        except (EOFError, OSError):
+            pass
+        finally:
+            if rank is not None and self._by_rank.get(rank) is conn:
+                del self._by_rank[rank]
+            try:
+                conn.close()
+            except OSError:  # `close()` on the hub's thread closed it first
+                pass
+            if rank is not None:
+                self.inbox.put(("closed", rank))
+
+    def connected(self, rank: int) -> bool:
+        return rank in self._by_rank
+
+    def send(self, rank: int, message: tuple) -> bool:
+        """Send a command to `rank`; False if it is not (or no longer) connected."""
+        conn = self._by_rank.get(rank)
+        if conn is None:
+            return False
+        try:
+            with self._send_lock:
+                conn.send(message)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def close(self) -> None:
+        self._closed.set()
+        try:  # closing a listening socket does not wake a thread blocked in accept(); a connection does
+            host, port = self._listener.address
+            socket.create_connection(("127.0.0.1" if host == "0.0.0.0" else host, port), timeout=1.0).close()
+        except OSError:
+            pass
+        self._listener.close()
+        for conn in list(self._connections):
+            try:
+                conn.close()
+            except OSError:
+                pass
+        for thread in self._threads:
+            thread.join(timeout=1.0)
+        self._threads.clear()
+        self._connections.clear()
+
+
+class Link:
+    """Rank side: a batched, ordered stream of messages to the notebook, and the commands back.
+
+    `on_command(message)` is called on the link's receiving thread for every command; when the
+    notebook goes away (its end of the connection closes: the kernel died or was killed)
+    `on_lost()` is called there, which by default ends the rank: nobody is left to serve.
+    """
+
+    def __init__(self, rank: int, environ=os.environ, on_command=None, on_lost=None):
+        host, port = environ[ADDRESS_VAR].rsplit(":", 1)
+        self.rank = rank
+        self._conn = dial((host, int(port)), bytes.fromhex(environ[AUTHKEY_VAR]), rank)
+        self._pending: list[tuple] = []
+        self._lock = threading.Condition()
+        self._closing = False
+        self._urgent = False
+        self._thread = threading.Thread(target=self._send_loop, name="nbtrain-link", daemon=True)
+        self._thread.start()
+        self._receiver: threading.Thread | None = None
+        if on_command is not None:
+            self.listen(on_command, on_lost)
+
+    @classmethod
+    def from_environ(cls, rank: int, environ=os.environ, **kwargs) -> "Link | None":
+        return cls(rank, environ, **kwargs) if ADDRESS_VAR in environ else None
+
+    def listen(self, on_command, on_lost=None) -> None:
+        self._receiver = threading.Thread(target=self._receive_loop, args=(on_command, on_lost or _end_rank),
+                                          name="nbtrain-commands", daemon=True)
+        self._receiver.start()
+
+    def emit(self, kind: str, *payload) -> None:
+        with self._lock:
+            self._pending.append((kind, self.rank, *payload))
+            if kind in URGENT or len(self._pending) >= BATCH_LIMIT:
+                self._urgent = True
+                self._lock.notify()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._closing or self._urgent, FLUSH_SECONDS)
+                batch, self._pending, self._urgent = self._pending, [], False
+                closing = self._closing
+            if batch:
+                try:
+                    self._conn.send(batch)
+                except (OSError, ValueError):  # the notebook went away; the rank is being stopped anyway
+                    return
+            if closing:
+                return
+
+    def _receive_loop(self, on_command, on_lost) -> None:
+        try:
+            while True:
+                on_command(self._conn.recv())
+        except (EOFError, OSError):
+            if not self._closing:
+                on_lost()
+
+    def close(self, *final: tuple) -> None:
+        """Send what is pending, then `final` messages, and wait until they are written."""
+        with self._lock:
+            self._pending.extend((kind, self.rank, *payload) for kind, *payload in final)
+            self._closing = True
+            self._lock.notify()
+        self._thread.join()
+        self._conn.close()
+
+
+class ChannelUnreachable(ConnectionError):
+    """A rank could not reach the notebook's channel in CONNECT_SECONDS."""
+
+
+def dial(address: tuple[str, int], authkey: bytes, rank: int, seconds: float = CONNECT_SECONDS) -> Connection:
+    """Connect to the Hub and pass the authkey challenge both ways, retrying with back-off.
+
+    Each attempt is bounded: a handshake the notebook lost (its accept queue was full) or a
+    notebook too busy to answer is retried, never waited on forever.
+    """
+    deadline = time.monotonic() + seconds
+    pause, attempts = 0.02, 0
+    while True:
+        attempts += 1
+        try:
+            return _handshake(address, authkey)
+        except AuthenticationError as exc:  # a wrong key will not become right: say so now
+            raise ChannelUnreachable(f"rank {rank}: the notebook at {address[0]}:{address[1]} refused this "
+                                     f"rank's authkey ({exc}); NBTRAIN_AUTHKEY is not this launch's") from None
+        except (OSError, EOFError) as exc:
+            reason = _reason(exc)
+        if time.monotonic() + pause > deadline:
+            raise ChannelUnreachable(
+                f"rank {rank}: could not reach the notebook at {address[0]}:{address[1]} "
+                f"({attempts} attempts in {seconds:g} s; last: {reason}). The kernel may have exited, or this "
+                f"machine cannot reach that address: for ranks on other machines give the notebook an address "
+                f"they can reach (Slurm(notebook_address=...) / Ray(notebook_address=...)).")
+        time.sleep(pause * random.uniform(0.5, 1.5))  # jittered, so retries do not arrive in step
+        pause = min(pause * 2, 1.0)
+
+
+def _handshake(address: tuple[str, int], authkey: bytes) -> Connection:
+    sock = socket.create_connection(address, timeout=HANDSHAKE_SECONDS)
+    sock.settimeout(None)  # blocking again; the challenge's reads are bounded below instead
+    conn = Connection(sock.detach())
+    try:
+        _receive_timeout(conn, HANDSHAKE_SECONDS)
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+        _receive_timeout(conn, 0.0)
+        no_delay(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, (BlockingIOError, TimeoutError, socket.timeout)):
+        return f"no answer within {HANDSHAKE_SECONDS:g} s"
+    if isinstance(exc, EOFError):
+        return "the notebook closed the connection during the handshake"
+    return exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
+
+
+def no_delay(conn) -> None:
+    """Send each message at once. With Nagle's algorithm a reply written right after another
+    small message waits for the peer's delayed acknowledgement: ~40 ms per command round trip."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except OSError:
+        return
+    try:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.close()
+
+
+def _end_rank() -> None:
+    os._exit(1)
+
+
+def _receive_timeout(conn, seconds: float) -> None:
+    """SO_RCVTIMEO on a connection's socket (0: none). Set on the socket itself, so the
+    connection's own blocking reads honour it, unlike a timeout on a Python socket object."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        whole = int(seconds)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+
+
+class OutputPump:
+    """Reads ranks' stdout/stderr pipes on one thread and puts ("output", rank, stream, line)
+    on the inbox; `rank_of` may map a line to its rank (torchrun prefixes lines with it)."""
+
+    def __init__(self, inbox: queue.Queue):
+        import selectors
+
+        self.inbox = inbox
+        self._selector = selectors.DefaultSelector()
+        self._partial: dict[int, bytes] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def add(self, fd: int, rank: int | None, stream: str, rank_of=None) -> None:
+        import selectors
+
+        os.set_blocking(fd, False)
+        self._selector.register(fd, selectors.EVENT_READ, (rank, stream, rank_of))
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="nbtrain-output", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        # Pipes may be added while it runs (a restarted pool): wait for them, do not end.
+        while not self._stop.is_set():
+            if not self._selector.get_map():
+                self._stop.wait(0.05)
+                continue
+            for key, _ in self._selector.select(timeout=0.1):
+                self._read(key)
+
+    def _read(self, key) -> None:
+        fd, (rank, stream, rank_of) = key.fd, key.data
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        data = self._partial.pop(fd, b"") + chunk
+        lines = data.split(b"\n")
+        if chunk:
+            self._partial[fd] = lines.pop()
+        else:  # end of file: the last partial line is still output
+            self._selector.unregister(fd)
+            os.close(fd)
+            lines = [line for line in lines if line]
+        for line in lines:
+            text = line.decode(errors="replace").rstrip("\r")
+            who, text = rank_of(text) if rank_of else (rank, text)
+            self.inbox.put(("output", who, stream, text))
+
+    def drain(self, timeout: float) -> None:
+        """Wait (bounded) until every pipe reached end of file."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self._selector.get_map() and time.monotonic() < deadline and self._thread is not None:
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+        for key in list(self._selector.get_map().values()):
+            self._selector.unregister(key.fd)
+            os.close(key.fd)
+        self._selector.close()

@@ -1,0 +1,178 @@
+"""Errors that reach the notebook. They pickle, because they cross process boundaries."""
+from __future__ import annotations
+
+import inspect
+
+from .tracebacks import name_cells
+
+
+class WorkerError(RuntimeError):
+    """A rank failed: it raised, died by a signal, exited non-zero or timed out.
+
+    `rank` is the first rank that failed (the root cause); `traceback` is that worker's own
+    traceback or stacks, as text; `others` lists the later failures, one line each; `node`
+    the machine the rank ran on, where ranks run on a cluster (None on this machine).
+
+    When the rank's exception could be rebuilt in the notebook, `from_failure` returns an
+    instance of a subclass of both WorkerError and the exception's class, so `except MyErr`
+    catches it and its attributes are there; `__cause__` is the rebuilt exception itself.
+    """
+
+    @classmethod
+    def from_failure(cls, rank: int, summary: str, traceback: str = "", others: tuple[str, ...] = (),
+                     original: BaseException | None = None, node: str | None = None) -> "WorkerError":
+        both = _with_original_class(type(original)) if isinstance(original, Exception) else None
+        try:
+            error = (both or cls)(rank, summary, traceback, others, node)
+        except Exception:  # the original class's __new__ wants arguments of its own (ExceptionGroup)
+            both, error = None, cls(rank, summary, traceback, others, node)
+        for name, value in _attributes(original) if both is not None else ():
+            try:
+                setattr(error, name, value)
+            except (AttributeError, TypeError):  # read-only: still there through __cause__
+                pass
+        error.__cause__ = original
+        return error
+
+    def __init__(self, rank: int, summary: str, traceback: str = "", others: tuple[str, ...] = (),
+                 node: str | None = None):
+        self.rank = rank
+        self.summary = summary
+        self.traceback = traceback
+        self.others = tuple(others)
+        self.node = node
+        super().__init__(self._message())
+
+    @property
+    def _who(self) -> str:
+        return f"rank {self.rank}" + (f" (on {self.node})" if self.node else "")
+
+    def _message(self) -> str:
+        text = f"{self._who} failed: {self.summary}"
+        if self.others:
+            text += "\nthen: " + "; ".join(self.others)
+        if self.traceback:
+            text += f"\n\n--- rank {self.rank} ---\n{self.traceback.rstrip()}"
+        return text
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.summary, self.traceback, self.others, self.node))
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of the launcher's own frames: the worker's traceback
+        # is the one that points at the user's code.
+        lines = [f"WorkerError: {self._who} failed: {self.summary}"]
+        lines += [f"then: {line}" for line in self.others]
+        if self.traceback:
+            lines += ["", f"--- rank {self.rank} ---", *name_cells(self.traceback).rstrip().splitlines()]
+        return lines
+
+
+_OWN_ATTRIBUTES = ("rank", "summary", "traceback", "others", "node")
+_combined: dict[type, type] = {}  # one class per original class: `type(e) is type(e2)` holds
+
+
+def _attributes(original: BaseException):
+    """The original's own attributes (`.code`), and the C fields of built-in exception classes
+    (OSError's errno and filename, StopIteration's value), which live outside its __dict__."""
+    names = [n for cls in type(original).__mro__ if cls.__module__ == "builtins" and cls not in (BaseException, object)
+             for n, attr in vars(cls).items() if not n.startswith("_") and inspect.isdatadescriptor(attr)]
+    names += list(vars(original))
+    for name in dict.fromkeys(names):
+        if name in _OWN_ATTRIBUTES:
+            continue
+        try:
+            yield name, getattr(original, name)
+        except AttributeError:  # a field left unset (OSError.characters_written)
+            pass
+
+
+def _with_original_class(original: type) -> type | None:
+    """A subclass of WorkerError and `original`, or None where Python cannot combine them."""
+    if issubclass(WorkerError, original) or issubclass(original, WorkerError):  # RuntimeError: nothing to add
+        return None
+    if original not in _combined:
+        try:
+            _combined[original] = type("WorkerError", (WorkerError, original), {
+                # Named WorkerError, as the notebook shows it (`ename`); the qualname tells them apart.
+                "__qualname__": f"WorkerError({original.__qualname__})",
+                "__module__": __name__,
+                "__reduce__": _reduce_with_original,
+                "__getattr__": _attribute_of_original,
+                "__str__": WorkerError.__str__,
+                "__repr__": WorkerError.__repr__,
+            })
+        except TypeError:  # incompatible layouts, a class that refuses subclasses
+            return None
+    return _combined[original]
+
+
+def _reduce_with_original(self):
+    # The combined class is made at run time and cannot be pickled by name: rebuild it.
+    return (_rebuild, (self.rank, self.summary, self.traceback, self.others, self.__cause__, self.node))
+
+
+def _rebuild(rank, summary, traceback, others, original, node=None):
+    return WorkerError.from_failure(rank, summary, traceback, others, original=original, node=node)
+
+
+def _attribute_of_original(self, name: str):
+    # Only reached when normal lookup failed: what could not be copied (slots, read-only
+    # fields) is read from the original.
+    cause = self.__cause__
+    if cause is None or name.startswith("__"):
+        raise AttributeError(name)
+    return getattr(cause, name)
+
+
+class UnpicklableError(TypeError):
+    """Something that must travel to another process cannot be serialised.
+
+    `what` names the object being shipped; `findings` are `pickling.Finding`s (path, type,
+    reason, hint) for each offending leaf.
+    """
+
+    def __init__(self, what: str, findings=(), detail: str = "", advice: str = "", returning: bool = False):
+        self.what = what
+        self.findings = list(findings)
+        self.detail = detail
+        self.advice = advice  # a closing line: what to do instead
+        self.returning = returning  # a rank's return value, on its way back to the notebook
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        where = "cannot travel back to the notebook" if self.returning else "cannot be sent to the worker processes"
+        lines = [f"{self.what} {where}."]
+        for f in self.findings:
+            lines.append(f"  {f.path}: {f.type} — {f.reason}")
+            if getattr(f, "hint", ""):
+                lines.append(f"      hint: {f.hint}")
+        if self.detail and not self.findings:
+            lines.append(f"  {self.detail}")
+        if self.advice:
+            lines.append(self.advice)
+        return "\n".join(lines)
+
+    def __reduce__(self):
+        return (type(self), (self.what, self.findings, self.detail, self.advice, self.returning))
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"UnpicklableError: {line}" if i == 0 else line for i, line in enumerate(str(self).splitlines())]
+
+
+def interrupt_report(live: bool, ranks: list[int], where: dict[int, str], stuck: list[int]) -> list[str]:
+    """What a notebook shows for a Ctrl-C that reached the ranks: where each rank's code was
+    (ranks interrupted at the same place share one traceback), not the kernel's wait loop."""
+    if not live:  # a launch, or live ranks still starting: the ranks are stopped
+        return [f"KeyboardInterrupt: interrupted; nbtrain stopped ranks {ranks}."]
+    lines = [f"KeyboardInterrupt: the live ranks {ranks} were interrupted; " + (
+        f"ranks {sorted(stuck)} did not return, so the live ranks are restarted: their state is lost." if stuck
+        else "their state is kept.")]
+
+    places: dict[str, list[int]] = {}
+    for rank in sorted(where):
+        places.setdefault(where[rank], []).append(rank)
+    for traceback, at in places.items():
+        label = f"rank {at[0]}" if len(at) == 1 else f"ranks {', '.join(map(str, at))}"
+        lines += ["", f"--- {label} ---", *name_cells(traceback).rstrip().splitlines()]
+    return lines

@@ -1,0 +1,269 @@
+"""What the notebook knows about a run: each rank's status, progress bars and metrics.
+
+Messages from the ranks update this state; displays read it at their own pace, so the rate
+at which ranks report never sets the rate at which anything is drawn.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ..common.transfer import unpack_result
+
+
+class Metric(NamedTuple):
+    step: int
+    rank: int
+    name: str
+    value: float
+    synced: bool
+
+
+class Vital(NamedTuple):
+    """One rank's vital signs at one moment, sampled in the notebook at most about once a second."""
+    time: float  # seconds since the run started
+    rank: int
+    step_rate: float | None  # steps/s at the innermost progress level, over the last few seconds
+    rss: int | None  # bytes: the rank process's resident memory
+    gpu_memory: int | None  # bytes: GPU memory held by the rank's process (NVML)
+    gpu_util: int | None  # percent: utilisation of the rank's GPU (NVML)
+    gpu: int | None  # physical index of the rank's GPU
+
+
+@dataclass
+class Bar:
+    desc: str
+    n: int = 0
+    total: int | None = None
+    done: bool = False
+    started: float = field(default_factory=time.monotonic)
+    updated: float = field(default_factory=time.monotonic)
+
+    @property
+    def rate(self) -> float | None:
+        elapsed = self.updated - self.started
+        return self.n / elapsed if elapsed > 0 and self.n else None
+
+    @property
+    def eta(self) -> float | None:
+        rate = self.rate
+        if rate is None or self.total is None or self.done:
+            return None
+        return max(0.0, (self.total - self.n) / rate)
+
+
+# An error that only says a peer went away (gloo, NCCL, the TCP store): a consequence of
+# another rank's failure, never its cause while that other failure is known.
+LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|DistBackendError|ProcessGroupGloo|"
+                       r"gloo/transport|NCCL (communicator|error).*(abort|remote)|remote process exited|"
+                       r"RendezvousClosed|TCPStore|recvValue|Socket Timeout", re.IGNORECASE)
+
+
+def brief(text: str) -> str:
+    """A lost peer's error in a few words: gloo's source location and its advice trimmed off."""
+    line = text.splitlines()[0] if text else ""
+    line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
+    return re.split(r"\.\s+This is typically caused", line)[0]
+
+
+@dataclass
+class RankView:
+    rank: int
+    status: str = "starting"  # starting, running, finished, failed, stopped (because another rank failed)
+    detail: str = ""  # first line of the failure; for a stopped rank "stopped (rank 1 failed)"
+    reason: str = ""  # a stopped rank's own first line (what it said as it was stopped), may be ""
+    pid: int | None = None
+    host: str | None = None  # the machine it runs on, as it names itself
+    ended_at: float | None = None  # when it finished or failed
+    ended_where: str = ""  # how a finished rank ended: "returned from train()", "called sys.exit(0) at ..."
+    bars: dict[int, Bar] = field(default_factory=dict)
+    metrics: dict[str, Metric] = field(default_factory=dict)
+    # Iterations of the innermost progress level, across its restarts (epochs), and when the
+    # first and latest of them arrived: the rank's step rate.
+    steps: int = 0
+    step_level: int = -1
+    first_step: float | None = None
+    last_step: float | None = None
+
+    def count_steps(self, level: int, n: int, previous: int, now: float) -> None:
+        if level < self.step_level:
+            return
+        if level > self.step_level:  # a deeper loop: its iterations are the steps
+            self.step_level, self.steps, self.first_step = level, 0, None
+        self.steps += max(0, n - previous)
+        self.first_step = now if self.first_step is None else self.first_step
+        self.last_step = now
+
+    @property
+    def step_rate(self) -> float | None:
+        """Steps per second over the whole run so far; None before half a second of steps
+        (messages arrive in batches every 0.1 s: a shorter span would not measure anything)."""
+        span = (self.last_step or 0.0) - (self.first_step or 0.0)
+        return self.steps / span if self.steps and span >= 0.5 else None
+
+
+@dataclass
+class Failure:
+    rank: int
+    summary: str
+    traceback: str = ""
+    crashed: bool = False  # died by a signal or exit code (or ended early), not by a Python exception
+    lost_peer: bool = False  # its error only says another rank went away
+    exception: bytes | None = None  # the original exception, pickled in the rank (see transfer.pack_exception)
+
+
+class RunState:
+    def __init__(self, title: str, ranks: list[int]):
+        self.title = title
+        self.started = time.monotonic()
+        self.ranks = {r: RankView(r) for r in ranks}
+        self.history: list[Metric] = []
+        self.values: dict[int, Any] = {}
+        self.failures: list[Failure] = []
+        self.vitals: list[Vital] = []  # sampled by the display, kept in Result.vitals
+        self.effective_batch_size: int | None = None
+        self.per_rank_batch_size: int | None = None
+        self.version = 0  # bumped on every change, so a display redraws only when needed
+        self.ended: float | None = None
+        self.interrupted: set[int] = set()  # ranks interrupted by nbtrain (live ranks), not by their own fault
+
+    @property
+    def elapsed(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+    def handle(self, message: tuple) -> None:
+        kind, rank, *payload = message
+        view = self.ranks.get(rank)
+        if view is None:
+            return
+        self.version += 1
+        getattr(self, f"_on_{kind}", self._on_unknown)(view, *payload)
+
+    def _on_unknown(self, view, *payload) -> None:
+        pass
+
+    def _on_hello(self, view: RankView, pid: int, host: str | None = None) -> None:
+        view.pid, view.host = pid, host or view.host
+        view.status = "running"
+
+    def _on_progress(self, view: RankView, level: int, desc: str, n: int, total, done: bool) -> None:
+        bar = view.bars.get(level)
+        if bar is None or (n == 0 and not done) or bar.desc != desc:
+            bar = view.bars[level] = Bar(desc, total=total)
+            for deeper in [lv for lv in view.bars if lv > level]:
+                del view.bars[deeper]
+        view.count_steps(level, n, bar.n, time.monotonic())
+        bar.n, bar.total, bar.done, bar.updated = n, total, done, time.monotonic()
+
+    def _on_metric(self, view: RankView, step: int, name: str, value: float, synced: bool) -> None:
+        metric = Metric(step, view.rank, name, value, synced)
+        view.metrics[name] = metric
+        self.history.append(metric)
+
+    def _on_batch_size(self, view: RankView, per_rank: int, effective: int) -> None:
+        if self.effective_batch_size is None:
+            self.per_rank_batch_size, self.effective_batch_size = per_rank, effective
+
+    def _on_result(self, view: RankView, payload: bytes, where: str = "") -> None:
+        self.values[view.rank] = unpack_result(payload)
+        self._finished(view, where)
+
+    def _on_value(self, view: RankView, value) -> None:
+        # In-process runs hand the value over directly: nothing to unpack.
+        self.values[view.rank] = value
+        self._finished(view, "")
+
+    def _finished(self, view: RankView, where: str) -> None:
+        view.status, view.ended_at, view.ended_where = "finished", time.monotonic(), where
+
+    def _on_error(self, view: RankView, summary: str, traceback: str, exception: bytes | None = None) -> None:
+        self.fail(view.rank, summary, traceback, exception=exception)
+
+    def fail(self, rank: int, summary: str, traceback: str = "", crashed: bool = False, ended_early: bool = False,
+             exception: bytes | None = None, even_if_stopped: bool = False) -> None:
+        view = self.ranks[rank]
+        if view.status == "failed" or (view.status == "stopped" and not even_if_stopped):
+            return
+        lost = not crashed and bool(LOST_PEER.search(summary or ""))
+        view.status, view.detail = "failed", summary.splitlines()[0] if summary else ""
+        view.ended_at = view.ended_at or time.monotonic()
+        if ended_early:  # it had finished; it is now the cause of the others' wait
+            self.values.pop(rank, None)
+        self.failures.append(Failure(rank, summary, traceback, crashed, lost, exception))
+        self._blame()
+
+    def stop(self, rank: int, why: str = "", stack: str = "") -> None:
+        """`rank` was stopped (or interrupted) because of another rank's failure or a time-out."""
+        view = self.ranks[rank]
+        if view.status in ("failed", "stopped"):
+            return
+        view.status, view.reason = "stopped", why.splitlines()[0] if why else ""
+        view.ended_at = time.monotonic()
+        if stack:
+            view.reason += f"\n{stack}"
+        self._blame()
+
+    def _blame(self) -> None:
+        """Ranks whose only fault is a lost peer, or that were stopped, read as stopped by the cause."""
+        self.version += 1
+        if not self.failures:
+            for view in self.ranks.values():
+                if view.status == "stopped":
+                    view.detail = "stopped"
+            return
+        cause = self.root_cause()
+        for failure in self.failures:
+            view = self.ranks[failure.rank]
+            if failure is not cause and failure.lost_peer and view.status == "failed":
+                view.status, view.reason = "stopped", brief(view.detail)
+        for view in self.ranks.values():
+            if view.status == "stopped":
+                view.detail = f"stopped (rank {cause.rank} failed)"
+
+    def unfinished(self) -> list[int]:
+        return [r for r, v in self.ranks.items() if v.status in ("starting", "running")]
+
+    def ended_ranks(self) -> list[int]:
+        return [r for r, v in self.ranks.items() if v.status == "finished"]
+
+    def only_lost_peers(self) -> bool:
+        return bool(self.failures) and all(f.lost_peer for f in self.failures)
+
+    def root_cause(self) -> Failure:
+        # A crash (or a rank that ended early) explains the peers' "connection closed" errors that
+        # may have arrived first; then a rank's own exception; a lost peer only when nothing else is known.
+        for kind in (lambda f: f.crashed, lambda f: not f.lost_peer, lambda f: True):
+            found = [f for f in self.failures if kind(f)]
+            if found:
+                return found[0]
+        raise LookupError("no failure")
+
+    def outcome_lines(self, cause: Failure) -> list[str]:
+        """Every other rank's outcome, one line each, in rank order."""
+        lines = []
+        for rank, view in sorted(self.ranks.items()):
+            if rank == cause.rank:
+                continue
+            if view.status == "stopped":
+                own = view.reason.splitlines()[0] if view.reason else ""
+                if own.startswith("stopped"):  # the launcher already said who stopped it, and why
+                    lines.append(f"rank {rank}: {own}")
+                else:
+                    lines.append(f"rank {rank}: stopped after rank {cause.rank} failed" + (f" ({own})" if own else ""))
+            elif view.status == "failed":
+                lines.append(f"rank {rank}: failed: {view.detail}")
+            elif view.status == "finished":
+                lines.append(f"rank {rank}: finished" + (f" ({view.ended_where})" if view.ended_where else ""))
+            else:
+                lines.append(f"rank {rank}: {view.status}")
+        return lines
+
+    def latest_metrics(self) -> dict[str, Metric]:
+        latest: dict[str, Metric] = {}
+        for view in self.ranks.values():
+            for name, metric in view.metrics.items():
+                if name not in latest or metric.rank == 0:
+                    latest[name] = metric
+        return latest

@@ -1,1 +1,0 @@
-"""One module per way of starting ranks; all share `base.ProcessLauncher` or its interface."""

@@ -1,0 +1,142 @@
+"""IPython magics, loaded by `%load_ext nbtrain`.
+
+    %%nbtrain [options]        run the cell on every rank (default strategy: ddp, a script under torchrun;
+                               fsdp: the same, with ctx.setup sharding the model;
+                               deepspeed: under DeepSpeed's launcher;
+                               --cluster slurm|ray: on a cluster's nodes)
+    %nbtrain config [options]  session defaults for those options; alone, shows them; `config reset` clears
+    %nbtrain gpus              the GPU table (`nbtrain.gpus()`)
+
+The cell's `Result` is stored in the user namespace as `_nbtrain_result` (rank 0's last
+expression value in `.value`). The magics only parse options and call
+`nbtrain.notebook.cell.run_cell`, which works without IPython too.
+"""
+from __future__ import annotations
+
+import shlex
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import magic_arguments, parse_argstring
+from IPython.display import display
+
+from ..common.devices import plan_devices
+from ..display.gpus import gpus
+from ..placements.script import check_installed, script_options
+from .cell import run_cell
+from .launch import deepspeed_options, resolve_strategy
+from .magic_options import COMMANDS, DEFAULTS, RESULT_NAME, SCRIPT_STRATEGIES, _given, make_cluster, run_options
+from .ranks_magics import command as live_command
+from .ranks_magics import register as register_live
+
+def check_options(options: dict) -> None:
+    """Refuse, as UsageError, what cannot run, before anything starts."""
+    cluster = make_cluster(options)
+    if cluster is not None:
+        try:
+            cluster.plan(options["devices"], options["accelerator"], None, options["nnodes"])
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return
+
+    strategy, nodes, launcher = options["strategy"], options["nnodes"], _launcher(options)
+    if launcher == "deepspeed" and strategy != "deepspeed":
+        raise UsageError(f"--launcher deepspeed runs --strategy deepspeed (the cell calls deepspeed.initialize); "
+                         f"--strategy {strategy} runs under torchrun or accelerate.")
+    if strategy == "fsdp" and launcher != "torchrun":
+        raise UsageError(f"--strategy fsdp runs under torchrun; --launcher {launcher} is for --strategy ddp.")
+    try:
+        plan = plan_devices(options["devices"], options["accelerator"], None, nodes)
+        resolve_strategy(strategy, plan)
+        if strategy in SCRIPT_STRATEGIES:
+            given = {k: options[k] for k in ("node_rank", "rdzv_endpoint", "max_restarts")}
+            if strategy == "deepspeed":
+                given = deepspeed_options({**given, "launcher": launcher})
+            script_options({**given, "launcher": launcher}, nodes)
+            check_installed(launcher)
+    except (ValueError, TypeError, RuntimeError, ImportError) as exc:
+        raise UsageError(str(exc)) from None
+    if strategy not in SCRIPT_STRATEGIES and launcher != "torchrun":
+        raise UsageError(f"--launcher {launcher} starts a script: it needs --strategy ddp "
+                         f"(got --strategy {strategy}).")
+
+
+def _launcher(options: dict) -> str:
+    # --strategy deepspeed means DeepSpeed's launcher; torchrun is only the session default.
+    if options["strategy"] == "deepspeed" and options["launcher"] == "torchrun":
+        return "deepspeed"
+    return options["launcher"]
+
+
+def rerun_line(options: dict) -> str:
+    """The magic line another node runs: this one with its own `--node-rank`."""
+    parts = ["%%nbtrain", "--strategy", options["strategy"], "--devices", str(options["devices"]), "--accelerator",
+             options["accelerator"], "--nnodes", str(options["nnodes"]), "--node-rank", "{node_rank}",
+             "--rdzv-endpoint", options["rdzv_endpoint"]]
+    if options["launcher"] != "torchrun":
+        parts += ["--launcher", options["launcher"]]
+    if options["max_restarts"]:
+        parts += ["--max-restarts", str(options["max_restarts"])]
+    return " ".join(shlex.quote(p) if p != "{node_rank}" else p for p in parts)
+
+
+@magics_class
+class NbtrainMagics(Magics):
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.config_options: dict = {}  # `%nbtrain config`: this session's defaults
+
+    @magic_arguments()
+    @run_options
+    @line_cell_magic
+    def nbtrain(self, line: str, cell: str | None = None):
+        """Run a cell on every rank (`%%nbtrain [options]`), or `%nbtrain config|gpus`.
+
+        The cell's Result is stored as `_nbtrain_result`.
+        """
+        if cell is None:
+            return self._command(line)
+        options = {**DEFAULTS, **self.config_options, **_given(parse_argstring(self.nbtrain, line))}
+        check_options(options)
+        self.shell.user_ns[RESULT_NAME] = None  # a failed run leaves no earlier result behind
+        self.shell.user_ns[RESULT_NAME] = self.run(cell, options)
+
+    def run(self, cell: str, options: dict):
+        return run_cell(
+            cell, self.shell.user_ns, strategy=options["strategy"], devices=options["devices"],
+            accelerator=options["accelerator"], num_nodes=options["nnodes"], node_rank=options["node_rank"],
+            rdzv_endpoint=options["rdzv_endpoint"], max_restarts=options["max_restarts"],
+            launcher=_launcher(options), timeout=options["timeout"], progress=not options["no_progress"],
+            hidden=self.shell.user_ns_hidden, cluster=make_cluster(options),
+            rerun_as=rerun_line(options) if options["nnodes"] > 1 and not options["cluster"] else None)
+
+    def _command(self, line: str):
+        words = line.split(None, 1)
+        command, rest = (words[0], words[1] if len(words) > 1 else "") if words else ("", "")
+        if command == "config":
+            return self._config(rest)
+        if command == "gpus":
+            display(gpus())
+            return None
+        if command in ("start", "stop", "warm"):
+            return live_command(self.shell, command, rest)
+        what = f"unknown command {command!r}" if command else "a command is needed"
+        raise UsageError(f"%nbtrain: {what}. {COMMANDS}")
+
+    def _config(self, rest: str) -> None:
+        if rest.strip() == "reset":
+            self.config_options.clear()
+        else:
+            given = _given(parse_argstring(self.nbtrain, rest))
+            check_options({**DEFAULTS, **self.config_options, **given})
+            self.config_options.update(given)
+        settings = {**DEFAULTS, **self.config_options}
+        shown = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {' '.join(v) if isinstance(v, list) else v}")
+                         for k, v in settings.items() if v is not None and v is not False)
+        mine = ", ".join(f"--{k.replace('_', '-')}" for k in DEFAULTS if k in self.config_options) or "none"
+        print(f"nbtrain: %%nbtrain defaults: {shown} (set by %nbtrain config: {mine})")
+
+
+def register(ipython) -> None:
+    ipython.register_magics(NbtrainMagics)
+    register_live(ipython)

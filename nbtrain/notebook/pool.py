@@ -1,0 +1,251 @@
+"""Rank processes started once, and the commands run on them: what `launch` and `Ranks` share.
+
+A pool is one placement's processes (forked, spawned, template-forked, torchrun, remote), the
+channel to them and their output. `launch` is a pool whose ranks run one `run` command and
+exit; live `Ranks` keep theirs and send command after command. Each command is watched by a
+`Supervisor` into a `RunState`, shown by a display, and fails with the same `WorkerError`.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+
+from ..common.channel import Hub, OutputPump
+from ..rank.loop import MARK
+from ..display.runstate import RunState
+from .supervisor import Supervisor, stderr_tails
+from ..common.tensor_files import LaunchFiles
+from ..common.pickling import explain_pickling, ship_bytes
+from ..common.source import shippable
+from ..placements.base import describe_exit, free_port
+from ..rank.process import STACKS_SIGNAL
+
+EXIT_WAIT = 5.0  # ranks that replied: how long they may take to exit on their own
+STOP_GRACE = 1.0  # between SIGTERM and SIGKILL
+
+
+class PoolBroken(RuntimeError):
+    """The live ranks cannot take work: one died or they were closed. `restart()` them."""
+
+
+class Pool:
+    def __init__(self, launcher, job, live: bool):
+        self.launcher, self.job, self.live = launcher, job, live
+        self.inbox: queue.Queue = queue.Queue()
+        self.hub = Hub(self.inbox, **launcher.channel_options(job))
+        self.pump = OutputPump(self.inbox)
+        # Large returned tensors come through files this machine shares with its ranks (a remote
+        # rank on another machine sends bytes instead: see clusters.base.here).
+        self.files = LaunchFiles()
+        self.processes: list = []
+        self.closed: set[int] = set()  # ranks whose channel closed
+        self.stderr = stderr_tails()
+        self.current: dict[int, int] = {}  # rank: the seq of the command it last began
+        self.marks: dict[tuple, int] = {}  # (rank, stream): the seq whose output is complete
+        self.pids: dict[int, int] = {}
+        self.hosts: dict[int, str | None] = {}
+        self.seq = 0
+        self.broken: str | None = None  # why the pool refuses work
+        self.restart_reason: str | None = None  # ranks stuck beyond an interrupt: the pool must restart
+        self._namespace: dict = {}  # where the running command's missing names come from
+        self._answers: dict[tuple, bytes | None] = {}
+        self._stopped = False
+        self.state: RunState | None = None  # the first command's
+
+    @property
+    def ranks(self) -> list[int]:
+        return self.job.ranks
+
+    # -- life ----------------------------------------------------------------------------
+    def start(self, display, timeout: float | None = None) -> RunState:
+        """Start the ranks and watch their first command (`job.first`: a launch's run, or a live
+        pool's start-up) to its end; the processes stay until `close`."""
+        job = self.job
+        self.launcher.note = display.note
+        self.launcher._prepare(job)
+        job.live = self.live
+        job.first = ("start", 0, True) if self.live else ("run", 0, True, self.launcher._first_job(job))
+        self.launcher._apply_nccl_quirks(job, display)
+        job.master_port = job.master_port or free_port()
+        state = self.state = RunState(self._title(), job.ranks)
+        display.start(state)
+        self.launcher._start(job, {**self.hub.environ, **(self.files.environ if self.files else {})}, self.pump,
+                             self.processes)
+        self.hub.start()
+        self.pump.start()
+        self._watch(state, display, timeout, job.start_timeout)
+        self.pids = {r: v.pid for r, v in state.ranks.items()}
+        self.hosts = {r: v.host for r, v in state.ranks.items()}
+        return state
+
+    def _title(self) -> str:
+        return f"{'live ranks' if self.live else self.job.strategy} on {self.job.plan.describe()}"
+
+    def close(self, ok: bool = True, display=None) -> None:
+        """Stop the ranks (a launch's have exited on their own when `ok`), drain their output."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            if self.live and self.any_alive():
+                for rank in self.ranks:
+                    self.hub.send(rank, ("stop",))
+            if ok or self.live:
+                self._wait_exits(EXIT_WAIT if ok else 1.0)
+            self.stop_processes()
+            self.pump.drain(timeout=1.0)
+            self.drain_output(display)
+        finally:
+            self.hub.close()
+            self.pump.close()
+            self.launcher._cleanup(self.job)
+            if self.files is not None:
+                self.files.cleanup()
+
+    def _wait_exits(self, limit: float) -> None:
+        deadline = time.monotonic() + limit
+        while self.any_alive() and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    def stop_processes(self, grace: float = STOP_GRACE) -> None:
+        alive = [p for p in self.processes if p.poll() is None]
+        for p in alive:
+            p.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for p in self.processes:
+            p.signal(signal.SIGKILL)  # the group too: grandchildren such as DataLoader workers
+            p.join(1.0)
+            p.close()
+
+    def drain_output(self, display) -> None:
+        """Hand what is still queued (the ranks' last output lines) to the display."""
+        while True:
+            try:
+                message = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "output" and display is not None and not message[3].startswith(MARK):
+                display.output(*message[1:])
+
+    def any_alive(self) -> bool:
+        return any(p.poll() is None for p in self.processes)
+
+    # -- commands ------------------------------------------------------------------------
+    def command(self, kind: str, *args, ranks: list[int] | None = None, display, timeout: float | None = None,
+                namespace: dict | None = None, title: str = "") -> RunState:
+        """Run one command on `ranks` (all by default) and watch it to its end."""
+        if self.broken:
+            raise PoolBroken(f"{self.broken}. The live ranks take no more work: call .restart() (their state is lost) "
+                             "or .close().")
+        targets = list(self.ranks if ranks is None else ranks)
+        self.seq += 1
+        self._namespace, self._answers = namespace or {}, {}
+        state = RunState(title or f"{kind} on live ranks {targets}", targets)
+        for rank in targets:
+            state.handle(("hello", rank, self.pids.get(rank), self.hosts.get(rank)))
+        self.drain_idle_output(display)
+        display.start(state)
+        ok = False
+        try:
+            for rank in targets:
+                if not self.hub.send(rank, (kind, self.seq, len(targets) == len(self.ranks), *args)):
+                    state.fail(rank, f"rank {rank} is not connected", crashed=True)
+            self._watch(state, display, timeout, None)
+            ok = True
+        finally:
+            if self.broken:
+                self.stop_processes()
+            display.finish(state, ok)
+        return state
+
+    def _watch(self, state: RunState, display, timeout, start_timeout) -> None:
+        try:
+            Supervisor(self, state, display, timeout, start_timeout).run()
+        finally:
+            state.ended = time.monotonic()
+
+    def drain_idle_output(self, display) -> None:
+        """Output a live rank wrote between commands (a thread of its own, say) goes to the next cell."""
+        pending = []
+        while True:
+            try:
+                message = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if message[0] == "output":
+                if not message[3].startswith(MARK):
+                    display.output(*message[1:])
+            elif message[0] == "closed":
+                self.closed.add(message[1])
+            else:
+                pending.append(message)
+        for message in pending:  # anything else belongs to the command about to start
+            self.inbox.put(message)
+
+    # -- what the supervisor asks of the pool ------------------------------------------------
+    def interrupt(self, ranks: list[int]) -> None:
+        for rank in ranks:
+            self.hub.send(rank, ("interrupt", self.seq))
+
+    def ask_stacks(self, pids: dict[int, int | None]) -> None:
+        for rank, pid in pids.items():
+            if self.launcher.remote or not pid:
+                self.hub.send(rank, ("stacks",))
+                continue
+            try:
+                os.kill(pid, STACKS_SIGNAL)
+            except ProcessLookupError:
+                pass
+
+    def lost(self, proc, code: int) -> None:
+        """A rank's process ended. A live pool cannot go on without it (its peers are stopped
+        once the command is over: their process group lost a member)."""
+        if self.live and not self.broken:
+            self.broken = f"rank {proc.ranks[0]} ended: {describe_exit(code, proc.pid)}"
+
+    def stuck(self, ranks: list[int], why: str) -> None:
+        """Ranks that did not return when interrupted: only a restart frees them (live pools)."""
+        if self.live and ranks and not self.broken:
+            self.restart_reason = f"ranks {sorted(ranks)} could not be interrupted ({why})"
+
+    def restart_note(self) -> str:
+        if self.restart_reason:
+            return f"The live ranks are restarted: {self.restart_reason}; their state is lost."
+        if self.live and self.broken:
+            return f"{self.broken}; the live ranks take no more work until .restart()."
+        return ""
+
+    def answer_need(self, rank: int, seq: int, names: list[str], display) -> None:
+        """A rank lacks names its code reads: send those the notebook has (modules as imports)."""
+        key = tuple(names)
+        if key not in self._answers:
+            self._answers[key] = self._pack_names(names, display)
+        self.hub.send(rank, ("names", seq, self._answers[key]))
+
+    def _pack_names(self, names: list[str], display) -> bytes | None:
+        found = {n: self._namespace[n] for n in names if n in self._namespace and shippable(n, ())}
+        if not found:
+            return None
+        try:
+            return ship_bytes(found)
+        except Exception:
+            bad = {n for n, v in found.items() if explain_pickling(v, "dill", n)}
+            for name in sorted(bad):
+                lines = [f"  {f.path}: {f.type} — {f.reason}" for f in explain_pickling(found[name], "dill", name)]
+                display.note(f"{name!r} cannot be sent to the ranks; define it there instead "
+                             f"(ranks.exec or %%ranks):\n" + "\n".join(lines))
+            rest = {n: v for n, v in found.items() if n not in bad}
+            return ship_bytes(rest) if rest else None
+
+    def answer_prompt(self, rank: int, prompt: str) -> None:
+        """A rank's debugger waits for a line: ask the notebook's user."""
+        try:
+            line = input(prompt)
+        except (EOFError, RuntimeError, NotImplementedError) as exc:  # no stdin here (a script, nbconvert)
+            print(f"nbtrain: no input available for rank {rank}'s debugger ({type(exc).__name__}); quitting it.")
+            line = "q"
+        self.hub.send(rank, ("stdin", line))

@@ -1,0 +1,295 @@
+"""Live ranks: start N ranks once, then run code, objects and functions on them, cell after cell.
+
+    ranks = nbtrain.Ranks(devices=2)                  # process group ready on every rank
+    ranks.exec("model = ctx.setup(Net())")            # state kept between calls
+    result = ranks.run(train_epoch, 3)                # a notebook function, the rank's names as globals
+    ranks.pull("loss"); ranks.push(lr=3e-4); ranks.eval("ctx.rank")
+    ranks[1].debug()                                  # pdb in rank 1's last failure
+    ranks.close()                                     # or restart(), or `with nbtrain.Ranks(...) as ranks:`
+
+Built on the same pool, channel, Context, display and errors as `launch`: a live pool is one
+whose ranks serve commands until closed (see pool.py here and nbtrain/rank/loop.py).
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import sys
+import time
+import types
+import weakref
+
+from ..common.devices import plan_devices
+from ..common.errors import UnpicklableError, WorkerError
+from ..placements.base import Job
+from .pool import Pool, PoolBroken
+from ..common.preflight import check_fork, fork_blocker
+from ..placements.template import start_ranks_cleanly, TemplateLauncher
+from ..placements.processes import ForkLauncher, SpawnLauncher
+from ..display.text import QuietDisplay
+from .launch import check_timeout
+from ..display.lazy import LazyDisplay
+from .result import Result
+from ..common.pickling import dumps, explain_pickling
+from ..display import make_display
+from ..placements.clusters import check_cluster, ClusterJob
+
+START_METHODS = ("auto", "fork", "template", "spawn")
+WRAPPINGS = ("ddp", "fsdp")
+_open: "weakref.WeakValueDictionary[int, Ranks]" = weakref.WeakValueDictionary()
+_order = itertools.count()
+_exec_count = itertools.count(1)
+
+
+class Ranks:
+    """N live ranks that keep their state between calls. See the module's docstring.
+
+    `strategy` says how `ctx.setup(module)` wraps a model on them ('ddp', or 'fsdp');
+    `start` how they are started: 'auto' forks the kernel when that is safe, and otherwise
+    forks the warm template (a clean process; see `nbtrain.warm_up`), as `launch` does;
+    'fork', 'template' and 'spawn' (plain fresh interpreters) choose one. `timeout` is the default limit, in seconds, of
+    each call (none by default: a cell may run for hours). `cluster` (`nbtrain.Slurm(...)`,
+    `nbtrain.Ray(...)`) starts them there instead: `devices` ranks on each of the cluster's nodes.
+    """
+
+    def __init__(self, devices="auto", accelerator: str = "auto", backend: str | None = None,
+                 timeout: float | None = None, strategy: str = "ddp", start: str = "auto", progress=True,
+                 cluster=None):
+        if strategy not in WRAPPINGS:
+            raise ValueError(f"strategy={strategy!r}: live ranks wrap models with {' or '.join(map(repr, WRAPPINGS))}.")
+        if start not in START_METHODS:
+            raise ValueError(f"start={start!r} is not known. Accepted: {', '.join(map(repr, START_METHODS))}.")
+        self.timeout = check_timeout(timeout)
+        if cluster is not None:
+            if start != "auto":
+                raise ValueError(f"start={start!r} with cluster={cluster!r}: the cluster's engine starts the ranks.")
+            self.plan = check_cluster(cluster).plan(devices, accelerator, backend, 1)
+        else:
+            self.plan = plan_devices(devices, accelerator, backend)
+        self.cluster = cluster
+        self.strategy, self.start_method, self.progress = strategy, start, progress
+        self.placement = ""
+        self._pool: Pool | None = None
+        self._last_failure: int | None = None
+        self._start()
+
+    # -- life ----------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self.cluster is not None:
+            launcher, self.placement, note, make_job = self.cluster.placement(), self.cluster.engine, None, ClusterJob
+        else:
+            (launcher, self.placement, note), make_job = _placement(self.start_method), Job
+        job = make_job(None, (), {}, self.plan, self.strategy, start_timeout=120.0)
+        display = QuietDisplay()
+        if note:
+            display.note(note)
+        started = time.monotonic()
+        pool = Pool(launcher, job, live=True)
+        try:
+            pool.start(display)
+        except BaseException:
+            pool.close(False, display)
+            raise
+        self._pool = pool
+        self._key = next(_order)
+        _open[self._key] = self
+        display.note(f"{self.world_size} live ranks ({self.placement}, {self.plan.describe()}) ready in "
+                     f"{time.monotonic() - started:.2f} s")
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def closed(self) -> bool:
+        return self._pool is None
+
+    def close(self) -> None:
+        """Stop the ranks (their state is gone). Also at kernel exit, and by `with`."""
+        pool, self._pool = self._pool, None
+        _open.pop(getattr(self, "_key", None), None)
+        if pool is not None:
+            pool.close(True, QuietDisplay())
+
+    def restart(self) -> None:
+        """Fresh ranks in place of these (their state is lost): after a crash, or to start over."""
+        self.close()
+        self._start()
+
+    def __enter__(self) -> "Ranks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else (f"broken: {self._pool.broken}" if self._pool.broken else "ready")
+        return f"Ranks(world_size={self.world_size}, {self.placement}, {self.plan.describe()}, {state})"
+
+    @classmethod
+    def current(cls) -> "Ranks":
+        """The pool `%%ranks` uses: the last one started and not closed."""
+        alive = [r for _, r in sorted(_open.items()) if not r.closed]
+        if not alive:
+            raise LookupError("no live ranks: start them with `ranks = nbtrain.Ranks(devices=2)` or `%nbtrain start`.")
+        return alive[-1]
+
+    def __getitem__(self, rank: int) -> "Rank":
+        if type(rank) is not int or not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank!r}: these live ranks are 0 .. {self.world_size - 1}.")
+        return Rank(self, rank)
+
+    def __len__(self) -> int:
+        return self.world_size
+
+    # -- the calls -----------------------------------------------------------------------
+    def exec(self, code: str, *, ranks: list[int] | None = None, timeout: float | None = None,
+             _namespace: dict | None = None, _filename: str | None = None, _show: bool = False) -> None:
+        """Run `code` in every rank's namespace (state kept). Names it reads that a rank lacks
+        are taken from the caller's namespace (modules as imports), never overwriting the rank's."""
+        if not isinstance(code, str):
+            raise TypeError(f"exec(code) takes Python source as a str, got {type(code).__name__}.")
+        namespace = _namespace if _namespace is not None else sys._getframe(1).f_globals
+        filename = _filename or f"<ranks exec {next(_exec_count)}>"
+        state = self._command("exec", code, filename, _show, ranks=ranks, timeout=timeout, namespace=namespace)
+        if _show:
+            for rank in sorted(state.values):
+                if state.values[rank] is not None:
+                    print(f"[rank {rank}] {state.values[rank]}" if len(state.ranks) > 1 else state.values[rank])
+
+    def eval(self, expression: str, *, ranks: list[int] | None = None, timeout: float | None = None) -> list:
+        """`expression`'s value on every rank, in rank order."""
+        if not isinstance(expression, str):
+            raise TypeError(f"eval(expression) takes Python source as a str, got {type(expression).__name__}.")
+        state = self._command("eval", expression, ranks=ranks, timeout=timeout, namespace=sys._getframe(1).f_globals)
+        return [state.values.get(r) for r in sorted(state.ranks)]
+
+    def push(self, *, ranks: list[int] | None = None, **objects) -> None:
+        """Put objects into every rank's namespace (dill: notebook classes and lambdas travel)."""
+        if not objects:
+            raise TypeError("push(name=value, ...) needs at least one object to send.")
+        payload = dumps(objects, f"the objects pushed to the ranks ({', '.join(objects)})", "objects")
+        self._command("push", payload, ranks=ranks)
+
+    def pull(self, name: str, *, ranks: list[int] | None = None) -> list:
+        """`name`'s value from every rank, in rank order (modules come back on CPU, unwrapped)."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"pull(name) takes a variable name such as 'loss', got {name!r}.")
+        state = self._command("pull", name, ranks=ranks)
+        return [state.values.get(r) for r in sorted(state.ranks)]
+
+    def run(self, fn, *args, progress=None, timeout: float | None = None, ranks: list[int] | None = None, **kwargs):
+        """`fn(*args, **kwargs)` on every rank, with the rank's namespace as its globals (so it
+        sees `model`, `opt`, ... defined there); a `Result`, with the live dashboard."""
+        import dill
+
+
+        if not isinstance(fn, types.FunctionType):
+            raise TypeError(f"run(fn, ...) takes a Python function, got {type(fn).__name__}; "
+                            "for other callables, push them and call them with exec().")
+        bare = types.FunctionType(fn.__code__, {}, fn.__name__, fn.__defaults__, fn.__closure__)
+        bare.__kwdefaults__, bare.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+        try:
+            payload = dill.dumps((bare, args, kwargs), recurse=True)
+        except Exception as exc:
+            findings = [f for part, root in ((bare, fn.__name__), (args, "args"), (kwargs, "kwargs"))
+                        for f in explain_pickling(part, "dill", root)]
+            raise UnpicklableError(f"the function `{fn.__qualname__}` and its arguments", findings, str(exc)) from exc
+        display = make_display(self.progress if progress is None else progress)
+        state = self._command("call", payload, ranks=ranks, timeout=timeout, namespace=fn.__globals__,
+                              display=display, title=f"{fn.__qualname__} on live ranks")
+        return Result.from_state(state, f"live ({self.placement})", self.plan.describe())
+
+    def debug(self, rank: int | None = None) -> None:
+        """pdb in `rank`'s last failure (default: the rank that failed last), from this notebook."""
+        rank = self._last_failure if rank is None else rank
+        if rank is None:
+            raise RuntimeError("no rank has failed yet: there is nothing to debug. (breakpoint() in code run on "
+                               "the ranks also opens pdb here.)")
+        self._command("debug", ranks=[rank])
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _command(self, kind: str, *args, ranks=None, timeout=None, namespace=None, display=None, title=""):
+        if self._pool is None:
+            raise PoolBroken("these live ranks are closed: start new ones with nbtrain.Ranks(...), or .restart().")
+        if ranks is not None:
+            ranks = [ranks] if type(ranks) is int else list(ranks)
+            bad = [r for r in ranks if type(r) is not int or not 0 <= r < self.world_size]
+            if bad:
+                raise ValueError(f"ranks={ranks!r}: these live ranks are 0 .. {self.world_size - 1}.")
+
+        timeout = check_timeout(timeout) if timeout is not None else self.timeout
+        display = display or LazyDisplay(self.progress)
+        pool = self._pool
+        try:
+            return pool.command(kind, *args, ranks=ranks, display=display, timeout=timeout, namespace=namespace,
+                                title=title)
+        except WorkerError as error:
+            self._last_failure = error.rank
+            if not pool.restart_reason and not pool.broken:
+                error.debug = lambda rank=error.rank: self.debug(rank)  # `%debug` opens the rank's pdb
+            raise
+        finally:
+            if pool.restart_reason:
+                self.restart()
+
+
+class Rank:
+    """One live rank: the same calls as `Ranks`, with single values."""
+
+    def __init__(self, ranks: Ranks, rank: int):
+        self._ranks, self.rank = ranks, rank
+
+    def exec(self, code: str, *, timeout: float | None = None) -> None:
+        self._ranks.exec(code, ranks=[self.rank], timeout=timeout, _namespace=sys._getframe(1).f_globals)
+
+    def eval(self, expression: str, *, timeout: float | None = None):
+        state = self._ranks._command("eval", expression, ranks=[self.rank], timeout=timeout,
+                                     namespace=sys._getframe(1).f_globals)
+        return state.values.get(self.rank)
+
+    def push(self, **objects) -> None:
+        self._ranks.push(ranks=[self.rank], **objects)
+
+    def pull(self, name: str):
+        return self._ranks.pull(name, ranks=[self.rank])[0]
+
+    def run(self, fn, *args, **kwargs):
+        return self._ranks.run(fn, *args, ranks=[self.rank], **kwargs)
+
+    def debug(self) -> None:
+        self._ranks.debug(self.rank)
+
+    def __repr__(self) -> str:
+        return f"Rank({self.rank} of {self._ranks!r})"
+
+
+def _placement(start: str):
+    """(launcher, its name, a note saying why) for live ranks: fork when safe, else clean processes."""
+    if start == "fork":
+        check_fork()
+        return ForkLauncher(), "fork", None
+    if start == "spawn":
+        return SpawnLauncher(), "spawn", None
+    blocker = fork_blocker() if start == "auto" else None
+    if start == "auto" and blocker is None:
+        return ForkLauncher(), "fork", None
+    launcher = start_ranks_cleanly(QuietDisplay())
+    name = "template" if isinstance(launcher, TemplateLauncher) else "spawn"
+    why = f"live ranks are forks of the warm template, not of this kernel: {blocker}" if blocker else None
+    return launcher, name, why
+
+
+@atexit.register
+def _close_all() -> None:
+    for ranks in list(_open.values()):
+        try:
+            ranks.close()
+        except Exception:
+            pass

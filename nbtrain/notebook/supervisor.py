@@ -1,0 +1,414 @@
+"""The notebook side of one command on the ranks: watch until every rank replied or one failed.
+
+Runs on the kernel's main thread, so Ctrl-C reaches it and output lands in the running cell.
+What happens after a failure depends on the pool: a launch's ranks are stopped (the pool is
+closed by the caller); live ranks are interrupted and keep their state, and only ranks that
+cannot be interrupted (stuck in C code or a collective) are diagnosed by their stacks and the
+pool restarted. A wait that can never complete — a rank ended while another waits for it in
+a collective — is recognised from the waiting rank's stack within seconds, not left to hang.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import time
+from collections import defaultdict, deque
+
+from ..common.errors import WorkerError, interrupt_report
+from ..rank.loop import MARK
+from ..display.runstate import RunState, brief
+from ..common.transfer import unpack_exception
+
+log = logging.getLogger(__name__)
+
+TICK = 0.05  # seconds between checks of the processes
+OUTPUT_WAIT = 2.0  # live ranks that replied: how long their last output may take to follow
+SETTLING = ("result", "error", "closed")
+EXIT_DRAIN = 1.0  # after a process exits, how long its last messages may take to arrive
+PEER_ERRORS = 0.3  # after a failure, how long to listen for the others' before naming the cause
+CULPRIT_WAIT = 5.0  # when every failure so far is a lost peer: how long to wait for the rank that was lost
+INTERRUPT_GRACE = 2.0  # live ranks: how long an interrupted rank may take to return
+STACK_WAIT = 1.0  # for faulthandler's dumps after asking for them
+STACK_QUIET = 0.15  # a dump is complete once its rank has been silent this long
+STDERR_TAIL = 300  # lines of a rank's stderr kept to explain a crash
+EARLY_EXIT_AFTER = 1.0  # a rank ended this long ago while others still run: look at where they wait
+EARLY_EXIT_PROBES = 2  # consecutive stacks showing the same wait before it counts as a deadlock
+PROBE_INTERVAL = 1.0
+
+OWN_THREADS = ("in _send_loop", "in _receive_loop", "in _watch_parent", "in _forward")  # nbtrain's threads in a rank
+RANK_ENTRY = re.compile(r"in (serve|_execute|_do_\w+|_user_code)$")  # below it: nbtrain's loop, the launcher, the kernel
+LOOP_FILE = "nbtrain/rank/loop.py"  # the command loop's file, as a rank's stack names it (any machine)
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+# Where a rank blocks on its peers: torch.distributed's collectives, rendezvous and DDP's start-up syncs.
+_DIST_FILES = re.compile(r"torch/distributed/|torch/nn/parallel/distributed\.py")
+_BLOCKING = re.compile(r"^(barrier|monitored_barrier|all_reduce|all_gather\w*|broadcast\w*|reduce\w*|gather\w*|"
+                       r"scatter\w*|all_to_all\w*|send|recv|isend|irecv|wait|init_process_group|new_group|"
+                       r"_store_based_barrier|rendezvous|_env_rendezvous_handler|_create_c10d_store|"
+                       r"_verify_param_shape_across_processes|_sync_module_states|_sync_params_and_buffers)$")
+
+
+def tidy_stacks(dump: str) -> str:
+    """faulthandler's dump without nbtrain's own threads and frames, so the user's code leads."""
+    blocks = []
+    for block in dump.split("\n\n"):
+        if any(marker in block for marker in OWN_THREADS):
+            continue
+        lines = block.splitlines()
+        entry = next((i for i, line in enumerate(lines) if RANK_ENTRY.search(line) and LOOP_FILE in line), None)
+        blocks.append("\n".join(lines if entry is None else lines[:entry]))
+    return "\n\n".join(b for b in blocks if b.strip() and not b.startswith("Extension modules"))
+
+
+def blocked_on_peers(stack: str) -> str | None:
+    """'all_reduce (cell.py line 7 in train)' when the rank's main thread waits on other ranks."""
+    for block in stack.split("\n\n"):
+        frames = [m for m in map(_FRAME.match, block.splitlines()) if m]
+        waits = [i for i, m in enumerate(frames) if _DIST_FILES.search(m["file"]) and _BLOCKING.match(m["func"])]
+        if not waits:
+            continue
+        op = frames[waits[-1]]["func"]  # the outermost torch.distributed call: the one the user made
+        caller = next((m for m in frames[waits[-1] + 1:] if "/torch/" not in m["file"]), None)
+        where = f" ({os.path.basename(caller['file'])} line {caller['line']} in {caller['func']})" if caller else ""
+        return f"{op}{where}"
+    return None
+
+
+class Supervisor:
+    """Watches the ranks of `state` for one command of `pool`."""
+
+    def __init__(self, pool, state: RunState, display, timeout: float | None, start_timeout: float | None = None):
+        self.pool = pool
+        self.state = state
+        self.display = display
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self._capturing: dict[int, list[str]] | None = None  # stacks being collected
+        self._heard: dict[int, float] = {}
+        self._probes: dict[int, tuple[str, int]] = {}  # rank: (the wait seen, times in a row)
+        self._probed = 0.0
+        self._closed_at: dict[int, float] = {}  # remote ranks whose connection closed without a reply
+        self._queued = 0.0  # seconds the ranks waited in an engine's queue (not counted by timeouts)
+        self._queued_since: float | None = None
+        self._interrupted_at: dict[int, str] = {}  # rank: its traceback when our interrupt reached it
+
+    @property
+    def processes(self):
+        return self.pool.processes
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        """Return when every rank replied; raise WorkerError or KeyboardInterrupt otherwise."""
+        try:
+            while self.state.unfinished() and not self.state.failures:
+                self._pump(TICK, until_settled=True)
+                self._check_processes()
+                self._check_placement()
+                self._check_deadlines()
+                self._check_early_exit()
+                self.display.update(self.state)
+            if self.state.failures:
+                self._settle_failure()
+                self._await_output()
+                raise self._worker_error()
+            self._await_output()
+        except KeyboardInterrupt as interrupt:
+            stuck = self._on_kernel_interrupt()
+            # IPython shows this instead of nbtrain's own frames: where the ranks were is what the user needs.
+            serving = self.pool.live and self.start_timeout is None  # not still starting (then they stop)
+            report = interrupt_report(serving, list(self.state.ranks), self._interrupted_at, stuck)
+            interrupt._render_traceback_ = lambda: report
+            raise
+        finally:
+            self.state.ended = time.monotonic()
+
+    def _pump(self, timeout: float, until_settled: bool = False) -> None:
+        """Handle messages for up to `timeout` s; with `until_settled`, return as soon as one
+        may have ended the command (a result, an error, a closed channel), so no tick is wasted."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                message = self.pool.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return
+            self._handle(message)
+            if until_settled and message[0] in SETTLING:
+                return
+            if self.pool.inbox.empty() and time.monotonic() >= deadline:
+                return
+
+    def _handle(self, message: tuple) -> None:
+        kind, rank = message[0], message[1]
+        pool = self.pool
+        if kind == "closed":
+            pool.closed.add(rank)
+        elif kind == "output":
+            _, rank, stream, text = message
+            if text.startswith(MARK):
+                pool.marks[(rank, stream)] = int(text[len(MARK):])
+                return
+            if stream == "stderr" and rank is not None:
+                pool.stderr[rank].append(text)
+            if stream == "debug":  # pdb on a rank talking to the user: as it is, untagged
+                print(text, flush=True)
+            elif self._capturing is not None and rank in self._capturing and stream == "stderr":
+                self._capturing[rank].append(text)
+                self._heard[rank] = time.monotonic()
+            else:
+                self.display.output(rank, stream, text)
+        elif kind == "begin":
+            pool.current[rank] = message[2]
+        elif kind == "hello":
+            self.state.handle(message)
+        elif pool.current.get(rank) != pool.seq:
+            return  # a late word about an earlier command
+        elif kind == "need":
+            pool.answer_need(rank, message[2], message[3], self.display)
+        elif kind == "prompt":
+            pool.answer_prompt(rank, message[2])
+        else:
+            if kind == "error" and rank in self.state.interrupted and message[2].startswith("KeyboardInterrupt"):
+                self._interrupted_at[rank] = message[3]
+                self.state.stop(rank)  # interrupted by us, because another rank failed or time ran out
+                return
+            self.state.handle(message)
+
+    def _await_output(self) -> None:
+        """Live ranks that replied: wait (bounded) for the mark that ends their output, so
+        what they printed lands in this cell and not in the next one."""
+        if not self.pool.live:
+            return  # a launch's ranks end: their pipes' end of file says the same
+        seq, deadline = self.pool.seq, time.monotonic() + OUTPUT_WAIT
+        replied = [r for r, v in self.state.ranks.items() if v.status in ("finished", "failed", "stopped")
+                   and self.pool.current.get(r) == seq and r not in self.pool.closed]
+        while time.monotonic() < deadline and any(
+                self.pool.marks.get((r, stream)) != seq for r in replied for stream in ("stdout", "stderr")):
+            self._pump(0.01)
+
+    # -- failures ------------------------------------------------------------------------
+    def _check_processes(self) -> None:
+        now = time.monotonic()
+        for proc in self.processes:
+            code = proc.poll()
+            if code is None:
+                continue
+            proc.exited_at = proc.exited_at or now
+            missing = [r for r in proc.ranks if r in self.state.ranks and self.state.ranks[r].status in ("starting", "running")]
+            drained = all(r in self.pool.closed for r in missing)
+            if not missing or (not drained and now - proc.exited_at < EXIT_DRAIN):
+                continue  # its own result or error report may still be on the way
+            for r in missing:
+                summary, crashed = proc.exit_reason(r, code, self.state.ranks[r].pid or proc.pid)
+                if crashed:
+                    self.state.fail(r, summary, self._last_words(r), crashed=True)
+                else:
+                    self.state.stop(r, summary)
+            self.pool.lost(proc, code)
+        if self.pool.launcher.remote:
+            self._check_connections(now)
+
+    def _check_connections(self, now: float) -> None:
+        """A remote rank whose connection closed without a reply has ended: its process is the
+        engine's, not ours to watch (one SLURM task of several can die while the job runs)."""
+        for rank in sorted(self.pool.closed):
+            view = self.state.ranks.get(rank)
+            if view is None or view.status not in ("starting", "running"):
+                continue
+            if now - self._closed_at.setdefault(rank, now) < EXIT_DRAIN:
+                continue  # its reply may still be on the way
+            self.state.fail(rank, f"rank {rank} ended without a reply: its connection to the notebook closed (its "
+                                  "process exited or was killed, or its machine went away)",
+                            self._last_words(rank), crashed=True)
+            proc = next((p for p in self.processes if rank in p.ranks), None)
+            if proc is not None:
+                self.pool.lost(proc, 1)
+
+    def _last_words(self, rank: int) -> str:
+        # faulthandler's report of a fatal signal, if the rank wrote one; else its last stderr lines.
+        lines = list(self.pool.stderr[rank])
+        starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
+        return tidy_stacks("\n".join(lines[starts[-1]:] if starts else lines[-40:]))
+
+    def _check_placement(self) -> None:
+        """Say where an engine holds the ranks (a SLURM job's queue state), and stop the clocks
+        while they wait there: queue time is not a stall."""
+        waiting = False
+        for proc in self.processes:
+            status = proc.status()
+            if status is None:
+                continue
+            line, queued = status
+            waiting = waiting or queued
+            if line:  # a new line only: the process says each once
+                self.display.note(line)
+        now = time.monotonic()
+        if waiting and self._queued_since is None:
+            self._queued_since = now
+        elif not waiting and self._queued_since is not None:
+            self._queued += now - self._queued_since
+            self._queued_since = None
+
+    def _running_time(self) -> float:
+        """Seconds since the command began, less the time its ranks waited in a queue."""
+        waiting = time.monotonic() - self._queued_since if self._queued_since is not None else 0.0
+        return self.state.elapsed - self._queued - waiting
+
+    def _check_deadlines(self) -> None:
+        elapsed = self._running_time()
+        if self.timeout is not None and elapsed > self.timeout:
+            self._time_out(f"timed out after {self.timeout:g} s")
+        elif self.start_timeout is not None and elapsed > self.start_timeout:
+            silent = [r for r, v in self.state.ranks.items() if v.status == "starting"]
+            if silent:
+                self._time_out(f"did not start within {self.start_timeout:g} s", only=silent)
+
+    def _time_out(self, why: str, only: list[int] | None = None) -> None:
+        running = only or self.state.unfinished()
+        if self.pool.live and only is None:
+            # Interrupted ranks keep their state; only those that do not return are diagnosed.
+            interrupted = running
+            running = self._interrupt(running)
+            if not running:  # every rank returned: their state is kept
+                self.state.fail(min(interrupted), f"{why}; ranks {interrupted} were interrupted (their state is kept)",
+                                even_if_stopped=True)
+                return
+        stacks = self.collect_stacks(running)
+        done = [r for r, v in self.state.ranks.items() if v.status == "finished"]
+        summary = f"{why}; still running: ranks {running}" + (f"; finished: ranks {done}" if done else "")
+        text = "\n\n".join(f"--- rank {r} stack ---\n" + (stacks.get(r) or "(no stack: the rank did not answer)")
+                           for r in running)
+        self.state.fail(running[0], summary, text)
+        for r in running[1:]:
+            self.state.fail(r, why)
+        self.pool.stuck(running, summary)
+
+    def _check_early_exit(self) -> None:
+        """A rank that ended while another waits for it in a collective: that wait never ends."""
+        ended = self.state.ended_ranks()
+        running = [r for r in self.state.unfinished() if self.state.ranks[r].status == "running"]
+        now = time.monotonic()
+        if not ended or not running or now - self._probed < PROBE_INTERVAL:
+            return
+        first_end = min(self.state.ranks[r].ended_at or now for r in ended)
+        if now - first_end < EARLY_EXIT_AFTER:
+            return
+        self._probed = now
+        stacks = self.collect_stacks(running)
+        for rank in running:
+            wait = blocked_on_peers(stacks.get(rank, ""))
+            seen, count = self._probes.get(rank, (None, 0))
+            self._probes[rank] = (wait, count + 1 if wait and wait == seen else 1 if wait else 0)
+        waiting = [r for r in running if self._probes[r][1] >= EARLY_EXIT_PROBES]
+        if not waiting or not self.state.unfinished():
+            return
+        culprit = min(ended, key=lambda r: self.state.ranks[r].ended_at or now)
+        view = self.state.ranks[culprit]
+        waits = "; ".join(f"rank {r} waits for it in {self._probes[r][0]}" for r in waiting)
+        summary = (f"rank {culprit} ended ({view.ended_where or 'finished'}) while the others still needed it: "
+                   f"{waits}. That wait can never complete.")
+        text = "\n\n".join([f"--- rank {culprit}: {view.ended_where or 'finished'} ---",
+                            *(f"--- rank {r} stack (waiting) ---\n{stacks.get(r, '')}" for r in waiting)])
+        self.state.fail(culprit, summary, text, crashed=True, ended_early=True)
+        for r in waiting:
+            self.state.stop(r, f"waiting for rank {culprit} in {self._probes[r][0]}")
+        self.pool.stuck(waiting, summary)
+
+    def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Every listed rank's Python stacks (faulthandler), before anything is stopped."""
+        self._capturing = {r: [] for r in ranks}
+        self._heard = {}
+        self.pool.ask_stacks({r: self.state.ranks[r].pid for r in ranks})
+        started = time.monotonic()
+        while time.monotonic() - started < STACK_WAIT:
+            self._pump(0.05)
+            quiet = time.monotonic() - STACK_QUIET
+            if self._heard and all(self._heard.get(r, started + STACK_WAIT) < quiet for r in ranks):
+                break
+        captured, self._capturing = self._capturing, None
+        return {r: tidy_stacks("\n".join(lines)) for r, lines in captured.items()}
+
+    def _settle_failure(self) -> None:
+        """Hear the other ranks, make sure the right one is blamed, and bring the rest to rest."""
+        self._pump(PEER_ERRORS)
+        self._check_processes()
+        deadline = time.monotonic() + CULPRIT_WAIT
+        # Errors about a lost peer are consequences; the peer that was lost is the cause.
+        while self.state.only_lost_peers() and time.monotonic() < deadline and self.pool.any_alive():
+            self._pump(TICK)
+            self._check_processes()
+        self._blame_early_end()
+        if not self.pool.live or self.pool.broken:  # the caller stops these ranks now: say so
+            for rank in self.state.unfinished():
+                self.state.stop(rank)
+            return
+        # Live ranks keep their state: interrupt the others; only those that cannot return are diagnosed.
+        running = [r for r in self.state.unfinished() if self.state.ranks[r].status == "running"]
+        stuck = self._interrupt(running) if running else []
+        if stuck:
+            stacks = self.collect_stacks(stuck)
+            cause = self.state.root_cause()
+            for r in stuck:
+                self.state.stop(r, f"did not return after an interrupt (rank {cause.rank} failed)",
+                                stack=stacks.get(r, ""))
+            self.pool.stuck(stuck, f"rank {cause.rank} failed")
+
+    def _blame_early_end(self) -> None:
+        """Only lost peers, and a rank had already ended: that rank left the others waiting."""
+        ended = self.state.ended_ranks()
+        if not (self.state.only_lost_peers() and ended):
+            return
+        culprit = min(ended, key=lambda r: self.state.ranks[r].ended_at or 0.0)
+        where = self.state.ranks[culprit].ended_where or "finished"
+        lost = "; ".join(f"rank {f.rank} lost it: {brief(f.summary)}" for f in self.state.failures)
+        self.state.fail(culprit, f"rank {culprit} ended ({where}) while the others still needed it; {lost}",
+                        f"--- rank {culprit}: {where} ---", crashed=True, ended_early=True)
+
+    def _interrupt(self, ranks: list[int]) -> list[int]:
+        """Interrupt live ranks and wait for them to return; the ranks that did not."""
+        self.state.interrupted.update(ranks)
+        self.pool.interrupt(ranks)
+        deadline = time.monotonic() + INTERRUPT_GRACE
+        while time.monotonic() < deadline and any(r in self.state.unfinished() for r in ranks):
+            self._pump(TICK)
+            self._check_processes()
+        return [r for r in ranks if r in self.state.unfinished()]
+
+    def _on_kernel_interrupt(self) -> list[int]:
+        """Interrupt live ranks; the ranks that did not return (restarted)."""
+        if not self.pool.live:
+            return []  # the caller stops a launch's ranks
+        stuck = []
+        try:
+            running = [r for r in self.state.unfinished()]
+            stuck = self._interrupt(running) if running else []
+            if stuck:
+                stacks = self.collect_stacks(stuck)
+                why = "interrupted, and ranks {} did not return".format(stuck)
+                self.display.note(why + ":\n" + "\n\n".join(f"--- rank {r} ---\n{stacks.get(r, '')}" for r in stuck))
+                self.pool.stuck(stuck, why)
+        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, restart
+            stuck = self.state.unfinished()
+            self.pool.stuck(stuck, "interrupted twice")
+        return stuck
+
+    def _worker_error(self) -> WorkerError:
+        cause = self.state.root_cause()
+        others = tuple(self.state.outcome_lines(cause))
+        note = self.pool.restart_note()
+        summary = cause.summary + (f"\n{note}" if note else "")
+        node = self.state.ranks[cause.rank].host if self.pool.launcher.remote else None  # named where ranks are elsewhere
+        return WorkerError.from_failure(cause.rank, summary, cause.traceback, others,
+                                        original=unpack_exception(cause.exception), node=node)
+
+    def flush(self) -> None:
+        """Hand what is still queued (the ranks' last output lines) to the display."""
+        while True:
+            try:
+                self._handle(self.pool.inbox.get_nowait())
+            except queue.Empty:
+                return
+
+
+def stderr_tails():
+    return defaultdict(lambda: deque(maxlen=STDERR_TAIL))

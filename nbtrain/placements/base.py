@@ -1,0 +1,172 @@
+"""What every placement shares: the job, the ranks' environment, and the process handle.
+
+A placement only starts rank processes; which one runs is the strategy's decision
+(`nbtrain.notebook.launch`), and the processes, the channel and the commands are the pool's
+(`nbtrain.notebook.pool`), which the notebook side builds around a placement.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..common.devices import DevicePlan
+from ..common.preflight import nccl_environ
+
+
+@dataclass
+class Job:
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    plan: DevicePlan
+    strategy: str
+    timeout: float | None = None
+    start_timeout: float = 120.0  # a rank that never reports in is a stall, not a slow start
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # launcher-specific settings
+    first: tuple | None = None  # the ranks' first command: a launch's ("run", 0, True, job), live ranks' ("start", 0, True)
+    live: bool = False  # live ranks serve commands until stopped; a launch's ranks exit after the first
+
+    @property
+    def ranks(self) -> list[int]:
+        first = self.node_rank * self.plan.nprocs
+        return list(range(first, first + self.plan.nprocs))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rank_environ(job: Job, local_rank: int, channel_env: dict[str, str]) -> dict[str, str]:
+    """The torchrun-standard environment for one rank, plus nbtrain's own variables.
+
+    Set only inside the rank: writing MASTER_PORT into the kernel's environment would leak
+    into later cells and clash with the next launch.
+    """
+    plan = job.plan
+    env = {
+        "RANK": str(job.node_rank * plan.nprocs + local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(plan.world_size),
+        "LOCAL_WORLD_SIZE": str(plan.nprocs),
+        "GROUP_RANK": str(job.node_rank),
+        "NODE_RANK": str(job.node_rank),
+        "MASTER_ADDR": job.master_addr,
+        "MASTER_PORT": str(job.master_port),
+        "NBTRAIN_ACCELERATOR": plan.accelerator,
+        "NBTRAIN_BACKEND": plan.backend,
+        "NBTRAIN_STRATEGY": job.strategy,
+        **job.options.get("quirk_env", {}),  # NCCL workarounds for this machine (preflight)
+        **channel_env,
+    }
+    if plan.accelerator == "gpu":
+        env["CUDA_VISIBLE_DEVICES"] = plan.cuda_visible_devices
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    return env
+
+
+def describe_exit(code: int, pid: int | None) -> str:
+    who = f" (PID {pid})" if pid else ""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown"
+        hint = " — killed, often by the out-of-memory killer" if name == "SIGKILL" else ""
+        return f"Signal {-code} ({name}) received by PID {pid}{hint}"
+    if code == 0:
+        return f"exited before reporting a result{who}"
+    return f"exited with code {code}{who}"
+
+
+class RankProcess:
+    """One OS process carrying some ranks, in a process group of its own.
+
+    The group lets a stop reach what the rank started (DataLoader workers, torchrun's ranks).
+    """
+
+    def __init__(self, ranks: list[int], pid: int, poll: Callable[[], int | None],
+                 join: Callable[[float], None], close: Callable[[], None] = lambda: None):
+        self.ranks = ranks
+        self.pid = pid
+        self._poll, self._join, self._close = poll, join, close
+        self.exited_at: float | None = None
+
+    def poll(self) -> int | None:
+        return self._poll()
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.pid, sig)
+            return
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.poll() is None:  # not yet its own group leader; never signal a reaped (reusable) pid
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def join(self, timeout: float) -> None:
+        self._join(timeout)
+
+    def exit_reason(self, rank: int, code: int, pid: int | None) -> tuple[str, bool]:
+        """Why `rank` ended without a report, and whether it crashed (rather than being stopped
+        because another rank failed). One process per rank: its own exit says it all."""
+        return describe_exit(code, pid), True
+
+    def status(self) -> tuple[str, bool] | None:
+        """(a new line on where an engine holds this process, or "", whether it waits there), or None.
+
+        Engines that queue ranks (SLURM) say so here: each line is shown once, as it comes, and
+        while the process waits the start clock and `timeout` stand still. Called every tick:
+        keep it cheap.
+        """
+        return None
+
+    def close(self) -> None:
+        self._close()
+
+
+class ProcessLauncher:
+    """Starts ranks as processes and supervises them; variants implement `_start` only."""
+
+    strategy = ""
+    is_interactive_compatible = True
+
+    def _start(self, job: Job, channel_env: dict[str, str], pump, started: list[RankProcess]) -> None:
+        """Start the ranks, appending each process to `started` as soon as it runs
+        (so a failure half-way still stops what did start)."""
+        raise NotImplementedError
+
+    def _prepare(self, job: Job) -> None:
+        """Checks and shipping that must succeed before any process starts."""
+
+    remote = False  # ranks on other machines: stacks are asked for over the channel, not by signal
+
+    def channel_options(self, job: Job) -> dict:
+        """Where the notebook's channel listens (loopback unless ranks run elsewhere)."""
+        return {}
+
+    def note(self, text: str) -> None:
+        """Tell the user something while starting (the pool points this at its display)."""
+
+    def _first_job(self, job: Job):
+        """How the function travels to the ranks: in memory (fork) or as a payload (the others)."""
+        return job.options.get("payload")  # script mode: the ranks read it from their job directory
+
+    def _cleanup(self, job: Job) -> None:
+        """Undo what `_prepare`/`_start` left behind (temp files, helper processes)."""
+
+    def _apply_nccl_quirks(self, job: Job, display) -> None:
+        env, note = nccl_environ(job.plan)
+        if note:
+            display.note(note)
+        job.options["quirk_env"] = env

@@ -1,0 +1,266 @@
+"""What the remote placements share: the cluster object, the plan, the channel's address,
+the ranks' environment and their entry point on the far side.
+
+A remote rank is the same rank as a local one (`nbtrain.rank.loop.remote_main`): it dials the
+notebook's channel, proves the launch's random authkey, and from then on speaks the same
+protocol. Only where its process comes from, and how it is stopped, is the engine's.
+"""
+from __future__ import annotations
+
+import importlib
+import ipaddress
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+from ...common.devices import BACKENDS, DevicePlan
+from ..base import Job, ProcessLauncher, RankProcess, rank_environ
+from ...common.tensor_files import ENABLE_VAR as SHARED_MEMORY_VAR  # "0": a rank returns tensors as bytes
+from ...common.transfer import pack_job
+from ...common.channel import ADDRESS_VAR
+from ...rank.loop import remote_main
+
+MACHINE_VAR = "NBTRAIN_KERNEL_MACHINE"  # the notebook's machine, so a rank can tell whether it shares it
+PATH_VAR, CWD_VAR = "NBTRAIN_KERNEL_PATH", "NBTRAIN_KERNEL_CWD"  # the notebook's sys.path and directory
+CONNECT_SECONDS = 30.0  # how long a rank tries to reach the notebook before saying it cannot
+# Set per rank by the engine, not from the notebook's view of the job:
+PER_RANK = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+            "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+
+
+class Cluster:
+    """Where ranks run when not on this machine. `Slurm` and `Ray` are the two kinds.
+
+    `notebook_address`: the address the ranks dial to reach this notebook (default: chosen
+    per engine, see `channel_options`).
+    """
+
+    engine = ""
+    extra = ""  # nbtrain's extra that installs the engine's client
+
+    def __init__(self, notebook_address: str | None = None):
+        if notebook_address is not None and (not isinstance(notebook_address, str) or not notebook_address.strip()):
+            raise ValueError(f"notebook_address={notebook_address!r}: give a host name or IP address of this "
+                             "machine that the cluster's nodes can reach, e.g. '10.0.0.5', or None to choose one.")
+        self.notebook_address = notebook_address.strip() if notebook_address else None
+
+    def plan(self, devices, accelerator: str, backend: str | None, num_nodes: int) -> "ClusterPlan":
+        raise NotImplementedError
+
+    def placement(self) -> ProcessLauncher:
+        raise NotImplementedError
+
+    def where(self) -> str:
+        """The engine and its settings, in words (shown in the run's title)."""
+        return self.engine
+
+
+@dataclass(frozen=True)
+class ClusterPlan(DevicePlan):
+    """A plan for ranks on a cluster: `nprocs` per node, GPUs are the engine's to assign."""
+
+    where: str = ""
+
+    def describe(self) -> str:
+        kind = "GPU" if self.accelerator == "gpu" else "CPU"
+        plural = "s" if self.nprocs != 1 else ""
+        nodes = f" per node x {self.num_nodes} nodes" if self.num_nodes > 1 else ""
+        return f"{self.nprocs} {kind} rank{plural}{nodes}, {self.backend}, on {self.where}"
+
+
+def make_plan(per_node: int, num_nodes: int, accelerator: str, backend: str | None, where: str) -> ClusterPlan:
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not known. Accepted: {', '.join(BACKENDS)} (or None for nccl on "
+                         "GPU, gloo on CPU).")
+    if backend == "nccl" and accelerator == "cpu":
+        raise ValueError("backend='nccl' needs GPUs, and this run is on CPU. Use 'gloo' (the default on CPU).")
+    backend = backend or ("nccl" if accelerator == "gpu" else "gloo")
+    return ClusterPlan(accelerator, tuple(range(per_node)), (), backend, num_nodes, where)
+
+
+def count(value, what: str, default: int | None = None) -> int:
+    """A positive count from an int or a string of digits ('auto' gives `default`)."""
+    if isinstance(value, str) and value.strip() == "auto" and default is not None:
+        return default
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{what}={value!r}: on a cluster give a count of ranks, an int >= 1"
+                         + (" (or 'auto')." if default is not None else ".")
+                         + " Device indices are the engine's to assign on each node.")
+    return value
+
+
+def accelerator_of(accelerator: str, gpus: bool) -> str:
+    name = accelerator.lower() if isinstance(accelerator, str) else accelerator
+    name = "gpu" if name == "cuda" else name
+    if name not in ("auto", "gpu", "cpu"):
+        raise ValueError(f"accelerator={accelerator!r} is not known. Accepted: 'gpu' (or 'cuda'), 'cpu', 'auto'.")
+    return ("gpu" if gpus else "cpu") if name == "auto" else name
+
+
+def require(module: str, extra: str):
+    """Import an engine's client, or say which of nbtrain's extras installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ModuleNotFoundError(
+            f"this cluster needs the {module!r} package, which is not installed for {sys.executable}. "
+            f"Install it with nbtrain's extra: pip install 'nbtrain[{extra}]'", name=module) from exc
+
+
+def check_cluster(cluster) -> Cluster:
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster={cluster!r}: give nbtrain.Slurm(...) or nbtrain.Ray(...), or None for this machine.")
+    return cluster
+
+
+# -- the channel's address ------------------------------------------------------------------
+
+def channel_options(notebook_address: str | None, default) -> dict:
+    """Where the notebook's channel listens and the address ranks are told to dial.
+
+    A given IP address of this machine is listened on alone; anything else (a host name, which
+    may resolve here to a loopback address the nodes cannot use, or an address this machine is
+    reached by but does not have) means every interface, and ranks are told that address.
+    Either way only a peer that proves the launch's random authkey is heard.
+    """
+    if notebook_address is None:
+        host, advertise = default()
+    elif notebook_address == "0.0.0.0":
+        host, advertise = "0.0.0.0", socket.gethostname()
+    else:
+        host, advertise = (notebook_address if _bindable(notebook_address) else "0.0.0.0"), notebook_address
+    return {"host": host, "advertise": advertise}
+
+
+def every_interface() -> tuple[str, str]:
+    """Listen on every interface, and tell ranks this machine's name (which nodes of one
+    cluster resolve to the address they reach it by)."""
+    return "0.0.0.0", socket.gethostname()
+
+
+def _bindable(address: str) -> bool:
+    """An IPv4 address of this machine's own (names are not: see `channel_options`)."""
+    try:
+        ipaddress.IPv4Address(address)
+        with socket.socket() as s:
+            s.bind((address, 0))
+        return True
+    except (ValueError, OSError):
+        return False
+
+
+# -- the ranks' environment ------------------------------------------------------------------
+
+def machine_identity() -> str:
+    """This machine as seen from a process: its name, its boot, and its /dev/shm. Ranks with the
+    notebook's identity may hand results over through shared memory; any other must not."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        shm = os.stat("/dev/shm")
+        memory = f"{shm.st_dev}:{shm.st_ino}"
+    except OSError:
+        memory = ""
+    return f"{socket.gethostname()}/{boot}/{memory}"
+
+
+def base_environ(job: Job, channel_env: dict[str, str]) -> dict[str, str]:
+    """What every rank of a remote job shares: the torchrun-standard variables that are the
+    same everywhere, the channel's address and authkey; the engine adds each rank's own."""
+    env = rank_environ(job, 0, channel_env)
+    for name in PER_RANK:
+        env.pop(name, None)
+    env[MACHINE_VAR] = machine_identity()
+    env[PATH_VAR] = os.pathsep.join(os.path.abspath(p or ".") for p in sys.path)
+    env[CWD_VAR] = os.getcwd()
+    return env
+
+
+def rank_vars(rank: int, local_rank: int, local_world_size: int, node_rank: int, master_addr: str) -> dict[str, str]:
+    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
+            "GROUP_RANK": str(node_rank), "NODE_RANK": str(node_rank), "MASTER_ADDR": master_addr}
+
+
+def rank_entry(environ: dict[str, str], first: tuple | None, live: bool) -> int:
+    """A remote rank's entry, in the process the engine started: the exit code."""
+    environ = here(environ)
+    check_reachable(environ, int(environ["RANK"]))
+    return remote_main(environ, first, live)
+
+
+def here(environ: dict[str, str]) -> dict[str, str]:
+    """A rank's environment fitted to the machine it landed on (its own copy)."""
+    environ = dict(environ)
+    if environ.pop(MACHINE_VAR, None) != machine_identity():
+        environ[SHARED_MEMORY_VAR] = "0"  # the notebook cannot map this machine's memory
+    _as_in_the_notebook(environ.pop(PATH_VAR, ""), environ.pop(CWD_VAR, ""))
+    return environ
+
+
+def _as_in_the_notebook(path: str, cwd: str) -> None:
+    """The notebook's directory and import path, where this machine has them (a shared file
+    system): the user's own modules and relative paths then mean what they mean there."""
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)
+    sys.path[:0] = [p for p in path.split(os.pathsep) if p and p not in sys.path and os.path.isdir(p)]
+
+
+def check_reachable(environ: dict[str, str], rank: int) -> None:
+    """Fail with a message that says what to do when the notebook cannot be reached from here
+    (a firewall, an address that only resolves on the notebook's side)."""
+    host, port = environ[ADDRESS_VAR].rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS).close()
+    except OSError as exc:
+        raise ConnectionError(
+            f"rank {rank} on {socket.gethostname()} cannot reach the notebook's channel at {host}:{port} "
+            f"({type(exc).__name__}: {exc}). The nodes must be able to connect to the notebook's machine: give "
+            "the cluster object notebook_address='<an address of that machine the nodes can reach>'.") from None
+
+
+class RemoteRank(RankProcess):
+    """A rank in a process the notebook does not own: the engine stops it, not a signal.
+
+    `pid` is 0: the rank's own pid arrives in its hello, over the channel.
+    """
+
+    def __init__(self, ranks: list[int]):  # the base's callbacks are this class's own methods
+        self.ranks, self.pid, self.exited_at = ranks, 0, None
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def join(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    def signal(self, sig: int) -> None:  # SIGTERM and SIGKILL both mean: end it, through the engine
+        self.stop()
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class RemotePlacement(ProcessLauncher):
+    """A placement whose ranks run in processes an engine starts, possibly on other machines."""
+
+    remote = True
+    strategy = "ddp"
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+
+    def _apply_nccl_quirks(self, job: Job, display) -> None:
+        job.options["quirk_env"] = {}  # this machine's GPU quirks say nothing about the nodes'
+
+    def _prepare(self, job: Job) -> None:
+        if not job.live:
+            job.options["payload"] = pack_job(job.fn, job.args, job.kwargs)

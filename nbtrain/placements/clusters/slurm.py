@@ -1,0 +1,355 @@
+"""SLURM through submitit: one job, one task per rank, `devices` tasks on each of its nodes.
+
+submitit writes the sbatch script, pickles the task function into a folder the nodes share,
+submits and cancels; each task reads its place from submitit's `JobEnvironment` (global and
+local rank, node, the job's host names: the first is the master). Everything the notebook
+shows comes over the channel; submitit's per-task result file only says that a task ended.
+
+The queue is asked with `squeue` on a thread of its own: submitit's state watcher uses
+`sacct`, which needs SLURM's accounting database and is asked at most once a minute.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from ..base import Job, describe_exit
+from .base import (Cluster, RemotePlacement, RemoteRank, accelerator_of, base_environ, channel_options, count,
+                   every_interface, make_plan, rank_entry, rank_vars, require)
+
+# Set by nbtrain from the plan and the arguments, so not accepted as sbatch options:
+OWN_OPTIONS = {"nodes", "ntasks", "ntasks_per_node", "gpus_per_node", "partition", "time", "account", "output",
+               "error", "job_name", "array", "open_mode", "signal"}
+ASK_WAITING = 1.0  # seconds between squeue calls while the job waits or starts
+ASK_RUNNING = 5.0  # ... while it runs (the channel says what matters then)
+ASK_ENDING = 0.25  # ... while it is cancelled or ends: how soon "nothing left in the queue" is known
+LEAVE_WAIT = 10.0  # how long the end of a run waits for its job to leave the queue before cancelling it
+RESULT_GRACE = 3.0  # a task's result file may show up this long after the job left the queue (NFS)
+ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
+STARTING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED"}
+TIME_WARNING = 90  # seconds: submitit's default --signal=USR2@90
+
+
+class Slurm(Cluster):
+    """Ranks as the tasks of one SLURM job, submitted with submitit (`pip install 'nbtrain[slurm]'`).
+
+    `devices` (launch's, or the cell's --devices) is tasks per node, `num_nodes` (or `nodes`
+    here) the job's nodes. `time` is sbatch's (minutes, or 'HH:MM:SS'; None: the partition's
+    default). Other sbatch options go as keywords (`qos='high'`, `mem='32G'`,
+    `cpus_per_task=8`, `constraint='a100'`); `setup` lines run before the tasks (`module load
+    ...`). `folder` holds submitit's files (the pickled job, logs) for the job's life: it must
+    be on a file system the nodes share (default ~/.cache/nbtrain/slurm, private to you).
+    """
+
+    engine = "SLURM"
+    extra = "slurm"
+
+    def __init__(self, partition: str | None = None, time: int | str | None = None, account: str | None = None,
+                 nodes: int | None = None, gpus_per_node: int | None = None, *, folder: str | os.PathLike | None = None,
+                 setup: list[str] | None = None, notebook_address: str | None = None, **sbatch_options):
+        super().__init__(notebook_address)
+        for name, value in (("partition", partition), ("account", account)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name}={value!r}: give the SLURM {name}'s name as a str, or None for the default.")
+        if time is not None and not (type(time) is int and time > 0 or isinstance(time, str) and time.strip()):
+            raise ValueError(f"time={time!r}: give minutes (an int > 0) or a SLURM time such as '2:00:00' or "
+                             "'1-00:00:00', or None for the partition's default limit.")
+        for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name}={value!r}: give an int >= 1, or None.")
+        if setup is not None and (isinstance(setup, str) or not all(isinstance(line, str) for line in setup)):
+            raise ValueError(f"setup={setup!r}: give a list of shell lines, e.g. ['module load cuda/12.4'].")
+        self.partition, self.time, self.account = partition, time, account
+        self.nodes, self.gpus_per_node = nodes, gpus_per_node
+        self.folder = Path(folder).expanduser() if folder is not None else None
+        self.setup = list(setup) if setup is not None else None
+        self.sbatch_options = _sbatch_options(sbatch_options)
+
+    def plan(self, devices, accelerator, backend, num_nodes):
+        if self.nodes is not None and num_nodes not in (1, self.nodes):
+            raise ValueError(f"num_nodes={num_nodes} but Slurm(nodes={self.nodes}): give the node count once.")
+        per_node = count(devices, "devices", default=self.gpus_per_node or 1)
+        return make_plan(per_node, self.nodes or num_nodes, accelerator_of(accelerator, bool(self.gpus_per_node)),
+                         backend, self.where())
+
+    def where(self) -> str:
+        settings = [f"{k} {v}" for k, v in (("partition", self.partition), ("account", self.account)) if v]
+        return "SLURM" + (f" ({', '.join(settings)})" if settings else "")
+
+    def placement(self) -> "SlurmPlacement":
+        return SlurmPlacement(self)
+
+    def __repr__(self) -> str:
+        given = {"partition": self.partition, "time": self.time, "account": self.account, "nodes": self.nodes,
+                 "gpus_per_node": self.gpus_per_node, **self.sbatch_options}
+        return f"Slurm({', '.join(f'{k}={v!r}' for k, v in given.items() if v is not None)})"
+
+
+def _sbatch_options(options: dict) -> dict:
+    checked = {}
+    for key, value in options.items():
+        name = key.replace("-", "_")
+        if name in OWN_OPTIONS:
+            raise ValueError(f"sbatch option {key!r} is nbtrain's to set: use Slurm(partition=, time=, account=, "
+                             "nodes=, gpus_per_node=) and launch's devices= (tasks per node).")
+        if not isinstance(value, (str, int, float)) or value is False:
+            raise ValueError(f"sbatch option {key}={value!r}: give a str or a number, or True for a flag "
+                             "(e.g. exclusive=True).")
+        checked[name] = value
+    return checked
+
+
+class SlurmPlacement(RemotePlacement):
+    def __init__(self, cluster: Slurm):
+        super().__init__(cluster)
+        self.folder: Path | None = None
+        self.queue: Queue | None = None
+
+    def channel_options(self, job: Job) -> dict:
+        return channel_options(self.cluster.notebook_address, every_interface)
+
+    def _prepare(self, job: Job) -> None:
+        self.submitit = require("submitit", self.cluster.extra)
+        if shutil.which("sbatch") is None:
+            raise RuntimeError("cluster=Slurm(...): `sbatch` is not on PATH here. Run the notebook on a machine that "
+                               "submits SLURM jobs (a login node, or a node of an interactive job).")
+        super()._prepare(job)
+        base = self.cluster.folder or Path.home() / ".cache" / "nbtrain" / "slurm"
+        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _remove_orphans(base)
+        # Private: the pickled job holds the channel's authkey. Named for its kernel, see _remove_orphans.
+        self.folder = Path(tempfile.mkdtemp(prefix=f"job-{socket.gethostname()}-{os.getpid()}-", dir=base))
+
+    def _parameters(self, job: Job) -> dict:
+        cluster, plan = self.cluster, job.plan
+        gpus = cluster.gpus_per_node or (plan.nprocs if plan.accelerator == "gpu" else None)
+        given = {"partition": cluster.partition, "account": cluster.account, "gpus_per_node": gpus,
+                 "setup": cluster.setup, "additional_parameters": cluster.sbatch_options or None}
+        return {"job_name": "nbtrain", "nodes": plan.num_nodes, "ntasks_per_node": plan.nprocs,
+                "time": cluster.time,  # None: the partition's default (submitit's own default is 5 minutes)
+                **{k: v for k, v in given.items() if v is not None}}
+
+    def _start(self, job, channel_env, pump, started) -> None:
+        from submitit.core.utils import FailedJobError
+
+        executor = self.submitit.SlurmExecutor(folder=self.folder)
+        executor.update_parameters(**self._parameters(job))
+        try:
+            submitted = executor.submit(_task, base_environ(job, channel_env), job.first, job.live)
+        except FailedJobError as exc:
+            raise RuntimeError(f"SLURM refused the job ({self.cluster!r}): {exc}") from None
+        self.queue = Queue(submitted)
+        started.extend(SlurmTask(self.queue, task, rank) for task, rank in enumerate(job.ranks))
+
+    def _cleanup(self, job: Job) -> None:
+        if self.queue is not None:
+            self.queue.close()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _remove_orphans(base: Path) -> None:
+    """Job folders of this machine's kernels that died before their run ended (killed)."""
+    host = socket.gethostname()
+    for folder in base.glob(f"job-{host}-*-*"):
+        pid = folder.name[len(f"job-{host}-"):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+# -- the task, on a node --------------------------------------------------------------------
+
+def _task(base: dict, first: tuple | None, live: bool) -> int:
+    """One rank: a task of the job (run by submitit's `python -m submitit.core._submit`)."""
+    import submitit
+
+    env = submitit.JobEnvironment()
+    # nbtrain drives these ranks from the notebook: a cancel ends them now (submitit would
+    # ignore SIGTERM, waiting to requeue a preempted job), and the time limit is announced.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR2, _time_limit_near)
+    per_node = env.num_tasks // env.num_nodes
+    environ = {**base, **rank_vars(env.global_rank, env.local_rank, per_node, env.node, env.hostnames[0])}
+    return rank_entry(environ, first, live)
+
+
+def _time_limit_near(signum, frame) -> None:
+    print(f"nbtrain: SLURM says this job reaches its time limit in about {TIME_WARNING} s; it is then stopped.",
+          file=sys.stderr, flush=True)
+
+
+# -- the notebook's view of the job -----------------------------------------------------------
+
+class Queue:
+    """One submitted job: its state in SLURM's queue, asked of squeue, and its tasks' ends."""
+
+    def __init__(self, submitted):
+        self.job = submitted
+        self.id = submitted.job_id
+        self.state, self.reason, self.nodes = "PENDING", "", ""
+        self.gone = threading.Event()  # the job left the queue
+        self.gone_at: float | None = None
+        self.cancelled = False
+        self.ending = False  # the run is over: the job should leave the queue now
+        self._told = ""  # the last status line handed out
+        self._outcomes: dict[int, tuple] = {}
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self._ask()  # the first status is known at once
+        self._thread = threading.Thread(target=self._watch, name="nbtrain-squeue", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self.gone.is_set() and not self._stop.is_set():
+            if self.cancelled or self.ending:
+                interval = ASK_ENDING
+            else:
+                interval = ASK_WAITING if self.state in STARTING else ASK_RUNNING
+            self._wake.wait(interval)
+            self._wake.clear()
+            if not self._stop.is_set():
+                self._ask()
+
+    def _ask(self) -> None:
+        try:
+            done = subprocess.run(["squeue", "--noheader", "--jobs", self.id, "--format", "%T|%r|%N"],
+                                  capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return  # asked again later
+        line = done.stdout.strip().splitlines()[0] if done.stdout.strip() else ""
+        if done.returncode != 0:
+            if "Invalid job id" in done.stderr:
+                self._left()
+            return  # the controller is busy or unreachable: ask again later
+        if not line:
+            self._left()
+            return
+        state, reason, nodes = (line.split("|") + ["", ""])[:3]
+        self.state, self.reason, self.nodes = state, reason, nodes or self.nodes
+        if state in ENDED:
+            self._left()
+
+    def _left(self) -> None:
+        if not self.gone.is_set():
+            self.gone_at = time.monotonic()
+            self.gone.set()
+
+    def status(self) -> tuple[str, bool]:
+        waiting = self.state in STARTING and not self.gone.is_set()
+        if self.gone.is_set() or self.cancelled:
+            line = ""
+        elif self.state == "PENDING":
+            why = f" ({self.reason})" if self.reason and self.reason != "None" else ""
+            line = f"SLURM job {self.id} waits in the queue: PENDING{why}"
+        elif self.state in STARTING:
+            line = f"SLURM job {self.id}: {self.state}" + (f" on {self.nodes}" if self.nodes else "")
+        else:
+            line = f"SLURM job {self.id} runs on {self.nodes}" if self.state == "RUNNING" else ""
+        new, self._told = (line if line != self._told else ""), line or self._told
+        return new, waiting
+
+    # -- the tasks ---------------------------------------------------------------------------
+    def outcome(self, task: int) -> tuple | None:
+        """submitit's ("success", exit code) or ("error", traceback) of a task that ended."""
+        if task not in self._outcomes:
+            path = self.job.task(task).paths.result_pickle
+            try:
+                with open(path, "rb") as f:
+                    self._outcomes[task] = pickle.load(f)
+            except (OSError, EOFError, pickle.UnpicklingError):
+                return None
+        return self._outcomes[task]
+
+    def exit_code(self, task: int) -> int | None:
+        outcome = self.outcome(task)
+        if outcome is not None:
+            kind, value = outcome
+            return value if kind == "success" and type(value) is int else 1
+        if self.gone.is_set() and (self.cancelled or time.monotonic() - self.gone_at > RESULT_GRACE):
+            return 1  # the job ended and this task left no result: killed, or its node failed
+        return None
+
+    def explain(self, task: int, rank: int, code: int) -> str:
+        where = f"SLURM job {self.id}, task {task}" + (f" on {self.nodes}" if self.nodes else "")
+        outcome = self.outcome(task)
+        if outcome is not None and outcome[0] == "error":
+            last = [line for line in str(outcome[1]).strip().splitlines() if line.strip()][-1:]
+            return f"{where} failed before rank {rank} reported: {last[0] if last else 'no traceback'}"
+        if outcome is not None:
+            return f"{where}: {describe_exit(code, None)}"
+        try:
+            log = (self.job.task(task).stderr() or "").strip().splitlines()[-5:]
+        except OSError:
+            log = []
+        tail = ("; its last log lines:\n" + "\n".join(log)) if log else ""
+        return f"{where} ended (last seen {self.state}) before rank {rank} reported{tail}"
+
+    # -- stopping ----------------------------------------------------------------------------
+    def all_ended(self) -> bool:
+        return all(self.outcome(task) is not None for task in range(self.job.num_tasks))
+
+    def cancel(self) -> None:
+        """scancel, through submitit; not for a job whose tasks all ended (it is leaving anyway)."""
+        if not self.cancelled and not self.gone.is_set() and not self.all_ended():
+            self.cancelled = True
+            self.job.cancel(check=False)
+            self._wake.set()
+
+    def wait_ended(self, task: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.exit_code(task) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        """Wait until the job left the queue (cancelling it if it does not), then stop asking."""
+        self.ending = True
+        self._wake.set()
+        if not self.gone.wait(LEAVE_WAIT):
+            self.cancel()
+            self.gone.wait(LEAVE_WAIT)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=35)
+
+
+class SlurmTask(RemoteRank):
+    """A rank as one task of the job: it ends when its result file appears or the job leaves
+    the queue; stopping it cancels the whole job (a launch's ranks live and die together)."""
+
+    def __init__(self, queue: Queue, task: int, rank: int):
+        super().__init__([rank])
+        self.queue, self.task = queue, task
+
+    def poll(self) -> int | None:
+        return self.queue.exit_code(self.task)
+
+    def stop(self) -> None:
+        self.queue.cancel()
+
+    def join(self, timeout: float) -> None:
+        self.queue.wait_ended(self.task, timeout)
+
+    def exit_reason(self, rank: int, code: int, pid: int | None) -> tuple[str, bool]:
+        return self.queue.explain(self.task, rank, code), not self.queue.cancelled
+
+    def status(self) -> tuple[str, bool] | None:
+        return self.queue.status() if self.task == 0 else None

@@ -1,0 +1,53 @@
+"""ddp_spawn's default: ranks forked from the warm template (see template_process.py here, and nbtrain/rank/template_main.py).
+
+Safe where forking the kernel is not (CUDA initialised in it, libraries that refuse fork),
+at fork speed. Falls back to plain spawn, saying why, when the template cannot start.
+"""
+from __future__ import annotations
+
+
+from .base import Job, ProcessLauncher, RankProcess, rank_environ
+from .processes import _Pipes, SpawnLauncher
+from .template_process import template
+from ..common.transfer import pack_job
+
+
+class TemplateLauncher(ProcessLauncher):
+    strategy = "ddp_spawn"
+
+    def _prepare(self, job: Job) -> None:
+        if not job.live:
+            job.options["payload"] = pack_job(job.fn, job.args, job.kwargs)
+        self.template = template()
+
+    def _start(self, job, channel_env, pump, started) -> None:
+        pipes = _Pipes(job.ranks, pump)
+        try:
+            for local, rank in enumerate(job.ranks):
+                env = rank_environ(job, local, channel_env)
+                pid = self.template.fork(env, job.first, job.live, list(pipes.write_ends[rank]))
+                started.append(self._handle(pid, rank))
+        finally:
+            pipes.close_write_ends()
+
+    def _handle(self, pid: int, rank: int) -> RankProcess:
+        template = self.template
+
+        def poll() -> int | None:
+            code = template.exit_code(pid)
+            if code is None and not template.alive():  # the template died: so did its ranks
+                return -9
+            return code
+
+        return RankProcess([rank], pid, poll, lambda timeout: template.wait_exit(pid, timeout))
+
+
+def start_ranks_cleanly(display):
+    """The launcher for ranks that must not be forks of the kernel: the template, or plain
+    spawn (said in the display) when the template cannot start."""
+    try:
+        template()
+        return TemplateLauncher()
+    except (RuntimeError, OSError) as exc:
+        display.note(f"the warm template did not start ({exc}); starting ranks with plain spawn instead")
+        return SpawnLauncher()

@@ -1,0 +1,180 @@
+"""The kernel's handle on its warm template (see `nbtrain.rank.template_main` for what runs
+inside it): start it once, fork ranks through it, hear of their exits, stop it with the kernel.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from ..rank.template_main import READY_TIMEOUT, _receive, _send
+
+class Template:
+    """The kernel's handle on its template: start, fork ranks, hear of their exits, stop."""
+
+    def __init__(self, preload: tuple[str, ...] = ()):
+        kernel_end, template_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = kernel_end
+        self.started = time.monotonic()
+        # Its own words (an import warning, a failed start) go to a file, not into whatever cell
+        # happens to run: ipykernel forwards fd 2 of the kernel's children to the notebook.
+        self._log = tempfile.TemporaryFile(prefix="nbtrain-template-")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "nbtrain.rank.template_main", str(template_end.fileno()), str(os.getpid()), *preload],
+            pass_fds=[template_end.fileno()], stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
+            start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
+        template_end.close()
+        self.preload = tuple(preload)
+        self.pid: int | None = None
+        self.exits: dict[int, int] = {}
+        self._changed = threading.Condition()
+        self._replies: list = []
+        self._lock = threading.Lock()  # one fork request at a time
+        self._reader = threading.Thread(target=self._read, name="nbtrain-template", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message, _ = _receive(self._sock)
+                with self._changed:
+                    if message[0] == "exited":
+                        self.exits[message[1]] = message[2]
+                    elif message[0] == "ready":
+                        self.pid = message[1]
+                    else:
+                        self._replies.append(message)
+                    self._changed.notify_all()
+        except (EOFError, OSError):
+            with self._changed:
+                self._replies.append(("gone",))
+                self._changed.notify_all()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self.pid is not None or not self.alive() or self._replies, timeout)
+        if self.pid is None:
+            ended = not self.alive() or ("gone",) in self._replies
+            self._log.seek(0)
+            said = self._log.read().decode(errors="replace").strip().splitlines()[-1:]
+            raise RuntimeError("nbtrain's template process " + ("ended before it was ready" if ended else
+                               f"was not ready within {timeout:g} s") + (f": {said[0]}" if said else ""))
+
+    def fork(self, env: dict, first, live: bool, fds: list[int]) -> int:
+        """A new rank, forked from the template, with `env` over the kernel's environment; its pid."""
+        self.wait_ready()
+        request = {"env": {**os.environ, **env}, "cwd": os.getcwd(),
+                   "path": [os.getcwd() if p == "" else p for p in sys.path],
+                   "first": pickle.dumps(first), "live": live, "template": self.pid}
+        with self._lock:
+            with self._changed:
+                self._replies.clear()
+            _send(self._sock, request, fds)
+            with self._changed:
+                self._changed.wait_for(lambda: self._replies, READY_TIMEOUT)
+                reply = self._replies.pop(0) if self._replies else ("gone",)
+        if reply[0] != "forked":
+            raise RuntimeError("nbtrain's template process went away while forking a rank")
+        return reply[1]
+
+    def exit_code(self, pid: int) -> int | None:
+        return self.exits.get(pid)
+
+    def wait_exit(self, pid: int, timeout: float) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self.exits or not self.alive(), timeout)
+
+    def close(self) -> None:
+        try:
+            self._sock.close()  # the template leaves its loop on EOF
+        except OSError:
+            pass
+        try:
+            self.process.wait(2.0)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(2.0)
+        self._reader.join(1.0)
+        self._log.close()
+
+
+_template: Template | None = None
+_preload: tuple[str, ...] = ()  # the user's own additions (warm_up(preload=...))
+_failed: str | None = None  # why the last start failed: not tried again at every launch, only by warm_up()
+_guard = threading.Lock()
+
+
+def template(start: bool = True) -> Template | None:
+    """This kernel's template, ready: the running one, or a new one if it died (or never started).
+
+    Raises RuntimeError when it cannot start (and, until `warm_up()` is called again, at once).
+    """
+    global _template, _failed
+    with _guard:
+        if _template is not None and not _template.alive():
+            _template.close()
+            _template = None
+        if _template is None and start:
+            if _failed:
+                raise RuntimeError(f"{_failed} (nbtrain.warm_up() tries again)")
+            _template = Template(_preload)
+        handle = _template
+    if handle is not None and start:
+        try:
+            handle.wait_ready()
+        except RuntimeError as exc:
+            with _guard:
+                _failed = str(exc)
+                if _template is handle:
+                    _template = None
+            handle.close()
+            raise
+    return handle
+
+
+def warm_up(restart: bool = False, preload=None, wait: bool = True) -> float:
+    """Start this kernel's template now, so the first CUDA-safe launch is as fast as later ones.
+
+    `preload`: more packages for it to import once (third-party ones every rank imports, e.g.
+    `["transformers"]`; never your own modules, which ranks import fresh); None keeps the last
+    list, `[]` has none. `restart=True`
+    replaces a running one (after changing a variable torch reads at import). Returns the
+    seconds since the template was started, once it is ready.
+    """
+    global _preload, _failed
+    if preload is not None:
+        if isinstance(preload, str) or not all(isinstance(name, str) and name for name in preload):
+            raise TypeError(f"preload={preload!r}: give a list of module names, e.g. ['transformers'].")
+        if tuple(preload) != _preload:
+            _preload, restart = tuple(preload), True
+    if restart:
+        stop()
+    _failed = None
+    if not wait:
+        with _guard:
+            if _template is None:
+                globals()["_template"] = Template(_preload)
+        return 0.0
+    handle = template()
+    return time.monotonic() - handle.started
+
+
+def stop() -> None:
+    """Stop this kernel's template (the ranks it forked stay until their launch ends)."""
+    global _template
+    with _guard:
+        if _template is not None:
+            _template.close()
+            _template = None
+
+
+atexit.register(stop)

@@ -1,0 +1,282 @@
+"""The per-rank `Context`: who this rank is, and the helpers a training function needs.
+
+A rank's Context is built from the torchrun-standard environment, so it is the same object
+whether the rank was forked, spawned, started by torchrun or runs in the kernel itself.
+"""
+from __future__ import annotations
+
+import builtins
+import functools
+import os
+import time
+from collections import defaultdict
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from . import strategies
+from .strategies import DDP_STRATEGIES, DEFAULT_MIN_PARAMS, SHARDED_STRATEGIES
+from .checkpoint import load, save
+
+PROGRESS_INTERVAL = 0.1  # seconds between progress events of one bar
+
+
+class _NoSink:
+    def emit(self, kind: str, *payload) -> None:
+        pass
+
+
+class Context:
+    """This rank's place in the run and its helpers (`setup`, `loader`, `log`, `progress`, ...)."""
+
+    def __init__(self, rank: int = 0, local_rank: int = 0, world_size: int = 1, local_world_size: int = 1,
+                 device: torch.device | str = "cpu", strategy: str = "local", backend: str = "gloo",
+                 sink=None, dp_device_ids: tuple[int, ...] = ()):
+        self.rank = rank
+        self.local_rank = local_rank
+        self.world_size = world_size
+        self.local_world_size = local_world_size
+        self.device = torch.device(device)
+        self.strategy = strategy
+        self.backend = backend
+        self._sink = sink or _NoSink()
+        self._dp_device_ids = tuple(dp_device_ids)
+        self._owns_group = False
+        self._steps: dict[str, int] = defaultdict(int)
+        self._depth = 0
+        self._reported_batch = False
+
+    @classmethod
+    def from_environ(cls, environ=os.environ, sink=None) -> "Context":
+        """A rank started with the torchrun-standard environment (RANK, LOCAL_RANK, ...)."""
+        local_rank = int(environ.get("LOCAL_RANK", 0))
+        accelerator = environ.get("NBTRAIN_ACCELERATOR") or ("gpu" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda", local_rank) if accelerator == "gpu" else torch.device("cpu")
+        return cls(
+            rank=int(environ.get("RANK", 0)),
+            local_rank=local_rank,
+            world_size=int(environ.get("WORLD_SIZE", 1)),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", 1)),
+            device=device,
+            strategy=environ.get("NBTRAIN_STRATEGY", "ddp"),
+            backend=environ.get("NBTRAIN_BACKEND") or ("nccl" if accelerator == "gpu" else "gloo"),
+            sink=sink,
+        )
+
+    @property
+    def is_distributed(self) -> bool:
+        """Several ranks, or a DDP or sharded strategy asked for explicitly (DDP on one rank, as Lightning does)."""
+        return self.world_size > 1 or self.strategy in DDP_STRATEGIES or self.strategy in SHARDED_STRATEGIES
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+    def __repr__(self) -> str:
+        return (f"Context(rank={self.rank}, local_rank={self.local_rank}, world_size={self.world_size}, "
+                f"device={self.device}, strategy={self.strategy!r})")
+
+    # -- process group ------------------------------------------------------------------
+    def _ensure_group(self) -> None:
+        # Created on first need, so a user's own init_process_group() called earlier wins.
+        if not self.is_distributed or dist.is_initialized():
+            return
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size)
+        self._owns_group = True
+
+    def start_group(self) -> None:
+        """Create the default process group now (live ranks do, so plain torch.distributed works
+        in their first cell); a no-op for a single non-distributed rank or an existing group."""
+        self._ensure_group()
+
+    def _begin_command(self) -> None:
+        # A live rank runs many commands: each one's progress bars start at the outer level.
+        self._depth = 0
+
+    def close(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    # -- model and data -----------------------------------------------------------------
+    def setup(self, module: torch.nn.Module, *, shard=None, min_params: int = DEFAULT_MIN_PARAMS,
+              mixed_precision=None, cpu_offload=False, reshard_after_forward: bool = True) -> torch.nn.Module:
+        """Move to this rank's device and wrap for the strategy (FSDP2, DDP, DataParallel or none).
+
+        The keyword options configure FSDP (strategy 'fsdp'): `shard` names the module classes
+        sharded as units of their own (default: each submodule with at least `min_params`
+        parameters), `mixed_precision` 'bf16'/'fp16' or a MixedPrecisionPolicy, `cpu_offload`
+        True or a CPUOffloadPolicy, `reshard_after_forward` as FSDP2's. Other strategies check
+        them and leave them unused, so one training function runs under ddp and fsdp alike.
+        """
+        options = strategies.ShardOptions.check(shard, min_params, mixed_precision, cpu_offload, reshard_after_forward)
+        return strategies.wrap(module, self, options)
+
+    def prepare_return(self, value):
+        """The training function's return value, ready to leave this rank: under fsdp, sharded
+        modules are gathered whole to CPU on rank 0 (None on other ranks). Collective there:
+        every rank calls it. Other strategies: `value` itself."""
+        if self.strategy in SHARDED_STRATEGIES:
+            return strategies.gather_returned(value, self)
+        return value
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def save_checkpoint(self, path, **objects) -> None:
+        """Save models, optimizers and plain state (`model=m, optimizer=opt, step=3`) to the
+        directory `path`, each rank writing its own shard (torch.distributed.checkpoint)."""
+        save(self, path, objects)
+
+    def load_checkpoint(self, path, **objects) -> dict:
+        """Load what `save_checkpoint` saved into the given models and optimizers (in place),
+        on any number of ranks; returns every name's loaded value (plain state included)."""
+        return load(self, path, objects)
+
+    def loader(self, dataset, **dataloader_kwargs) -> "EpochLoader":
+        """A DataLoader that gives each rank its own shard (DistributedSampler) and reshuffles per epoch."""
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        sampler = None
+        if self.world_size > 1 and not {"sampler", "batch_sampler"} & dataloader_kwargs.keys():
+            shuffle = dataloader_kwargs.pop("shuffle", False)
+            sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
+                                         drop_last=dataloader_kwargs.get("drop_last", False))
+            dataloader_kwargs["sampler"] = sampler
+        loader = DataLoader(dataset, **dataloader_kwargs)
+        self._report_batch_size(loader.batch_size)
+        return EpochLoader(loader, sampler)
+
+    def _report_batch_size(self, per_rank: int | None) -> None:
+        if self._reported_batch or per_rank is None:
+            return
+        self._reported_batch = True
+        # DataParallel splits the loader's batch across GPUs: the loader's batch is the effective one.
+        effective = per_rank if self._dp_device_ids else per_rank * self.world_size
+        self._sink.emit("batch_size", per_rank, effective)
+
+    # -- metrics and collectives ---------------------------------------------------------
+    def log(self, name: str, value, sync_dist: bool = False) -> float:
+        """Record a metric; with `sync_dist` the mean over ranks is recorded (and returned)."""
+        if isinstance(value, torch.Tensor):  # .item() on a one-element tensor is the cheap path
+            value = value.item() if value.numel() == 1 else value.detach().float().mean().item()
+        value = float(value)
+        if sync_dist and self.world_size > 1:
+            self._ensure_group()
+            total = torch.tensor([value], dtype=torch.float64, device=self._comm_device)
+            dist.all_reduce(total)
+            value = total.item() / self.world_size
+        step = self._steps[name]
+        self._steps[name] += 1
+        self._sink.emit("metric", step, name, value, bool(sync_dist))
+        return value
+
+    def all_gather(self, x):
+        """Tensors: stacked along a new first dimension, one row per rank. Other objects: a list."""
+        if not isinstance(x, torch.Tensor):
+            if self.world_size == 1:
+                return [x]
+            self._ensure_group()
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, x)
+            return gathered
+        if self.world_size == 1:
+            return x.unsqueeze(0)
+        self._ensure_group()
+        local = x.to(self._comm_device)
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local.contiguous())
+        return torch.stack(parts).to(x.device)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self._ensure_group()
+            dist.barrier()
+
+    def print(self, *args, **kwargs) -> None:
+        """`print` on global rank 0 only."""
+        if self.is_global_zero:
+            builtins.print(*args, **{"flush": True, **kwargs})
+
+    # -- progress ------------------------------------------------------------------------
+    def progress(self, iterable: Iterable, desc: str | None = None, total: int | None = None) -> Iterator:
+        """Iterate, reporting this rank's progress to the notebook (nested calls nest)."""
+        if total is None:
+            try:
+                total = len(iterable)  # type: ignore[arg-type]
+            except TypeError:
+                total = None
+        level = self._depth
+        desc = desc or ("epoch" if level == 0 else "batch")
+        self._depth += 1
+        emit = self._sink.emit
+        n, last = 0, time.monotonic()
+        emit("progress", level, desc, 0, total, False)
+        try:
+            for item in iterable:
+                yield item
+                n += 1
+                now = time.monotonic()
+                if now - last >= PROGRESS_INTERVAL:
+                    emit("progress", level, desc, n, total, False)
+                    last = now
+        finally:
+            self._depth -= 1
+            emit("progress", level, desc, n, total, True)
+
+
+class EpochLoader:
+    """A DataLoader whose sampler moves to the next epoch on each new iteration."""
+
+    def __init__(self, loader, sampler=None):
+        self.loader = loader
+        self._sampler = sampler
+        self._epoch = 0
+
+    def __iter__(self):
+        if self._sampler is not None:
+            self._sampler.set_epoch(self._epoch)
+        self._epoch += 1
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
+_current: Context | None = None
+
+
+def set_current(ctx: Context | None) -> Context | None:
+    global _current
+    previous, _current = _current, ctx
+    return previous
+
+
+def context() -> Context:
+    """This rank's Context; outside a launch, one built from the environment (rank 0 of 1 if unset)."""
+    global _current
+    if _current is None:
+        _current = Context.from_environ(os.environ) if "RANK" in os.environ else Context()
+    return _current
+
+
+def rank_zero_only(fn):
+    """Run `fn` on global rank 0 only; elsewhere it returns None."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs) if context().is_global_zero else None
+
+    return wrapper

@@ -1,0 +1,422 @@
+"""The rank side of every run: receive a command, run it in this rank, stream events, reply.
+
+One loop serves `launch` (one `run` command, then the rank exits) and live `Ranks` (commands
+until `stop`), whatever started the rank. Commands run on the main thread, so an interrupt
+(SIGINT, raised only while user code runs) lands in the user's code as KeyboardInterrupt; the
+channel's second thread receives commands, interrupts, stack requests and debugger input.
+
+Commands (notebook -> rank), each `(kind, seq, everyone, ...)` (`everyone`: sent to every rank, so
+collectives — the gather of a sharded model — may run):
+  run    (job)                 launch's function, with its own globals: fork hands (fn, args, kwargs)
+                               over in memory, other placements a dill payload
+  call   (payload)             a notebook function run with this rank's namespace as its globals
+  exec   (source, filename, want_repr)   code in this rank's namespace; the last expression's repr back
+  eval   (source)              an expression's value back
+  push   (payload)             {name: object} into the namespace
+  pull   (name)                a name's value back
+  debug  ()                    pdb on the last failure's traceback, its prompt and input via the notebook
+  names  (payload)             answer to this rank's "need": names it lacked, from the notebook
+Messages besides commands: ("interrupt", seq), ("stacks",), ("stdin", line), ("stop",).
+Replies (rank -> notebook): ("begin", seq) then ("result", payload, where) or
+("error", summary, traceback, exception payload); ("need", seq, names); ("prompt", text).
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import faulthandler
+import linecache
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import traceback
+import types
+
+from .process import drain_output, enable_stacks, forward_output as forward, limit_threads
+from .context import Context, set_current
+from ..common.channel import ChannelUnreachable, Link
+from ..common.source import free_names, parse_cell
+from ..common.pickling import code_global_names
+from ..common.transfer import pack_exception, pack_result, unpack_job
+from .strategies import contains_sharded
+
+NOTHING = object()  # an exec whose code ends without an expression
+MARK = "\x00nbtrain-done "  # written to both output streams after each command: the output before it is all there
+
+
+class RankLoop:
+    def __init__(self, ctx, link, live: bool):
+        self.ctx, self.link, self.live = ctx, link, live
+        self.commands: queue.Queue = queue.Queue()
+        self.names: queue.Queue = queue.Queue()
+        self.stdin: queue.Queue = queue.Queue()
+        self.namespace = _fresh_main(ctx) if live else None
+        self.last_traceback = None
+        self._lock = threading.Lock()
+        self._running: int | None = None  # seq of the command whose user code runs now
+        self._interrupting = False
+        self._main = threading.main_thread().ident
+        signal.signal(signal.SIGINT, self._on_sigint)
+        if live:
+            sys.breakpointhook = self._breakpoint
+
+    # -- the receiving thread ------------------------------------------------------------
+    def on_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "interrupt":
+            with self._lock:
+                if self._running is not None and self._running == message[1]:
+                    self._interrupting = True
+                    signal.pthread_kill(self._main, signal.SIGINT)
+        elif kind == "stacks":  # remote ranks; local ones are asked by signal (works even when the GIL is held)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        elif kind == "stdin":
+            self.stdin.put(message[1])
+        elif kind == "names":
+            self.names.put(message)
+        else:
+            self.commands.put(message)
+
+    def _on_sigint(self, signum, frame) -> None:
+        # Only an interrupt asked for the running command counts: a late one, arriving after
+        # the user's code returned, must not break the reply or the next command.
+        if self._interrupting:
+            self._interrupting = False
+            raise KeyboardInterrupt
+
+    # -- the main thread -----------------------------------------------------------------
+    def serve(self, first: tuple | None = None, once: bool = False) -> int:
+        """Run commands until `stop` (or, with `once`, after the first); the exit code."""
+        if first is not None:
+            self.commands.put(first)
+        code = 0
+        while True:
+            command = self.commands.get()
+            if command[0] == "stop":
+                return code
+            code = self._execute(command, once)
+            if once:
+                return code
+
+    def _execute(self, command: tuple, once: bool) -> int:
+        kind, seq, everyone, *args = command
+        self.ctx._begin_command()
+        self.link.emit("begin", seq)
+        handler = getattr(self, f"_do_{kind}", None)
+        try:
+            if handler is None:
+                raise ValueError(f"unknown command {kind!r}")
+            value, where = handler(seq, *args)
+            if once or kind in ("call", "pull", "eval"):
+                value = self._ready_to_leave(value, everyone)
+            if once:
+                self.ctx.close()
+            reply, code = ("result", self._pack(value), where), 0
+        except BaseException as exc:  # KeyboardInterrupt included: the notebook must hear of it
+            _cut_inherited(exc)
+            self.last_traceback = _user_frames(exc.__traceback__)
+            reply, code = ("error", f"{type(exc).__name__}: {exc}", user_traceback(exc), pack_exception(exc)), 1
+        finally:
+            with self._lock:
+                self._running, self._interrupting = None, False
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        drain_output()  # output that travels over the channel: all of it before the reply
+        if once:
+            self.link.close(reply)  # its output ends with the process: nothing to mark
+        else:
+            # Output travels on its own pipe: the mark lets the notebook show all of it in this cell.
+            for fd in (1, 2):
+                os.write(fd, f"{MARK}{seq}\n".encode())
+            self.link.emit(*reply)
+        return code
+
+    def _ready_to_leave(self, value, everyone: bool):
+        """Sharded models gathered whole (a collective: only when every rank took the command)."""
+        if not everyone and contains_sharded(value):
+            raise ValueError("a sharded (fsdp) model is gathered by every rank together: take it from all ranks "
+                             "(ranks.pull('model'), ranks.run(fn)), not from some of them.")
+        return self.ctx.prepare_return(value) if everyone else value
+
+    def _user_code(self, seq: int):
+        """Marks the span in which an interrupt for `seq` may land (see `_on_sigint`)."""
+        loop = self
+
+        class _Span:
+            def __enter__(self):
+                with loop._lock:
+                    loop._running = seq
+
+            def __exit__(self, *exc):
+                with loop._lock:
+                    loop._running, loop._interrupting = None, False
+
+        return _Span()
+
+    def _pack(self, value) -> bytes:
+        return pack_result(_detached(value) if self.live else value, self.ctx.rank)
+
+    # -- commands ------------------------------------------------------------------------
+    def _do_run(self, seq, job):
+        if isinstance(job, bytes):
+            job = unpack_job(job)
+        elif callable(job):  # a loader (script mode reads the payload from its job directory)
+            job = job()
+        fn, args, kwargs = job
+        with self._user_code(seq):
+            try:
+                value = fn(*args, **kwargs)
+            except SystemExit as exc:
+                if exc.code not in (None, 0):
+                    raise
+                return None, f"called sys.exit({exc.code if exc.code is not None else ''}) at {_exit_site(exc)}"
+        return value, f"returned from {getattr(fn, '__qualname__', 'the function')}()"
+
+    def _do_call(self, seq, payload):
+        import dill
+
+        bare, args, kwargs = dill.loads(payload)
+
+        self._fetch_missing(seq, code_global_names(bare.__code__))
+        fn = types.FunctionType(bare.__code__, self.namespace, bare.__name__, bare.__defaults__, bare.__closure__)
+        fn.__kwdefaults__, fn.__qualname__ = bare.__kwdefaults__, bare.__qualname__
+        with self._user_code(seq):
+            value = fn(*args, **kwargs)
+        return value, f"returned from {fn.__qualname__}()"
+
+    def _do_exec(self, seq, source: str, filename: str, want_repr: bool):
+        lines = source.splitlines(keepends=True)
+        linecache.cache[filename] = (len(source), None, lines, filename)
+        self._fetch_missing(seq, free_names(source, filename))
+        code = _compile_cell(source, filename)
+        with self._user_code(seq):
+            exec(code, self.namespace)
+        value = self.namespace.pop(_LAST, NOTHING)
+        if value is NOTHING or value is None or not want_repr:
+            return None, ""
+        return repr(value), ""
+
+    def _do_eval(self, seq, source: str):
+        filename = "<nbtrain eval>"
+        linecache.cache[filename] = (len(source), None, [source], filename)
+
+        self._fetch_missing(seq, free_names(source, filename))
+        code = compile(source, filename, "eval")
+        with self._user_code(seq):
+            return eval(code, self.namespace), ""
+
+    def _do_push(self, seq, payload: bytes):
+        import dill
+
+        self.namespace.update(dill.loads(payload))
+        return None, ""
+
+    def _do_pull(self, seq, name: str):
+        if name not in self.namespace:
+            raise NameError(f"name {name!r} is not defined on rank {self.ctx.rank}")
+        return self.namespace[name], ""
+
+    def _do_start(self, seq):
+        with self._user_code(seq):  # a rendezvous that never completes can be interrupted
+            self.ctx.start_group()
+        return None, ""
+
+    def _do_debug(self, seq):
+        if self.last_traceback is None:
+            raise RuntimeError(f"rank {self.ctx.rank} has no failure to debug: nothing raised since the ranks started.")
+        debugger = RemoteDebugger(self)
+        with self._user_code(seq):
+            debugger.reset()
+            debugger.interaction(None, self.last_traceback)
+        return None, ""
+
+    def _breakpoint(self, *args, **kwargs) -> None:
+        """`breakpoint()` in code running on a live rank: pdb, through the notebook."""
+        RemoteDebugger(self).set_trace(sys._getframe(1))
+
+    # -- names the rank lacks ------------------------------------------------------------
+    def _fetch_missing(self, seq: int, names) -> None:
+        """Ask the notebook for the names this code reads that this rank does not have.
+
+        The rank's own names win: state that lives here is never overwritten from the notebook.
+        """
+        missing = [n for n in dict.fromkeys(names) if n not in self.namespace and not hasattr(builtins, n)]
+        if not missing:
+            return
+        self.link.emit("need", seq, missing)
+        with self._user_code(seq):
+            while True:
+                _, answered, payload = self.names.get()
+                if answered == seq:
+                    break
+        if payload is not None:
+            import dill
+
+            self.namespace.update(dill.loads(payload))
+
+
+class RemoteDebugger:
+    """pdb whose prompt and input travel through the notebook (the rank has no terminal)."""
+
+    def __new__(cls, loop: RankLoop):
+        import pdb
+
+        class _Debugger(pdb.Pdb):
+            def __init__(self):
+                io = _DebugIO(loop)
+                super().__init__(stdin=io, stdout=io, nosigint=True)
+                self.use_rawinput = False
+                self.prompt = f"(Pdb rank {loop.ctx.rank}) "
+
+        return _Debugger()
+
+
+class _DebugIO:
+    def __init__(self, loop: RankLoop):
+        self.loop = loop
+        self._text = ""
+
+    def write(self, text: str) -> int:
+        self._text += text
+        if "\n" in self._text:
+            done, self._text = self._text.rsplit("\n", 1)
+            self.loop.link.emit("output", "debug", done)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def readline(self) -> str:
+        prompt, self._text = self._text, ""
+        self.loop.link.emit("prompt", prompt)
+        return self.loop.stdin.get() + "\n"
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+def _fresh_main(ctx) -> dict:
+    """A live rank's namespace: a new `__main__` module, so what is defined there pickles by
+    reference (DataLoader workers, results) as it would in a notebook."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__builtins__=builtins, ctx=ctx)
+    sys.modules["__main__"] = main
+    return main.__dict__
+
+
+_LAST = "<nbtrain last value>"  # not an identifier: no name of the user's can clash with it
+
+
+def _compile_cell(source: str, filename: str):
+    """The code as one code object whose last expression, if it ends with one, is kept in
+    `_LAST`, as a cell shows its last value. One code object: a debugger stepping through the
+    cell sees it run to its end, not a body that returns before its last line."""
+    tree = parse_cell(source, filename)
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = tree.body[-1]
+        tree.body[-1] = ast.copy_location(ast.Assign([ast.Name(_LAST, ast.Store())], last.value), last)
+        ast.fix_missing_locations(tree)
+    return compile(tree, filename, "exec")
+
+
+def _detached(value):
+    """What a live rank sends back must not change its own state: modules off the CPU are copied
+    to it (a launch's rank may move its own, it ends anyway), DDP/DataParallel unwrapped."""
+    import copy
+
+    import torch
+
+    if isinstance(value, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        value = value.module
+    if isinstance(value, torch.nn.Module) and any(p.device.type != "cpu" for p in value.parameters()):
+        return copy.deepcopy(value).to("cpu")
+    if type(value) in (list, tuple):
+        return type(value)(_detached(v) for v in value)
+    if type(value) is dict:
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def _user_frames(tb):
+    """The traceback without this module's own frames at either end: from the user's first
+    frame to where the user's code was (an interrupt is raised in `_on_sigint`, below it)."""
+    entries = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    while entries and entries[0].tb_frame.f_code.co_filename == __file__:
+        entries.pop(0)
+    if not entries or entries[-1].tb_frame.f_code.co_filename != __file__:
+        return entries[0] if entries else None
+    while entries and entries[-1].tb_frame.f_code.co_filename == __file__:
+        entries.pop()
+    rebuilt = None
+    for entry in reversed(entries):
+        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return rebuilt
+
+
+def user_traceback(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
+
+
+# A rank forked while the kernel was handling an exception (a launch from an `except:` block, a
+# restart after Ctrl-C) inherits it as the exception being handled: it is not the rank's story.
+def _cut_inherited(exc: BaseException) -> None:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__context__ is not None and exc.__context__ is _inherited():
+            exc.__context__ = None
+            return
+        exc = exc.__context__
+
+
+def _inherited():
+    return _RANK_START_EXCEPTION[0]
+
+
+_RANK_START_EXCEPTION: list = [None]
+
+
+def _exit_site(exc: SystemExit) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "an unknown place"
+    frame = frames[-1]
+    line = f" (`{frame.line}`)" if frame.line else ""
+    return f"{frame.filename} line {frame.lineno}{line}"
+
+
+def serve(first: tuple | None = None, once: bool = False, live: bool = False, forward_output: bool = False) -> int:
+    """Be a rank (environment already set): connect, say hello, run commands; the exit code.
+
+    `forward_output`: this rank has no pipe to the notebook (another machine): its fds 1 and 2
+    travel over the channel instead.
+    """
+    _RANK_START_EXCEPTION[0] = sys.exc_info()[1]
+    rank = int(os.environ["RANK"])
+    try:
+        link = Link.from_environ(rank)
+    except ChannelUnreachable as exc:  # one line on stderr: the notebook shows it as the rank's failure
+        print(f"nbtrain: {exc}", file=sys.stderr, flush=True)
+        return 1
+    if forward_output:
+        forward(link)
+    ctx = Context.from_environ(os.environ, link)
+    set_current(ctx)
+    loop = RankLoop(ctx, link, live)
+    link.listen(loop.on_message)
+    link.emit("hello", os.getpid(), socket.gethostname())
+    return loop.serve(first, once)
+
+
+def remote_main(environ: dict, first: tuple | None, live: bool) -> int:
+    """A rank started by a remote engine (a SLURM task, a Ray actor) in a process of its own:
+    `environ` holds the torchrun-standard variables and the channel's address and authkey."""
+    os.environ.update(environ)
+    enable_stacks()
+    limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return serve(first, once=not live, live=live, forward_output=True)

@@ -1,0 +1,114 @@
+"""A rank's process: lifetime (dies with the notebook), output, stacks on request, threads.
+
+What a rank *does* (the command loop) is `nbtrain/rank/loop.py`; this module only prepares the
+process it runs in, for every placement (forked, spawned, template-forked, torchrun, remote).
+"""
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import io
+import os
+import signal
+import sys
+import threading
+import time
+
+STACKS_SIGNAL = signal.SIGUSR1  # the notebook sends it to see where a rank is stuck
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """A rank must not outlive the process that started it (an orphan can sit in gloo forever)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the watchdog below still covers it
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="nbtrain-watchdog", daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def redirect_output(stdout_fd: int, stderr_fd: int) -> None:
+    """Point fds 1 and 2 (C code and faulthandler included) at the notebook's pipes."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a kernel's stream object in a forked child may be unusable
+            pass
+    os.dup2(stdout_fd, 1)
+    os.dup2(stderr_fd, 2)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, errors="replace")
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, errors="replace")
+
+
+_DRAINED = b"\x00nbtrain-drained\x00"  # written after a command's output; its arrival means all came before
+_forwarded: list[threading.Event] = []  # one per forwarded stream: set when its marker is read
+
+
+def forward_output(link) -> None:
+    """For ranks with no pipe to the notebook (another machine): fds 1 and 2 become pipes
+    read by threads that send each line over the channel as ("output", rank, stream, line)."""
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        read, write = os.pipe()
+        os.dup2(write, fd)
+        os.close(write)
+        drained = threading.Event()
+        _forwarded.append(drained)
+        threading.Thread(target=_forward, args=(read, stream, link, drained), name=f"nbtrain-{stream}",
+                         daemon=True).start()
+    redirect_output(1, 2)
+
+
+def drain_output(timeout: float = 2.0) -> None:
+    """Forwarded output: wait until what fds 1 and 2 received so far is on its way (a command's
+    last lines must precede its reply). Nothing to do where the notebook reads the pipes itself."""
+    for fd, drained in zip((1, 2), _forwarded):
+        drained.clear()
+        os.write(fd, _DRAINED + b"\n")
+    for drained in _forwarded:
+        drained.wait(timeout)
+
+
+def _forward(fd: int, stream: str, link, drained: threading.Event) -> None:
+    partial = b""
+    while True:
+        chunk = os.read(fd, 65536)
+        lines = (partial + chunk).split(b"\n")
+        partial = lines.pop() if chunk else b""
+        for line in lines:
+            marked = line.endswith(_DRAINED)
+            line = line[:-len(_DRAINED)] if marked else line
+            if line or (chunk and not marked):
+                link.emit("output", stream, line.decode(errors="replace").rstrip("\r"))
+            if marked:
+                drained.set()
+        if not chunk:
+            return
+
+
+def enable_stacks() -> None:
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+
+
+def limit_threads(local_world_size: int, forked_from_kernel: bool = False) -> None:
+    """Each rank's share of the cores for torch's intra-op threads.
+
+    A rank forked from a process that has run torch ops gets one thread: GNU OpenMP keeps its
+    pool's state across fork but not its threads, and the child's first parallel region would
+    wait for them forever (a matmul that never returns). Forks of the template (which never
+    ran an op), spawned and torchrun-started ranks get their share of the cores.
+    """
+    import torch
+
+    if forked_from_kernel:
+        torch.set_num_threads(1)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
