@@ -204,7 +204,7 @@ def test_ray_8_actors():
         _, _, error, _ = kernel.run(SETUP + CHILDREN + "import ray\nray.init(num_cpus=8, include_dashboard=False)\n",
                                     timeout=300)
         assert error is None, error
-        _, err, error, _ = kernel.run(f"times = launch_times(8, 'auto', cluster=nbtrain.Ray(num_workers=8))",
+        _, err, error, _ = kernel.run("times = launch_times(8, 'auto', cluster=nbtrain.Ray(num_workers=8))",
                                       timeout=REPEATS * 200)
         assert error is None, f"{error['ename']}: {error['evalue']}\n{err[-3000:]}"
         print(f"ray x8: {kernel.value('times')} s")
