@@ -9,6 +9,7 @@ from .common.pickling import Finding, explain_pickling
 from .common.preflight import ForkUnsafeError, install_cuda_init_hook
 from .display.gpus import gpus
 from .display.picker import GpuPicker, pick_gpus
+from .notebook.dropins import notebook_launcher, spawn
 from .notebook.env import environment
 from .notebook.launch import launch
 from .notebook.ranks import Rank, Ranks

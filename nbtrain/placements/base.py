@@ -58,8 +58,17 @@ def rank_environ(job: Job, local_rank: int, channel_env: dict[str, str]) -> dict
         "LOCAL_WORLD_SIZE": str(plan.nprocs),
         "GROUP_RANK": str(job.node_rank),
         "NODE_RANK": str(job.node_rank),
+        "ROLE_RANK": str(job.node_rank * plan.nprocs + local_rank),
         "MASTER_ADDR": job.master_addr,
         "MASTER_PORT": str(job.master_port),
+        # The rest of what torchrun gives its workers: libraries read them to see that the
+        # processes were started for them (Lightning's TorchElasticEnvironment: RUN_ID).
+        "GROUP_WORLD_SIZE": str(plan.num_nodes),
+        "ROLE_WORLD_SIZE": str(plan.world_size),
+        "ROLE_NAME": "default",
+        "TORCHELASTIC_RUN_ID": f"nbtrain-{job.master_port}",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
         "NBTRAIN_ACCELERATOR": plan.accelerator,
         "NBTRAIN_BACKEND": plan.backend,
         "NBTRAIN_STRATEGY": job.strategy,
@@ -69,6 +78,8 @@ def rank_environ(job: Job, local_rank: int, channel_env: dict[str, str]) -> dict
     if plan.accelerator == "gpu":
         env["CUDA_VISIBLE_DEVICES"] = plan.cuda_visible_devices
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    else:  # what `accelerate launch --cpu` sets: Accelerate and Transformers then run on CPU, distributed
+        env["ACCELERATE_USE_CPU"] = "true"
     return env
 
 

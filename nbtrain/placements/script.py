@@ -48,7 +48,8 @@ LOG_WAIT = 1.0  # after the launcher exits, how long its last words (the failure
 RENDEZVOUS_WAIT = 600  # seconds a node waits for the others: torchrun's static rendezvous default
 _JOB_DIR = re.compile(r"nbtrain-(\d+)-\w+")  # tempfile.mkdtemp's, see job_dir
 TORCH_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-                   "MASTER_ADDR", "MASTER_PORT")
+                   "MASTER_ADDR", "MASTER_PORT", "ROLE_RANK", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                   "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
 
 # The launcher must not outlive the kernel (its ranks die with it in turn, see `nbtrain.rank.script_main.rank_main`):
 # a parent-death signal survives exec, so set it and become the launcher.
@@ -155,7 +156,7 @@ def launcher_environ(job: Job, channel_env: dict[str, str], tmpdir: str | None =
     env = dict(os.environ)
     if tmpdir is not None:
         env["TMPDIR"] = tmpdir
-    for key in (*TORCH_RANK_VARS, "TORCHELASTIC_RUN_ID"):  # a kernel itself started by torchrun
+    for key in TORCH_RANK_VARS:  # a kernel itself started by torchrun
         env.pop(key, None)
     ours = rank_environ(job, 0, channel_env)
     env.update({k: v for k, v in ours.items() if k not in TORCH_RANK_VARS})

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from . import strategies
-from .strategies import DDP_STRATEGIES, DEFAULT_MIN_PARAMS, SHARDED_STRATEGIES
 from .checkpoint import load, save
+from .compat import destroy_group_now
+from .strategies import DDP_STRATEGIES, DEFAULT_MIN_PARAMS, SHARDED_STRATEGIES
 
 PROGRESS_INTERVAL = 0.1  # seconds between progress events of one bar
 
@@ -101,8 +102,8 @@ class Context:
         self._depth = 0
 
     def close(self) -> None:
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self._owns_group:
+            destroy_group_now()
         self._owns_group = False
 
     @property

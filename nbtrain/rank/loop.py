@@ -35,12 +35,15 @@ import threading
 import traceback
 import types
 
-from .process import drain_output, enable_stacks, forward_output as forward, limit_threads
-from .context import Context, set_current
 from ..common.channel import ChannelUnreachable, Link
-from ..common.source import free_names, parse_cell
 from ..common.pickling import code_global_names
+from ..common.source import free_names, parse_cell
 from ..common.transfer import pack_exception, pack_result, unpack_job
+from .compat import become_torchrun_worker, destroy_asked_group
+from .context import Context, set_current
+from .process import drain_output, enable_stacks
+from .process import forward_output as forward
+from .process import limit_threads
 from .strategies import contains_sharded
 
 NOTHING = object()  # an exec whose code ends without an expression
@@ -110,6 +113,7 @@ class RankLoop:
             if handler is None:
                 raise ValueError(f"unknown command {kind!r}")
             value, where = handler(seq, *args)
+            destroy_asked_group()  # the user's destroy_process_group(), now that the command's objects are freed
             if once or kind in ("call", "pull", "eval"):
                 value = self._ready_to_leave(value, everyone)
             if once:
@@ -405,6 +409,7 @@ def serve(first: tuple | None = None, once: bool = False, live: bool = False, fo
         return 1
     if forward_output:
         forward(link)
+    become_torchrun_worker()
     ctx = Context.from_environ(os.environ, link)
     set_current(ctx)
     loop = RankLoop(ctx, link, live)

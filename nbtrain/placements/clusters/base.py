@@ -25,7 +25,7 @@ MACHINE_VAR = "NBTRAIN_KERNEL_MACHINE"  # the notebook's machine, so a rank can 
 PATH_VAR, CWD_VAR = "NBTRAIN_KERNEL_PATH", "NBTRAIN_KERNEL_CWD"  # the notebook's sys.path and directory
 CONNECT_SECONDS = 30.0  # how long a rank tries to reach the notebook before saying it cannot
 # Set per rank by the engine, not from the notebook's view of the job:
-PER_RANK = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+PER_RANK = ("RANK", "ROLE_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
             "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 
 
@@ -183,7 +183,8 @@ def base_environ(job: Job, channel_env: dict[str, str]) -> dict[str, str]:
 
 
 def rank_vars(rank: int, local_rank: int, local_world_size: int, node_rank: int, master_addr: str) -> dict[str, str]:
-    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
+    return {"RANK": str(rank), "ROLE_RANK": str(rank), "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_world_size),
             "GROUP_RANK": str(node_rank), "NODE_RANK": str(node_rank), "MASTER_ADDR": master_addr}
 
 

@@ -1,0 +1,247 @@
+"""A rank looks like a torchrun worker to the libraries inside it, whatever started it.
+
+Lightning, Accelerate and Transformers each decide by their own rules whether they were launched
+already (torchrun's environment: the placement sets it, `placements.base.rank_environ`) or must
+start processes themselves. A rank forked from a Jupyter kernel also inherits what would mislead
+them, undone here: IPython's prompt (`sys.ps1`), from which Lightning concludes "interactive" and
+refuses `strategy="ddp"` or turns `"auto"` into a nested fork; Lightning's copies of that verdict,
+computed in the kernel at import; an Accelerate state the kernel created.
+
+Where user code would still start ranks of its own from inside a rank (`torch.multiprocessing
+.spawn`, Accelerate's `notebook_launcher`, Lightning's `ddp_notebook` / `ddp_spawn`), one error
+names the call instead of a nested launch. And code that sets up its own process group (the
+PyTorch DDP tutorial's `setup()`) works: a call that matches the group the rank already has is
+a no-op, and under torchrun an address the user chose is honoured instead of waiting on
+torchrun's agent store at another port.
+"""
+from __future__ import annotations
+
+import functools
+import gc
+import importlib.abc
+import logging
+import os
+import sys
+import traceback
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.multiprocessing
+
+log = logging.getLogger(__name__)
+
+# Lightning computes "interactive" once (lightning_fabric.utilities.imports._IS_INTERACTIVE) and
+# modules copy it with `from ... import`: each copy already imported must be corrected.
+_INTERACTIVE_COPIES = tuple(
+    f"{package}.{module}"
+    for package, modules in (
+        ("lightning_fabric", ("utilities.imports", "connector", "strategies.launchers.multiprocessing")),
+        ("lightning.fabric", ("utilities.imports", "connector", "strategies.launchers.multiprocessing")),
+        ("pytorch_lightning", ("trainer.connectors.accelerator_connector", "callbacks.progress.rich_progress")),
+        ("lightning.pytorch", ("trainer.connectors.accelerator_connector", "callbacks.progress.rich_progress")))
+    for module in modules)
+# Whose frames tell which library asked for the nested launch, for the error's advice.
+_LAUNCHERS = (
+    ("lightning", "a Lightning Trainer with strategy 'ddp_notebook', 'ddp_fork' or 'ddp_spawn'",
+     "give the Trainer strategy='ddp' (or 'auto') and devices=LOCAL_WORLD_SIZE: it then joins nbtrain's ranks"),
+    ("pytorch_lightning", "a Lightning Trainer with strategy 'ddp_notebook', 'ddp_fork' or 'ddp_spawn'",
+     "give the Trainer strategy='ddp' (or 'auto') and devices=LOCAL_WORLD_SIZE: it then joins nbtrain's ranks"),
+    ("accelerate", "accelerate's notebook_launcher",
+     "call the training function directly (Accelerator() joins nbtrain's ranks), or call "
+     "nbtrain.notebook_launcher(fn, args, num_processes=N) from the notebook instead"),
+)
+
+
+class NestedLaunchError(RuntimeError):
+    """User code inside a rank tried to start ranks of its own."""
+
+
+def become_torchrun_worker() -> None:
+    """Called once in every rank before the user's code runs."""
+    os.environ.setdefault("NBTRAIN_MASTER", f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}")
+    _forget_the_kernel()
+    _refuse_nested_launches()
+    _adopt_process_group_calls()
+
+
+def _forget_the_kernel() -> None:
+    for prompt in ("ps1", "ps2", "ps3"):  # IPython's: their presence means "interactive" to Lightning
+        sys.__dict__.pop(prompt, None)
+    for name in _INTERACTIVE_COPIES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "_IS_INTERACTIVE", False):
+            module._IS_INTERACTIVE = False
+    state = sys.modules.get("accelerate.state")
+    if state is not None:  # the kernel made an Accelerator before the fork: its singleton is not this rank's
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
+
+
+def _refuse_nested_launches() -> None:
+    start = torch.multiprocessing.start_processes
+    if getattr(start, "_nbtrain_guard", False):
+        return
+
+    @functools.wraps(start)
+    def start_processes(*args, **kwargs):
+        raise _nested("torch.multiprocessing.spawn / start_processes")
+
+    start_processes._nbtrain_guard = True
+    # torch.multiprocessing.spawn() calls its module's start_processes: replace both names (the
+    # module by its sys.modules name: `torch.multiprocessing.spawn` the attribute is the function).
+    torch.multiprocessing.start_processes = start_processes
+    sys.modules["torch.multiprocessing.spawn"].start_processes = start_processes
+    # Accelerate's notebook_launcher starts torchrun's agent first (which binds its fixed port):
+    # refuse there, before anything binds.
+    _after_import("torch.distributed.launcher.api", _refuse_elastic_launch)
+
+
+def _refuse_elastic_launch(api) -> None:
+    def elastic_launch(*args, **kwargs):
+        raise _nested("torch.distributed.launcher.api.elastic_launch")
+
+    api.elastic_launch = elastic_launch
+
+
+def _after_import(name: str, patch) -> None:
+    """`patch(module)` once `name` is imported: now, or when the user's code first imports it."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _PatchOnImport(name, patch))
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, name: str, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        spec = next((s for s in (f.find_spec(fullname, path, target) for f in sys.meta_path
+                                 if f is not self and hasattr(f, "find_spec")) if s is not None), None)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            self.patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _nested(call: str) -> NestedLaunchError:
+    what, advice = call, ("call the function directly here, or nbtrain.spawn(fn, args=..., nprocs=N) from the "
+                          "notebook instead of mp.spawn")
+    modules = {frame.f_globals.get("__name__", "") for frame, _ in traceback.walk_stack(None)}
+    for package, name, instead in _LAUNCHERS:
+        if any(m == package or m.startswith(package + ".") for m in modules):
+            what, advice = name, instead
+            break
+    world, rank = os.environ.get("WORLD_SIZE", "?"), os.environ.get("RANK", "?")
+    return NestedLaunchError(
+        f"{what} was called inside an nbtrain rank: it would start more processes from each of the {world} ranks "
+        f"nbtrain already started. This process is already rank {rank} of {world}; {advice}.")
+
+
+_DESTROY_ASKED = [False]  # the user's destroy_process_group(), carried out when the command ends
+
+
+def _adopt_process_group_calls() -> None:
+    original_init, original_destroy = c10d.init_process_group, c10d.destroy_process_group
+    if getattr(original_init, "_nbtrain_adopts", False):
+        return
+
+    @functools.wraps(original_init)
+    def init_process_group(backend=None, *args, **kwargs):
+        if _DESTROY_ASKED[0]:  # destroyed, then set up again in the same command: do both now
+            destroy_asked_group()
+        if dist.is_initialized():
+            _check_same_group(backend, kwargs.get("world_size", -1), kwargs.get("rank", -1))
+            return None
+        _honour_a_chosen_address()
+        return original_init(backend, *args, **kwargs)
+
+    # The DDP tutorial's cleanup() destroys the group while its DDP model is still alive in the
+    # caller's frame; freeing the model after that hangs the rank in PyTorch's teardown about one
+    # time in two. Destroying the default group once the command is over (its objects freed)
+    # keeps the user's order of calls and loses the hang.
+    @functools.wraps(original_destroy)
+    def destroy_process_group(group=None):
+        if group is None or group is c10d.GroupMember.WORLD:
+            _DESTROY_ASKED[0] = dist.is_initialized()
+            return None
+        return original_destroy(group)
+
+    init_process_group._nbtrain_adopts = True
+    c10d.init_process_group = dist.init_process_group = init_process_group
+    c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
+    destroy_asked_group.destroy = original_destroy
+
+
+def destroy_asked_group() -> None:
+    """Carry out a destroy_process_group() the user's code asked for during the command."""
+    if _DESTROY_ASKED[0]:
+        gc.collect()  # the command's models, and their communication hooks, go first
+        destroy_group_now()
+
+
+def destroy_group_now() -> None:
+    """Destroy the default group at once (nbtrain's own teardown), whether or not it is adopted."""
+    _DESTROY_ASKED[0] = False
+    if dist.is_initialized():
+        getattr(destroy_asked_group, "destroy", c10d.destroy_process_group)()
+
+
+def _check_same_group(backend, world_size: int, rank: int) -> None:
+    """A call matching the group this rank already has is a no-op; any other is an error that
+    says what differs (a second default group cannot exist)."""
+    have = dist.get_backend()
+    differs = []
+    if world_size not in (-1, None) and int(world_size) != dist.get_world_size():
+        differs.append(f"world_size={world_size} (the group has {dist.get_world_size()})")
+    if rank not in (-1, None) and int(rank) != dist.get_rank():
+        differs.append(f"rank={rank} (this rank is {dist.get_rank()})")
+    if backend is not None and str(backend).lower() not in str(have).lower():
+        differs.append(f"backend={backend!r} (the group's is {have!r})")
+    if differs:
+        raise RuntimeError(
+            f"init_process_group({', '.join(differs)}): this rank already belongs to nbtrain's process group of "
+            f"{dist.get_world_size()} ranks ({have}). Call it with the rank's own values (RANK, WORLD_SIZE from "
+            f"the environment), or not at all: torch.distributed works as it is.")
+    log.debug("init_process_group: this rank's group already exists; the call is a no-op")
+
+
+def _honour_a_chosen_address() -> None:
+    """Under torchrun, ranks look for the store torchrun's agent hosts at the address torchrun
+    gave them. Code that sets MASTER_ADDR/MASTER_PORT itself would wait there forever: give it
+    the store it asked for (rank 0 hosts it at that address), as a plain launch would."""
+    given = os.environ.get("NBTRAIN_MASTER", "")
+    chosen = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and given and chosen != given:
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        log.info("init_process_group: MASTER_ADDR:MASTER_PORT set to %s by the code (torchrun's is %s); rank 0 "
+                 "hosts the store there", chosen, given)
+
+
+class SpawnCall:
+    """`fn(RANK, *args)` on each rank: `torch.multiprocessing.spawn`'s calling convention
+    (`nbtrain.spawn`). A class of nbtrain's, so it travels by reference with `fn` inside."""
+
+    def __init__(self, fn, args: tuple, environ: dict[str, str] | None = None):
+        self.fn, self.args, self.environ = fn, args, dict(environ or {})
+        self.__name__ = self.__qualname__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self):
+        os.environ.update(self.environ)
+        return self.fn(int(os.environ["RANK"]), *self.args)
+
+
+class LauncherCall(SpawnCall):
+    """`fn(*args)` with variables set in the rank first (`nbtrain.notebook_launcher`)."""
+
+    def __call__(self):
+        os.environ.update(self.environ)
+        return self.fn(*self.args)

@@ -1,0 +1,244 @@
+"""The code people already have, run unchanged on nbtrain's ranks in a real kernel: a Lightning
+Trainer, an Accelerate loop, a Transformers Trainer (a tiny model built from a config) and the
+PyTorch DDP tutorial, each truly distributed (world size 2, one run over both ranks), through
+launch (fork, the warm template, plain spawn, script mode), live ranks and the drop-ins
+`nbtrain.spawn` / `nbtrain.notebook_launcher`; and the nested launches a rank refuses."""
+import importlib.util
+
+import pytest
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
+                                     ("pytorch_lightning", "accelerate", "transformers")),
+                                 reason="needs pytorch-lightning, accelerate and transformers (pip install -e '.[test]')")]
+
+SETUP = '''
+%load_ext nbtrain
+import os, sys, tempfile, torch, nbtrain
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+import pytorch_lightning as pl          # imported in the kernel first, as a notebook would
+from accelerate import Accelerator
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+class Lit(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+    def training_step(self, batch, _):
+        x, y = batch
+        return F.mse_loss(self.layer(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+def lightning(strategy="ddp"):
+    torch.manual_seed(int(os.environ["RANK"]))  # different data per rank: equal weights prove DDP ran
+    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 2)), batch_size=8)
+    model = Lit()
+    trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
+                         max_epochs=1, logger=False, enable_checkpointing=False, enable_model_summary=False,
+                         enable_progress_bar=False)
+    trainer.fit(model, data)
+    return trainer.world_size, trainer.global_rank, type(trainer.strategy).__name__, float(model.layer.weight.sum())
+
+def accelerate_loop():
+    accelerator = Accelerator()
+    torch.manual_seed(accelerator.process_index)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    for _ in range(3):
+        loss = F.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 2))
+        opt.zero_grad(); accelerator.backward(loss); opt.step()
+    weight = float(accelerator.unwrap_model(model).weight.sum())
+    return accelerator.num_processes, accelerator.process_index, str(accelerator.distributed_type), weight
+
+class Tokens(Dataset):
+    def __len__(self):
+        return 16
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {"input_ids": torch.randint(0, 100, (8,), generator=g), "labels": torch.tensor(i % 2)}
+
+def transformers_trainer():
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37,
+                        vocab_size=100)
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, per_device_train_batch_size=2,
+                             max_steps=3, report_to=[], save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=Tokens())
+    trainer.train()
+    return args.world_size, str(args.parallel_mode), type(trainer.model_wrapped).__name__, trainer.state.epoch
+
+# The PyTorch DDP tutorial's basic example, as written (CPU: gloo, no device ids).
+def setup(rank, world_size):
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = "12355"
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+def cleanup():
+    dist.destroy_process_group()
+
+class ToyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(10, 10)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5)
+    def forward(self, x):
+        return self.net2(self.relu(self.net1(x)))
+
+def demo_basic(rank, world_size):
+    print(f"Running basic DDP example on rank {rank}.")
+    setup(rank, world_size)
+    model = ToyModel()
+    ddp_model = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.001)
+    optimizer.zero_grad()
+    nn.MSELoss()(ddp_model(torch.randn(20, 10)), torch.randn(20, 5)).backward()
+    optimizer.step()
+    seen = (dist.get_rank(), dist.get_world_size())
+    cleanup()
+    print(f"Finished running basic DDP example on rank {rank}.")
+    return seen
+
+def torchrun_worker():
+    """What a library reads to see that it was launched for it."""
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID",
+            "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU")
+    return {k: os.environ.get(k) for k in keys}, hasattr(sys, "ps1")
+
+PLACEMENTS = {"fork": dict(strategy="ddp_fork"), "template": dict(strategy="ddp_spawn"),
+              "spawn": dict(strategy="ddp_spawn", launcher_options={"template": False}), "script": dict(strategy="ddp")}
+
+def on(placement, fn, *args):
+    return nbtrain.launch(fn, *args, devices=2, accelerator="cpu", progress=False, timeout=240,
+                          **PLACEMENTS[placement]).values
+'''
+
+
+@pytest.fixture(scope="module")
+def nb():
+    from conftest import Kernel
+
+    kernel = Kernel()
+    _, _, error, _ = kernel.run(SETUP, timeout=300)
+    assert error is None, error
+    yield kernel
+    kernel.run("nbtrain.template.stop()")
+    kernel.close()
+
+
+def values(kernel, expression, timeout=300):
+    _, err, error, _ = kernel.run(f"_values = {expression}", timeout=timeout)
+    assert error is None, f"{error['ename']}: {error['evalue']}\n{err[-3000:]}"
+    return kernel.value("_values")
+
+
+def failure(kernel, code, timeout=300) -> str:
+    _, _, error, _ = kernel.run(code, timeout=timeout)
+    assert error is not None and error["ename"] == "WorkerError", error
+    return error["evalue"]
+
+
+@pytest.mark.parametrize("placement", ["fork", "template", "spawn", "script"])
+def test_every_rank_looks_like_a_torchrun_worker(nb, placement):
+    seen = values(nb, f"on({placement!r}, torchrun_worker)")
+    for rank, (env, interactive) in enumerate(seen):
+        assert not interactive, "IPython's prompt would tell Lightning the rank is interactive"
+        assert env["RANK"] == env["LOCAL_RANK"] == env["ROLE_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_RANK"] == "0"
+        assert env["TORCHELASTIC_RUN_ID"] and env["MASTER_PORT"] and env["ACCELERATE_USE_CPU"] == "true"
+
+
+@pytest.mark.parametrize("placement", ["fork", "template", "script"])
+def test_a_lightning_trainer_with_strategy_ddp_joins_the_ranks(nb, placement):
+    (world0, rank0, name, weight0), (world1, rank1, _, weight1) = values(nb, f"on({placement!r}, lightning)")
+    assert (world0, world1, rank0, rank1, name) == (2, 2, 0, 1, "DDPStrategy")
+    assert weight0 == pytest.approx(weight1), "one distributed run: DDP keeps the ranks' weights equal"
+
+
+def test_a_lightning_trainer_with_strategy_auto_joins_the_ranks_too(nb):
+    # In a kernel, Lightning turns "auto" into a fork of its own unless the rank is not interactive.
+    seen = values(nb, "on('fork', lightning, 'auto')")
+    assert [v[:3] for v in seen] == [(2, 0, "DDPStrategy"), (2, 1, "DDPStrategy")]
+
+
+def test_lightning_ddp_notebook_inside_a_rank_is_refused_naming_the_call(nb):
+    message = failure(nb, "on('fork', lightning, 'ddp_notebook')")
+    assert "NestedLaunchError: a Lightning Trainer with strategy 'ddp_notebook'" in message, message
+    assert "give the Trainer strategy='ddp' (or 'auto') and devices=LOCAL_WORLD_SIZE" in message
+
+
+@pytest.mark.parametrize("placement", ["fork", "template", "script"])
+def test_accelerate_joins_the_ranks(nb, placement):
+    seen = values(nb, f"on({placement!r}, accelerate_loop)")
+    assert [v[:3] for v in seen] == [(2, 0, "DistributedType.MULTI_CPU"), (2, 1, "DistributedType.MULTI_CPU")]
+    assert seen[0][3] == pytest.approx(seen[1][3])
+
+
+def test_nbtrain_notebook_launcher_runs_an_accelerate_function(nb):
+    seen = values(nb, "nbtrain.notebook_launcher(accelerate_loop, num_processes=2, progress=False).values")
+    assert [v[:2] for v in seen] == [(2, 0), (2, 1)]
+
+
+def test_accelerate_notebook_launcher_inside_a_rank_is_refused_naming_the_call(nb):
+    message = failure(nb, "from accelerate import notebook_launcher\n"
+                          "on('fork', lambda: notebook_launcher(accelerate_loop, num_processes=2))")
+    assert "NestedLaunchError: accelerate's notebook_launcher was called inside an nbtrain rank" in message, message
+    assert "nbtrain.notebook_launcher(fn, args, num_processes=N) from the notebook" in message
+
+
+@pytest.mark.parametrize("placement", ["fork", "template"])
+def test_a_transformers_trainer_joins_the_ranks(nb, placement):
+    seen = values(nb, f"on({placement!r}, transformers_trainer)")
+    # 16 samples, 2 per device on 2 ranks: 3 steps are 0.75 of an epoch only if the sampler splits the data.
+    assert seen == [(2, "ParallelMode.DISTRIBUTED", "DistributedDataParallel", 0.75)] * 2
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_the_ddp_tutorial_runs_under_nbtrain_spawn(nb, start_method):
+    out, err, error, _ = nb.run(f"_r = nbtrain.spawn(demo_basic, args=(2,), nprocs=2, start_method={start_method!r})",
+                                timeout=300)
+    assert error is None, f"{error}\n{err[-2000:]}"
+    assert nb.value("_r.values") == [(0, 2), (1, 2)]
+    assert "[rank 1] Finished running basic DDP example on rank 1." in out + err
+
+
+def test_the_ddp_tutorial_sets_its_own_port_under_torchrun(nb):
+    # torchrun's ranks wait for its agent's store; the tutorial's own MASTER_PORT is honoured instead.
+    out, err, error, _ = nb.run("%%nbtrain --strategy ddp --devices 2 --accelerator cpu --timeout 120\n"
+                                "demo_basic(int(os.environ['RANK']), 2)", timeout=300)
+    assert error is None, f"{error}\n{err[-2000:]}"
+    assert nb.value("_nbtrain_result.values") == [(0, 2), (1, 2)]
+
+
+def test_live_ranks_take_the_tutorials_own_init_process_group(nb):
+    _, err, error, _ = nb.run("ranks = nbtrain.Ranks(devices=2, accelerator='cpu')\n"
+                              "ranks.exec(\"os.environ['MASTER_PORT'] = '12355'\\n"
+                              "dist.init_process_group('gloo', rank=int(os.environ['RANK']), world_size=2)\")")
+    try:
+        assert error is None, f"{error}\n{err[-2000:]}"
+        assert nb.value("ranks.eval('dist.get_world_size()')") == [2, 2]
+        _, _, error, _ = nb.run("ranks.exec(\"dist.init_process_group('gloo', rank=0, world_size=3)\")")
+        assert error is not None and "init_process_group(world_size=3 (the group has 2)" in error["evalue"], error
+    finally:
+        nb.run("ranks.close()")
+
+
+def test_mp_spawn_inside_a_rank_is_refused_naming_the_call(nb):
+    message = failure(nb, "import torch.multiprocessing as mp\non('fork', lambda: mp.spawn(print, nprocs=2))")
+    assert "NestedLaunchError: torch.multiprocessing.spawn / start_processes was called inside an nbtrain rank" in message
+    assert "nbtrain.spawn(fn, args=..., nprocs=N) from the notebook" in message
+
+
+def test_drop_ins_refuse_what_they_cannot_do(nb):
+    for code, said in [("nbtrain.spawn(demo_basic, args=(2,), nprocs=2, join=False)", "spawn(join=False)"),
+                       ("nbtrain.spawn(demo_basic, args=2, nprocs=2)", "give a tuple"),
+                       ("nbtrain.spawn(demo_basic, nprocs=0)", "nprocs=0"),
+                       ("nbtrain.spawn(demo_basic, nprocs=2, start_method='thread')", "start_method='thread'"),
+                       ("nbtrain.notebook_launcher(accelerate_loop, num_nodes=2)", "num_nodes=2"),
+                       ("nbtrain.notebook_launcher(accelerate_loop, mixed_precision='fp4')", "mixed_precision='fp4'")]:
+        _, _, error, _ = nb.run(code)
+        assert error is not None and said in error["evalue"], (code, error)
