@@ -133,3 +133,53 @@ def test_rich_progress_is_one_block():
     assert stays[-1].endswith("after")
     assert not any("\r" in e[1] or ESCAPE.search(e[1]) for e in events)
 
+
+# -- the two readers that replay rank streams with it ------------------------------------------
+
+def test_the_output_pump_sends_lines_and_live_redraws():
+    import os
+    import queue
+
+    from nbtrain.common.channel import OutputPump
+
+    inbox = queue.Queue()
+    pump = OutputPump(inbox)
+    read, write = os.pipe()
+    pump.add(read, 3, "stderr")
+    pump.start()
+    os.write(write, b"plain\n\r 1/2\r 2/2\n\x00nbtrain-done 1\n")  # the mark ends the bar's line
+    os.close(write)
+    pump.drain(5.0)
+    pump.close()
+    messages = []
+    while not inbox.empty():
+        messages.append(inbox.get())
+    # A bar read in one piece with what follows is a line; read apart, a live line: either way once.
+    stays = [m[3] for m in messages if m[0] == "output" or m[4]]
+    assert stays == ["plain", " 2/2", "\x00nbtrain-done 1"]
+    assert all(m[1:3] == (3, "stderr") for m in messages) and not any("\r" in str(m) for m in messages)
+
+
+def test_forwarded_output_redraws_and_says_when_drained():
+    import os
+    import threading
+
+    from nbtrain.rank.process import _DRAINED, _forward
+
+    class Link:  # the channel's side of it: what would travel
+        def __init__(self):
+            self.sent = []
+
+        def emit(self, *message):
+            self.sent.append(message)
+
+    link, drained = Link(), threading.Event()
+    read, write = os.pipe()
+    thread = threading.Thread(target=_forward, args=(read, "stdout", link, drained), daemon=True)
+    thread.start()
+    os.write(write, b"\r 1/2\r 2/2\nplain\npartial" + _DRAINED + b"\n")
+    assert drained.wait(5.0)
+    os.close(write)
+    thread.join(5.0)
+    stays = [m[2] for m in link.sent if m[0] == "output" or m[3]]
+    assert stays == [" 2/2", "plain", "partial"]

@@ -19,6 +19,8 @@ collectives — the gather of a sharded model — may run):
 Messages besides commands: ("interrupt", seq), ("stacks",), ("stdin", line), ("stop",).
 Replies (rank -> notebook): ("begin", seq) then ("result", payload, where) or
 ("error", summary, traceback, exception payload); ("need", seq, names); ("prompt", text).
+What user code displays travels beside them (`output.py`): ("display" | "update_display", data,
+metadata, transient) and ("clear_output", wait).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import types
 
 from .process import drain_output, enable_stacks, forward_output as forward, limit_threads
 from .context import Context, set_current
+from .output import show_in_notebook
 from ..common.channel import ChannelUnreachable, Link
 from ..common.source import free_names, parse_cell
 from ..common.pickling import code_global_names
@@ -405,6 +408,7 @@ def serve(first: tuple | None = None, once: bool = False, live: bool = False, fo
         return 1
     if forward_output:
         forward(link)
+    show_in_notebook(link, rank)
     ctx = Context.from_environ(os.environ, link)
     set_current(ctx)
     loop = RankLoop(ctx, link, live)
