@@ -168,3 +168,65 @@ logging.warning("a record from the rank")
         assert [c["data"]["text/html"] for c in later.of("display_data")] == ["<b>only rank 1 ran this</b>"]
     finally:
         Output(nb, "%nbtrain stop")
+
+
+RANK_WITHOUT_A_SHELL = '''
+import io, json, logging, queue, sys, threading
+from nbtrain.common.channel import Hub, Link
+from nbtrain.rank.output import show_in_notebook
+
+inbox = queue.Queue()
+hub = Hub(inbox)
+hub.start()
+link = Link(3, hub.environ)
+show_in_notebook(link, 3)
+before = "IPython" in sys.modules
+
+from IPython.display import HTML, clear_output, display   # the rank's code imports IPython
+handle = display(HTML("<b>hi</b>"), display_id="table")
+handle.update(HTML("<b>bye</b>"))
+display({"text/plain": "odd", "application/x-odd": threading.Lock()}, raw=True)  # cannot travel whole
+clear_output(wait=True)
+
+from tqdm.notebook import tqdm as notebook_tqdm
+bar_file = io.StringIO()
+for _ in notebook_tqdm(range(3), file=bar_file, mininterval=0):
+    pass
+import rich.console
+console = rich.console.Console()
+
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+logging.getLogger().addHandler(handler)
+logging.warning("hello")
+link.close()
+hub.close()
+messages = []
+while not inbox.empty():
+    messages.append(inbox.get())
+print(json.dumps({"imported_before": before, "messages": [m for m in messages if m[0] != "closed"],
+                  "bar": bar_file.getvalue(), "rich": [console.is_jupyter, console.is_terminal],
+                  "record_rank": records[0].rank}))
+'''
+
+
+def test_a_rank_without_a_shell_gets_one_when_it_imports_ipython():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", RANK_WITHOUT_A_SHELL], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert seen["imported_before"] is False  # nbtrain itself never imports IPython in a rank
+    messages = [tuple(m) for m in seen["messages"]]
+    assert messages[0] == ("display", 3, {"text/plain": "<IPython.core.display.HTML object>", "text/html": "<b>hi</b>"},
+                           {}, {"display_id": "table"})
+    assert messages[1] == ("update_display", 3, {"text/plain": "<IPython.core.display.HTML object>",
+                                                 "text/html": "<b>bye</b>"}, {}, {"display_id": "table"})
+    assert messages[2] == ("display", 3, {"text/plain": "odd"}, {}, {})
+    assert messages[3] == ("clear_output", 3, True)
+    assert "3/3" in seen["bar"] and "\r" in seen["bar"]  # tqdm's notebook bar drew text
+    assert seen["rich"] == [False, True]  # rich: no Jupyter, a terminal on the rank's own streams
+    assert seen["record_rank"] == 3

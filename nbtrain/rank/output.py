@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.abc
 import logging
+import pickle
 import sys
 import types
 
@@ -120,8 +121,13 @@ def _channel_publisher(shell, link):
 
         def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs):
             self._validate_data(data, metadata)
+            message = (data, metadata or {}, transient or {})
+            try:
+                pickle.dumps(message)
+            except Exception:  # display data should be JSON-able; what is not must not break the channel
+                message = ({"text/plain": str(data.get("text/plain", ""))}, {}, transient or {})
             _flush_streams()  # what the rank printed before it comes first
-            link.emit("update_display" if update else "display", data, metadata or {}, transient or {})
+            link.emit("update_display" if update else "display", *message)
 
         def clear_output(self, wait=False):
             _flush_streams()
