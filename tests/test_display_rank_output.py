@@ -70,3 +70,24 @@ def test_a_display_of_ones_own_gets_a_bars_last_lines_as_output():
     deliver(mine, ("display", 0, HTML_BUNDLE, {}, {}))
     deliver(mine, ("live", 0, "stderr", "bar 100%", True))
     assert mine.lines == [(0, "stderr", "bar 100%")]
+
+
+def test_a_subclass_of_ones_own_that_skips_init_still_shows_rank_output():
+    class Recorder(QuietDisplay):
+        def __init__(self):  # no super().__init__()
+            self.lines, self.notes = [], []
+
+        def output(self, rank, stream, text):
+            self.lines.append((rank, stream, text))
+
+        def note(self, text):
+            self.notes.append(text)
+
+    display = Recorder()
+    display.start(RunState("t", [0, 1]))
+    display.live(0, "stderr", "bar 100%", True)
+    display.rich(0, "display", HTML_BUNDLE, {}, {})
+    display.rich(1, "display", HTML_BUNDLE, {}, {})
+    display.finish(None, True)
+    assert display.lines == [(0, "stderr", "bar 100%"), (0, "stdout", HTML_BUNDLE["text/plain"])]
+    assert display.notes[0].startswith("rank 1 displayed 1 rich output")

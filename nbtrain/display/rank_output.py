@@ -52,11 +52,12 @@ def deliver(display, message: tuple) -> None:
 
 
 class RankOutput:
-    """`write(text, stream)` is the display's own way to write a line; `shown_again()` is called
-    after a rank cleared the cell's output, for the display to show itself again."""
+    """`output(rank, stream, line)` is the display's own, for the lines this leaves as text;
+    `shown_again()` is called after a rank cleared the cell's output, for the display to show
+    itself again."""
 
-    def __init__(self, write, shown_again=None):
-        self._write = write
+    def __init__(self, output, shown_again=None):
+        self._output = output
         self._shown_again = shown_again or (lambda: None)
         self.shown_rank = 0
         self._live: dict[tuple, object] = {}  # (rank, stream): the display handle of its live lines
@@ -78,7 +79,7 @@ class RankOutput:
         if jupyter_shell() is None or (done and handle is None):
             if done:  # its last state, as lines: what a log or a terminal keeps
                 for line in text.split("\n") if text else ():
-                    self._write(tagged(rank, line), stream)
+                    self._output(rank, stream, line)
             return
         from IPython.display import display
 
@@ -95,8 +96,8 @@ class RankOutput:
             return
         if jupyter_shell() is None:
             text = payload[0].get("text/plain") if kind == "display" else None
-            if text:
-                self._write(tagged(rank, text), "stdout")
+            for line in text.split("\n") if text else ():
+                self._output(rank, "stdout", line)
             return
         if kind == "clear_output":
             from IPython.display import clear_output

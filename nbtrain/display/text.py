@@ -138,7 +138,14 @@ class QuietDisplay:
         self._file = file
         self._said = ""  # the latest note
         self.vitals = VitalsSampler()  # every display samples them, so Result.vitals is always kept
-        self.rank_output = RankOutput(self._write, self._shown_again)
+        self._rank_output: RankOutput | None = None
+
+    @property
+    def rank_output(self) -> RankOutput:
+        """Made on first use: a display of the caller's own may subclass this without calling __init__."""
+        if self.__dict__.get("_rank_output") is None:
+            self._rank_output = RankOutput(self.output, self._shown_again)
+        return self._rank_output
 
     def _write(self, text: str, stream: str = "stdout") -> None:
         target = self._file or (sys.stderr if stream == "stderr" else sys.stdout)
