@@ -23,6 +23,8 @@ import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 
+from .lines import Screen
+
 log = logging.getLogger(__name__)
 
 ADDRESS_VAR = "NBTRAIN_CHANNEL"
@@ -37,7 +39,8 @@ AUTH_SECONDS = 10.0  # a connection that has not proven the authkey by then is d
 BACKLOG = 4096
 CONNECT_SECONDS = 30.0  # a rank that cannot reach the notebook by then gives up and says why
 HANDSHAKE_SECONDS = 5.0  # one attempt: connect and the authkey challenge, both ways
-URGENT = frozenset({"hello", "begin", "result", "error", "need", "prompt"})  # sent without batching delay
+# Sent without batching delay (a rank's new rich output too: it keeps its place among the lines printed around it).
+URGENT = frozenset({"hello", "begin", "result", "error", "need", "prompt", "display", "clear_output"})
 
 
 class Hub:
@@ -321,14 +324,15 @@ def _receive_timeout(conn, seconds: float) -> None:
 
 class OutputPump:
     """Reads ranks' stdout/stderr pipes on one thread and puts ("output", rank, stream, line)
-    on the inbox; `rank_of` may map a line to its rank (torchrun prefixes lines with it)."""
+    on the inbox, and ("live", rank, stream, text, done) for the lines a progress bar redraws
+    (`lines.Screen`); `rank_of` may map a line to its rank (torchrun prefixes lines with it)."""
 
     def __init__(self, inbox: queue.Queue):
         import selectors
 
         self.inbox = inbox
         self._selector = selectors.DefaultSelector()
-        self._partial: dict[int, bytes] = {}
+        self._screens: dict[int, Screen] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -360,18 +364,18 @@ class OutputPump:
             return
         except OSError:
             chunk = b""
-        data = self._partial.pop(fd, b"") + chunk
-        lines = data.split(b"\n")
         if chunk:
-            self._partial[fd] = lines.pop()
+            events = self._screens.setdefault(fd, Screen()).feed(chunk)
         else:  # end of file: the last partial line is still output
             self._selector.unregister(fd)
             os.close(fd)
-            lines = [line for line in lines if line]
-        for line in lines:
-            text = line.decode(errors="replace").rstrip("\r")
-            who, text = rank_of(text) if rank_of else (rank, text)
-            self.inbox.put(("output", who, stream, text))
+            events = self._screens.pop(fd, Screen()).flush()
+        for event in events:
+            if event[0] == "line":
+                who, text = rank_of(event[1]) if rank_of else (rank, event[1])
+                self.inbox.put(("output", who, stream, text))
+            else:  # lines a progress bar redraws
+                self.inbox.put(("live", rank, stream, *event[1:]))
 
     def drain(self, timeout: float) -> None:
         """Wait (bounded) until every pipe reached end of file."""

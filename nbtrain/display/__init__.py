@@ -8,15 +8,13 @@ from __future__ import annotations
 import os
 import sys
 
+from .rank_output import jupyter_shell
 from .text import LineDisplay, QuietDisplay, TqdmDisplay
 from .widgets import WidgetDisplay
 
 
 def in_jupyter() -> bool:
-    shell = sys.modules.get("IPython")
-    ip = shell.get_ipython() if shell is not None else None
-    # Colab's and Spyder's shells subclass ZMQInteractiveShell: look along the class's ancestry.
-    return ip is not None and any(c.__name__ == "ZMQInteractiveShell" for c in type(ip).__mro__)
+    return jupyter_shell() is not None
 
 
 MODES = ("auto", "widgets", "text")

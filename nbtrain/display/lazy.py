@@ -6,6 +6,7 @@ noise. Once a rank reports progress or a metric, the real display (`make_display
 from __future__ import annotations
 
 from . import make_display
+from .rank_output import deliver
 from .text import QuietDisplay
 
 
@@ -20,7 +21,7 @@ class LazyDisplay:
         return self._inner or self._quiet
 
     def start(self, state) -> None:
-        pass
+        self._quiet.start(state)
 
     def note(self, text: str) -> None:
         self._current.note(text)
@@ -28,13 +29,20 @@ class LazyDisplay:
     def output(self, rank, stream: str, text: str) -> None:
         self._current.output(rank, stream, text)
 
+    def live(self, rank, stream: str, text: str, done: bool) -> None:
+        deliver(self._current, ("live", rank, stream, text, done))
+
+    def rich(self, rank, kind: str, *payload) -> None:
+        deliver(self._current, (kind, rank, *payload))
+
     def update(self, state) -> None:
         if self._inner is None and (state.history or any(v.bars for v in state.ranks.values())):
             self._inner = make_display(self._progress)
             self._inner.start(state)
+            if hasattr(self._inner, "rank_output"):  # a bar drawing now, what was not shown: carried on
+                self._inner.rank_output.carry_on(self._quiet.rank_output)
         if self._inner is not None:
             self._inner.update(state)
 
     def finish(self, state, ok: bool) -> None:
-        if self._inner is not None:
-            self._inner.finish(state, ok)
+        (self._inner or self._quiet).finish(state, ok)

@@ -6,6 +6,7 @@ import os
 import sys
 import time
 
+from .rank_output import RankOutput
 from .vitals import VitalsSampler, latest, memory_text, rate_text
 
 
@@ -127,19 +128,31 @@ def summary_lines(state, ok: bool) -> list[str]:
 
 
 class QuietDisplay:
-    """progress=False: no bars, no summary; the ranks' own output is still shown."""
+    """progress=False: no bars, no summary; the ranks' own output is still shown.
+
+    Besides the five methods every display has, `live` and `rich` show the lines a rank's bar
+    redraws and its rich display (`rank_output.RankOutput`); every display here inherits them.
+    """
 
     def __init__(self, file=None):
         self._file = file
         self._said = ""  # the latest note
         self.vitals = VitalsSampler()  # every display samples them, so Result.vitals is always kept
+        self._rank_output: RankOutput | None = None
+
+    @property
+    def rank_output(self) -> RankOutput:
+        """Made on first use: a display of the caller's own may subclass this without calling __init__."""
+        if self.__dict__.get("_rank_output") is None:
+            self._rank_output = RankOutput(self.output, self._shown_again)
+        return self._rank_output
 
     def _write(self, text: str, stream: str = "stdout") -> None:
         target = self._file or (sys.stderr if stream == "stderr" else sys.stdout)
         print(text, file=target, flush=True)
 
     def start(self, state) -> None:
-        pass
+        self.rank_output.start(state)
 
     def note(self, text: str) -> None:
         self._said = text
@@ -148,11 +161,25 @@ class QuietDisplay:
     def output(self, rank, stream: str, text: str) -> None:
         self._write(text if rank is None else f"[rank {rank}] {text}", stream)
 
+    def live(self, rank, stream: str, text: str, done: bool) -> None:
+        self.rank_output.live(rank, stream, text, done)
+
+    def rich(self, rank, kind: str, *payload) -> None:
+        self.rank_output.rich(rank, kind, *payload)
+
     def update(self, state) -> None:
         self.vitals.maybe_sample(state)
 
     def finish(self, state, ok: bool) -> None:
-        pass
+        self._end_rank_output()
+
+    def _end_rank_output(self) -> None:
+        said = self.rank_output.end()
+        if said:
+            self.note(said)
+
+    def _shown_again(self) -> None:
+        """A rank cleared the cell's output: what this display must show again (nothing here)."""
 
 
 class LineDisplay(QuietDisplay):
@@ -164,6 +191,7 @@ class LineDisplay(QuietDisplay):
         self._last = 0.0
 
     def start(self, state) -> None:
+        self.rank_output.start(state)
         self._last = time.monotonic()
         if not self._said.startswith(state.title):  # launch's note on what 'auto' chose said it already
             self._write(f"nbtrain: {state.title}")
@@ -180,6 +208,7 @@ class LineDisplay(QuietDisplay):
     def finish(self, state, ok: bool) -> None:
         for line in summary_lines(state, ok):
             self._write(line)
+        self._end_rank_output()
 
 
 class TqdmDisplay(LineDisplay):

@@ -87,6 +87,14 @@ def show(bundle: dict, display_id: bool = False):
     return display(bundle, raw=True, display_id=True) if display_id else display(bundle, raw=True)
 
 
+def show_again(handle, bundle: dict) -> None:
+    """Show `bundle` anew as one more output of `handle`'s display id (its updates reach both)."""
+    if handle is not None:
+        from IPython.display import display
+
+        display(bundle, raw=True, display_id=handle.display_id)
+
+
 def replace(handle, bundle: dict) -> None:
     """Put `bundle` where `handle`'s output is; show it anew when there is no such output."""
     if handle is None:
@@ -236,6 +244,7 @@ class WidgetDisplay(QuietDisplay):
         self.summary = ""  # the static HTML left at the end
         self.plot_png: bytes | None = None  # and the metrics' picture, when matplotlib is there
         self._handles = (None, None)
+        self._bundles = ({}, {})
         self._seen = -1
         self._drawn = self._clock = self._charted = 0.0
         self._interval = REDRAW_INTERVAL
@@ -248,10 +257,12 @@ class WidgetDisplay(QuietDisplay):
         if self.ok is not None:  # started again after a run ended: fresh widgets for the new run
             self.__init__()
         last_dashboard = self
+        self.rank_output.start(state)
         self._draw(state, time.monotonic())
         dashboard = {**self.root._repr_mimebundle_(),
                      "text/plain": f"nbtrain: {state.title} (live; replaced by a summary when the run ends)"}
         chart = {**self.chart._repr_mimebundle_(), "text/plain": ""}
+        self._bundles = (dashboard, chart)
         self._handles = (show(dashboard, display_id=True), show(chart, display_id=True))
 
     def update(self, state) -> None:
@@ -278,6 +289,14 @@ class WidgetDisplay(QuietDisplay):
         replace(self._handles[0], table)
         replace(self._handles[1], plot)
         close_tree(self.root, self.chart, *(w for row in self.rows.values() for w in row.widgets()))
+        self._end_rank_output()
+
+    def _shown_again(self) -> None:
+        """A rank cleared the cell's output: the dashboard comes back, under the same display ids
+        (so the summary still replaces it at the end)."""
+        if self.ok is None:
+            for handle, bundle in zip(self._handles, self._bundles):
+                show_again(handle, bundle)
 
     # -- drawing -------------------------------------------------------------------------
     def _draw(self, state, now: float, force_chart: bool = False) -> None:

@@ -14,6 +14,7 @@ import time
 
 from ..common.channel import Hub, OutputPump
 from ..rank.loop import MARK
+from ..display.rank_output import KINDS as RANK_OUTPUT, deliver
 from ..display.runstate import RunState
 from .supervisor import Supervisor, stderr_tails
 from ..common.tensor_files import LaunchFiles
@@ -130,6 +131,8 @@ class Pool:
                 return
             if message[0] == "output" and display is not None and not message[3].startswith(MARK):
                 display.output(*message[1:])
+            elif message[0] in RANK_OUTPUT and display is not None:
+                deliver(display, message)
 
     def any_alive(self) -> bool:
         return any(p.poll() is None for p in self.processes)
@@ -179,6 +182,8 @@ class Pool:
             if message[0] == "output":
                 if not message[3].startswith(MARK):
                     display.output(*message[1:])
+            elif message[0] in RANK_OUTPUT:
+                deliver(display, message)
             elif message[0] == "closed":
                 self.closed.add(message[1])
             else:

@@ -18,6 +18,7 @@ from collections import defaultdict, deque
 
 from ..common.errors import WorkerError, interrupt_report
 from ..rank.loop import MARK
+from ..display.rank_output import KINDS as RANK_OUTPUT, deliver
 from ..display.runstate import RunState, brief
 from ..common.transfer import unpack_exception
 
@@ -157,6 +158,8 @@ class Supervisor:
                 self._heard[rank] = time.monotonic()
             else:
                 self.display.output(rank, stream, text)
+        elif kind in RANK_OUTPUT:  # lines a bar redraws, rich display
+            deliver(self.display, message)
         elif kind == "begin":
             pool.current[rank] = message[2]
         elif kind == "hello":

@@ -19,6 +19,8 @@ collectives — the gather of a sharded model — may run):
 Messages besides commands: ("interrupt", seq), ("stacks",), ("stdin", line), ("stop",).
 Replies (rank -> notebook): ("begin", seq) then ("result", payload, where) or
 ("error", summary, traceback, exception payload); ("need", seq, names); ("prompt", text).
+What user code displays travels beside them (`output.py`): ("display" | "update_display", data,
+metadata, transient) and ("clear_output", wait).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from ..common.source import free_names, parse_cell
 from ..common.transfer import pack_exception, pack_result, unpack_job
 from .compat import become_torchrun_worker, destroy_asked_group
 from .context import Context, set_current
+from .output import show_in_notebook
 from .process import drain_output, enable_stacks
 from .process import forward_output as forward
 from .process import limit_threads
@@ -410,6 +413,7 @@ def serve(first: tuple | None = None, once: bool = False, live: bool = False, fo
     if forward_output:
         forward(link)
     become_torchrun_worker()
+    show_in_notebook(link, rank)
     ctx = Context.from_environ(os.environ, link)
     set_current(ctx)
     loop = RankLoop(ctx, link, live)

@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 
+from ..common.lines import Screen
+
 STACKS_SIGNAL = signal.SIGUSR1  # the notebook sends it to see where a rank is stuck
 PR_SET_PDEATHSIG = 1
 
@@ -44,8 +46,19 @@ def redirect_output(stdout_fd: int, stderr_fd: int) -> None:
             pass
     os.dup2(stdout_fd, 1)
     os.dup2(stderr_fd, 2)
+    inherited = sys.stdout, sys.stderr
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, errors="replace")
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, errors="replace")
+    for old, new in zip(inherited, (sys.stdout, sys.stderr)):
+        _follow(old, new)
+
+
+def _follow(old, new) -> None:
+    """A kernel's stream object, inherited by a fork, writes where the rank's stream does. Log
+    handlers (the kernel's `basicConfig`, a library's) hold it: through the kernel's sockets their
+    records would reach the cell untagged, or not at all."""
+    if type(old).__module__.startswith("ipykernel"):
+        old.write, old.flush = new.write, new.flush
 
 
 _DRAINED = b"\x00nbtrain-drained\x00"  # written after a command's output; its arrival means all came before
@@ -54,7 +67,8 @@ _forwarded: list[threading.Event] = []  # one per forwarded stream: set when its
 
 def forward_output(link) -> None:
     """For ranks with no pipe to the notebook (another machine): fds 1 and 2 become pipes
-    read by threads that send each line over the channel as ("output", rank, stream, line)."""
+    read by threads that send each line over the channel as ("output", rank, stream, line),
+    and the lines a progress bar redraws as ("live", rank, stream, text, done)."""
     for fd, stream in ((1, "stdout"), (2, "stderr")):
         read, write = os.pipe()
         os.dup2(write, fd)
@@ -77,18 +91,16 @@ def drain_output(timeout: float = 2.0) -> None:
 
 
 def _forward(fd: int, stream: str, link, drained: threading.Event) -> None:
-    partial = b""
+    screen, marker = Screen(), _DRAINED.decode()
     while True:
         chunk = os.read(fd, 65536)
-        lines = (partial + chunk).split(b"\n")
-        partial = lines.pop() if chunk else b""
-        for line in lines:
-            marked = line.endswith(_DRAINED)
-            line = line[:-len(_DRAINED)] if marked else line
-            if line or (chunk and not marked):
-                link.emit("output", stream, line.decode(errors="replace").rstrip("\r"))
-            if marked:
+        for event in screen.feed(chunk) if chunk else screen.flush():
+            if event[0] != "line":  # lines a progress bar redraws
+                link.emit("live", stream, *event[1:])
+            elif event[1] == marker:
                 drained.set()
+            else:
+                link.emit("output", stream, event[1])
         if not chunk:
             return
 

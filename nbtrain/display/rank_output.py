@@ -1,0 +1,126 @@
+"""A rank's output beyond whole lines, as the notebook shows it: redrawn lines and rich display.
+
+In Jupyter:
+- The lines a rank's progress bar redraws (`common/lines.py`) are one output per rank and
+  stream, updated in place (a display id), and keep their last text when the bar ends.
+- Rich display (`IPython.display.display`, display ids and their updates, `clear_output`) from
+  the shown rank (rank 0, or the lowest rank a command went to) is published again in the running
+  cell. Display ids are prefixed by the rank, so no two ranks' (nor the notebook's) collide.
+  Widgets cannot cross processes: their view is dropped, their text kept.
+- Other ranks' rich output is counted and said once at the end of the command, never dropped in
+  silence (`end`).
+Elsewhere (a terminal, a log): a redrawn block's last text as lines, and the shown rank's rich
+output as its text.
+"""
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+RICH = ("display", "update_display", "clear_output")
+KINDS = ("live", *RICH)  # the messages `deliver` takes
+
+
+def jupyter_shell():
+    """The kernel's shell when this runs in Jupyter (Colab's and Spyder's subclass it), else None."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell if shell is not None and any(c.__name__ == "ZMQInteractiveShell" for c in type(shell).__mro__) else None
+
+
+def tagged(rank, text: str) -> str:
+    return text if rank is None else "\n".join(f"[rank {rank}] {line}" for line in text.split("\n"))
+
+
+def deliver(display, message: tuple) -> None:
+    """A ("live" | "display" | "update_display" | "clear_output", rank, ...) message to `display`.
+    A display of the caller's own without `live` and `rich` gets a bar's last lines as output."""
+    kind, rank, *payload = message
+    if kind == "live":
+        live = getattr(display, "live", None)
+        if live is not None:
+            live(rank, *payload)
+        elif payload[2]:
+            stream, text = payload[0], payload[1]
+            for line in text.split("\n") if text else ():
+                display.output(rank, stream, line)
+        return
+    rich = getattr(display, "rich", None)
+    if rich is not None:
+        rich(rank, kind, *payload)
+
+
+class RankOutput:
+    """`output(rank, stream, line)` is the display's own, for the lines this leaves as text;
+    `shown_again()` is called after a rank cleared the cell's output, for the display to show
+    itself again."""
+
+    def __init__(self, output, shown_again=None):
+        self._output = output
+        self._shown_again = shown_again or (lambda: None)
+        self.shown_rank = 0
+        self._live: dict[tuple, object] = {}  # (rank, stream): the display handle of its live lines
+        self._unshown: Counter = Counter()  # rank: rich outputs not shown
+
+    def start(self, state) -> None:
+        self.shown_rank = min(state.ranks, default=0)
+        self._live.clear()  # a new cell: live lines start afresh there
+        self._unshown.clear()
+
+    def carry_on(self, other: "RankOutput") -> None:
+        """Take over from another display's (LazyDisplay's quiet one) in the middle of a command."""
+        self.shown_rank, self._live, self._unshown = other.shown_rank, other._live, other._unshown
+
+    # -- lines a bar redraws -------------------------------------------------------------
+    def live(self, rank, stream: str, text: str, done: bool) -> None:
+        key = (rank, stream)
+        handle = self._live.pop(key, None) if done else self._live.get(key)
+        if jupyter_shell() is None or (done and handle is None):
+            if done:  # its last state, as lines: what a log or a terminal keeps
+                for line in text.split("\n") if text else ():
+                    self._output(rank, stream, line)
+            return
+        from IPython.display import display
+
+        bundle = {"text/plain": tagged(rank, text) if text else ""}
+        if handle is not None:
+            handle.update(bundle, raw=True)
+        elif text:
+            self._live[key] = display(bundle, raw=True, display_id=True)
+
+    # -- rich display --------------------------------------------------------------------
+    def rich(self, rank, kind: str, *payload) -> None:
+        if rank != self.shown_rank:
+            self._unshown[rank] += kind == "display"
+            return
+        if jupyter_shell() is None:
+            text = payload[0].get("text/plain") if kind == "display" else None
+            for line in text.split("\n") if text else ():
+                self._output(rank, "stdout", line)
+            return
+        if kind == "clear_output":
+            from IPython.display import clear_output
+
+            clear_output(wait=payload[0])
+            self._live.clear()  # their outputs are gone: a bar still drawing starts a new one
+            self._shown_again()
+            return
+        from IPython.display import publish_display_data
+
+        data, metadata, transient = payload
+        data = {mime: value for mime, value in data.items() if mime != WIDGET_VIEW} or {"text/plain": ""}
+        if "display_id" in transient:
+            transient = {**transient, "display_id": f"nbtrain-rank{rank}-{transient['display_id']}"}
+        publish_display_data(data, metadata, transient=transient, update=kind == "update_display")
+
+    def end(self) -> str | None:
+        """What was not shown, said once (the display notes it at the end of the command)."""
+        if not sum(self._unshown.values()):
+            return None
+        ranks = sorted(r for r, n in self._unshown.items() if n)
+        count = sum(self._unshown.values())
+        self._unshown.clear()
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        return (f"{who} displayed {count} rich output{'s' if count > 1 else ''} (IPython display: HTML, images, "
+                f"tables) not shown here: only rank {self.shown_rank}'s rich output is shown in the cell.")

@@ -1,0 +1,185 @@
+"""common/lines.py: a rank's output stream replayed as a terminal would show it."""
+import io
+import re
+
+import pytest
+
+from nbtrain.common.lines import Screen
+
+ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-ln-z]|\x1b\]|\x1b\[\?")  # anything but colour (SGR, "...m")
+
+
+class Pipe(io.TextIOBase):
+    """What a rank writes, fed to a Screen write by write (each write a chunk, as a pipe may deliver it)."""
+
+    def __init__(self, chunk: int | None = None):
+        self.screen, self.events, self.chunk = Screen(), [], chunk
+
+    def write(self, text: str) -> int:
+        data = text.encode()
+        step = self.chunk or len(data) or 1
+        for i in range(0, len(data), step):
+            self.events += self.screen.feed(data[i:i + step])
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+    def close_stream(self) -> list[tuple]:
+        self.events += self.screen.flush()
+        return self.events
+
+
+def shown(events) -> list[str]:
+    """What stays in the cell: finished lines, and each live block's final text."""
+    return [e[1] for e in events if e[0] == "line" or (e[0] == "live" and e[2])]
+
+
+def test_plain_lines_pass_unchanged_and_wait_for_their_end():
+    screen = Screen()
+    assert screen.feed(b"one\ntw") == [("line", "one")]
+    assert screen.feed(b"o\n\nthree") == [("line", "two"), ("line", "")]
+    assert screen.flush() == [("line", "three")]
+    assert screen.flush() == []
+
+
+def test_colour_is_kept_other_escapes_are_not():
+    screen = Screen()
+    events = screen.feed(b"\x1b[?25l\x1b[?25h\x1b]0;title\x07\x1b[31mred\x1b[0m \x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\\n")
+    assert events == [("line", "\x1b[31mred\x1b[0m link")]
+
+
+def test_a_carriage_return_redraws_one_live_line():
+    screen = Screen()
+    assert screen.feed(b"\r 10%") == [("live", "10%".rjust(4), False)]
+    assert screen.feed(b"\r 20%\r 30%") == [("live", " 30%", False)]  # one event per chunk, the latest state
+    assert screen.feed(b"\r100%\n") == [("live", "100%", False)]
+    assert screen.feed(b"after\n") == [("live", "100%", True), ("line", "after")]
+
+
+def test_pieces_cut_anywhere_give_the_same_lines():
+    data = "é\x1b[32mgreen\x1b[0m\r\n\x1b[2Kbar 1\rbar 2\n\x00nbtrain-done 7\n".encode()
+    whole = Screen()
+    expected = shown(whole.feed(data) + whole.flush())
+    bytewise = Screen()
+    events = [e for i in range(len(data)) for e in bytewise.feed(data[i:i + 1])] + bytewise.flush()
+    assert shown(events) == expected == ["é\x1b[32mgreen\x1b[0m", "bar 2", "\x00nbtrain-done 7"]
+
+
+def test_a_mark_ends_what_came_before_it_even_mid_line():
+    screen = Screen()
+    events = screen.feed(b"\rstep 3 partial\x00nbtrain-done 4\n")
+    assert shown(events) == ["step 3 partial", "\x00nbtrain-done 4"]
+    assert screen.flush() == []
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_tqdm_bar_is_one_line(chunk):
+    from tqdm import tqdm
+
+    pipe = Pipe(chunk)
+    for _ in tqdm(range(50), file=pipe, mininterval=0, miniters=1, ascii=True, ncols=60):
+        pass
+    print("done", file=pipe)
+    events = pipe.close_stream()
+    assert [e for e in events if e[0] == "line"] == [("line", "done")]
+    final = [e[1] for e in events if e[0] == "live" and e[2]]
+    assert len(final) == 1 and "50/50" in final[0] and "\n" not in final[0]
+    assert not any("\r" in e[1] or ESCAPE.search(e[1]) for e in events)
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_nested_tqdm_bars_and_a_write_between(chunk):
+    from tqdm import tqdm
+
+    pipe = Pipe(chunk)
+    for epoch in tqdm(range(3), file=pipe, mininterval=0, miniters=1, ascii=True, ncols=60, desc="epoch"):
+        for _ in tqdm(range(20), file=pipe, mininterval=0, miniters=1, ascii=True, ncols=60, desc="batch",
+                      leave=False):
+            pass
+        tqdm.write(f"epoch {epoch} loss 0.1", file=pipe)
+    print("trained", file=pipe)
+    events = pipe.close_stream()
+    stays = [line for text in shown(events) for line in text.split("\n")]
+    assert [s for s in stays if not s.startswith("epoch:")] == [f"epoch {e} loss 0.1" for e in range(3)] + ["trained"]
+    assert sum("3/3" in s for s in stays) == 1  # the outer bar's final state, once
+    assert not any("batch" in s for s in stays)  # an inner bar with leave=False leaves nothing
+    assert not any("\r" in e[1] or ESCAPE.search(e[1]) for e in events)
+    live = [e for e in events if e[0] == "live"]
+    assert max(e[1].count("\n") for e in live) <= 2  # drawn as a block of at most a message and two bars
+
+
+def test_rich_progress_is_one_block():
+    rich_progress = pytest.importorskip("rich.progress")
+    from rich.console import Console
+
+    pipe = Pipe()
+    console = Console(file=pipe, force_terminal=True, width=80)
+    with rich_progress.Progress(console=console, auto_refresh=False) as progress:
+        a = progress.add_task("a", total=30)
+        b = progress.add_task("b", total=30)
+        for _ in range(30):
+            progress.advance(a)
+            progress.advance(b)
+            progress.refresh()
+    console.print("after")
+    events = pipe.close_stream()
+    stays = [line for text in shown(events) for line in text.split("\n")]
+    assert len([s for s in stays if "a" in s and "100%" in s]) == 1
+    assert len([s for s in stays if "b" in s and "100%" in s]) == 1
+    assert stays[-1].endswith("after")
+    assert not any("\r" in e[1] or ESCAPE.search(e[1]) for e in events)
+
+
+# -- the two readers that replay rank streams with it ------------------------------------------
+
+def test_the_output_pump_sends_lines_and_live_redraws():
+    import os
+    import queue
+
+    from nbtrain.common.channel import OutputPump
+
+    inbox = queue.Queue()
+    pump = OutputPump(inbox)
+    read, write = os.pipe()
+    pump.add(read, 3, "stderr")
+    pump.start()
+    os.write(write, b"plain\n\r 1/2\r 2/2\n\x00nbtrain-done 1\n")  # the mark ends the bar's line
+    os.close(write)
+    pump.drain(5.0)
+    pump.close()
+    messages = []
+    while not inbox.empty():
+        messages.append(inbox.get())
+    # A bar read in one piece with what follows is a line; read apart, a live line: either way once.
+    stays = [m[3] for m in messages if m[0] == "output" or m[4]]
+    assert stays == ["plain", " 2/2", "\x00nbtrain-done 1"]
+    assert all(m[1:3] == (3, "stderr") for m in messages) and not any("\r" in str(m) for m in messages)
+
+
+def test_forwarded_output_redraws_and_says_when_drained():
+    import os
+    import threading
+
+    from nbtrain.rank.process import _DRAINED, _forward
+
+    class Link:  # the channel's side of it: what would travel
+        def __init__(self):
+            self.sent = []
+
+        def emit(self, *message):
+            self.sent.append(message)
+
+    link, drained = Link(), threading.Event()
+    read, write = os.pipe()
+    thread = threading.Thread(target=_forward, args=(read, "stdout", link, drained), daemon=True)
+    thread.start()
+    os.write(write, b"\r 1/2\r 2/2\nplain\npartial" + _DRAINED + b"\n")
+    assert drained.wait(5.0)
+    os.close(write)
+    thread.join(5.0)
+    stays = [m[2] for m in link.sent if m[0] == "output" or m[3]]
+    assert stays == [" 2/2", "plain", "partial"]

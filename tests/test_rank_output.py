@@ -1,0 +1,232 @@
+"""A rank's notebook output in a real Jupyter kernel, for every local placement: rich display and its
+updates from rank 0 in the cell (other ranks' counted), a tqdm bar as one live line per rank, and
+log records tagged with their rank."""
+import re
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SETUP = '''
+%load_ext nbtrain
+import logging, time, nbtrain
+from IPython.display import display, HTML
+from tqdm.auto import tqdm          # in the kernel: the notebook (widget) bar
+from rich.progress import track     # rich, imported in the kernel: it believes it is in Jupyter
+logging.basicConfig(level=logging.INFO)   # a handler that holds the kernel's own stderr
+
+def shows(steps=50):
+    ctx = nbtrain.context()
+    handle = display(HTML(f"<b>table from rank {ctx.rank}</b>"), display_id=True)
+    handle.update(HTML(f"<b>rank {ctx.rank} updated its table</b>"))
+    for _ in tqdm(range(steps), desc=f"bar{ctx.rank}", mininterval=0, miniters=1):
+        time.sleep(0.002)
+    logging.warning("a record from the rank")
+    return ctx.rank
+'''
+
+CELL = '''%%nbtrain --strategy ddp --devices 2 --accelerator cpu --no-progress
+import logging, time
+from IPython.display import display, HTML
+from tqdm.auto import tqdm
+ctx = nbtrain.context()
+handle = display(HTML(f"<b>table from rank {ctx.rank}</b>"), display_id=True)
+handle.update(HTML(f"<b>rank {ctx.rank} updated its table</b>"))
+for _ in tqdm(range(50), desc=f"bar{ctx.rank}", mininterval=0, miniters=1):
+    time.sleep(0.002)
+logging.warning("a record from the rank")
+'''
+
+ESCAPE = re.compile("\x1b")
+NOT_COLOUR = re.compile(r"\x1b(?!\[[0-9;]*m)")  # an escape that is no colour (SGR)
+
+
+class Output:
+    """Every message a cell sent to the front end, in order."""
+
+    def __init__(self, kernel, code: str, timeout: float = 240):
+        self.messages = []
+        kernel.client.execute_interactive(code, timeout=timeout,
+                                          output_hook=lambda m: self.messages.append((m["msg_type"], m["content"])))
+        errors = [c for t, c in self.messages if t == "error"]
+        assert not errors, "\n".join(errors[0]["traceback"])
+
+    def of(self, kind: str) -> list[dict]:
+        return [c for t, c in self.messages if t == kind]
+
+    @property
+    def text(self) -> str:
+        return "".join(c["text"] for c in self.of("stream"))
+
+    def outputs_with(self, word: str) -> int:
+        """How many outputs the cell keeps that mention `word`: stream lines and displays (not updates)."""
+        lines = sum(word in line for line in self.text.splitlines())
+        shown = sum(any(word in str(v) for v in c["data"].values()) for c in self.of("display_data"))
+        return lines + shown
+
+
+@pytest.fixture(scope="module")
+def nb(kernel):
+    out = Output(kernel, SETUP)
+    assert not out.of("error")
+    return kernel
+
+
+def check(out: Output) -> None:
+    html = [c for c in out.of("display_data") if "text/html" in c["data"]]
+    assert [c["data"]["text/html"] for c in html] == ["<b>table from rank 0</b>"]
+    display_id = html[0]["transient"]["display_id"]
+    updates = [c for c in out.of("update_display_data") if "text/html" in c["data"]]
+    assert [(c["data"]["text/html"], c["transient"]["display_id"]) for c in updates] == [
+        ("<b>rank 0 updated its table</b>", display_id)]
+    assert "rank 1 displayed 1 rich output" in out.text  # not shown, but said
+
+    for rank in (0, 1):  # 50 redraws: one output per rank, updated in place, ending at 50/50
+        assert out.outputs_with(f"bar{rank}") == 1, out.text
+        drawn = [c["data"]["text/plain"] for c in out.of("display_data") + out.of("update_display_data")
+                 if f"bar{rank}" in c["data"].get("text/plain", "")]
+        assert drawn and all(d.startswith(f"[rank {rank}] bar{rank}") for d in drawn)
+        assert "50/50" in drawn[-1]
+        assert f"[rank {rank}] WARNING:root:a record from the rank" in out.text or \
+            f"[rank {rank}] a record from the rank" in out.text
+    everything = out.text + "".join(str(c["data"]) for c in out.of("display_data") + out.of("update_display_data"))
+    assert "\r" not in everything and not ESCAPE.search(everything)
+    assert "<IPython.core.display.HTML object>" not in out.text  # printed instead of shown
+
+
+@pytest.mark.parametrize("strategy, options", [
+    ("ddp_fork", None),
+    ("ddp_spawn", None),  # forks of the warm template
+    ("ddp_spawn", {"template": False}),
+], ids=["fork", "template", "spawn"])
+def test_launch_shows_rank_output_as_the_notebook_would(nb, strategy, options):
+    out = Output(nb, f"r = nbtrain.launch(shows, devices=2, accelerator='cpu', strategy={strategy!r}, "
+                     f"launcher_options={options!r}, progress=False)")
+    check(out)
+
+
+def test_torchrun_cell_shows_rank_output_as_the_notebook_would(nb):
+    check(Output(nb, CELL))
+
+
+def test_clear_output_from_rank_zero_clears_the_cell_and_keeps_the_dashboard(nb):
+    out = Output(nb, '''
+def frames():
+    from IPython.display import clear_output
+    for i in range(3):
+        clear_output(wait=True)
+        display(HTML(f"<i>frame {i} of rank {nbtrain.context().rank}</i>"))
+    return 1
+r = nbtrain.launch(frames, devices=2, accelerator="cpu", strategy="ddp_fork", progress="widgets")
+''')
+    clears = out.of("clear_output")
+    assert len(clears) == 3 and all(c["wait"] for c in clears)
+    frames = [c["data"]["text/html"] for c in out.of("display_data") if "<i>" in c["data"].get("text/html", "")]
+    assert frames == [f"<i>frame {i} of rank 0</i>" for i in range(3)]
+    # After each clear the dashboard is shown again, under its own id: the summary replaces it at the end.
+    dashboard = [c for c in out.of("display_data") if "nbtrain-dashboard" in str(c["data"]) or
+                 "replaced by a summary" in c["data"].get("text/plain", "")]
+    ids = {c["transient"]["display_id"] for c in dashboard}
+    assert len(dashboard) == 4 and len(ids) == 1
+    summary = [c for c in out.of("update_display_data") if c["transient"]["display_id"] in ids]
+    assert summary and "nbtrain-summary" in summary[-1]["data"]["text/html"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
+def test_a_rich_progress_bar_is_one_live_line_per_rank(nb, strategy):
+    out = Output(nb, f"""
+def tracks():
+    rank = nbtrain.context().rank
+    for _ in track(range(30), description=f"rich{{rank}}", refresh_per_second=50):
+        time.sleep(0.005)
+    print("after the bar")
+r = nbtrain.launch(tracks, devices=2, accelerator="cpu", strategy={strategy!r}, progress=False)
+""")
+    drawn = out.of("display_data") + out.of("update_display_data")
+    for rank in (0, 1):
+        assert out.outputs_with(f"rich{rank}") == 1, out.text
+        last = [c["data"]["text/plain"] for c in drawn if f"rich{rank}" in c["data"].get("text/plain", "")][-1]
+        assert last.startswith(f"[rank {rank}] rich{rank}") and "100%" in last
+        assert f"[rank {rank}] after the bar" in out.text
+    everything = out.text + "".join(str(c["data"]) for c in drawn)
+    assert "\r" not in everything and not NOT_COLOUR.search(everything)
+    assert "widget-view" not in everything  # no ipywidgets from another process
+
+
+def test_live_ranks_show_rich_output_and_bars_in_the_cell_that_ran_them(nb):
+    Output(nb, "%nbtrain start --devices 2 --accelerator cpu")
+    try:
+        out = Output(nb, """%%ranks
+handle = display(HTML(f"<b>table from rank {ctx.rank}</b>"), display_id=True)
+handle.update(HTML(f"<b>rank {ctx.rank} updated its table</b>"))
+for _ in tqdm(range(50), desc=f"bar{ctx.rank}", mininterval=0, miniters=1):
+    time.sleep(0.002)
+logging.warning("a record from the rank")
+""")
+        check(out)
+        later = Output(nb, "%%ranks --rank 1\ndisplay(HTML('<b>only rank 1 ran this</b>'))")
+        assert [c["data"]["text/html"] for c in later.of("display_data")] == ["<b>only rank 1 ran this</b>"]
+    finally:
+        Output(nb, "%nbtrain stop")
+
+
+RANK_WITHOUT_A_SHELL = '''
+import io, json, logging, queue, sys, threading
+from nbtrain.common.channel import Hub, Link
+from nbtrain.rank.output import show_in_notebook
+
+inbox = queue.Queue()
+hub = Hub(inbox)
+hub.start()
+link = Link(3, hub.environ)
+show_in_notebook(link, 3)
+before = "IPython" in sys.modules
+
+from IPython.display import HTML, clear_output, display   # the rank's code imports IPython
+handle = display(HTML("<b>hi</b>"), display_id="table")
+handle.update(HTML("<b>bye</b>"))
+display({"text/plain": "odd", "application/x-odd": threading.Lock()}, raw=True)  # cannot travel whole
+clear_output(wait=True)
+
+from tqdm.notebook import tqdm as notebook_tqdm
+bar_file = io.StringIO()
+for _ in notebook_tqdm(range(3), file=bar_file, mininterval=0):
+    pass
+import rich.console
+console = rich.console.Console()
+
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+logging.getLogger().addHandler(handler)
+logging.warning("hello")
+link.close()
+hub.close()
+messages = []
+while not inbox.empty():
+    messages.append(inbox.get())
+print(json.dumps({"imported_before": before, "messages": [m for m in messages if m[0] != "closed"],
+                  "bar": bar_file.getvalue(), "rich": [console.is_jupyter, console.is_terminal],
+                  "record_rank": records[0].rank}))
+'''
+
+
+def test_a_rank_without_a_shell_gets_one_when_it_imports_ipython():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", RANK_WITHOUT_A_SHELL], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert seen["imported_before"] is False  # nbtrain itself never imports IPython in a rank
+    messages = [tuple(m) for m in seen["messages"]]
+    assert messages[0] == ("display", 3, {"text/plain": "<IPython.core.display.HTML object>", "text/html": "<b>hi</b>"},
+                           {}, {"display_id": "table"})
+    assert messages[1] == ("update_display", 3, {"text/plain": "<IPython.core.display.HTML object>",
+                                                 "text/html": "<b>bye</b>"}, {}, {"display_id": "table"})
+    assert messages[2] == ("display", 3, {"text/plain": "odd"}, {}, {})
+    assert messages[3] == ("clear_output", 3, True)
+    assert "3/3" in seen["bar"] and "\r" in seen["bar"]  # tqdm's notebook bar drew text
+    assert seen["rich"] == [False, True]  # rich: no Jupyter, a terminal on the rank's own streams
+    assert seen["record_rank"] == 3
