@@ -205,6 +205,32 @@ def test_timeout_names_finished_ranks(no_leftovers):
     assert "slow_data_loading" in info.value.traceback
 
 
+def stuck_in_native_code():
+    if nbtrain.context().rank == 1:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        while True:
+            libc.sleep(60)  # C code: Python's own stack cannot say more than the call (a signal ends one)
+    return "done"
+
+
+def test_a_rank_stuck_in_native_code_is_shown_with_its_native_stack(no_leftovers):
+    import shutil
+
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(stuck_in_native_code, devices=2, accelerator="cpu", strategy="ddp_fork", timeout=4,
+                       progress=False)
+    assert "timed out after 4 s; still running: ranks [1]; finished: ranks [0]" in str(info.value)
+    shown = info.value.traceback
+    if shutil.which("py-spy") is None:  # the test extra installs it; without it nbtrain says how to get it
+        assert "`pip install py-spy` and nbtrain shows it here" in shown
+        return
+    native = shown.split("--- rank 1 native stack (py-spy) ---")[1]
+    assert "sleep (libc" in native and "stuck_in_native_code" in native, native
+    assert "a process group destroyed while a DDP model still used it" in native
+
+
 def test_in_process_single_device(no_leftovers):
     def local():
         ctx = nbtrain.context()

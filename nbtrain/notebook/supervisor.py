@@ -13,6 +13,8 @@ import logging
 import os
 import queue
 import re
+import shutil
+import subprocess
 import time
 from collections import defaultdict, deque
 
@@ -33,6 +35,10 @@ CULPRIT_WAIT = 5.0  # when every failure so far is a lost peer: how long to wait
 INTERRUPT_GRACE = 2.0  # live ranks: how long an interrupted rank may take to return
 STACK_WAIT = 1.0  # for faulthandler's dumps after asking for them
 STACK_QUIET = 0.15  # a dump is complete once its rank has been silent this long
+NATIVE_LINES = 25  # frames of a stuck rank's native stack shown
+NATIVE_WAIT = 20.0  # py-spy's reading of one process, at most
+NATIVE_HINT = ("(Frames in C/C++ that do not return: a collective waiting for a rank that is elsewhere, a process "
+               "group destroyed while a DDP model still used it, or a library's own teardown.)")
 STDERR_TAIL = 300  # lines of a rank's stderr kept to explain a crash
 EARLY_EXIT_AFTER = 1.0  # a rank ended this long ago while others still run: look at where they wait
 EARLY_EXIT_PROBES = 2  # consecutive stacks showing the same wait before it counts as a deadlock
@@ -280,7 +286,7 @@ class Supervisor:
         done = [r for r, v in self.state.ranks.items() if v.status == "finished"]
         summary = f"{why}; still running: ranks {running}" + (f"; finished: ranks {done}" if done else "")
         text = "\n\n".join(f"--- rank {r} stack ---\n" + (stacks.get(r) or "(no stack: the rank did not answer)")
-                           for r in running)
+                           + self._native(r) for r in running)
         self.state.fail(running[0], summary, text)
         for r in running[1:]:
             self.state.fail(r, why)
@@ -316,6 +322,17 @@ class Supervisor:
         for r in waiting:
             self.state.stop(r, f"waiting for rank {culprit} in {self._probes[r][0]}")
         self.pool.stuck(waiting, summary)
+
+    def _native(self, rank: int) -> str:
+        """The rank's native stack, where Python's cannot say where it hangs (in C++: a collective,
+        a process group's teardown); by py-spy, on this machine's ranks, where it is installed."""
+        pid = self.state.ranks[rank].pid
+        if self.pool.launcher.remote or not pid:
+            return ""
+        stack = native_stack(pid)
+        if stack is None:
+            return "\n(its native stack: `pip install py-spy` and nbtrain shows it here)"
+        return f"\n--- rank {rank} native stack (py-spy) ---\n{stack}\n{NATIVE_HINT}"
 
     def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Every listed rank's Python stacks (faulthandler), before anything is stopped."""
@@ -411,6 +428,26 @@ class Supervisor:
                 self._handle(self.pool.inbox.get_nowait())
             except queue.Empty:
                 return
+
+
+def native_stack(pid: int, lines: int = NATIVE_LINES) -> str | None:
+    """The main thread's native and Python frames of `pid` (py-spy dump --native), or None
+    where py-spy is missing or cannot read the process."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return None
+    try:
+        dump = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=NATIVE_WAIT)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if dump.returncode != 0:
+        return f"(py-spy could not read PID {pid}: {dump.stderr.strip()[:200]})"
+    main = dump.stdout.split("\nThread ")[1:2]  # the first thread py-spy lists is the main one
+    frames = [line.strip() for line in ("Thread " + main[0]).splitlines()[1:] if line.strip()] if main else []
+    mine = next((i for i, frame in enumerate(frames) if LOOP_FILE in frame), len(frames))  # below: nbtrain's loop
+    frames = frames[:mine]
+    return "\n".join(frames[:lines]) + ("\n..." if len(frames) > lines else "")
 
 
 def stderr_tails():
