@@ -85,6 +85,28 @@ def test_objects_travel_both_ways(nb):
     assert nb.value("ranks.eval('\"only_here\" in globals()')") == [True, False]
 
 
+def test_names_from_the_notebook_follow_it_and_the_ranks_own_win(nb):
+    ok(nb, "def follow_me():\n    return 1")
+    out, _ = ok(nb, "%%ranks\nfollow_me()")
+    assert "[rank 0] 1" in out
+    ok(nb, "def follow_me():\n    return 2")  # redefined in the notebook: the ranks follow
+    out, _ = ok(nb, "%%ranks\nfollow_me()")
+    assert "[rank 0] 2" in out and "[rank 1] 2" in out
+    ok(nb, "%%ranks\ndef follow_me():\n    return 3")  # defined on the ranks: theirs wins from now on
+    ok(nb, "def follow_me():\n    return 4")
+    out, _ = ok(nb, "%%ranks\nfollow_me()")
+    assert "[rank 0] 3" in out and "[rank 1] 3" in out
+
+
+def test_an_object_of_a_class_only_the_ranks_have_is_refused_in_one_line(nb):
+    ok(nb, "%%ranks\nclass OnlyHere:\n    pass\nthing = OnlyHere()")
+    shown, _ = failing(nb, "ranks.pull('thing')")
+    message = plain(shown)
+    assert "rank 0 returned an object of class 'OnlyHere', which was defined on the ranks only" in message, message
+    assert "Define the class in the notebook too" in message and "_dill.py" not in message
+    assert nb.value("ranks.eval('type(thing).__name__')") == ["OnlyHere", "OnlyHere"]  # the ranks are fine
+
+
 def test_run_uses_the_ranks_own_names_and_shows_progress(nb):
     ok(nb, STATE)
     code = '''

@@ -13,6 +13,9 @@ from typing import Any, NamedTuple
 from ..common.transfer import unpack_result
 
 
+_MISSING_CLASS = re.compile(r"Can't get attribute '([\w.]+)' on <module '__main__'")
+
+
 class Metric(NamedTuple):
     step: int
     rank: int
@@ -167,7 +170,17 @@ class RunState:
             self.per_rank_batch_size, self.effective_batch_size = per_rank, effective
 
     def _on_result(self, view: RankView, payload: bytes, where: str = "") -> None:
-        self.values[view.rank] = unpack_result(payload)
+        try:
+            self.values[view.rank] = unpack_result(payload)
+        except AttributeError as exc:  # a class only the rank has: "Can't get attribute 'MLP' on <module '__main__'>"
+            missing = _MISSING_CLASS.search(str(exc))
+            if missing is None:
+                raise
+            self.fail(view.rank, f"rank {view.rank} returned an object of class {missing[1]!r}, which was defined on "
+                      f"the ranks only (a %%ranks cell or ranks.exec): the notebook cannot rebuild it. Define the class "
+                      f"in the notebook too (run its code in a notebook cell), or return plain data (a state_dict, "
+                      f"tensors, numbers).")
+            return
         self._finished(view, where)
 
     def _on_value(self, view: RankView, value) -> None:

@@ -52,6 +52,7 @@ class Pool:
         self.restart_reason: str | None = None  # ranks stuck beyond an interrupt: the pool must restart
         self._namespace: dict = {}  # where the running command's missing names come from
         self._answers: dict[tuple, bytes | None] = {}
+        self._sent: dict[int, dict[str, object]] = {}  # rank: the notebook objects it was sent, by name
         self._stopped = False
         self.state: RunState | None = None  # the first command's
 
@@ -225,10 +226,14 @@ class Pool:
         return ""
 
     def answer_need(self, rank: int, seq: int, names: list[str], display) -> None:
-        """A rank lacks names its code reads: send those the notebook has (modules as imports)."""
-        key = tuple(names)
+        """A rank lacks names its code reads, or asks again for ones it took from the notebook:
+        send those the notebook has, leaving out what this rank already has as it is here."""
+        sent = self._sent.setdefault(rank, {})
+        fresh = [n for n in names if not (n in sent and self._namespace.get(n, sent) is sent[n])]
+        key = tuple(fresh)
         if key not in self._answers:
-            self._answers[key] = self._pack_names(names, display)
+            self._answers[key] = self._pack_names(fresh, display)
+        sent.update((n, self._namespace[n]) for n in fresh if n in self._namespace)
         self.hub.send(rank, ("names", seq, self._answers[key]))
 
     def _pack_names(self, names: list[str], display) -> bytes | None:

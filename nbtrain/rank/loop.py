@@ -60,6 +60,7 @@ class RankLoop:
         self.names: queue.Queue = queue.Queue()
         self.stdin: queue.Queue = queue.Queue()
         self.namespace = _fresh_main(ctx) if live else None
+        self.borrowed: dict[str, object] = {}  # names taken from the notebook, as they came
         self.last_traceback = None
         self._lock = threading.Lock()
         self._running: int | None = None  # seq of the command whose user code runs now
@@ -249,8 +250,14 @@ class RankLoop:
         """Ask the notebook for the names this code reads that this rank does not have.
 
         The rank's own names win: state that lives here is never overwritten from the notebook.
+        Names it took from the notebook and left as they came are asked for again, so they follow
+        the notebook when it redefines them (the notebook sends only what it rebound since).
         """
-        missing = [n for n in dict.fromkeys(names) if n not in self.namespace and not hasattr(builtins, n)]
+        names = list(dict.fromkeys(names))
+        for name in [n for n in names if n in self.borrowed]:
+            if self.namespace.get(name, NOTHING) is not self.borrowed[name]:
+                del self.borrowed[name]  # the rank rebound it: its own now
+        missing = [n for n in names if (n not in self.namespace and not hasattr(builtins, n)) or n in self.borrowed]
         if not missing:
             return
         self.link.emit("need", seq, missing)
@@ -262,7 +269,9 @@ class RankLoop:
         if payload is not None:
             import dill
 
-            self.namespace.update(dill.loads(payload))
+            received = dill.loads(payload)
+            self.namespace.update(received)
+            self.borrowed.update(received)
 
 
 class RemoteDebugger:
