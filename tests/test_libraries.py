@@ -33,13 +33,13 @@ class Lit(pl.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
-def lightning(strategy="ddp"):
+def lightning(strategy="ddp", progress_bar=False):
     torch.manual_seed(int(os.environ["RANK"]))  # different data per rank: equal weights prove DDP ran
     data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 2)), batch_size=8)
     model = Lit()
     trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
                          max_epochs=1, logger=False, enable_checkpointing=False, enable_model_summary=False,
-                         enable_progress_bar=False)
+                         enable_progress_bar=progress_bar)
     trainer.fit(model, data)
     return trainer.world_size, trainer.global_rank, type(trainer.strategy).__name__, float(model.layer.weight.sum())
 
@@ -62,11 +62,11 @@ class Tokens(Dataset):
         g = torch.Generator().manual_seed(i)
         return {"input_ids": torch.randint(0, 100, (8,), generator=g), "labels": torch.tensor(i % 2)}
 
-def transformers_trainer():
+def transformers_trainer(progress=False):
     config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37,
                         vocab_size=100)
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, per_device_train_batch_size=2,
-                             max_steps=3, report_to=[], save_strategy="no", disable_tqdm=True)
+                             max_steps=3, report_to=[], save_strategy="no", disable_tqdm=not progress)
     trainer = Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=Tokens())
     trainer.train()
     return args.world_size, str(args.parallel_mode), type(trainer.model_wrapped).__name__, trainer.state.epoch
@@ -165,6 +165,14 @@ def test_a_lightning_trainer_with_strategy_auto_joins_the_ranks_too(nb):
     assert [v[:3] for v in seen] == [(2, 0, "DDPStrategy"), (2, 1, "DDPStrategy")]
 
 
+def test_lightnings_progress_bar_reads_as_one_bar(nb):
+    out, err, error, results = nb.run("_r = on('fork', lightning, 'ddp', True)", timeout=300)
+    assert error is None, f"{error}\n{err[-2000:]}"
+    shown = out + err + "".join(r.get("text/plain", "") for r in results)
+    assert 1 <= shown.count("Epoch 0") <= 2, shown  # one bar updated in place, not a line per step
+    assert "\r" not in out + err and "\x1b[2K" not in out + err
+
+
 def test_lightning_ddp_notebook_inside_a_rank_is_refused_naming_the_call(nb):
     message = failure(nb, "on('fork', lightning, 'ddp_notebook')")
     assert "NestedLaunchError: a Lightning Trainer with strategy 'ddp_notebook'" in message, message
@@ -195,6 +203,16 @@ def test_a_transformers_trainer_joins_the_ranks(nb, placement):
     seen = values(nb, f"on({placement!r}, transformers_trainer)")
     # 16 samples, 2 per device on 2 ranks: 3 steps are 0.75 of an epoch only if the sampler splits the data.
     assert seen == [(2, "ParallelMode.DISTRIBUTED", "DistributedDataParallel", 0.75)] * 2
+
+
+def test_the_transformers_notebook_progress_table_shows_once(nb):
+    # In a rank forked from the kernel, Transformers draws its HTML progress table (as under
+    # notebook_launcher): rank 0's reaches the cell as rich output; rank 1's is counted, not shown.
+    out, err, error, results = nb.run("_r = on('fork', transformers_trainer, True)", timeout=300)
+    assert error is None, f"{error}\n{err[-2000:]}"
+    tables = [r["text/html"] for r in results if "<progress" in r.get("text/html", "")]
+    assert tables, results
+    assert "rank 1 displayed" in out + err  # said once, not shown twice
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
