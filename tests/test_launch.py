@@ -318,6 +318,19 @@ def test_unshippable_function_is_refused_with_its_path_before_anything_starts(no
     assert "create it inside the training function" in message
 
 
+def test_unshippable_function_does_not_start_the_template(no_leftovers):
+    # The pickling check comes first: a refused ddp_spawn launch spends nothing on the template.
+    import nbtrain.template
+
+    namespace = {"__name__": "__main__"}
+    exec(NOTEBOOK_CELL, namespace)
+    nbtrain.template.stop()
+    with pytest.raises(nbtrain.UnpicklableError, match="STREAM"):
+        nbtrain.launch(namespace["uses_a_generator"], devices=2, accelerator="cpu", strategy="ddp_spawn",
+                       progress=False)
+    assert nbtrain.template.template(start=False) is None
+
+
 def test_stack_dumps_lead_with_the_users_code():
     from nbtrain.notebook.supervisor import tidy_stacks
 

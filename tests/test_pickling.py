@@ -1,7 +1,9 @@
 import functools
+import importlib
 import pickle
 import socket
 import sqlite3
+import sys
 import threading
 import types
 
@@ -11,7 +13,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from nbtrain.common.errors import UnpicklableError
-from nbtrain.common.pickling import MAX_FINDINGS, Finding, dumps, explain_pickling
+from nbtrain.common.pickling import MAX_FINDINGS, Finding, dumps, explain_pickling, explain_return
+from nbtrain.common.transfer import pack_job, pack_result, unpack_job, unpack_result
 
 GENERATOR_HINT = "a generator cannot be sent to another process; create it inside the training function"
 
@@ -332,3 +335,71 @@ def test_unpicklable_error_round_trips_through_pickle(sock):
     assert type(copy) is UnpicklableError
     assert str(copy) == str(raised.value)
     assert copy.findings == raised.value.findings and copy.detail == raised.value.detail
+
+
+# --- the explainer judges as the launch ships -------------------------------------------------
+# A module outside site-packages (an editable install: nbtrain itself, or the user's package
+# under development) travels by name with the launch's pickler; plain dill would send its whole
+# namespace and fail on what it holds (here a _struct.Struct, as nbtrain's own does).
+
+
+@pytest.fixture
+def dev_module(tmp_path, monkeypatch):
+    name = "nbtrain_test_devpkg"
+    (tmp_path / f"{name}.py").write_text(
+        "import struct\n_HEADER = struct.Struct('i')\n\ndef double(x):\n    return 2 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    yield module
+    sys.modules.pop(name, None)
+
+
+def _dev_functions(dev_module):
+    import nbtrain
+
+    ns = notebook_function("def train(x):\n    return devpkg.double(x), nbtrain.__name__\n",
+                           devpkg=dev_module, nbtrain=nbtrain)
+    return ns["train"]
+
+
+def test_plain_dill_fails_where_the_launch_does_not(dev_module):
+    # The premise of the tests below: the false finding came from judging with plain dill.
+    with pytest.raises(TypeError, match="Struct"):
+        dill.dumps(dev_module, recurse=True)
+    fn, args, _ = unpack_job(pack_job(_dev_functions(dev_module), (3,), {}))
+    assert fn(*args) == (6, "nbtrain")
+
+
+@pytest.mark.parametrize("direction", ["job", "result"])
+def test_editable_modules_get_no_finding_for_what_ships(dev_module, direction):
+    import nbtrain
+
+    train = _dev_functions(dev_module)
+    if direction == "job":  # what every placement sends its ranks (pack_job: ShippingPickler)
+        pack_job(train, (3,), {})
+        assert explain_pickling(train) == []
+        assert explain_pickling((train, (dev_module,), {"nb": nbtrain})) == []
+    else:  # what a rank sends back (pack_result)
+        value = {"fn": train, "module": dev_module, "nbtrain": nbtrain}
+        back = unpack_result(pack_result(value, 0))
+        assert back["module"] is dev_module and back["fn"](2) == (4, "nbtrain")
+        assert explain_return(value) == []
+
+
+@pytest.mark.parametrize("direction", ["job", "result"])
+def test_unpicklable_beside_editable_modules_is_still_found(dev_module, sock, direction):
+    import nbtrain
+
+    ns = notebook_function("def train():\n    return devpkg.double(1), nbtrain, conn\n",
+                           devpkg=dev_module, nbtrain=nbtrain, conn=sock)
+    if direction == "job":
+        with pytest.raises(UnpicklableError) as raised:
+            pack_job(ns["train"], (), {})
+        findings = raised.value.findings
+    else:
+        with pytest.raises(UnpicklableError) as raised:
+            pack_result({"fn": ns["train"]}, 0)
+        findings = raised.value.findings
+        assert findings == explain_return({"fn": ns["train"]})
+    [f] = findings
+    assert f.type == "socket" and f.path.endswith(".__globals__['conn']")

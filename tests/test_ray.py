@@ -21,7 +21,20 @@ import nbtrain
 sys.path.insert(0, TESTS_DIR)  # cluster_helpers: the ranks get this import path too
 from cluster_helpers import Recorder, one_rank_stalls, stack_report_problems, wait_for_the_notebook
 
-ray.init(num_cpus=2, include_dashboard=False)
+def start_ray(deadline=240.0):
+    """ray.init with an explicit, longer deadline: Ray gives its raylet a fixed 30 s to register
+    with the GCS ("raylet failed to startup or the GCS has become overloaded"), short on a
+    loaded machine; a failed try is shut down and tried again until ours passes."""
+    give_up = time.monotonic() + deadline
+    while True:
+        try:
+            return ray.init(num_cpus=2, include_dashboard=False)
+        except Exception:
+            ray.shutdown()
+            if time.monotonic() > give_up:
+                raise
+
+start_ray()
 
 def train(steps):
     import torch.nn.functional as F
@@ -55,11 +68,34 @@ def rk():
     from conftest import Kernel
 
     kernel = Kernel()
-    _, _, error, _ = kernel.run(SETUP.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__)))), timeout=300)
-    assert error is None, error
-    yield kernel
-    kernel.run("ray.shutdown()")
-    kernel.close()
+    try:
+        _, _, error, _ = kernel.run(SETUP.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__)))),
+                                    timeout=600)
+        assert error is None, error
+        yield kernel
+    finally:  # also when the set-up failed: what it started must not fail later modules' leftover checks
+        _close_with_ray(kernel)
+
+
+def _close_with_ray(kernel) -> None:
+    """Shut Ray down in the kernel, close the kernel, and make sure Ray's processes went with it."""
+    try:
+        started = psutil.Process(kernel.manager.provisioner.pid).children(recursive=True)
+    except (psutil.Error, AttributeError, TypeError):
+        started = []
+    try:
+        kernel.run("import ray; ray.shutdown()", timeout=120)
+    except Exception:  # a kernel that no longer answers is closed all the same
+        pass
+    finally:
+        kernel.close()
+    _, alive = psutil.wait_procs(started, timeout=SETTLE)
+    for proc in alive:  # Ray's reaper missed them: they are this fixture's, end them
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=SETTLE)
 
 
 def rank_actors() -> list[psutil.Process]:

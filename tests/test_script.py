@@ -65,6 +65,31 @@ def train_and_report(lr):
             os.getsid(launcher.pid) == launcher.pid)
 
 
+def test_job_dir_removes_the_dirs_of_dead_kernels_only():
+    # A kernel killed with kill -9 cannot remove its launch's directory; the next launch does.
+    import shutil
+    import tempfile
+
+    from nbtrain.placements.script import job_dir
+
+    with open("/proc/sys/kernel/pid_max") as f:
+        dead = int(f.read())  # pids stay below pid_max: no process has this one
+    orphan = tempfile.mkdtemp(prefix=f"nbtrain-{dead}-")
+    os.mkfifo(os.path.join(orphan, "stdout-0"), 0o600)
+    live = tempfile.mkdtemp(prefix=f"nbtrain-{os.getppid()}-")
+    mine = None
+    try:
+        mine = job_dir()
+        assert not os.path.exists(orphan)
+        assert os.path.isdir(live) and os.path.isdir(mine)
+        assert os.path.basename(mine).startswith(f"nbtrain-{os.getpid()}-")
+        assert stat.S_IMODE(os.stat(mine).st_mode) == 0o700
+    finally:
+        for path in (orphan, live, mine):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
+
+
 @slow
 def test_results_metrics_environment_and_private_job_dir(no_leftovers):
     import subprocess
@@ -73,8 +98,14 @@ def test_results_metrics_environment_and_private_job_dir(no_leftovers):
     dead = subprocess.Popen(["true"])
     dead.wait()
     orphan = tempfile.mkdtemp(prefix=f"nbtrain-{dead.pid}-")  # left by a kernel that was killed
-    result = nbtrain.launch(train_and_report, 0.5, **CPU2)
-    assert not os.path.exists(orphan)
+    os.mkdir(os.path.join(orphan, "tmp"), 0o700)  # as a launch's own is: a launcher TMPDIR inside
+    live = tempfile.mkdtemp(prefix=f"nbtrain-{os.getppid()}-")  # another kernel's, still running
+    try:
+        result = nbtrain.launch(train_and_report, 0.5, **CPU2)
+        assert not os.path.exists(orphan)
+        assert os.path.isdir(live)
+    finally:
+        os.rmdir(live)
     assert result.strategy == "ddp" and len(result.values) == 2
     (m0, env0, dir0, modes, pid0, cmd, own_session), (m1, env1, dir1, _, pid1, _, _) = result.values
     assert isinstance(m0, Net) and torch.equal(m0.layer.weight, m1.layer.weight)  # DDP synchronised them

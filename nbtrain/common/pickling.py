@@ -44,8 +44,9 @@ class Finding:
 def explain_pickling(obj, pickler: str = "dill", name: str | None = None) -> list[Finding]:
     """The deepest parts of `obj` that `pickler` cannot serialise; [] when `obj` pickles.
 
-    `pickler="dill"` is what the launcher uses (dill, recurse=True); `"pickle"` is the
-    standard library's pickle.
+    `pickler="dill"` is what the launcher uses (`ShippingPickler`: dill, recurse=True, modules
+    importable by name sent as their name), so it finds nothing in what a launch ships;
+    `"pickle"` is the standard library's pickle.
     """
     if pickler not in PICKLERS:
         raise ValueError(f"pickler must be one of {', '.join(map(repr, PICKLERS))}, not {pickler!r}")
@@ -133,7 +134,7 @@ class _Explainer:
         every object on a failing path, and the walk then follows those marks instead of
         pickling each subtree again.
         """
-        pickler = dill.Pickler(_NullFile(), recurse=True)
+        pickler = ShippingPickler(_NullFile(), recurse=True)
         stack, base, self.bad = [], pickler.save, {}
 
         def save(o, save_persistent_id=True):
@@ -164,7 +165,7 @@ class _Explainer:
             raise _OutOfBudget
         try:
             if self.pickler == "dill":
-                dill.dump(obj, _NullFile(), recurse=True)
+                ShippingPickler(_NullFile(), recurse=True).dump(obj)
             else:
                 pickle.dump(obj, _NullFile())
         except Exception as exc:  # pickling raises TypeError, PicklingError, RecursionError, ...

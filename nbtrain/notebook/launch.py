@@ -20,15 +20,14 @@ STRATEGIES = ("auto", "dp", "ddp_fork", "ddp_spawn", "ddp", "fsdp", "deepspeed")
 ALIASES = {"ddp_notebook": "ddp_fork", "fork": "ddp_fork", "spawn": "ddp_spawn", "ddp_script": "ddp"}
 
 
-def _launcher(placement: str, options: dict, display):
+def _launcher(placement: str, job: Job, display):
     """The launcher for where the ranks run: in the kernel, forked, spawned, or a script ('ddp')."""
     if placement == "ddp":
         return ScriptLauncher()
     if placement == "ddp_spawn":
-        if not options.pop("template", True):
+        if not job.options.pop("template", True):
             return SpawnLauncher()  # plain spawn: fresh interpreters, for code that breaks even in a clean fork
-
-        return start_ranks_cleanly(display)
+        return start_ranks_cleanly(display, job)  # checks the job pickles before starting the template
     return {"single": InProcessLauncher, "dp": InProcessLauncher, "ddp_fork": ForkLauncher}[placement]()
 
 
@@ -140,8 +139,8 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     display = make_display(progress)
     if note:
         display.note(note)
-    launcher = _launcher(placement, options, display)
     job = Job(fn, args, kwargs, plan, name, timeout, options=options)
+    launcher = _launcher(placement, job, display)
     if isinstance(launcher, InProcessLauncher):
         return launcher.launch(job, display)
     return run_once(launcher, job, display)

@@ -174,7 +174,7 @@ class SpawnLauncher(ProcessLauncher):
     strategy = "ddp_spawn"
 
     def _prepare(self, job: Job) -> None:
-        if not job.live:
+        if not job.live and "payload" not in job.options:  # start_ranks_cleanly may have shipped it
             job.options["payload"] = pack_job(job.fn, job.args, job.kwargs)
 
     def _start(self, job, channel_env, pump, started) -> None:

@@ -16,8 +16,7 @@ class TemplateLauncher(ProcessLauncher):
     strategy = "ddp_spawn"
 
     def _prepare(self, job: Job) -> None:
-        if not job.live:
-            job.options["payload"] = pack_job(job.fn, job.args, job.kwargs)
+        ship(job)
         self.template = template()
 
     def _start(self, job, channel_env, pump, started) -> None:
@@ -42,9 +41,20 @@ class TemplateLauncher(ProcessLauncher):
         return RankProcess([rank], pid, poll, lambda timeout: template.wait_exit(pid, timeout))
 
 
-def start_ranks_cleanly(display):
+def ship(job: Job) -> None:
+    """Pickle a launch's job for its ranks, once: an unpicklable one raises UnpicklableError here."""
+    if not job.live and "payload" not in job.options:
+        job.options["payload"] = pack_job(job.fn, job.args, job.kwargs)
+
+
+def start_ranks_cleanly(display, job: Job | None = None):
     """The launcher for ranks that must not be forks of the kernel: the template, or plain
-    spawn (said in the display) when the template cannot start."""
+    spawn (said in the display) when the template cannot start.
+
+    Given the `job`, it is pickled first, so a job that cannot be sent starts nothing (not
+    even the template, seconds of start-up for a launch that is refused anyway)."""
+    if job is not None:
+        ship(job)
     try:
         template()
         return TemplateLauncher()
