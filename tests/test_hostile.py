@@ -9,6 +9,7 @@ import os
 import pickle
 import subprocess
 import sys
+import signal
 import tempfile
 
 import pytest
@@ -18,6 +19,7 @@ import nbtrain
 from nbtrain import UnpicklableError, WorkerError
 from nbtrain.common import devices as devices_module
 from nbtrain.common.tensor_files import LaunchFiles
+from conftest import running
 
 slow = pytest.mark.slow
 PROCESS_STRATEGIES = ["ddp_fork", "ddp_spawn", "ddp"]
@@ -482,3 +484,98 @@ except nbtrain.UnpicklableError as e:
         or "the return value of rank 1 cannot travel back to the notebook" in message
     assert "value.batches: generator" in message and "Return plain data instead" in message
     assert "inside the training function" not in message
+
+
+# == issue 29: hostile round 3, in the same kernel ==========================================
+
+LIVE = '''
+import os, signal, time, torch, nbtrain
+import nbtrain.common.channel
+ranks = nbtrain.Ranks(devices=2, accelerator="cpu", progress=False)
+ranks.exec("import os\\nx = 1")
+'''
+
+
+def live(nb):
+    """Fresh live ranks in the kernel (the last test may have broken or closed them); their pids."""
+    _, _, error, _ = nb.run("if 'ranks' in globals(): ranks.close()\n" + LIVE)
+    assert error is None, error
+    return nb.value("ranks.eval('os.getpid()')")
+
+
+def reply_to(nb, timeout=60):
+    while True:
+        reply = nb.client.get_shell_msg(timeout=timeout)
+        if reply["msg_type"] == "execute_reply":
+            return reply["content"]
+
+
+def tcp_received_but_unread(pid: int) -> int:
+    """Bytes waiting in the receive queues of `pid`'s TCP sockets (from /proc/net/tcp)."""
+    import psutil
+
+    ports = {c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp4") if c.raddr}
+    waiting = 0
+    with open("/proc/net/tcp") as table:
+        for line in list(table)[1:]:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) in ports:
+                waiting += int(fields[4].split(":")[1], 16)
+    return waiting
+
+
+def push_to_a_stopped_rank(nb, pid: int) -> None:
+    """Start pushing 100 MB while rank 0 (`pid`) is stopped, and return once it is mid-message."""
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    nb.client.execute("ranks.push(big=torch.ones(25_000_000))")
+    deadline = time.monotonic() + 60
+    while tcp_received_but_unread(pid) < 1 << 16:  # part of the message sits unread in rank 0's socket
+        assert time.monotonic() < deadline, "the push never started sending"
+        time.sleep(0.05)
+
+
+# -- 1. an interrupt while push sends: the message goes whole, or the link is cut ------------
+
+@slow
+def test_an_interrupt_while_push_sends_finishes_the_message_then_raises(nb):
+    import time
+
+    pids = live(nb)
+    push_to_a_stopped_rank(nb, pids[0])
+    nb.manager.interrupt_kernel()
+    time.sleep(1)
+    os.kill(pids[0], signal.SIGCONT)  # rank 0 reads again: the rest of the message goes
+    reply = reply_to(nb)
+    assert reply["ename"] == "KeyboardInterrupt", reply
+    shown = "\n".join(reply["traceback"])
+    assert "their state is kept" in shown and "ranks [1] never had it" in shown, shown
+    # the channel is whole: the next command works on the same ranks, the push reached rank 0 only
+    assert nb.value("ranks.eval('x')") == [1, 1]
+    assert nb.value("ranks.eval('\"big\" in globals() and float(big.sum())')") == [25_000_000.0, False]
+    assert nb.value("ranks.eval('os.getpid()')") == pids
+
+
+@slow
+def test_a_message_that_cannot_finish_after_an_interrupt_cuts_the_link(nb):
+    import time
+
+    pids = live(nb)
+    _, _, error, _ = nb.run("nbtrain.common.channel.SEND_STALL = 2")
+    assert error is None, error
+    try:
+        push_to_a_stopped_rank(nb, pids[0])  # and rank 0 never reads again
+        asked = time.monotonic()
+        nb.manager.interrupt_kernel()
+        reply = reply_to(nb)
+        assert time.monotonic() - asked < 30  # no hang: 2 s without progress, then the ranks restart
+        assert reply["ename"] == "KeyboardInterrupt", reply
+        shown = "\n".join(reply["traceback"])
+        assert "the link to rank 0 was cut in the middle of a 100 MB message (no progress in 2 s), so the live " \
+               "ranks are restarted: their state is lost" in shown, shown
+        assert nb.value("ranks.eval('ctx.rank')") == [0, 1]  # fresh ranks
+        assert nb.value("ranks.eval('os.getpid()')") != pids
+        assert not any(map(running, pids))
+    finally:
+        nb.run("nbtrain.common.channel.SEND_STALL = 10.0")

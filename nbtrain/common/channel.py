@@ -22,6 +22,7 @@ import threading
 import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing.reduction import ForkingPickler
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ BACKLOG = 4096
 CONNECT_SECONDS = 30.0  # a rank that cannot reach the notebook by then gives up and says why
 HANDSHAKE_SECONDS = 5.0  # one attempt: connect and the authkey challenge, both ways
 URGENT = frozenset({"hello", "begin", "result", "error", "need", "prompt"})  # sent without batching delay
+WRITE_CHUNK = 1 << 20
+SEND_STALL = 10.0  # after a Ctrl-C, how long a message being sent may make no progress before its link is cut
 
 
 class Hub:
@@ -138,16 +141,66 @@ class Hub:
         return rank in self._by_rank
 
     def send(self, rank: int, message: tuple) -> bool:
-        """Send a command to `rank`; False if it is not (or no longer) connected."""
+        """Send a command to `rank`; False if it is not (or no longer) connected.
+
+        A message goes whole or not at all: a rank that read half of one would wait forever for
+        the rest, and take the next message's bytes for it. On the kernel's main thread, where
+        Ctrl-C lands, the bytes are written by a thread of their own; an interrupt while they are
+        written lets them finish, then raises `SendInterrupted`. A message that makes no progress
+        for SEND_STALL s after that (the rank is stopped), or a second Ctrl-C, cuts the link
+        instead: the rank sees the connection close, never half a message.
+        """
         conn = self._by_rank.get(rank)
         if conn is None:
             return False
+        data = ForkingPickler.dumps(message)  # an interrupt here has sent nothing
+        if threading.current_thread() is not threading.main_thread():
+            return self._write(conn, data)
+        write = _Write(self, conn, data)
+        interrupt: KeyboardInterrupt | None = None
+        interrupted_at = 0.0
+        while not write.done.is_set():
+            try:
+                if interrupt is None:
+                    write.done.wait()
+                elif write.stalled(SEND_STALL, interrupted_at):
+                    self.cut(rank, conn)
+                    write.done.wait(HANDSHAKE_SECONDS)
+                    raise SendInterrupted(rank, len(data), whole=False, why=f"no progress in {SEND_STALL:g} s")
+                else:
+                    write.done.wait(0.1)
+            except SendInterrupted:
+                raise
+            except KeyboardInterrupt as exc:
+                if interrupt is not None:  # twice: stop waiting for the message
+                    self.cut(rank, conn)
+                    write.done.wait(HANDSHAKE_SECONDS)
+                    raise SendInterrupted(rank, len(data), whole=False, why="interrupted twice") from None
+                interrupt, interrupted_at = exc, time.monotonic()
+                log.warning("channel: interrupted while sending %d bytes to rank %d: finishing the message first",
+                            len(data), rank)
+        if interrupt is not None:
+            raise SendInterrupted(rank, len(data), whole=write.ok, why="" if write.ok else "the rank went away")
+        return write.ok
+
+    def _write(self, conn, data: bytes, progress=None) -> bool:
         try:
             with self._send_lock:
-                conn.send(message)
+                _send_bytes(conn, data, progress)
             return True
         except (OSError, ValueError):
             return False
+
+    def cut(self, rank: int, conn=None) -> None:
+        """End the connection to `rank` both ways: a write blocked on it fails, the rank sees it close."""
+        conn = conn or self._by_rank.get(rank)
+        if conn is None:
+            return
+        try:
+            with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def close(self) -> None:
         self._closed.set()
@@ -166,6 +219,60 @@ class Hub:
             thread.join(timeout=1.0)
         self._threads.clear()
         self._connections.clear()
+
+
+class SendInterrupted(KeyboardInterrupt):
+    """Ctrl-C while a message to `rank` was being written. `whole`: it was finished first (the
+    rank has it); otherwise the link to that rank was cut (`why`) and the rank is lost."""
+
+    def __init__(self, rank: int, size: int, whole: bool, why: str = ""):
+        super().__init__(rank, size, whole, why)
+        self.rank, self.size, self.whole, self.why = rank, size, whole, why
+
+
+class _Write:
+    """One message's bytes, written by a thread of its own (Ctrl-C reaches only the main thread)."""
+
+    def __init__(self, hub: Hub, conn, data: bytes):
+        self.done = threading.Event()
+        self.ok = False
+        self.sent, self._moved = 0, time.monotonic()
+        threading.Thread(target=self._run, args=(hub, conn, data), name="nbtrain-send", daemon=True).start()
+
+    def _run(self, hub: Hub, conn, data: bytes) -> None:
+        try:
+            self.ok = hub._write(conn, data, self._progress)
+        finally:
+            self.done.set()
+
+    def _progress(self, sent: int) -> None:
+        self.sent, self._moved = sent, time.monotonic()
+
+    def stalled(self, seconds: float, since: float) -> bool:
+        """No byte written for `seconds`, counted from `since` at the earliest."""
+        return time.monotonic() - max(self._moved, since) > seconds
+
+
+def _send_bytes(conn, data, progress=None) -> None:
+    """`Connection.send_bytes`'s framing (what `recv` reads), written in chunks that report progress."""
+    size = len(data)
+    header = struct.pack("!i", size) if size <= 0x7fffffff else struct.pack("!iQ", -1, size)
+    fd = conn.fileno()
+    if size <= 16384:  # one write, as Connection does
+        _write_all(fd, memoryview(header + bytes(data)))
+        return
+    _write_all(fd, memoryview(header))
+    view, sent = memoryview(data).cast("B"), 0
+    while sent < size:
+        sent += os.write(fd, view[sent:sent + WRITE_CHUNK])
+        if progress is not None:
+            progress(sent)
+
+
+def _write_all(fd: int, view) -> None:
+    written = 0
+    while written < len(view):
+        written += os.write(fd, view[written:])
 
 
 class Link:

@@ -12,10 +12,10 @@ import queue
 import signal
 import time
 
-from ..common.channel import Hub, OutputPump
+from ..common.channel import Hub, OutputPump, SendInterrupted
 from ..rank.loop import MARK
 from ..display.runstate import RunState
-from .supervisor import Supervisor, stderr_tails
+from .supervisor import NOT_SENT, Supervisor, stderr_tails
 from ..common.tensor_files import LaunchFiles
 from ..common.pickling import explain_pickling, ship_bytes
 from ..common.source import shippable
@@ -24,6 +24,10 @@ from ..rank.process import STACKS_SIGNAL
 
 EXIT_WAIT = 5.0  # ranks that replied: how long they may take to exit on their own
 STOP_GRACE = 1.0  # between SIGTERM and SIGKILL
+
+
+def _size(size: int) -> str:
+    return f"{size / 1e6:.0f} MB" if size >= 1e6 else f"{size} bytes"
 
 
 class PoolBroken(RuntimeError):
@@ -151,10 +155,8 @@ class Pool:
         display.start(state)
         ok = False
         try:
-            for rank in targets:
-                if not self.hub.send(rank, (kind, self.seq, len(targets) == len(self.ranks), *args)):
-                    state.fail(rank, f"rank {rank} is not connected", crashed=True)
-            self._watch(state, display, timeout, None)
+            interrupt = self._send_command(state, targets, (kind, self.seq, len(targets) == len(self.ranks), *args))
+            self._watch(state, display, timeout, None, interrupt)
             ok = True
         finally:
             if self.broken:
@@ -162,9 +164,42 @@ class Pool:
             display.finish(state, ok)
         return state
 
-    def _watch(self, state: RunState, display, timeout, start_timeout) -> None:
+    def _send_command(self, state: RunState, targets: list[int], command: tuple) -> KeyboardInterrupt | None:
+        """Send `command` to every target; a Ctrl-C meanwhile, returned for the supervisor to
+        handle as one that came while the ranks ran: the ranks that have the command are
+        interrupted, those that do not are stopped. A message is never half sent (Hub.send)."""
+        sent = []
         try:
-            Supervisor(self, state, display, timeout, start_timeout).run()
+            for rank in targets:
+                if self.hub.send(rank, command):
+                    sent.append(rank)
+                else:
+                    state.fail(rank, f"rank {rank} is not connected", crashed=True)
+        except SendInterrupted as interrupt:
+            if interrupt.whole:
+                sent.append(interrupt.rank)
+            else:  # the rank sees its connection close, and ends: only fresh ranks can go on
+                why = (f"the link to rank {interrupt.rank} was cut in the middle of a {_size(interrupt.size)} message "
+                       f"({interrupt.why})")
+                if self.live and not self.broken:
+                    self.restart_reason = why
+                state.fail(interrupt.rank, why, crashed=True)
+            self._not_sent(state, targets, sent)
+            return KeyboardInterrupt()  # the notebook's own Ctrl-C, as it shows everywhere else
+        except KeyboardInterrupt as interrupt:
+            self._not_sent(state, targets, sent)
+            return interrupt
+        return None
+
+    @staticmethod
+    def _not_sent(state: RunState, targets: list[int], sent: list[int]) -> None:
+        for rank in targets:
+            if rank not in sent:
+                state.stop(rank, f"{NOT_SENT}: interrupted")
+
+    def _watch(self, state: RunState, display, timeout, start_timeout, interrupt=None) -> None:
+        try:
+            Supervisor(self, state, display, timeout, start_timeout, interrupt).run()
         finally:
             state.ended = time.monotonic()
 

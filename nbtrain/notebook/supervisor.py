@@ -37,6 +37,7 @@ EARLY_EXIT_AFTER = 1.0  # a rank ended this long ago while others still run: loo
 EARLY_EXIT_PROBES = 2  # consecutive stacks showing the same wait before it counts as a deadlock
 PROBE_INTERVAL = 1.0
 
+NOT_SENT = "the command was not sent"  # a rank's reason, when Ctrl-C came before its command went out
 OWN_THREADS = ("in _send_loop", "in _receive_loop", "in _watch_parent", "in _forward")  # nbtrain's threads in a rank
 RANK_ENTRY = re.compile(r"in (serve|_execute|_do_\w+|_user_code)$")  # below it: nbtrain's loop, the launcher, the kernel
 LOOP_FILE = "nbtrain/rank/loop.py"  # the command loop's file, as a rank's stack names it (any machine)
@@ -78,8 +79,10 @@ def blocked_on_peers(stack: str) -> str | None:
 class Supervisor:
     """Watches the ranks of `state` for one command of `pool`."""
 
-    def __init__(self, pool, state: RunState, display, timeout: float | None, start_timeout: float | None = None):
+    def __init__(self, pool, state: RunState, display, timeout: float | None, start_timeout: float | None = None,
+                 interrupt: KeyboardInterrupt | None = None):
         self.pool = pool
+        self.interrupt = interrupt  # a Ctrl-C that came while the command was being sent
         self.state = state
         self.display = display
         self.timeout = timeout
@@ -101,6 +104,8 @@ class Supervisor:
     def run(self) -> None:
         """Return when every rank replied; raise WorkerError or KeyboardInterrupt otherwise."""
         try:
+            if self.interrupt is not None:
+                raise self.interrupt
             while self.state.unfinished() and not self.state.failures:
                 self._pump(TICK, until_settled=True)
                 self._check_processes()
@@ -117,7 +122,11 @@ class Supervisor:
             stuck = self._on_kernel_interrupt()
             # IPython shows this instead of nbtrain's own frames: where the ranks were is what the user needs.
             serving = self.pool.live and self.start_timeout is None  # not still starting (then they stop)
-            report = interrupt_report(serving, list(self.state.ranks), self._interrupted_at, stuck)
+            report = interrupt_report(serving, list(self.state.ranks), self._interrupted_at, stuck,
+                                      self.pool.restart_reason)
+            unsent = [r for r, v in self.state.ranks.items() if v.reason.startswith(NOT_SENT)]
+            if unsent and serving:
+                report.insert(1, f"(Ctrl-C came while the command was being sent: ranks {unsent} never had it.)")
             interrupt._render_traceback_ = lambda: report
             raise
         finally:
