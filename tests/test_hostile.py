@@ -579,3 +579,73 @@ def test_a_message_that_cannot_finish_after_an_interrupt_cuts_the_link(nb):
         assert not any(map(running, pids))
     finally:
         nb.run("nbtrain.common.channel.SEND_STALL = 10.0")
+
+
+# -- 2. a rank that dies between cells is named at once, and the pool says broken ------------
+
+def wait_until_broken(nb, seconds=10):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while "broken" not in (shown := nb.value("repr(ranks)")):
+        assert time.monotonic() < deadline, shown
+        time.sleep(0.2)
+    return shown
+
+
+def said_between_cells(nb, text: str, seconds: float = 10) -> str:
+    """The kernel's output, outside any running cell, that contains `text` (within `seconds`)."""
+    import queue
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            message = nb.client.get_iopub_msg(timeout=0.5)
+        except queue.Empty:
+            continue
+        if message["msg_type"] == "stream" and text in message["content"]["text"]:
+            return message["content"]["text"]
+    raise AssertionError(f"the kernel did not say {text!r} within {seconds:g} s")
+
+
+@slow
+def test_a_rank_killed_between_cells_is_named_with_its_signal_until_restart(nb):
+    pids = live(nb)
+    os.kill(pids[1], signal.SIGKILL)
+    death = f"rank 1 ended: Signal 9 (SIGKILL) received by PID {pids[1]}"
+    said = said_between_cells(nb, death)
+    assert "the live ranks take no more work until .restart()" in said, said
+    shown = wait_until_broken(nb)
+    assert f"broken: {death}" in shown, shown
+    for call in ("ranks.eval('1')", "ranks.exec('x = 2')", "ranks.push(y=1)", "ranks[0].pull('x')",
+                 "ranks.run(fail_on_rank_1)"):
+        _, _, error, _ = nb.run(call)
+        assert error is not None and error["ename"] == "PoolBroken", (call, error)
+        assert death in error["evalue"] and ".restart()" in error["evalue"], (call, error["evalue"])
+    assert death in nb.value("repr(ranks)")  # still broken: nothing restarts behind the user's back
+    nb.run("ranks.restart()")
+    assert "ready" in nb.value("repr(ranks)") and nb.value("ranks.eval('ctx.rank')") == [0, 1]
+
+
+@slow
+def test_a_rank_that_exits_on_its_own_between_cells_is_named_with_its_code(nb):
+    live(nb)
+    _, _, error, _ = nb.run("ranks[1].exec('import threading, time\\n"
+                            "threading.Thread(target=lambda: (time.sleep(0.5), os._exit(3))).start()')")
+    assert error is None, error
+    shown = wait_until_broken(nb)
+    assert "broken: rank 1 ended: exited with code 3 (PID" in shown, shown
+    _, _, error, _ = nb.run("ranks.eval('1')")
+    assert error["ename"] == "PoolBroken" and "rank 1 ended: exited with code 3" in error["evalue"]
+    nb.run("ranks.restart()")
+
+
+@slow
+def test_a_rank_killed_just_before_a_call_is_named_by_that_call(nb):
+    pids = live(nb)
+    _, _, error, _ = nb.run(f"import signal\nos.kill({pids[0]}, signal.SIGKILL)\nranks.eval('1')")
+    assert error is not None and error["ename"] in ("PoolBroken", "WorkerError"), error
+    assert f"rank 0 ended: Signal 9 (SIGKILL) received by PID {pids[0]}" in error["evalue"], error["evalue"]
+    assert "not connected" not in error["evalue"]
+    nb.run("ranks.restart()")

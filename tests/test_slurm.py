@@ -160,6 +160,33 @@ def test_live_ranks_on_slurm_keep_state_and_leave_the_queue_when_closed(slurm):
     assert wait_until(lambda: job not in slurm.jobs()), slurm.jobs()
 
 
+@pytest.mark.parametrize("how", ["kill", "exit", "scancel"])
+def test_a_live_rank_that_ends_between_calls_is_named_with_its_signal_code_or_cancellation(slurm, how):
+    import re
+    import signal
+
+    from nbtrain.notebook.pool import PoolBroken
+
+    with nbtrain.Ranks(devices=2, cluster=nbtrain.Slurm(), progress=False) as ranks:
+        pids = ranks.eval("__import__('os').getpid()")
+        job = ranks.eval("__import__('os').environ['SLURM_JOB_ID']")[0]
+        if how == "kill":
+            os.kill(pids[1], signal.SIGKILL)
+            said = rf"rank 1 ended: SLURM job {job}, task 1 on \S+: Signal 9 \(SIGKILL\)"
+        elif how == "exit":
+            ranks[1].exec("import os, threading, time\n"
+                          "threading.Thread(target=lambda: (time.sleep(0.5), os._exit(3))).start()")
+            said = rf"rank 1 ended: SLURM job {job}, task 1 on \S+: exited with code 3"
+        else:
+            subprocess.run(["scancel", job], check=True)
+            said = rf"rank \d ended: SLURM job {job} was cancelled at \S+ \(scancel\)"
+        assert wait_until(lambda: "broken" in repr(ranks)), repr(ranks)
+        assert re.search(said, repr(ranks)), repr(ranks)
+        with pytest.raises(PoolBroken, match=said + r".*\.restart\(\)"):
+            ranks.eval("1")
+    assert wait_until(lambda: job not in slurm.jobs()), slurm.jobs()
+
+
 def test_a_job_slurm_refuses_is_an_error_saying_what_slurm_said(slurm, no_leftovers):
     with pytest.raises(RuntimeError, match="SLURM refused the job .*invalid partition"):
         nbtrain.launch(print, devices=2, cluster=nbtrain.Slurm(partition="nbtrain-no-such-partition"), progress=False)

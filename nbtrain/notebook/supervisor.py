@@ -37,6 +37,8 @@ EARLY_EXIT_AFTER = 1.0  # a rank ended this long ago while others still run: loo
 EARLY_EXIT_PROBES = 2  # consecutive stacks showing the same wait before it counts as a deadlock
 PROBE_INTERVAL = 1.0
 
+CONNECTION_CLOSED = ("its connection to the notebook closed (its process exited or was killed, or its machine "
+                     "went away)")
 NOT_SENT = "the command was not sent"  # a rank's reason, when Ctrl-C came before its command went out
 OWN_THREADS = ("in _send_loop", "in _receive_loop", "in _watch_parent", "in _forward")  # nbtrain's threads in a rank
 RANK_ENTRY = re.compile(r"in (serve|_execute|_do_\w+|_user_code)$")  # below it: nbtrain's loop, the launcher, the kernel
@@ -226,12 +228,11 @@ class Supervisor:
                 continue
             if now - self._closed_at.setdefault(rank, now) < EXIT_DRAIN:
                 continue  # its reply may still be on the way
-            self.state.fail(rank, f"rank {rank} ended without a reply: its connection to the notebook closed (its "
-                                  "process exited or was killed, or its machine went away)",
-                            self._last_words(rank), crashed=True)
             proc = next((p for p in self.processes if rank in p.ranks), None)
+            how = (proc.lost_reason(rank) if proc is not None else None) or CONNECTION_CLOSED
+            self.state.fail(rank, f"rank {rank} ended without a reply: {how}", self._last_words(rank), crashed=True)
             if proc is not None:
-                self.pool.lost(proc, 1)
+                self.pool.lost(proc, 1, how)
 
     def _last_words(self, rank: int) -> str:
         # faulthandler's report of a fatal signal, if the rank wrote one; else its last stderr lines.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -38,6 +39,10 @@ ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED"
          "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
 STARTING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED"}
 TIME_WARNING = 90  # seconds: submitit's default --signal=USR2@90
+# What srun and slurmstepd write to the job's stderr when a task ends badly or the job is cancelled:
+SRUN_TASK = re.compile(r"^srun: error: (?P<host>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+?)\s*$", re.M)
+CANCELLED = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (?P<host>\S+) CANCELLED AT (?P<at>\S+)(?: DUE TO (?P<why>[^*]+?))? \*\*\*")
+SIGNAL_WORDS = {signal.strsignal(s): s for s in signal.Signals if signal.strsignal(s)}  # "Killed": SIGKILL
 
 
 class Slurm(Cluster):
@@ -296,12 +301,36 @@ class Queue:
             return f"{where} failed before rank {rank} reported: {last[0] if last else 'no traceback'}"
         if outcome is not None:
             return f"{where}: {describe_exit(code, None)}"
+        reported = self.srun_report(task)
+        if reported:
+            return reported
         try:
             log = (self.job.task(task).stderr() or "").strip().splitlines()[-5:]
         except OSError:
             log = []
         tail = ("; its last log lines:\n" + "\n".join(log)) if log else ""
         return f"{where} ended (last seen {self.state}) before rank {rank} reported{tail}"
+
+    def srun_report(self, task: int) -> str | None:
+        """What SLURM wrote about this task's end in the job's stderr: its exit code or signal (srun),
+        or the job's cancellation (slurmstepd); None if nothing yet."""
+        texts = []
+        for number in dict.fromkeys((0, task)):  # the batch script's stderr is task 0's file
+            try:
+                with open(self.job.task(number).paths.stderr, errors="replace") as f:
+                    texts.append(f.read()[-65536:])
+            except OSError:
+                pass
+        text = "\n".join(texts)
+        cancelled = CANCELLED.search(text)
+        if cancelled:
+            why = cancelled["why"]
+            return (f"SLURM job {self.id} was cancelled at {cancelled['at']}"
+                    + (f" due to {why.strip().lower()}" if why else " (scancel)"))
+        for found in SRUN_TASK.finditer(text):
+            if task in _task_numbers(found["tasks"]):
+                return f"SLURM job {self.id}, task {task} on {found['host']}: {_srun_words(found['what'])}"
+        return None
 
     # -- stopping ----------------------------------------------------------------------------
     def all_ended(self) -> bool:
@@ -351,5 +380,27 @@ class SlurmTask(RemoteRank):
     def exit_reason(self, rank: int, code: int, pid: int | None) -> tuple[str, bool]:
         return self.queue.explain(self.task, rank, code), not self.queue.cancelled
 
+    def lost_reason(self, rank: int) -> str | None:
+        return self.queue.srun_report(self.task)
+
     def status(self) -> tuple[str, bool] | None:
         return self.queue.status() if self.task == 0 else None
+
+
+def _task_numbers(spec: str) -> set[int]:
+    """srun's task list: '1', '0-3', '0,2-3'."""
+    numbers = set()
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        if low.isdigit() and (not high or high.isdigit()):
+            numbers.update(range(int(low), int(high or low) + 1))
+    return numbers
+
+
+def _srun_words(what: str) -> str:
+    """srun's 'Killed' or 'Exited with exit code 3' as nbtrain says it elsewhere."""
+    code = re.fullmatch(r"Exited with exit code (\d+)", what)
+    if code:
+        return f"exited with code {code[1]}"
+    number = SIGNAL_WORDS.get(what.removesuffix(" (core dumped)"))
+    return f"Signal {int(number)} ({number.name})" if number else f"{what} (says srun)"
