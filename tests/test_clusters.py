@@ -113,6 +113,27 @@ def test_bad_settings_are_refused_before_anything_starts():
         nbtrain.Ranks(cluster=nbtrain.Ray(), start="fork")
 
 
+def test_queue_timeout_takes_seconds():
+    for bad in (0, -1, float("nan"), float("inf"), True, "10"):
+        with pytest.raises(ValueError, match="queue_timeout=.*: give the seconds a job may wait in SLURM's queue"):
+            nbtrain.Slurm(queue_timeout=bad)
+    assert nbtrain.Slurm(queue_timeout=600).queue_timeout == 600
+    assert "queue_timeout=600" in repr(nbtrain.Slurm(queue_timeout=600))
+
+
+def test_pending_reasons_that_waiting_cannot_clear_are_told_apart():
+    from nbtrain.placements.clusters.slurm import never_runs
+
+    def anything_exists(name):
+        return True
+
+    assert "configured to give" in never_runs("PartitionConfig", anything_exists)
+    assert "more nodes than its partition allows" in never_runs("PartitionNodeLimit", anything_exists)
+    assert "time limit is longer than its partition allows" in never_runs("PartitionTimeLimit", anything_exists)
+    for waits in ("Resources", "Priority", "JobHeldUser", "AssocGrpCpuLimit", "None", "", "BeginTime"):
+        assert never_runs(waits, anything_exists) is None, waits
+
+
 def test_the_plan_says_where_the_ranks_run():
     plan = nbtrain.Slurm(partition="gpu", gpus_per_node=4).plan("auto", "auto", None, 2)
     assert (plan.accelerator, plan.nprocs, plan.num_nodes, plan.world_size, plan.backend) == ("gpu", 4, 2, 8, "nccl")
