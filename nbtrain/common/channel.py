@@ -21,7 +21,7 @@ import struct
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from multiprocessing.reduction import ForkingPickler
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,8 @@ AUTHKEY_VAR = "NBTRAIN_AUTHKEY"
 FLUSH_SECONDS = 0.1
 BATCH_LIMIT = 512
 AUTH_SECONDS = 10.0  # a connection that has not proven the authkey by then is dropped
+MAX_STRANGERS = 64  # connections not yet authenticated, at once: a new one drops the oldest
+SWEEP_SECONDS = 1.0  # how often the accept loop looks for strangers past AUTH_SECONDS
 # Every rank of a launch dials at once. Listener's default backlog is 1: the kernel then drops
 # the other SYNs, and worse, the final ACK of a handshake it has no room for, leaving a rank
 # that believes it is connected waiting forever for a challenge the notebook never sends. The
@@ -54,67 +56,104 @@ class Hub:
     def __init__(self, inbox: queue.Queue, host: str = "127.0.0.1", advertise: str | None = None):
         self.inbox = inbox
         self._authkey = os.urandom(32)
-        # The challenge is run per connection (`_serve`), not by Listener.accept: there one
-        # stranger that connects and stays silent would block every rank's connection.
-        self._listener = Listener((host, 0), backlog=BACKLOG)
+        # The challenge is run per connection (`_serve`), on a thread of its own: one stranger
+        # that connects and stays silent must not hold up any rank's connection.
+        self._socket = socket.create_server((host, 0), backlog=BACKLOG)
+        self._socket.settimeout(SWEEP_SECONDS)  # the accept loop also drops strangers that took too long
+        self._address = self._socket.getsockname()[:2]
         self._advertise = advertise or host
-        self._threads: list[threading.Thread] = []
-        self._connections = []
+        self._lock = threading.Lock()
+        # Strangers are bounded: at most MAX_STRANGERS at once, each for AUTH_SECONDS in all; nothing
+        # of a dropped one is kept. Only connections that proved the authkey stay (`_served`).
+        self._strangers: dict[Connection, float] = {}  # not yet authenticated: the time each must be done by
+        self._served: dict[Connection, threading.Thread] = {}
+        self._accepting: threading.Thread | None = None
+        self._refusals = 0  # connections that failed the challenge (the first is logged as a warning)
         self._by_rank: dict[int, object] = {}
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
 
     @property
     def environ(self) -> dict[str, str]:
-        port = self._listener.address[1]
+        port = self._address[1]
         return {ADDRESS_VAR: f"{self._advertise}:{port}", AUTHKEY_VAR: self._authkey.hex()}
 
     def start(self) -> None:
         # Started only after the first ranks are forked, so no rank inherits another's
         # connection (which would keep that connection open after its own rank died).
-        self._spawn(self._accept_loop)
-
-    def _spawn(self, target, *args) -> None:
-        thread = threading.Thread(target=target, args=args, name="nbtrain-hub", daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        self._accepting = threading.Thread(target=self._accept_loop, name="nbtrain-hub", daemon=True)
+        self._accepting.start()
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
+            self._drop_late_strangers()
             try:
-                conn = self._listener.accept()
-            except OSError:  # the listener was closed
+                sock, _ = self._socket.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:  # the listener was closed, or a connection failed before it was accepted
                 if self._closed.is_set():
                     return
                 continue
             if self._closed.is_set():
-                conn.close()
+                sock.close()
                 return
-            self._connections.append(conn)
-            self._spawn(self._serve, conn)
+            sock.settimeout(None)
+            conn = Connection(sock.detach())
+            with self._lock:
+                if len(self._strangers) >= MAX_STRANGERS:  # the one waiting longest makes room
+                    _shut(min(self._strangers, key=self._strangers.get))
+                self._strangers[conn] = time.monotonic() + AUTH_SECONDS
+            threading.Thread(target=self._serve, args=(conn,), name="nbtrain-hub-auth", daemon=True).start()
+
+    def _drop_late_strangers(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for conn, deadline in self._strangers.items():
+                if deadline < now:
+                    _shut(conn)  # its thread's read fails: it forgets the connection and ends
 
     def _serve(self, conn) -> None:
-        if self._authenticate(conn):
-            self._read_loop(conn)
-        else:
+        passed = self._authenticate(conn)
+        with self._lock:  # under the lock: a connection is shut by others only while listed
+            del self._strangers[conn]
+            if passed and not self._closed.is_set():
+                self._served[conn] = threading.current_thread()
+            else:
+                passed = False
+        if not passed:
             conn.close()
+            return
+        rank = None
+        try:
+            rank = self._read_loop(conn)
+        finally:
+            with self._lock:
+                self._served.pop(conn, None)
+            conn.close()  # after it left `_served`: nobody shuts a closed (reusable) descriptor
+            if rank is not None:
+                self.inbox.put(("closed", rank))
 
     def _authenticate(self, conn) -> bool:
         """The authkey's challenge, both ways; nothing is unpickled from a peer before it passes."""
-        _receive_timeout(conn, AUTH_SECONDS)  # a silent stranger is dropped, not waited for
         try:
+            _receive_timeout(conn, AUTH_SECONDS)  # each read bounded; the whole by _drop_late_strangers
             deliver_challenge(conn, self._authkey)
             answer_challenge(conn, self._authkey)
+            _receive_timeout(conn, 0.0)
         except AuthenticationError as exc:
-            log.warning("channel: refused a connection that failed the authkey challenge (%s)", exc)
+            self._refusals += 1
+            if self._refusals == 1:  # a flood of them must not flood the notebook
+                log.warning("channel: refused a connection that failed the authkey challenge (%s); later "
+                            "refusals are not reported", exc)
             return False
         except (OSError, EOFError, ValueError) as exc:  # silent, gone, or not speaking the protocol
             log.debug("channel: dropped a connection: %s", exc)
             return False
-        _receive_timeout(conn, 0.0)
         return True
 
-    def _read_loop(self, conn) -> None:
+    def _read_loop(self, conn) -> int | None:
+        """Put what a rank sends on the inbox until its connection ends; the rank."""
         no_delay(conn)
         rank = None
         try:
@@ -127,15 +166,12 @@ class Hub:
                     self.inbox.put(message)
         except (EOFError, OSError):
             pass
+        except Exception:  # a message that does not unpickle: the link is of no more use
+            log.exception("channel: rank %s sent a message that cannot be read; its link is closed", rank)
         finally:
             if rank is not None and self._by_rank.get(rank) is conn:
                 del self._by_rank[rank]
-            try:
-                conn.close()
-            except OSError:  # `close()` on the hub's thread closed it first
-                pass
-            if rank is not None:
-                self.inbox.put(("closed", rank))
+        return rank
 
     def connected(self, rank: int) -> bool:
         return rank in self._by_rank
@@ -194,31 +230,25 @@ class Hub:
     def cut(self, rank: int, conn=None) -> None:
         """End the connection to `rank` both ways: a write blocked on it fails, the rank sees it close."""
         conn = conn or self._by_rank.get(rank)
-        if conn is None:
-            return
-        try:
-            with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        if conn is not None:
+            _shut(conn)
 
     def close(self) -> None:
         self._closed.set()
-        try:  # closing a listening socket does not wake a thread blocked in accept(); a connection does
-            host, port = self._listener.address
+        try:  # wake the accept loop now, rather than at its next timeout
+            host, port = self._address
             socket.create_connection(("127.0.0.1" if host == "0.0.0.0" else host, port), timeout=1.0).close()
         except OSError:
             pass
-        self._listener.close()
-        for conn in list(self._connections):
-            try:
-                conn.close()
-            except OSError:
-                pass
-        for thread in self._threads:
+        if self._accepting is not None:
+            self._accepting.join(timeout=SWEEP_SECONDS + 1.0)
+        self._socket.close()
+        with self._lock:
+            for conn in [*self._strangers, *self._served]:
+                _shut(conn)  # their threads see the end, close them and end
+            served = list(self._served.values())
+        for thread in served:
             thread.join(timeout=1.0)
-        self._threads.clear()
-        self._connections.clear()
 
 
 class SendInterrupted(KeyboardInterrupt):
@@ -412,6 +442,15 @@ def no_delay(conn) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     finally:
         sock.close()
+
+
+def _shut(conn) -> None:
+    """End a connection both ways from any thread: a thread blocked reading it wakes (a close would not)."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _end_rank() -> None:
