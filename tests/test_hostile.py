@@ -649,3 +649,63 @@ def test_a_rank_killed_just_before_a_call_is_named_by_that_call(nb):
     assert f"rank 0 ended: Signal 9 (SIGKILL) received by PID {pids[0]}" in error["evalue"], error["evalue"]
     assert "not connected" not in error["evalue"]
     nb.run("ranks.restart()")
+
+
+# -- 8. inputs that mean nothing are refused, and a syntax error reads as IPython's ----------
+
+@slow
+def test_inputs_that_mean_nothing_are_refused_before_anything_runs(nb):
+    live(nb)
+    refused = {
+        "nbtrain.launch(fail_on_rank_1, devices=2, accelerator='cpu', timeout=float('nan'))": "timeout=nan",
+        "nbtrain.Ranks(devices=2, accelerator='cpu', timeout=float('nan'))": "timeout=nan",
+        "ranks.exec('x = 2', timeout=float('nan'))": "timeout=nan",
+        "nbtrain.launch(fail_on_rank_1, devices=2, accelerator='cpu', progress=2)": "progress=2 is not a progress",
+        "nbtrain.Ranks(devices=2, accelerator='cpu', progress='x')": "progress='x' is not a progress",
+        "ranks.run(fail_on_rank_1, progress=2)": "progress=2 is not a progress",
+        "ranks.exec('x = 2', ranks=[0, 0])": "each rank once",
+        "ranks.exec('x = 2', ranks=[])": "name one or more of these live ranks, 0 .. 1",
+        "ranks.push(**{'1bad': 1})": "push('1bad'=...): a pushed object becomes a variable",
+        "ranks.push(**{'': 1})": "push(''=...): a pushed object becomes a variable",
+        "ranks.push(**{'class': 1})": "push('class'=...)",
+        "ranks.push(ctx=None)": "`ctx` is the rank's Context",
+    }
+    for code, says in refused.items():
+        _, _, error, _ = nb.run(code)
+        assert error is not None and error["ename"] == "ValueError" and says in error["evalue"], (code, error)
+    assert nb.value("ranks.eval('x')") == [1, 1]  # nothing ran on the ranks
+    assert nb.value("ranks.eval('type(ctx).__name__')") == ["Context", "Context"]
+
+
+def shown(error) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", "".join(error["traceback"]))
+
+
+@slow
+def test_a_syntax_error_reads_as_ipython_shows_one(nb):
+    # As for exec() in a cell: the cell's line, then where the error is, with its caret. Found in the
+    # notebook before any rank sees the code: not from a rank, the parser or nbtrain's helpers.
+    live(nb)
+    _, _, error, _ = nb.run("ranks.exec('syntax error(')")
+    text = shown(error)
+    assert error["ename"] == "SyntaxError", error
+    assert text.endswith(":1\n    syntax error(\n                ^\nSyntaxError: '(' was never closed\n"), text
+    assert "File <ranks exec " in text and "ranks.exec('syntax error(')" in text
+    assert not any(part in text for part in ("cell.py", "free_names", "ast.py", "source.py", "loop.py")), text
+    assert text.count("nbtrain/") == 1, text  # the one call the cell made
+    _, _, error, _ = nb.run("%load_ext nbtrain")
+    assert error is None, error
+    _, _, error, _ = nb.run("%%ranks\nx = 3\nsyntax error(")
+    cell = nb.value("len(get_ipython().history_manager.input_hist_raw)") - 2
+    text = shown(error)
+    assert error["ename"] == "SyntaxError" and text.endswith(
+        f"Cell In[{cell}], line 2\n    syntax error(\n                ^\nSyntaxError: '(' was never closed\n"), text
+    out, _, error, _ = nb.run("%debug", answers=[])
+    assert error is None and nb.prompts == [] and "no frames to debug" in out  # no pdb inside ast.py
+    _, _, error, _ = nb.run("ranks.debug()")
+    assert error["ename"] == "RuntimeError" and "no rank has failed yet" in error["evalue"]
+    _, _, error, _ = nb.run("ranks.eval('1 +')")
+    assert error["ename"] == "SyntaxError" and "File <nbtrain eval>:1\n    1 +\n" in shown(error)
+    assert nb.value("ranks.eval('x')") == [1, 1]  # the cell with the error did not run at all
