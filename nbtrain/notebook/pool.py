@@ -268,7 +268,9 @@ class Pool:
             return
         for rank in self.ranks:
             proc = self._process_of(rank)
-            if (proc is not None and proc.poll() is not None) or not self.hub.connected(rank):
+            # A remote rank's process is the engine's, slow to ask: its closed connection says it ended.
+            ended = not self.launcher.remote and proc is not None and proc.poll() is not None
+            if ended or not self.hub.connected(rank):
                 self.broken = self._why_gone(rank, EXIT_CODE_WAIT)
                 if warn:
                     log.warning("nbtrain: %s; the live ranks take no more work until .restart().%s", self.broken,
