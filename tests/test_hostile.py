@@ -709,3 +709,37 @@ def test_a_syntax_error_reads_as_ipython_shows_one(nb):
     _, _, error, _ = nb.run("ranks.eval('1 +')")
     assert error["ename"] == "SyntaxError" and "File <nbtrain eval>:1\n    1 +\n" in shown(error)
     assert nb.value("ranks.eval('x')") == [1, 1]  # the cell with the error did not run at all
+
+
+# -- 9 (part). live ranks restarted or started from another thread ----------------------------
+
+@slow
+def test_ranks_restarted_from_another_thread_say_so_and_outlive_that_thread(nb):
+    import time
+
+    live(nb)
+    _, _, error, _ = nb.run("import threading\nthreading.Timer(1.0, ranks.restart).start()\n"
+                            "ranks.exec('import time\\ntime.sleep(60)')", timeout=60)
+    assert error["ename"] == "WorkerError", error
+    assert "the live ranks were restarted by .restart() while this command ran" in error["evalue"], error["evalue"]
+    assert "take no more work" not in error["evalue"]
+    time.sleep(2)  # the timer's thread has ended: ranks it started must not have died with it
+    assert "ready" in nb.value("repr(ranks)") and nb.value("ranks.eval('ctx.rank')") == [0, 1]
+
+
+@slow
+def test_the_template_and_its_ranks_outlive_the_thread_that_started_them(nb):
+    import time
+
+    _, _, error, _ = nb.run("ranks.close(); nbtrain.template.stop()\n"
+                            "def start_elsewhere():\n"
+                            "    global ranks\n"
+                            "    ranks = nbtrain.Ranks(devices=2, accelerator='cpu', start='template', progress=False)\n"
+                            "elsewhere = threading.Thread(target=start_elsewhere)\n"
+                            "elsewhere.start(); elsewhere.join()", timeout=180)
+    assert error is None, error
+    time.sleep(2)
+    assert nb.value("ranks.placement") == "template"
+    assert nb.value("ranks.eval('ctx.rank')") == [0, 1]
+    assert nb.value("nbtrain.template.template(start=False) is not None")
+    nb.run("ranks.close()")

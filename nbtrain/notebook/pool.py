@@ -59,6 +59,7 @@ class Pool:
         self.seq = 0
         self.broken: str | None = None  # why the pool refuses work
         self.restart_reason: str | None = None  # ranks stuck beyond an interrupt: the pool must restart
+        self.ended_by: str | None = None  # "restarted by .restart()": who closed the pool, for a command it ends
         self._namespace: dict = {}  # where the running command's missing names come from
         self._answers: dict[tuple, bytes | None] = {}
         self._stopped = False
@@ -101,11 +102,13 @@ class Pool:
     def _title(self) -> str:
         return f"{'live ranks' if self.live else self.job.strategy} on {self.job.plan.describe()}"
 
-    def close(self, ok: bool = True, display=None) -> None:
-        """Stop the ranks (a launch's have exited on their own when `ok`), drain their output."""
+    def close(self, ok: bool = True, display=None, why: str | None = None) -> None:
+        """Stop the ranks (a launch's have exited on their own when `ok`), drain their output.
+        `why` ("restarted by .restart()") is what a command still running (another thread's) is told."""
         if self._stopped:
             return
         self._stopped = True
+        self.ended_by = why
         self._closing.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5.0)
@@ -337,7 +340,8 @@ class Pool:
         """A rank's process ended (`how`, when more is known than its code). A live pool cannot go
         on without it (its peers are stopped once the command is over: their process group lost a member)."""
         if self.live and not self.broken:
-            self.broken = f"rank {proc.ranks[0]} ended: {how or describe_exit(code, proc.pid)}"
+            self.broken = (f"the live ranks were {self.ended_by}" if self.ended_by
+                           else f"rank {proc.ranks[0]} ended: {how or describe_exit(code, proc.pid)}")
 
     def stuck(self, ranks: list[int], why: str) -> None:
         """Ranks that did not return when interrupted: only a restart frees them (live pools)."""
@@ -345,6 +349,8 @@ class Pool:
             self.restart_reason = f"ranks {sorted(ranks)} could not be interrupted ({why})"
 
     def restart_note(self) -> str:
+        if self.ended_by:  # the pool is gone on purpose: nothing more to do about it
+            return ""
         if self.restart_reason:
             return f"The live ranks are restarted: {self.restart_reason}; their state is lost."
         if self.live and self.broken:

@@ -109,14 +109,17 @@ class Ranks:
 
     def close(self) -> None:
         """Stop the ranks (their state is gone). Also at kernel exit, and by `with`."""
+        self._close("closed by .close()")
+
+    def _close(self, why: str) -> None:
         pool, self._pool = self._pool, None
         _open.pop(getattr(self, "_key", None), None)
         if pool is not None:
-            pool.close(True, QuietDisplay())
+            pool.close(True, QuietDisplay(), why)
 
     def restart(self) -> None:
         """Fresh ranks in place of these (their state is lost): after a crash, or to start over."""
-        self.close()
+        self._close("restarted by .restart()")
         self._start()
 
     def __enter__(self) -> "Ranks":

@@ -211,6 +211,8 @@ class Supervisor:
                 continue  # its own result or error report may still be on the way
             for r in missing:
                 summary, crashed = proc.exit_reason(r, code, self.state.ranks[r].pid or proc.pid)
+                if self.pool.ended_by:  # closed under this command, by another thread
+                    summary = f"the live ranks were {self.pool.ended_by} while this command ran ({summary})"
                 if crashed:
                     self.state.fail(r, summary, self._last_words(r), crashed=True)
                 else:

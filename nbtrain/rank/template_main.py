@@ -77,7 +77,7 @@ def _receive(sock: socket.socket, max_fds: int = 0):
 # -- the template process ----------------------------------------------------------------------
 
 def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
-    die_with_parent(kernel_pid)
+    die_with_parent(kernel_pid, thread_bound=os.environ.pop("NBTRAIN_PARENT_THREAD", "") != "other")
     sock = socket.socket(fileno=control_fd)
     for name in (*PRELOAD, *extra):
         __import__(name)
