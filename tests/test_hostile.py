@@ -743,3 +743,18 @@ def test_the_template_and_its_ranks_outlive_the_thread_that_started_them(nb):
     assert nb.value("ranks.eval('ctx.rank')") == [0, 1]
     assert nb.value("nbtrain.template.template(start=False) is not None")
     nb.run("ranks.close()")
+
+
+@slow
+def test_forked_ranks_hold_none_of_the_kernels_listening_sockets(nb):
+    import psutil
+
+    def listening(pid):
+        return {c.laddr.port for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+
+    pids = live(nb)  # forks of the kernel
+    kernels = listening(nb.manager.provisioner.process.pid)  # Jupyter's sockets and the channel's
+    assert kernels
+    for pid in pids:  # rank 0 listens for the process group's store: torch's own, opened after the fork
+        assert not listening(pid) & kernels, (pid, listening(pid), kernels)
+    assert nb.value("ranks.eval('ctx.rank')") == [0, 1]

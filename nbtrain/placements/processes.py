@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 import warnings
 
@@ -57,9 +58,35 @@ def _fork_main(first, live, env, stdout_fd, stderr_fd, inherited_fds, parent_pid
             os.close(fd)
         except OSError:
             pass
+    _close_listening_sockets()
     _become_rank(parent_pid, env, stdout_fd, stderr_fd, forked=True)
 
     os._exit(serve(first, once=not live, live=live))
+
+
+def _close_listening_sockets() -> None:
+    """A fork holds copies of the kernel's listening sockets (Jupyter's, the channel's): while it
+    lives, their ports would stay bound after the kernel is gone. A rank uses none of them."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # not Linux
+        return
+    for name in names:
+        fd = int(name)
+        if fd <= 2:
+            continue
+        try:
+            sock = socket.socket(fileno=fd)  # borrows the descriptor; detached below
+        except OSError:  # not a socket (or already closed: the listing's own descriptor)
+            continue
+        try:
+            listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        except OSError:
+            listening = 0
+        finally:
+            sock.detach()
+        if listening:
+            os.close(fd)
 
 
 def _spawn_main(first, live, env, stdout_conn, stderr_conn, parent_pid):
