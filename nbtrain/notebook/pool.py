@@ -175,8 +175,8 @@ class Pool:
     def _command(self, kind: str, *args, ranks, display, timeout, namespace, title) -> RunState:
         self.check_alive()
         if self.broken:
-            raise PoolBroken(f"{self.broken}. The live ranks take no more work: call .restart() (their state is lost) "
-                             "or .close().")
+            raise PoolBroken(f"{self.broken.rstrip('.')}. The live ranks take no more work: call .restart() (their "
+                             "state is lost) or .close().")
         targets = list(self.ranks if ranks is None else ranks)
         self.seq += 1
         self._namespace, self._answers = namespace or {}, {}
@@ -276,8 +276,8 @@ class Pool:
             if ended or not self.hub.connected(rank):
                 self.broken = self._why_gone(rank, EXIT_CODE_WAIT)
                 if warn:
-                    log.warning("nbtrain: %s; the live ranks take no more work until .restart().%s", self.broken,
-                                _indented(self.last_words(rank)))
+                    log.warning("nbtrain: %s; the live ranks take no more work until .restart().%s",
+                                self.broken.rstrip("."), _indented(self.last_words(rank)))
                 return
 
     def _process_of(self, rank: int):

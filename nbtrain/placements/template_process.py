@@ -148,7 +148,7 @@ def _state(pid: int) -> str:
 _template: Template | None = None
 _preload: tuple[str, ...] = ()  # the user's own additions (warm_up(preload=...))
 _failed: RuntimeError | None = None  # why the last start failed: not tried again at every launch, only by warm_up()
-_unresponsive: list[Template] = []  # templates that stopped answering: left alone (their ranks may live), stopped at exit
+_unresponsive: list[Template] = []  # stopped answering: left alone (their ranks may live), stopped at exit
 _guard = threading.Lock()
 
 

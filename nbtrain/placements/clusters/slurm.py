@@ -42,7 +42,8 @@ STARTING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
 TIME_WARNING = 90  # seconds: submitit's default --signal=USR2@90
 # What srun and slurmstepd write to the job's stderr when a task ends badly or the job is cancelled:
 SRUN_TASK = re.compile(r"^srun: error: (?P<host>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+?)\s*$", re.M)
-CANCELLED = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (?P<host>\S+) CANCELLED AT (?P<at>\S+)(?: DUE TO (?P<why>[^*]+?))? \*\*\*")
+CANCELLED = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (?P<host>\S+) CANCELLED AT (?P<at>\S+)"
+                       r"(?: DUE TO (?P<why>[^*]+?))? \*\*\*")
 SIGNAL_WORDS = {signal.strsignal(s): s for s in signal.Signals if signal.strsignal(s)}  # "Killed": SIGKILL
 # Why a job is PENDING, for the reasons that waiting cannot clear (squeue's %r): the job is
 # cancelled at once and the run fails with these words. Others (Resources, Priority, group
@@ -81,7 +82,8 @@ class Slurm(Cluster):
     `cpus_per_task=8`, `constraint='a100'`); `setup` lines run before the tasks (`module load
     ...`). A job that can never start (it asks for more than its partition has: SLURM's
     PartitionConfig, ...) is cancelled at once, saying why; `queue_timeout` (seconds) bounds
-    the wait for the others (Resources, Priority). `folder` holds submitit's files (the pickled job, logs) for the job's life: it must
+    the wait for the others (Resources, Priority).
+    `folder` holds submitit's files (the pickled job, logs) for the job's life: it must
     be on a file system the nodes share (default ~/.cache/nbtrain/slurm, private to you).
     """
 
