@@ -1,6 +1,8 @@
 """ctx.save_checkpoint / ctx.load_checkpoint: DCP's sharded format under every strategy,
 resumed runs equal to straight ones, and checkpoints that load onto another number of ranks."""
+import errno
 import os
+import traceback
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import nbtrain
+from nbtrain.rank.checkpoint import CheckpointError
 from nbtrain.rank.context import Context
 
 slow = pytest.mark.slow
@@ -201,3 +204,125 @@ def test_bad_input_says_what_to_do(tmp_path):
     with pytest.raises(FileExistsError, match="notes exists and is not a checkpoint; nbtrain replaces only checkpoints"):
         ctx.save_checkpoint(tmp_path / "notes", model=model)
     assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+
+
+# -- failures: the cause in one line, nothing left behind, the last whole checkpoint kept ---------
+
+MS_RDONLY, MNT_DETACH = 1, 2
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A file system of its own under tmp_path: `small_disk("size=256k")`, or read-only with "ro"."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    mounted = []
+
+    def mount(size: str = "256k", read_only: bool = False):
+        target = tmp_path / f"disk{len(mounted)}"
+        target.mkdir()
+        if libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", MS_RDONLY if read_only else 0,
+                      f"size={size},mode=0700".encode()) != 0:
+            pytest.skip(f"cannot mount a small tmpfs here ({os.strerror(ctypes.get_errno())}): needs root")
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in mounted:
+        libc.umount2(str(target).encode(), MNT_DETACH)
+
+
+def big_enough_to_fill(disk) -> torch.nn.Module:
+    return torch.nn.Linear(400, 400)  # 640 KB of weights: more than the 256 KB disk
+
+
+def one_line_and_short(error: BaseException) -> None:
+    shown = "".join(traceback.format_exception(error))
+    assert len(shown) < 1500, shown  # not 5-9 KB of DCP's per-rank tracebacks
+    assert "CheckpointException" not in shown and "inline_container" not in shown, shown
+
+
+def test_a_full_disk_is_named_the_partial_removed_and_the_last_checkpoint_kept(small_disk):
+    ctx, disk = Context(), small_disk()
+    path = disk / "c"
+    ctx.save_checkpoint(path, step=1)  # small: fits
+    with pytest.raises(CheckpointError) as info:
+        ctx.save_checkpoint(path, model=big_enough_to_fill(disk), step=2)
+    error = info.value
+    assert str(error) == f"save_checkpoint: no space left on device writing {path} (rank 0)"
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC and error.filename == str(path)
+    one_line_and_short(error)
+    assert sorted(os.listdir(disk)) == ["c"]  # no c.partial keeping the disk full
+    assert ctx.load_checkpoint(path, step=0) == {"step": 1}  # the last whole checkpoint is still there
+
+
+def test_an_unwritable_path_is_named_with_its_cause(small_disk, tmp_path):
+    ctx, model = Context(), Net()
+    read_only = small_disk(read_only=True) / "c"
+    with pytest.raises(CheckpointError) as info:
+        ctx.save_checkpoint(read_only, model=model)
+    assert str(info.value) == f"save_checkpoint: read-only file system writing {read_only} (rank 0)"
+    assert info.value.errno == errno.EROFS
+    one_line_and_short(info.value)
+    (tmp_path / "notes.txt").write_text("a file, not a directory")
+    under_a_file = tmp_path / "notes.txt" / "c"
+    with pytest.raises(CheckpointError) as info:
+        ctx.save_checkpoint(under_a_file, model=model)
+    assert str(info.value) == f"save_checkpoint: not a directory writing {under_a_file} (rank 0)"
+    assert info.value.errno == errno.ENOTDIR
+
+
+def test_a_damaged_checkpoint_says_so_in_one_line(tmp_path):
+    ctx, model, path = Context(), Net(), tmp_path / "c"
+    ctx.save_checkpoint(path, model=model)
+    [shard] = [p for p in path.iterdir() if p.suffix == ".distcp"]
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated, as by a copy that stopped
+    with pytest.raises(CheckpointError) as info:
+        ctx.load_checkpoint(path, model=model)
+    message = str(info.value)
+    assert message.startswith(f"load_checkpoint: {path} cannot be read (rank 0): it is damaged, or was not "
+                              "written by save_checkpoint — "), message
+    assert "\n" not in message
+    one_line_and_short(info.value)
+
+
+def test_a_save_stopped_between_its_renames_loads_the_checkpoint_before_it(tmp_path, caplog):
+    ctx, path = Context(), tmp_path / "c"
+    ctx.save_checkpoint(path, step=1)
+    # What a kill between save's two renames leaves: the last whole checkpoint as c.old, the new one as c.partial.
+    os.replace(path, tmp_path / "c.old")
+    (tmp_path / "c.partial").mkdir()
+    with caplog.at_level("WARNING"):
+        assert ctx.load_checkpoint(path, step=0) == {"step": 1}
+    assert f"{path} is missing, but {path}.old holds the checkpoint saved before it" in caplog.text
+    ctx.save_checkpoint(path, step=2)  # and the next save tidies up
+    assert ctx.load_checkpoint(path, step=0) == {"step": 2}
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+def test_checkpoint_errors_pickle_with_their_fields():
+    import pickle
+
+    error = CheckpointError("save_checkpoint: no space left on device writing /x (rank 1)", errno.ENOSPC, "/x",
+                            {1: "RuntimeError: unexpected pos"})
+    again = pickle.loads(pickle.dumps(error))
+    assert (str(again), again.errno, again.filename, again.causes) == (str(error), errno.ENOSPC, "/x", error.causes)
+
+
+def save_a_big_model(path):
+    ctx = nbtrain.context()
+    ctx.save_checkpoint(path, model=ctx.setup(torch.nn.Linear(400, 400)))
+
+
+@slow
+def test_a_full_disk_on_two_ranks_is_one_line_naming_the_rank(small_disk, no_leftovers):
+    disk = small_disk()
+    with pytest.raises(nbtrain.WorkerError) as info:
+        nbtrain.launch(save_a_big_model, str(disk / "c"), strategy="ddp_fork", devices=2, **CPU)
+    error = info.value
+    assert isinstance(error, CheckpointError) and error.errno == errno.ENOSPC  # caught as what it is
+    assert error.summary.startswith(f"CheckpointError: save_checkpoint: no space left on device writing {disk}/c "
+                                    "(rank"), error.summary
+    assert "\n" not in error.summary and "CheckpointException" not in error.traceback
+    assert os.listdir(disk) == []

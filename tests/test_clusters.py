@@ -53,6 +53,38 @@ def test_a_wrong_authkey_is_refused_and_nothing_it_sends_is_heard(hub):
     assert inbox.empty() or inbox.get(timeout=1)[0] == "closed"
 
 
+def test_a_flood_of_strangers_is_bounded_forgotten_and_never_delays_a_rank(hub, monkeypatch):
+    import threading
+    import time
+
+    from nbtrain.common import channel
+
+    monkeypatch.setattr(channel, "AUTH_SECONDS", 2.0)  # how long a silent stranger is kept (10 s by default)
+    hub, inbox = hub
+    threads = threading.active_count()
+    silent = [dial(hub) for _ in range(300)]  # connect, and never answer the challenge
+    for _ in range(1000):  # connect and leave at once
+        dial(hub).close()
+    started = time.monotonic()
+    link = Link(0, hub.environ)  # a rank, in the middle of it
+    link.emit("hello", os.getpid())
+    assert inbox.get(timeout=10)[:2] == ("hello", 0)
+    assert time.monotonic() - started < 5  # no queue of strangers ahead of it
+    assert len(hub._strangers) <= channel.MAX_STRANGERS  # bounded: the oldest made room for the newest
+    assert threading.active_count() <= threads + channel.MAX_STRANGERS + 10
+    deadline = time.monotonic() + 10
+    while (hub._strangers or threading.active_count() > threads + 5) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not hub._strangers and list(hub._served) == [hub._by_rank[0]]  # nothing of them kept
+    assert threading.active_count() <= threads + 5  # the rank's reader and the link's own threads
+    for stranger in silent:  # each was dropped: after the challenge it was sent, its connection ends
+        stranger.settimeout(5)  # (a socket.timeout here: the hub still holds it)
+        while stranger.recv(65536):
+            pass
+        stranger.close()
+    link.close()
+
+
 def this_machines_address():
     return next((a.address for addrs in psutil.net_if_addrs().values() for a in addrs
                  if a.family == socket.AF_INET and not a.address.startswith("127.")), None)
@@ -111,6 +143,27 @@ def test_bad_settings_are_refused_before_anything_starts():
         nbtrain.launch(print, cluster=nbtrain.Ray(), accelerator="gpu")
     with pytest.raises(ValueError, match="start='fork' with cluster="):
         nbtrain.Ranks(cluster=nbtrain.Ray(), start="fork")
+
+
+def test_queue_timeout_takes_seconds():
+    for bad in (0, -1, float("nan"), float("inf"), True, "10"):
+        with pytest.raises(ValueError, match="queue_timeout=.*: give the seconds a job may wait in SLURM's queue"):
+            nbtrain.Slurm(queue_timeout=bad)
+    assert nbtrain.Slurm(queue_timeout=600).queue_timeout == 600
+    assert "queue_timeout=600" in repr(nbtrain.Slurm(queue_timeout=600))
+
+
+def test_pending_reasons_that_waiting_cannot_clear_are_told_apart():
+    from nbtrain.placements.clusters.slurm import never_runs
+
+    def anything_exists(name):
+        return True
+
+    assert "configured to give" in never_runs("PartitionConfig", anything_exists)
+    assert "more nodes than its partition allows" in never_runs("PartitionNodeLimit", anything_exists)
+    assert "time limit is longer than its partition allows" in never_runs("PartitionTimeLimit", anything_exists)
+    for waits in ("Resources", "Priority", "JobHeldUser", "AssocGrpCpuLimit", "None", "", "BeginTime"):
+        assert never_runs(waits, anything_exists) is None, waits
 
 
 def test_the_plan_says_where_the_ranks_run():

@@ -9,6 +9,7 @@ import os
 import pickle
 import subprocess
 import sys
+import signal
 import tempfile
 
 import pytest
@@ -18,6 +19,7 @@ import nbtrain
 from nbtrain import UnpicklableError, WorkerError
 from nbtrain.common import devices as devices_module
 from nbtrain.common.tensor_files import LaunchFiles
+from conftest import running
 
 slow = pytest.mark.slow
 PROCESS_STRATEGIES = ["ddp_fork", "ddp_spawn", "ddp"]
@@ -482,3 +484,277 @@ except nbtrain.UnpicklableError as e:
         or "the return value of rank 1 cannot travel back to the notebook" in message
     assert "value.batches: generator" in message and "Return plain data instead" in message
     assert "inside the training function" not in message
+
+
+# == issue 29: hostile round 3, in the same kernel ==========================================
+
+LIVE = '''
+import os, signal, time, torch, nbtrain
+import nbtrain.common.channel
+ranks = nbtrain.Ranks(devices=2, accelerator="cpu", progress=False)
+ranks.exec("import os\\nx = 1")
+'''
+
+
+def live(nb):
+    """Fresh live ranks in the kernel (the last test may have broken or closed them); their pids."""
+    _, _, error, _ = nb.run("if 'ranks' in globals(): ranks.close()\n" + LIVE)
+    assert error is None, error
+    return nb.value("ranks.eval('os.getpid()')")
+
+
+def reply_to(nb, timeout=60):
+    while True:
+        reply = nb.client.get_shell_msg(timeout=timeout)
+        if reply["msg_type"] == "execute_reply":
+            return reply["content"]
+
+
+def tcp_received_but_unread(pid: int) -> int:
+    """Bytes waiting in the receive queues of `pid`'s TCP sockets (from /proc/net/tcp)."""
+    import psutil
+
+    ports = {c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp4") if c.raddr}
+    waiting = 0
+    with open("/proc/net/tcp") as table:
+        for line in list(table)[1:]:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) in ports:
+                waiting += int(fields[4].split(":")[1], 16)
+    return waiting
+
+
+def push_to_a_stopped_rank(nb, pid: int) -> None:
+    """Start pushing 100 MB while rank 0 (`pid`) is stopped, and return once it is mid-message."""
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    nb.client.execute("ranks.push(big=torch.ones(25_000_000))")
+    deadline = time.monotonic() + 60
+    while tcp_received_but_unread(pid) < 1 << 16:  # part of the message sits unread in rank 0's socket
+        assert time.monotonic() < deadline, "the push never started sending"
+        time.sleep(0.05)
+
+
+# -- 1. an interrupt while push sends: the message goes whole, or the link is cut ------------
+
+@slow
+def test_an_interrupt_while_push_sends_finishes_the_message_then_raises(nb):
+    import time
+
+    pids = live(nb)
+    push_to_a_stopped_rank(nb, pids[0])
+    nb.manager.interrupt_kernel()
+    time.sleep(1)
+    os.kill(pids[0], signal.SIGCONT)  # rank 0 reads again: the rest of the message goes
+    reply = reply_to(nb)
+    assert reply["ename"] == "KeyboardInterrupt", reply
+    shown = "\n".join(reply["traceback"])
+    assert "their state is kept" in shown and "ranks [1] never had it" in shown, shown
+    # the channel is whole: the next command works on the same ranks, the push reached rank 0 only
+    assert nb.value("ranks.eval('x')") == [1, 1]
+    assert nb.value("ranks.eval('\"big\" in globals() and float(big.sum())')") == [25_000_000.0, False]
+    assert nb.value("ranks.eval('os.getpid()')") == pids
+
+
+@slow
+def test_a_message_that_cannot_finish_after_an_interrupt_cuts_the_link(nb):
+    import time
+
+    pids = live(nb)
+    _, _, error, _ = nb.run("nbtrain.common.channel.SEND_STALL = 2")
+    assert error is None, error
+    try:
+        push_to_a_stopped_rank(nb, pids[0])  # and rank 0 never reads again
+        asked = time.monotonic()
+        nb.manager.interrupt_kernel()
+        reply = reply_to(nb)
+        assert time.monotonic() - asked < 30  # no hang: 2 s without progress, then the ranks restart
+        assert reply["ename"] == "KeyboardInterrupt", reply
+        shown = "\n".join(reply["traceback"])
+        assert "the link to rank 0 was cut in the middle of a 100 MB message (no progress in 2 s), so the live " \
+               "ranks are restarted: their state is lost" in shown, shown
+        assert nb.value("ranks.eval('ctx.rank')") == [0, 1]  # fresh ranks
+        assert nb.value("ranks.eval('os.getpid()')") != pids
+        assert not any(map(running, pids))
+    finally:
+        nb.run("nbtrain.common.channel.SEND_STALL = 10.0")
+
+
+# -- 2. a rank that dies between cells is named at once, and the pool says broken ------------
+
+def wait_until_broken(nb, seconds=10):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while "broken" not in (shown := nb.value("repr(ranks)")):
+        assert time.monotonic() < deadline, shown
+        time.sleep(0.2)
+    return shown
+
+
+def said_between_cells(nb, text: str, seconds: float = 10) -> str:
+    """The kernel's output, outside any running cell, that contains `text` (within `seconds`)."""
+    import queue
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            message = nb.client.get_iopub_msg(timeout=0.5)
+        except queue.Empty:
+            continue
+        if message["msg_type"] == "stream" and text in message["content"]["text"]:
+            return message["content"]["text"]
+    raise AssertionError(f"the kernel did not say {text!r} within {seconds:g} s")
+
+
+@slow
+def test_a_rank_killed_between_cells_is_named_with_its_signal_until_restart(nb):
+    pids = live(nb)
+    os.kill(pids[1], signal.SIGKILL)
+    death = f"rank 1 ended: Signal 9 (SIGKILL) received by PID {pids[1]}"
+    said = said_between_cells(nb, death)
+    assert "the live ranks take no more work until .restart()" in said, said
+    shown = wait_until_broken(nb)
+    assert f"broken: {death}" in shown, shown
+    for call in ("ranks.eval('1')", "ranks.exec('x = 2')", "ranks.push(y=1)", "ranks[0].pull('x')",
+                 "ranks.run(fail_on_rank_1)"):
+        _, _, error, _ = nb.run(call)
+        assert error is not None and error["ename"] == "PoolBroken", (call, error)
+        assert death in error["evalue"] and ".restart()" in error["evalue"], (call, error["evalue"])
+    assert death in nb.value("repr(ranks)")  # still broken: nothing restarts behind the user's back
+    nb.run("ranks.restart()")
+    assert "ready" in nb.value("repr(ranks)") and nb.value("ranks.eval('ctx.rank')") == [0, 1]
+
+
+@slow
+def test_a_rank_that_exits_on_its_own_between_cells_is_named_with_its_code(nb):
+    live(nb)
+    _, _, error, _ = nb.run("ranks[1].exec('import threading, time\\n"
+                            "threading.Thread(target=lambda: (time.sleep(0.5), os._exit(3))).start()')")
+    assert error is None, error
+    shown = wait_until_broken(nb)
+    assert "broken: rank 1 ended: exited with code 3 (PID" in shown, shown
+    _, _, error, _ = nb.run("ranks.eval('1')")
+    assert error["ename"] == "PoolBroken" and "rank 1 ended: exited with code 3" in error["evalue"]
+    nb.run("ranks.restart()")
+
+
+@slow
+def test_a_rank_killed_just_before_a_call_is_named_by_that_call(nb):
+    pids = live(nb)
+    _, _, error, _ = nb.run(f"import signal\nos.kill({pids[0]}, signal.SIGKILL)\nranks.eval('1')")
+    assert error is not None and error["ename"] in ("PoolBroken", "WorkerError"), error
+    assert f"rank 0 ended: Signal 9 (SIGKILL) received by PID {pids[0]}" in error["evalue"], error["evalue"]
+    assert "not connected" not in error["evalue"]
+    nb.run("ranks.restart()")
+
+
+# -- 8. inputs that mean nothing are refused, and a syntax error reads as IPython's ----------
+
+@slow
+def test_inputs_that_mean_nothing_are_refused_before_anything_runs(nb):
+    live(nb)
+    refused = {
+        "nbtrain.launch(fail_on_rank_1, devices=2, accelerator='cpu', timeout=float('nan'))": "timeout=nan",
+        "nbtrain.Ranks(devices=2, accelerator='cpu', timeout=float('nan'))": "timeout=nan",
+        "ranks.exec('x = 2', timeout=float('nan'))": "timeout=nan",
+        "nbtrain.launch(fail_on_rank_1, devices=2, accelerator='cpu', progress=2)": "progress=2 is not a progress",
+        "nbtrain.Ranks(devices=2, accelerator='cpu', progress='x')": "progress='x' is not a progress",
+        "ranks.run(fail_on_rank_1, progress=2)": "progress=2 is not a progress",
+        "ranks.exec('x = 2', ranks=[0, 0])": "each rank once",
+        "ranks.exec('x = 2', ranks=[])": "name one or more of these live ranks, 0 .. 1",
+        "ranks.push(**{'1bad': 1})": "push('1bad'=...): a pushed object becomes a variable",
+        "ranks.push(**{'': 1})": "push(''=...): a pushed object becomes a variable",
+        "ranks.push(**{'class': 1})": "push('class'=...)",
+        "ranks.push(ctx=None)": "`ctx` is the rank's Context",
+    }
+    for code, says in refused.items():
+        _, _, error, _ = nb.run(code)
+        assert error is not None and error["ename"] == "ValueError" and says in error["evalue"], (code, error)
+    assert nb.value("ranks.eval('x')") == [1, 1]  # nothing ran on the ranks
+    assert nb.value("ranks.eval('type(ctx).__name__')") == ["Context", "Context"]
+
+
+def shown(error) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", "".join(error["traceback"]))
+
+
+@slow
+def test_a_syntax_error_reads_as_ipython_shows_one(nb):
+    # As for exec() in a cell: the cell's line, then where the error is, with its caret. Found in the
+    # notebook before any rank sees the code: not from a rank, the parser or nbtrain's helpers.
+    live(nb)
+    _, _, error, _ = nb.run("ranks.exec('syntax error(')")
+    text = shown(error)
+    assert error["ename"] == "SyntaxError", error
+    assert text.endswith(":1\n    syntax error(\n                ^\nSyntaxError: '(' was never closed\n"), text
+    assert "File <ranks exec " in text and "ranks.exec('syntax error(')" in text
+    assert not any(part in text for part in ("cell.py", "free_names", "ast.py", "source.py", "loop.py")), text
+    assert text.count("nbtrain/") == 1, text  # the one call the cell made
+    _, _, error, _ = nb.run("%load_ext nbtrain")
+    assert error is None, error
+    _, _, error, _ = nb.run("%%ranks\nx = 3\nsyntax error(")
+    cell = nb.value("len(get_ipython().history_manager.input_hist_raw)") - 2
+    text = shown(error)
+    assert error["ename"] == "SyntaxError" and text.endswith(
+        f"Cell In[{cell}], line 2\n    syntax error(\n                ^\nSyntaxError: '(' was never closed\n"), text
+    out, _, error, _ = nb.run("%debug", answers=[])
+    assert error is None and nb.prompts == [] and "no frames to debug" in out  # no pdb inside ast.py
+    _, _, error, _ = nb.run("ranks.debug()")
+    assert error["ename"] == "RuntimeError" and "no rank has failed yet" in error["evalue"]
+    _, _, error, _ = nb.run("ranks.eval('1 +')")
+    assert error["ename"] == "SyntaxError" and "File <nbtrain eval>:1\n    1 +\n" in shown(error)
+    assert nb.value("ranks.eval('x')") == [1, 1]  # the cell with the error did not run at all
+
+
+# -- 9 (part). live ranks restarted or started from another thread ----------------------------
+
+@slow
+def test_ranks_restarted_from_another_thread_say_so_and_outlive_that_thread(nb):
+    import time
+
+    live(nb)
+    _, _, error, _ = nb.run("import threading\nthreading.Timer(1.0, ranks.restart).start()\n"
+                            "ranks.exec('import time\\ntime.sleep(60)')", timeout=60)
+    assert error["ename"] == "WorkerError", error
+    assert "the live ranks were restarted by .restart() while this command ran" in error["evalue"], error["evalue"]
+    assert "take no more work" not in error["evalue"]
+    time.sleep(2)  # the timer's thread has ended: ranks it started must not have died with it
+    assert "ready" in nb.value("repr(ranks)") and nb.value("ranks.eval('ctx.rank')") == [0, 1]
+
+
+@slow
+def test_the_template_and_its_ranks_outlive_the_thread_that_started_them(nb):
+    import time
+
+    _, _, error, _ = nb.run("ranks.close(); nbtrain.template.stop()\n"
+                            "def start_elsewhere():\n"
+                            "    global ranks\n"
+                            "    ranks = nbtrain.Ranks(devices=2, accelerator='cpu', start='template', progress=False)\n"
+                            "elsewhere = threading.Thread(target=start_elsewhere)\n"
+                            "elsewhere.start(); elsewhere.join()", timeout=180)
+    assert error is None, error
+    time.sleep(2)
+    assert nb.value("ranks.placement") == "template"
+    assert nb.value("ranks.eval('ctx.rank')") == [0, 1]
+    assert nb.value("nbtrain.template.template(start=False) is not None")
+    nb.run("ranks.close()")
+
+
+@slow
+def test_forked_ranks_hold_none_of_the_kernels_listening_sockets(nb):
+    import psutil
+
+    def listening(pid):
+        return {c.laddr.port for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+
+    pids = live(nb)  # forks of the kernel
+    kernels = listening(nb.manager.provisioner.process.pid)  # Jupyter's sockets and the channel's
+    assert kernels
+    for pid in pids:  # rank 0 listens for the process group's store: torch's own, opened after the fork
+        assert not listening(pid) & kernels, (pid, listening(pid), kernels)
+    assert nb.value("ranks.eval('ctx.rank')") == [0, 1]

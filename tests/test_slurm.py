@@ -1,6 +1,7 @@
 """Ranks as the tasks of a SLURM job (submitit), against a real one-node cluster on this machine
 (the session's `local_slurm`, see conftest.py): values, metrics, errors, interrupts, cells."""
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -158,6 +159,81 @@ def test_live_ranks_on_slurm_keep_state_and_leave_the_queue_when_closed(slurm):
         job = ranks.eval("os.environ['SLURM_JOB_ID']")[0]
         assert job in slurm.jobs()
     assert wait_until(lambda: job not in slurm.jobs()), slurm.jobs()
+
+
+@pytest.mark.parametrize("how", ["kill", "exit", "scancel"])
+def test_a_live_rank_that_ends_between_calls_is_named_with_its_signal_code_or_cancellation(slurm, how):
+    import re
+    import signal
+
+    from nbtrain.notebook.pool import PoolBroken
+
+    with nbtrain.Ranks(devices=2, cluster=nbtrain.Slurm(), progress=False) as ranks:
+        pids = ranks.eval("__import__('os').getpid()")
+        job = ranks.eval("__import__('os').environ['SLURM_JOB_ID']")[0]
+        if how == "kill":
+            os.kill(pids[1], signal.SIGKILL)
+            said = rf"rank 1 ended: SLURM job {job}, task 1 on \S+: Signal 9 \(SIGKILL\)"
+        elif how == "exit":
+            ranks[1].exec("import os, threading, time\n"
+                          "threading.Thread(target=lambda: (time.sleep(0.5), os._exit(3))).start()")
+            said = rf"rank 1 ended: SLURM job {job}, task 1 on \S+: exited with code 3"
+        else:
+            subprocess.run(["scancel", job], check=True)
+            said = rf"rank \d ended: SLURM job {job} was cancelled at \S+ \(scancel\)"
+        assert wait_until(lambda: "broken" in repr(ranks)), repr(ranks)
+        assert re.search(said, repr(ranks)), repr(ranks)
+        with pytest.raises(PoolBroken, match=said + r".*\.restart\(\)"):
+            ranks.eval("1")
+    assert wait_until(lambda: job not in slurm.jobs()), slurm.jobs()
+
+
+@pytest.mark.parametrize("asks, reason, words", [
+    ({"cpus_per_task": 64}, "PartitionConfig", "it asks for more than its partition is configured to give"),
+    ({"nodes": 3}, "(PartitionConfig|PartitionNodeLimit)", "it asks for more"),  # SLURM says either
+])
+def test_a_job_that_can_never_start_fails_at_once_saying_why(slurm, asks, reason, words, no_leftovers):
+    from nbtrain.placements.clusters.slurm import SlurmJobError
+
+    started = time.monotonic()
+    with pytest.raises(SlurmJobError) as caught:
+        nbtrain.launch(print, devices=2, cluster=nbtrain.Slurm(**asks), progress=False)
+    assert time.monotonic() - started < 60  # at once, not after waiting forever
+    message = str(caught.value)
+    assert re.search(rf"SLURM job \d+ can never start \(Slurm\(.*\)\): PENDING \({reason}\): {words}", message), message
+    assert "partition debug has 1 node of 8 CPUs" in message and "nbtrain cancelled it" in message
+    assert caught.value._render_traceback_() == [f"SlurmJobError: {message}"]  # one line in the notebook
+    assert wait_until(lambda: not slurm.jobs()), slurm.jobs()
+
+
+def test_nodes_that_do_not_exist_can_never_be_waited_for(slurm):
+    from nbtrain.placements.clusters.slurm import _node_exists, never_runs
+
+    assert never_runs("ReqNodeNotAvail, UnavailableNodes:nosuch[1-2]", _node_exists) == \
+        "the nodes it asks for do not exist in this cluster: nosuch1, nosuch2"
+    here = socket.gethostname().split(".")[0]  # the test cluster's one node: it exists, and may come back
+    assert never_runs(f"ReqNodeNotAvail, UnavailableNodes:{here}", _node_exists) is None
+
+
+def test_live_ranks_that_can_never_start_fail_at_once(slurm):
+    from nbtrain.placements.clusters.slurm import SlurmJobError
+
+    with pytest.raises(SlurmJobError, match=r"can never start .*PENDING \(PartitionConfig\)"):
+        nbtrain.Ranks(devices=2, cluster=nbtrain.Slurm(cpus_per_task=64), progress=False)
+    assert wait_until(lambda: not slurm.jobs()), slurm.jobs()
+
+
+def test_queue_timeout_bounds_the_wait_in_the_queue(slurm, no_leftovers):
+    from nbtrain.placements.clusters.slurm import SlurmJobError
+
+    started = time.monotonic()
+    with pytest.raises(SlurmJobError) as caught:  # held: it could start once released, so it waits, but not long
+        nbtrain.launch(print, devices=2, cluster=nbtrain.Slurm(hold=True, queue_timeout=3), progress=False)
+    assert time.monotonic() - started < 60
+    assert re.search(r"SLURM job \d+ waited \d+ s in the queue \(PENDING \(JobHeldUser\)\), longer than "
+                     r"queue_timeout=3 \(Slurm\(queue_timeout=3, hold=True\)\); nbtrain cancelled it\.",
+                     str(caught.value)), str(caught.value)
+    assert wait_until(lambda: not slurm.jobs()), slurm.jobs()
 
 
 def test_a_job_slurm_refuses_is_an_error_saying_what_slurm_said(slurm, no_leftovers):

@@ -128,6 +128,31 @@ def test_falls_back_to_plain_spawn_when_the_template_cannot_start(nb):
     assert nb.value("[v['ppid'] == template_pid() for v in r.values]") == [True, True]
 
 
+def test_a_stopped_template_is_noticed_in_seconds_and_plain_spawn_takes_over(nb):
+    ok(nb, "nbtrain.warm_up()")
+    stopped = nb.value("nbtrain.template.template(start=False).process.pid")
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        asked = time.monotonic()
+        out, _ = ok(nb, "r = nbtrain.launch(where, devices=2, accelerator='cpu', strategy='ddp_spawn', "
+                        "progress='text')")
+        assert time.monotonic() - asked < 60  # seconds to notice, then a plain spawn; not 120 s of silence
+        assert (f"the warm template cannot be used: nbtrain's template process (PID {stopped}) did not answer "
+                "within 5 s: it is stopped (SIGSTOP or SIGTSTP; SIGCONT resumes it); starting ranks with plain "
+                "spawn instead") in out, out
+        assert nb.value("[v['ppid'] == os.getpid() for v in r.values]") == [True, True]
+        out, _ = ok(nb, "r = spawn(where)")  # the next launch knows at once
+        assert nb.value("[v['ppid'] == os.getpid() for v in r.values]") == [True, True]
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    ok(nb, "nbtrain.warm_up()")  # tries again: a fresh template
+    ok(nb, "r = spawn(where)")
+    fresh = nb.value("template_pid()")
+    assert fresh != stopped and nb.value("[v['ppid'] for v in r.values]") == [fresh, fresh]
+    ok(nb, "nbtrain.template.stop(); nbtrain.warm_up()")  # the stopped one is stopped for good with the others
+    assert not running(stopped)
+
+
 def test_fifty_launches_leak_nothing(nb):
     ok(nb, "nbtrain.warm_up(); spawn(where)")
     out, _ = ok(nb, """

@@ -21,7 +21,8 @@ import struct
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.reduction import ForkingPickler
 
 from .lines import Screen
 
@@ -32,6 +33,8 @@ AUTHKEY_VAR = "NBTRAIN_AUTHKEY"
 FLUSH_SECONDS = 0.1
 BATCH_LIMIT = 512
 AUTH_SECONDS = 10.0  # a connection that has not proven the authkey by then is dropped
+MAX_STRANGERS = 64  # connections not yet authenticated, at once: a new one drops the oldest
+SWEEP_SECONDS = 1.0  # how often the accept loop looks for strangers past AUTH_SECONDS
 # Every rank of a launch dials at once. Listener's default backlog is 1: the kernel then drops
 # the other SYNs, and worse, the final ACK of a handshake it has no room for, leaving a rank
 # that believes it is connected waiting forever for a challenge the notebook never sends. The
@@ -41,6 +44,8 @@ CONNECT_SECONDS = 30.0  # a rank that cannot reach the notebook by then gives up
 HANDSHAKE_SECONDS = 5.0  # one attempt: connect and the authkey challenge, both ways
 # Sent without batching delay (a rank's new rich output too: it keeps its place among the lines printed around it).
 URGENT = frozenset({"hello", "begin", "result", "error", "need", "prompt", "display", "clear_output"})
+WRITE_CHUNK = 1 << 20
+SEND_STALL = 10.0  # after a Ctrl-C, how long a message being sent may make no progress before its link is cut
 
 
 class Hub:
@@ -54,67 +59,104 @@ class Hub:
     def __init__(self, inbox: queue.Queue, host: str = "127.0.0.1", advertise: str | None = None):
         self.inbox = inbox
         self._authkey = os.urandom(32)
-        # The challenge is run per connection (`_serve`), not by Listener.accept: there one
-        # stranger that connects and stays silent would block every rank's connection.
-        self._listener = Listener((host, 0), backlog=BACKLOG)
+        # The challenge is run per connection (`_serve`), on a thread of its own: one stranger
+        # that connects and stays silent must not hold up any rank's connection.
+        self._socket = socket.create_server((host, 0), backlog=BACKLOG)
+        self._socket.settimeout(SWEEP_SECONDS)  # the accept loop also drops strangers that took too long
+        self._address = self._socket.getsockname()[:2]
         self._advertise = advertise or host
-        self._threads: list[threading.Thread] = []
-        self._connections = []
+        self._lock = threading.Lock()
+        # Strangers are bounded: at most MAX_STRANGERS at once, each for AUTH_SECONDS in all; nothing
+        # of a dropped one is kept. Only connections that proved the authkey stay (`_served`).
+        self._strangers: dict[Connection, float] = {}  # not yet authenticated: the time each must be done by
+        self._served: dict[Connection, threading.Thread] = {}
+        self._accepting: threading.Thread | None = None
+        self._refusals = 0  # connections that failed the challenge (the first is logged as a warning)
         self._by_rank: dict[int, object] = {}
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
 
     @property
     def environ(self) -> dict[str, str]:
-        port = self._listener.address[1]
+        port = self._address[1]
         return {ADDRESS_VAR: f"{self._advertise}:{port}", AUTHKEY_VAR: self._authkey.hex()}
 
     def start(self) -> None:
         # Started only after the first ranks are forked, so no rank inherits another's
         # connection (which would keep that connection open after its own rank died).
-        self._spawn(self._accept_loop)
-
-    def _spawn(self, target, *args) -> None:
-        thread = threading.Thread(target=target, args=args, name="nbtrain-hub", daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        self._accepting = threading.Thread(target=self._accept_loop, name="nbtrain-hub", daemon=True)
+        self._accepting.start()
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
+            self._drop_late_strangers()
             try:
-                conn = self._listener.accept()
-            except OSError:  # the listener was closed
+                sock, _ = self._socket.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:  # the listener was closed, or a connection failed before it was accepted
                 if self._closed.is_set():
                     return
                 continue
             if self._closed.is_set():
-                conn.close()
+                sock.close()
                 return
-            self._connections.append(conn)
-            self._spawn(self._serve, conn)
+            sock.settimeout(None)
+            conn = Connection(sock.detach())
+            with self._lock:
+                if len(self._strangers) >= MAX_STRANGERS:  # the one waiting longest makes room
+                    _shut(min(self._strangers, key=self._strangers.get))
+                self._strangers[conn] = time.monotonic() + AUTH_SECONDS
+            threading.Thread(target=self._serve, args=(conn,), name="nbtrain-hub-auth", daemon=True).start()
+
+    def _drop_late_strangers(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for conn, deadline in self._strangers.items():
+                if deadline < now:
+                    _shut(conn)  # its thread's read fails: it forgets the connection and ends
 
     def _serve(self, conn) -> None:
-        if self._authenticate(conn):
-            self._read_loop(conn)
-        else:
+        passed = self._authenticate(conn)
+        with self._lock:  # under the lock: a connection is shut by others only while listed
+            del self._strangers[conn]
+            if passed and not self._closed.is_set():
+                self._served[conn] = threading.current_thread()
+            else:
+                passed = False
+        if not passed:
             conn.close()
+            return
+        rank = None
+        try:
+            rank = self._read_loop(conn)
+        finally:
+            with self._lock:
+                self._served.pop(conn, None)
+            conn.close()  # after it left `_served`: nobody shuts a closed (reusable) descriptor
+            if rank is not None:
+                self.inbox.put(("closed", rank))
 
     def _authenticate(self, conn) -> bool:
         """The authkey's challenge, both ways; nothing is unpickled from a peer before it passes."""
-        _receive_timeout(conn, AUTH_SECONDS)  # a silent stranger is dropped, not waited for
         try:
+            _receive_timeout(conn, AUTH_SECONDS)  # each read bounded; the whole by _drop_late_strangers
             deliver_challenge(conn, self._authkey)
             answer_challenge(conn, self._authkey)
+            _receive_timeout(conn, 0.0)
         except AuthenticationError as exc:
-            log.warning("channel: refused a connection that failed the authkey challenge (%s)", exc)
+            self._refusals += 1
+            if self._refusals == 1:  # a flood of them must not flood the notebook
+                log.warning("channel: refused a connection that failed the authkey challenge (%s); later "
+                            "refusals are not reported", exc)
             return False
         except (OSError, EOFError, ValueError) as exc:  # silent, gone, or not speaking the protocol
             log.debug("channel: dropped a connection: %s", exc)
             return False
-        _receive_timeout(conn, 0.0)
         return True
 
-    def _read_loop(self, conn) -> None:
+    def _read_loop(self, conn) -> int | None:
+        """Put what a rank sends on the inbox until its connection ends; the rank."""
         no_delay(conn)
         rank = None
         try:
@@ -127,48 +169,143 @@ class Hub:
                     self.inbox.put(message)
         except (EOFError, OSError):
             pass
+        except Exception:  # a message that does not unpickle: the link is of no more use
+            log.exception("channel: rank %s sent a message that cannot be read; its link is closed", rank)
         finally:
             if rank is not None and self._by_rank.get(rank) is conn:
                 del self._by_rank[rank]
-            try:
-                conn.close()
-            except OSError:  # `close()` on the hub's thread closed it first
-                pass
-            if rank is not None:
-                self.inbox.put(("closed", rank))
+        return rank
 
     def connected(self, rank: int) -> bool:
         return rank in self._by_rank
 
     def send(self, rank: int, message: tuple) -> bool:
-        """Send a command to `rank`; False if it is not (or no longer) connected."""
+        """Send a command to `rank`; False if it is not (or no longer) connected.
+
+        A message goes whole or not at all: a rank that read half of one would wait forever for
+        the rest, and take the next message's bytes for it. On the kernel's main thread, where
+        Ctrl-C lands, the bytes are written by a thread of their own; an interrupt while they are
+        written lets them finish, then raises `SendInterrupted`. A message that makes no progress
+        for SEND_STALL s after that (the rank is stopped), or a second Ctrl-C, cuts the link
+        instead: the rank sees the connection close, never half a message.
+        """
         conn = self._by_rank.get(rank)
         if conn is None:
             return False
+        data = ForkingPickler.dumps(message)  # an interrupt here has sent nothing
+        if threading.current_thread() is not threading.main_thread():
+            return self._write(conn, data)
+        write = _Write(self, conn, data)
+        interrupt: KeyboardInterrupt | None = None
+        interrupted_at = 0.0
+        while not write.done.is_set():
+            try:
+                if interrupt is None:
+                    write.done.wait()
+                elif write.stalled(SEND_STALL, interrupted_at):
+                    self.cut(rank, conn)
+                    write.done.wait(HANDSHAKE_SECONDS)
+                    raise SendInterrupted(rank, len(data), whole=False, why=f"no progress in {SEND_STALL:g} s")
+                else:
+                    write.done.wait(0.1)
+            except SendInterrupted:
+                raise
+            except KeyboardInterrupt as exc:
+                if interrupt is not None:  # twice: stop waiting for the message
+                    self.cut(rank, conn)
+                    write.done.wait(HANDSHAKE_SECONDS)
+                    raise SendInterrupted(rank, len(data), whole=False, why="interrupted twice") from None
+                interrupt, interrupted_at = exc, time.monotonic()
+                log.warning("channel: interrupted while sending %d bytes to rank %d: finishing the message first",
+                            len(data), rank)
+        if interrupt is not None:
+            raise SendInterrupted(rank, len(data), whole=write.ok, why="" if write.ok else "the rank went away")
+        return write.ok
+
+    def _write(self, conn, data: bytes, progress=None) -> bool:
         try:
             with self._send_lock:
-                conn.send(message)
+                _send_bytes(conn, data, progress)
             return True
         except (OSError, ValueError):
             return False
 
+    def cut(self, rank: int, conn=None) -> None:
+        """End the connection to `rank` both ways: a write blocked on it fails, the rank sees it close."""
+        conn = conn or self._by_rank.get(rank)
+        if conn is not None:
+            _shut(conn)
+
     def close(self) -> None:
         self._closed.set()
-        try:  # closing a listening socket does not wake a thread blocked in accept(); a connection does
-            host, port = self._listener.address
+        try:  # wake the accept loop now, rather than at its next timeout
+            host, port = self._address
             socket.create_connection(("127.0.0.1" if host == "0.0.0.0" else host, port), timeout=1.0).close()
         except OSError:
             pass
-        self._listener.close()
-        for conn in list(self._connections):
-            try:
-                conn.close()
-            except OSError:
-                pass
-        for thread in self._threads:
+        if self._accepting is not None:
+            self._accepting.join(timeout=SWEEP_SECONDS + 1.0)
+        self._socket.close()
+        with self._lock:
+            for conn in [*self._strangers, *self._served]:
+                _shut(conn)  # their threads see the end, close them and end
+            served = list(self._served.values())
+        for thread in served:
             thread.join(timeout=1.0)
-        self._threads.clear()
-        self._connections.clear()
+
+
+class SendInterrupted(KeyboardInterrupt):
+    """Ctrl-C while a message to `rank` was being written. `whole`: it was finished first (the
+    rank has it); otherwise the link to that rank was cut (`why`) and the rank is lost."""
+
+    def __init__(self, rank: int, size: int, whole: bool, why: str = ""):
+        super().__init__(rank, size, whole, why)
+        self.rank, self.size, self.whole, self.why = rank, size, whole, why
+
+
+class _Write:
+    """One message's bytes, written by a thread of its own (Ctrl-C reaches only the main thread)."""
+
+    def __init__(self, hub: Hub, conn, data: bytes):
+        self.done = threading.Event()
+        self.ok = False
+        self.sent, self._moved = 0, time.monotonic()
+        threading.Thread(target=self._run, args=(hub, conn, data), name="nbtrain-send", daemon=True).start()
+
+    def _run(self, hub: Hub, conn, data: bytes) -> None:
+        try:
+            self.ok = hub._write(conn, data, self._progress)
+        finally:
+            self.done.set()
+
+    def _progress(self, sent: int) -> None:
+        self.sent, self._moved = sent, time.monotonic()
+
+    def stalled(self, seconds: float, since: float) -> bool:
+        """No byte written for `seconds`, counted from `since` at the earliest."""
+        return time.monotonic() - max(self._moved, since) > seconds
+
+
+def _send_bytes(conn, data, progress=None) -> None:
+    """`Connection.send_bytes`'s framing (what `recv` reads), written in chunks that report progress."""
+    size = len(data)
+    header = struct.pack("!i", size) if size <= 0x7fffffff else struct.pack("!iQ", -1, size)
+    fd = conn.fileno()
+    if size <= 16384:  # one write, as Connection does
+        _write_all(fd, memoryview(header + bytes(data)))
+        return
+    _write_all(fd, memoryview(header))
+    view, sent = memoryview(data).cast("B"), 0
+    while sent < size:
+        sent += os.write(fd, view[sent:sent + WRITE_CHUNK])
+        if progress is not None:
+            progress(sent)
+
+
+def _write_all(fd: int, view) -> None:
+    written = 0
+    while written < len(view):
+        written += os.write(fd, view[written:])
 
 
 class Link:
@@ -308,6 +445,15 @@ def no_delay(conn) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     finally:
         sock.close()
+
+
+def _shut(conn) -> None:
+    """End a connection both ways from any thread: a thread blocked reading it wakes (a close would not)."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _end_rank() -> None:

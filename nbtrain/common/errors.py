@@ -160,13 +160,16 @@ class UnpicklableError(TypeError):
         return [f"UnpicklableError: {line}" if i == 0 else line for i, line in enumerate(str(self).splitlines())]
 
 
-def interrupt_report(live: bool, ranks: list[int], where: dict[int, str], stuck: list[int]) -> list[str]:
+def interrupt_report(live: bool, ranks: list[int], where: dict[int, str], stuck: list[int],
+                     restart: str | None = None) -> list[str]:
     """What a notebook shows for a Ctrl-C that reached the ranks: where each rank's code was
-    (ranks interrupted at the same place share one traceback), not the kernel's wait loop."""
+    (ranks interrupted at the same place share one traceback), not the kernel's wait loop.
+    `restart`: why the live ranks are restarted, when not because `stuck` ranks did not return."""
     if not live:  # a launch, or live ranks still starting: the ranks are stopped
         return [f"KeyboardInterrupt: interrupted; nbtrain stopped ranks {ranks}."]
     lines = [f"KeyboardInterrupt: the live ranks {ranks} were interrupted; " + (
         f"ranks {sorted(stuck)} did not return, so the live ranks are restarted: their state is lost." if stuck
+        else f"{restart}, so the live ranks are restarted: their state is lost." if restart
         else "their state is kept.")]
 
     places: dict[str, list[int]] = {}

@@ -29,6 +29,7 @@ def make_display(progress=True):
     Notebooks executed headless (nbval, nbconvert) look like Jupyter but draw no widgets:
     NBTRAIN_PROGRESS=text gives them readable lines.
     """
+    check_progress(progress)
     env = os.environ.get("NBTRAIN_PROGRESS", "").strip().lower()
     if progress is False or env == "0":
         return QuietDisplay()
@@ -43,6 +44,15 @@ def make_display(progress=True):
     if mode == "auto" and sys.stderr.isatty():
         return TqdmDisplay()
     return LineDisplay()
+
+
+def check_progress(progress) -> None:
+    """Refuse what is not a progress setting (`progress=2`, a misspelt mode) when it is given, not
+    when a display is first needed."""
+    if progress is None or isinstance(progress, bool) or hasattr(progress, "update"):
+        return
+    if not isinstance(progress, str) or progress.strip().lower() not in MODES:
+        raise ValueError(f"progress={progress!r} is not a progress display. {ACCEPTED}")
 
 
 def _widget_display(fallback):

@@ -95,7 +95,8 @@ def resolve_strategy(strategy: str, plan: DevicePlan) -> tuple[str, str | None]:
 
 def check_timeout(timeout):
     """`timeout` as given, once it is a positive number of seconds (or None: no limit)."""
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):  # so nan too: it is not "no limit"
         raise ValueError(f"timeout={timeout!r}: give a positive number of seconds, or None for no limit.")
     return timeout
 

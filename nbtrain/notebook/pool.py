@@ -7,16 +7,18 @@ exit; live `Ranks` keep theirs and send command after command. Each command is w
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
+import threading
 import time
 
-from ..common.channel import Hub, OutputPump
+from ..common.channel import Hub, OutputPump, SendInterrupted
 from ..rank.loop import MARK
 from ..display.rank_output import KINDS as RANK_OUTPUT, deliver
 from ..display.runstate import RunState
-from .supervisor import Supervisor, stderr_tails
+from .supervisor import CONNECTION_CLOSED, NOT_SENT, Supervisor, stderr_tails
 from ..common.tensor_files import LaunchFiles
 from ..common.pickling import explain_pickling, ship_bytes
 from ..common.source import shippable
@@ -25,6 +27,14 @@ from ..rank.process import STACKS_SIGNAL
 
 EXIT_WAIT = 5.0  # ranks that replied: how long they may take to exit on their own
 STOP_GRACE = 1.0  # between SIGTERM and SIGKILL
+IDLE_CHECK = 0.25  # live ranks between commands: seconds between looks at their processes and links
+EXIT_CODE_WAIT = 1.0  # a rank whose link closed: how long its exit code may take to be known
+
+log = logging.getLogger(__name__)
+
+
+def _size(size: int) -> str:
+    return f"{size / 1e6:.0f} MB" if size >= 1e6 else f"{size} bytes"
 
 
 class PoolBroken(RuntimeError):
@@ -50,11 +60,17 @@ class Pool:
         self.seq = 0
         self.broken: str | None = None  # why the pool refuses work
         self.restart_reason: str | None = None  # ranks stuck beyond an interrupt: the pool must restart
+        self.ended_by: str | None = None  # "restarted by .restart()": who closed the pool, for a command it ends
         self._namespace: dict = {}  # where the running command's missing names come from
         self._answers: dict[tuple, bytes | None] = {}
         self._sent: dict[int, dict[str, object]] = {}  # rank: the notebook objects it was sent, by name
         self._stopped = False
         self.state: RunState | None = None  # the first command's
+        # Live ranks are watched between commands too: a rank that dies then is named at once.
+        self._idle = threading.Lock()  # held by a command, and by the watcher while it looks
+        self._closing = threading.Event()  # wakes the watcher to end
+        self._watcher: threading.Thread | None = None
+        self._held: list[tuple] = []  # messages the watcher took from the inbox, for the next command
 
     @property
     def ranks(self) -> list[int]:
@@ -80,16 +96,24 @@ class Pool:
         self._watch(state, display, timeout, job.start_timeout)
         self.pids = {r: v.pid for r, v in state.ranks.items()}
         self.hosts = {r: v.host for r, v in state.ranks.items()}
+        if self.live:
+            self._watcher = threading.Thread(target=self._watch_idle, name="nbtrain-idle-watch", daemon=True)
+            self._watcher.start()
         return state
 
     def _title(self) -> str:
         return f"{'live ranks' if self.live else self.job.strategy} on {self.job.plan.describe()}"
 
-    def close(self, ok: bool = True, display=None) -> None:
-        """Stop the ranks (a launch's have exited on their own when `ok`), drain their output."""
+    def close(self, ok: bool = True, display=None, why: str | None = None) -> None:
+        """Stop the ranks (a launch's have exited on their own when `ok`), drain their output.
+        `why` ("restarted by .restart()") is what a command still running (another thread's) is told."""
         if self._stopped:
             return
         self._stopped = True
+        self.ended_by = why
+        self._closing.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5.0)
         try:
             if self.live and self.any_alive():
                 for rank in self.ranks:
@@ -123,13 +147,19 @@ class Pool:
             p.join(1.0)
             p.close()
 
-    def drain_output(self, display) -> None:
-        """Hand what is still queued (the ranks' last output lines) to the display."""
+    def _queued(self):
+        """The queued messages, oldest first: those the watcher held, then the inbox's."""
+        held, self._held = self._held, []
+        yield from held
         while True:
             try:
-                message = self.inbox.get_nowait()
+                yield self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def drain_output(self, display) -> None:
+        """Hand what is still queued (the ranks' last output lines) to the display."""
+        for message in self._queued():
             if message[0] == "output" and display is not None and not message[3].startswith(MARK):
                 display.output(*message[1:])
             elif message[0] in RANK_OUTPUT and display is not None:
@@ -142,9 +172,15 @@ class Pool:
     def command(self, kind: str, *args, ranks: list[int] | None = None, display, timeout: float | None = None,
                 namespace: dict | None = None, title: str = "") -> RunState:
         """Run one command on `ranks` (all by default) and watch it to its end."""
+        with self._idle:
+            return self._command(kind, *args, ranks=ranks, display=display, timeout=timeout, namespace=namespace,
+                                 title=title)
+
+    def _command(self, kind: str, *args, ranks, display, timeout, namespace, title) -> RunState:
+        self.check_alive()
         if self.broken:
-            raise PoolBroken(f"{self.broken}. The live ranks take no more work: call .restart() (their state is lost) "
-                             "or .close().")
+            raise PoolBroken(f"{self.broken.rstrip('.')}. The live ranks take no more work: call .restart() (their "
+                             "state is lost) or .close().")
         targets = list(self.ranks if ranks is None else ranks)
         self.seq += 1
         self._namespace, self._answers = namespace or {}, {}
@@ -155,10 +191,8 @@ class Pool:
         display.start(state)
         ok = False
         try:
-            for rank in targets:
-                if not self.hub.send(rank, (kind, self.seq, len(targets) == len(self.ranks), *args)):
-                    state.fail(rank, f"rank {rank} is not connected", crashed=True)
-            self._watch(state, display, timeout, None)
+            interrupt = self._send_command(state, targets, (kind, self.seq, len(targets) == len(self.ranks), *args))
+            self._watch(state, display, timeout, None, interrupt)
             ok = True
         finally:
             if self.broken:
@@ -166,20 +200,51 @@ class Pool:
             display.finish(state, ok)
         return state
 
-    def _watch(self, state: RunState, display, timeout, start_timeout) -> None:
+    def _send_command(self, state: RunState, targets: list[int], command: tuple) -> KeyboardInterrupt | None:
+        """Send `command` to every target; a Ctrl-C meanwhile, returned for the supervisor to
+        handle as one that came while the ranks ran: the ranks that have the command are
+        interrupted, those that do not are stopped. A message is never half sent (Hub.send)."""
+        sent = []
         try:
-            Supervisor(self, state, display, timeout, start_timeout).run()
+            for rank in targets:
+                if self.hub.send(rank, command):
+                    sent.append(rank)
+                else:  # it went away since the last look: say how
+                    why = self._why_gone(rank, EXIT_CODE_WAIT)
+                    state.fail(rank, why, self.last_words(rank, idle=False), crashed=True)
+                    self.broken = self.broken or why
+        except SendInterrupted as interrupt:
+            if interrupt.whole:
+                sent.append(interrupt.rank)
+            else:  # the rank sees its connection close, and ends: only fresh ranks can go on
+                why = (f"the link to rank {interrupt.rank} was cut in the middle of a {_size(interrupt.size)} message "
+                       f"({interrupt.why})")
+                if self.live and not self.broken:
+                    self.restart_reason = why
+                state.fail(interrupt.rank, why, crashed=True)
+            self._not_sent(state, targets, sent)
+            return KeyboardInterrupt()  # the notebook's own Ctrl-C, as it shows everywhere else
+        except KeyboardInterrupt as interrupt:
+            self._not_sent(state, targets, sent)
+            return interrupt
+        return None
+
+    @staticmethod
+    def _not_sent(state: RunState, targets: list[int], sent: list[int]) -> None:
+        for rank in targets:
+            if rank not in sent:
+                state.stop(rank, f"{NOT_SENT}: interrupted")
+
+    def _watch(self, state: RunState, display, timeout, start_timeout, interrupt=None) -> None:
+        try:
+            Supervisor(self, state, display, timeout, start_timeout, interrupt).run()
         finally:
             state.ended = time.monotonic()
 
     def drain_idle_output(self, display) -> None:
         """Output a live rank wrote between commands (a thread of its own, say) goes to the next cell."""
         pending = []
-        while True:
-            try:
-                message = self.inbox.get_nowait()
-            except queue.Empty:
-                break
+        for message in self._queued():
             if message[0] == "output":
                 if not message[3].startswith(MARK):
                     display.output(*message[1:])
@@ -191,6 +256,76 @@ class Pool:
                 pending.append(message)
         for message in pending:  # anything else belongs to the command about to start
             self.inbox.put(message)
+
+    # -- between commands ----------------------------------------------------------------
+    def _watch_idle(self) -> None:
+        while not self._closing.wait(IDLE_CHECK) and not self.broken:
+            if not self._idle.acquire(blocking=False):
+                continue  # a command runs: its supervisor watches the ranks
+            try:
+                if not self._closing.is_set():
+                    self.check_alive(warn=True)
+            except Exception:  # closed under it: the next look, or none, says it
+                log.debug("idle watch", exc_info=True)
+            finally:
+                self._idle.release()
+
+    def check_alive(self, warn: bool = False) -> None:
+        """Between commands: a live rank that ended (killed, crashed, its job cancelled) breaks the
+        pool, named with its exit code or signal; with `warn`, said at once (logging)."""
+        if not self.live or self.broken or self._stopped:
+            return
+        for rank in self.ranks:
+            proc = self._process_of(rank)
+            # A remote rank's process is the engine's, slow to ask: its closed connection says it ended.
+            ended = not self.launcher.remote and proc is not None and proc.poll() is not None
+            if ended or not self.hub.connected(rank):
+                self.broken = self._why_gone(rank, EXIT_CODE_WAIT)
+                if warn:
+                    log.warning("nbtrain: %s; the live ranks take no more work until .restart().%s",
+                                self.broken.rstrip("."), _indented(self.last_words(rank)))
+                return
+
+    def _process_of(self, rank: int):
+        return next((p for p in self.processes if rank in p.ranks), None)
+
+    def _why_gone(self, rank: int, wait: float) -> str:
+        """How `rank` ended: its exit code or signal, once known (waiting up to `wait` s)."""
+        proc = self._process_of(rank)
+        deadline = time.monotonic() + wait
+        while proc is not None:
+            code = proc.poll()
+            if code is not None:
+                summary, _ = proc.exit_reason(rank, code, self.pids.get(rank) or proc.pid)
+                return f"rank {rank} ended: {summary}"
+            lost = proc.lost_reason(rank)  # an engine's word on a rank whose process is not ours
+            if lost or time.monotonic() > deadline:
+                return f"rank {rank} ended: {lost or CONNECTION_CLOSED}"
+            time.sleep(0.05)
+        return f"rank {rank} ended: {CONNECTION_CLOSED}"
+
+    def last_words(self, rank: int, idle: bool = True) -> str:
+        """faulthandler's report of the fatal signal that ended a rank, if it wrote one; `idle`:
+        between commands, when what is queued may be looked through."""
+        if idle:
+            self.pump.drain(timeout=0.2)  # its pipes' last lines
+            self._hold_inbox()
+        lines = list(self.stderr[rank])
+        starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
+        return "\n".join(lines[starts[-1]:]).strip() if starts else ""
+
+    def _hold_inbox(self) -> None:
+        """Between commands: take what is queued, keeping the ranks' stderr lines for `last_words`;
+        the messages themselves go to the next command (`drain_idle_output`)."""
+        while True:
+            try:
+                message = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "output" and message[2] == "stderr" and message[1] is not None \
+                    and not message[3].startswith(MARK):
+                self.stderr[message[1]].append(message[3])
+            self._held.append(message)
 
     # -- what the supervisor asks of the pool ------------------------------------------------
     def interrupt(self, ranks: list[int]) -> None:
@@ -207,11 +342,12 @@ class Pool:
             except ProcessLookupError:
                 pass
 
-    def lost(self, proc, code: int) -> None:
-        """A rank's process ended. A live pool cannot go on without it (its peers are stopped
-        once the command is over: their process group lost a member)."""
+    def lost(self, proc, code: int, how: str | None = None) -> None:
+        """A rank's process ended (`how`, when more is known than its code). A live pool cannot go
+        on without it (its peers are stopped once the command is over: their process group lost a member)."""
         if self.live and not self.broken:
-            self.broken = f"rank {proc.ranks[0]} ended: {describe_exit(code, proc.pid)}"
+            self.broken = (f"the live ranks were {self.ended_by}" if self.ended_by
+                           else f"rank {proc.ranks[0]} ended: {how or describe_exit(code, proc.pid)}")
 
     def stuck(self, ranks: list[int], why: str) -> None:
         """Ranks that did not return when interrupted: only a restart frees them (live pools)."""
@@ -219,6 +355,8 @@ class Pool:
             self.restart_reason = f"ranks {sorted(ranks)} could not be interrupted ({why})"
 
     def restart_note(self) -> str:
+        if self.ended_by:  # the pool is gone on purpose: nothing more to do about it
+            return ""
         if self.restart_reason:
             return f"The live ranks are restarted: {self.restart_reason}; their state is lost."
         if self.live and self.broken:
@@ -259,3 +397,7 @@ class Pool:
             print(f"nbtrain: no input available for rank {rank}'s debugger ({type(exc).__name__}); quitting it.")
             line = "q"
         self.hub.send(rank, ("stdin", line))
+
+
+def _indented(text: str) -> str:
+    return ("\n" + "\n".join(f"    {line}" for line in text.splitlines())) if text else ""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import keyword
 import sys
 import time
 import types
@@ -31,7 +32,8 @@ from .launch import check_timeout
 from ..display.lazy import LazyDisplay
 from .result import Result
 from ..common.pickling import dumps, explain_pickling
-from ..display import make_display
+from ..display import check_progress, make_display
+from ..common.source import parse_cell
 from ..placements.clusters import check_cluster, ClusterJob
 
 START_METHODS = ("auto", "fork", "template", "spawn")
@@ -60,6 +62,7 @@ class Ranks:
         if start not in START_METHODS:
             raise ValueError(f"start={start!r} is not known. Accepted: {', '.join(map(repr, START_METHODS))}.")
         self.timeout = check_timeout(timeout)
+        check_progress(progress)
         if cluster is not None:
             if start != "auto":
                 raise ValueError(f"start={start!r} with cluster={cluster!r}: the cluster's engine starts the ranks.")
@@ -106,14 +109,17 @@ class Ranks:
 
     def close(self) -> None:
         """Stop the ranks (their state is gone). Also at kernel exit, and by `with`."""
+        self._close("closed by .close()")
+
+    def _close(self, why: str) -> None:
         pool, self._pool = self._pool, None
         _open.pop(getattr(self, "_key", None), None)
         if pool is not None:
-            pool.close(True, QuietDisplay())
+            pool.close(True, QuietDisplay(), why)
 
     def restart(self) -> None:
         """Fresh ranks in place of these (their state is lost): after a crash, or to start over."""
-        self.close()
+        self._close("restarted by .restart()")
         self._start()
 
     def __enter__(self) -> "Ranks":
@@ -157,6 +163,9 @@ class Ranks:
             raise TypeError(f"exec(code) takes Python source as a str, got {type(code).__name__}.")
         namespace = _namespace if _namespace is not None else sys._getframe(1).f_globals
         filename = _filename or f"<ranks exec {next(_exec_count)}>"
+        mistake = syntax_error(code, filename, "exec")
+        if mistake:  # found here, before any rank sees the code: nothing ran
+            raise mistake
         state = self._command("exec", code, filename, _show, ranks=ranks, timeout=timeout, namespace=namespace)
         if _show:
             for rank in sorted(state.values):
@@ -167,6 +176,9 @@ class Ranks:
         """`expression`'s value on every rank, in rank order."""
         if not isinstance(expression, str):
             raise TypeError(f"eval(expression) takes Python source as a str, got {type(expression).__name__}.")
+        mistake = syntax_error(expression, "<nbtrain eval>", "eval")
+        if mistake:  # found here, before any rank sees the code
+            raise mistake
         state = self._command("eval", expression, ranks=ranks, timeout=timeout, namespace=sys._getframe(1).f_globals)
         return [state.values.get(r) for r in sorted(state.ranks)]
 
@@ -174,6 +186,13 @@ class Ranks:
         """Put objects into every rank's namespace (dill: notebook classes and lambdas travel)."""
         if not objects:
             raise TypeError("push(name=value, ...) needs at least one object to send.")
+        for name in objects:
+            if not name.isidentifier() or keyword.iskeyword(name):
+                raise ValueError(f"push({name!r}=...): a pushed object becomes a variable on the ranks, so its "
+                                 "name must be a Python identifier, e.g. push(lr=0.1).")
+            if name in RESERVED:
+                raise ValueError(f"push({name}=...): `{name}` is {RESERVED[name]} on every rank and is not replaced; "
+                                 "push the object under another name.")
         payload = dumps(objects, f"the objects pushed to the ranks ({', '.join(objects)})", "objects")
         self._command("push", payload, ranks=ranks)
 
@@ -221,8 +240,11 @@ class Ranks:
         if ranks is not None:
             ranks = [ranks] if type(ranks) is int else list(ranks)
             bad = [r for r in ranks if type(r) is not int or not 0 <= r < self.world_size]
-            if bad:
-                raise ValueError(f"ranks={ranks!r}: these live ranks are 0 .. {self.world_size - 1}.")
+            if bad or not ranks:
+                raise ValueError(f"ranks={ranks!r}: name one or more of these live ranks, 0 .. {self.world_size - 1} "
+                                 "(or None for all of them).")
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(f"ranks={ranks!r}: each rank once; the code would run twice on the same rank.")
 
         timeout = check_timeout(timeout) if timeout is not None else self.timeout
         display = display or LazyDisplay(self.progress)
@@ -268,6 +290,27 @@ class Rank:
 
     def __repr__(self) -> str:
         return f"Rank({self.rank} of {self._ranks!r})"
+
+
+RESERVED = {"ctx": "the rank's Context (nbtrain.context())", "__builtins__": "Python's builtins"}
+
+
+def syntax_error(source: str, filename: str, mode: str) -> SyntaxError | None:
+    """The code's syntax error, if it has one, for the caller to raise: IPython then shows it as for
+    `exec()` in a cell (the line, the caret), not from inside a rank or the parser's frames."""
+    try:
+        if mode == "exec":
+            parse_cell(source, filename)  # its hint for %magics and !commands
+        compile(source, filename, mode, dont_inherit=True)
+    except SyntaxError as exc:
+        exc.__traceback__ = None
+        exc.debug = _nothing_to_debug  # `%debug` (nbtrain's) would otherwise open pdb in nbtrain's frames
+        return exc
+    return None
+
+
+def _nothing_to_debug() -> None:
+    print("nbtrain: a syntax error has no frames to debug: correct the line shown and run the cell again.")
 
 
 def _placement(start: str):

@@ -44,6 +44,9 @@ EARLY_EXIT_AFTER = 1.0  # a rank ended this long ago while others still run: loo
 EARLY_EXIT_PROBES = 2  # consecutive stacks showing the same wait before it counts as a deadlock
 PROBE_INTERVAL = 1.0
 
+CONNECTION_CLOSED = ("its connection to the notebook closed (its process exited or was killed, or its machine "
+                     "went away)")
+NOT_SENT = "the command was not sent"  # a rank's reason, when Ctrl-C came before its command went out
 OWN_THREADS = ("in _send_loop", "in _receive_loop", "in _watch_parent", "in _forward")  # nbtrain's threads in a rank
 RANK_ENTRY = re.compile(r"in (serve|_execute|_do_\w+|_user_code)$")  # below it: nbtrain's loop, the launcher, the kernel
 LOOP_FILE = "nbtrain/rank/loop.py"  # the command loop's file, as a rank's stack names it (any machine)
@@ -85,8 +88,10 @@ def blocked_on_peers(stack: str) -> str | None:
 class Supervisor:
     """Watches the ranks of `state` for one command of `pool`."""
 
-    def __init__(self, pool, state: RunState, display, timeout: float | None, start_timeout: float | None = None):
+    def __init__(self, pool, state: RunState, display, timeout: float | None, start_timeout: float | None = None,
+                 interrupt: KeyboardInterrupt | None = None):
         self.pool = pool
+        self.interrupt = interrupt  # a Ctrl-C that came while the command was being sent
         self.state = state
         self.display = display
         self.timeout = timeout
@@ -108,6 +113,8 @@ class Supervisor:
     def run(self) -> None:
         """Return when every rank replied; raise WorkerError or KeyboardInterrupt otherwise."""
         try:
+            if self.interrupt is not None:
+                raise self.interrupt
             while self.state.unfinished() and not self.state.failures:
                 self._pump(TICK, until_settled=True)
                 self._check_processes()
@@ -124,7 +131,11 @@ class Supervisor:
             stuck = self._on_kernel_interrupt()
             # IPython shows this instead of nbtrain's own frames: where the ranks were is what the user needs.
             serving = self.pool.live and self.start_timeout is None  # not still starting (then they stop)
-            report = interrupt_report(serving, list(self.state.ranks), self._interrupted_at, stuck)
+            report = interrupt_report(serving, list(self.state.ranks), self._interrupted_at, stuck,
+                                      self.pool.restart_reason)
+            unsent = [r for r, v in self.state.ranks.items() if v.reason.startswith(NOT_SENT)]
+            if unsent and serving:
+                report.insert(1, f"(Ctrl-C came while the command was being sent: ranks {unsent} never had it.)")
             interrupt._render_traceback_ = lambda: report
             raise
         finally:
@@ -209,6 +220,8 @@ class Supervisor:
                 continue  # its own result or error report may still be on the way
             for r in missing:
                 summary, crashed = proc.exit_reason(r, code, self.state.ranks[r].pid or proc.pid)
+                if self.pool.ended_by:  # closed under this command, by another thread
+                    summary = f"the live ranks were {self.pool.ended_by} while this command ran ({summary})"
                 if crashed:
                     self.state.fail(r, summary, self._last_words(r), crashed=True)
                 else:
@@ -226,12 +239,11 @@ class Supervisor:
                 continue
             if now - self._closed_at.setdefault(rank, now) < EXIT_DRAIN:
                 continue  # its reply may still be on the way
-            self.state.fail(rank, f"rank {rank} ended without a reply: its connection to the notebook closed (its "
-                                  "process exited or was killed, or its machine went away)",
-                            self._last_words(rank), crashed=True)
             proc = next((p for p in self.processes if rank in p.ranks), None)
+            how = (proc.lost_reason(rank) if proc is not None else None) or CONNECTION_CLOSED
+            self.state.fail(rank, f"rank {rank} ended without a reply: {how}", self._last_words(rank), crashed=True)
             if proc is not None:
-                self.pool.lost(proc, 1)
+                self.pool.lost(proc, 1, how)
 
     def _last_words(self, rank: int) -> str:
         # faulthandler's report of a fatal signal, if the rank wrote one; else its last stderr lines.

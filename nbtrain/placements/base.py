@@ -133,6 +133,11 @@ class RankProcess:
         because another rank failed). One process per rank: its own exit says it all."""
         return describe_exit(code, pid), True
 
+    def lost_reason(self, rank: int) -> str | None:
+        """How `rank` ended, when its connection closed but the engine has no exit code for it
+        yet (a SLURM task of a job that still runs); None when not known."""
+        return None
+
     def status(self) -> tuple[str, bool] | None:
         """(a new line on where an engine holds this process, or "", whether it waits there), or None.
 

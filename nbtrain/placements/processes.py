@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import threading
 import warnings
 
 from ..common.preflight import check_fork
@@ -16,6 +18,12 @@ from ..common.transfer import pack_job
 from ..rank.loop import serve
 
 _warm = False
+PARENT_THREAD_VAR = "NBTRAIN_PARENT_THREAD"  # "other": started by a thread that may end before the rank
+
+
+def parent_thread() -> dict[str, str]:
+    """What a rank must know of the thread starting it (see `die_with_parent`)."""
+    return {} if threading.current_thread() is threading.main_thread() else {PARENT_THREAD_VAR: "other"}
 
 
 def warm_kernel() -> None:
@@ -37,7 +45,7 @@ def _become_rank(parent_pid: int, env: dict, stdout_fd: int, stderr_fd: int, for
         os.setpgid(0, 0)  # stops reach the rank's own children; the kernel's Ctrl-C does not
     except OSError:
         pass
-    die_with_parent(parent_pid)
+    die_with_parent(parent_pid, thread_bound=env.get(PARENT_THREAD_VAR) != "other")
     redirect_output(stdout_fd, stderr_fd)
     os.environ.update(env)
     enable_stacks()
@@ -50,9 +58,35 @@ def _fork_main(first, live, env, stdout_fd, stderr_fd, inherited_fds, parent_pid
             os.close(fd)
         except OSError:
             pass
+    _close_listening_sockets()
     _become_rank(parent_pid, env, stdout_fd, stderr_fd, forked=True)
 
     os._exit(serve(first, once=not live, live=live))
+
+
+def _close_listening_sockets() -> None:
+    """A fork holds copies of the kernel's listening sockets (Jupyter's, the channel's): while it
+    lives, their ports would stay bound after the kernel is gone. A rank uses none of them."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # not Linux
+        return
+    for name in names:
+        fd = int(name)
+        if fd <= 2:
+            continue
+        try:
+            sock = socket.socket(fileno=fd)  # borrows the descriptor; detached below
+        except OSError:  # not a socket (or already closed: the listing's own descriptor)
+            continue
+        try:
+            listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        except OSError:
+            listening = 0
+        finally:
+            sock.detach()
+        if listening:
+            os.close(fd)
 
 
 def _spawn_main(first, live, env, stdout_conn, stderr_conn, parent_pid):
@@ -130,7 +164,7 @@ class ForkLauncher(ProcessLauncher):
         every_end = pipes.read_ends + [fd for fds in pipes.write_ends.values() for fd in fds]
         try:
             for local, rank in enumerate(job.ranks):
-                env = rank_environ(job, local, channel_env)
+                env = {**rank_environ(job, local, channel_env), **parent_thread()}
                 env.setdefault("TOKENIZERS_PARALLELISM", os.environ.get("TOKENIZERS_PARALLELISM", "false"))
                 out_w, err_w = pipes.write_ends[rank]
                 others = [fd for fd in every_end if fd not in (out_w, err_w)]
@@ -188,7 +222,7 @@ class SpawnLauncher(ProcessLauncher):
         try:
             with _without_main_module():
                 for local, rank in enumerate(job.ranks):
-                    env = rank_environ(job, local, channel_env)
+                    env = {**rank_environ(job, local, channel_env), **parent_thread()}
                     # Connections pickle as inheritable fds: that is how the pipes reach a spawned rank.
                     out_w, err_w = (Connection(fd, readable=False) for fd in pipes.write_ends[rank])
                     proc = context.Process(target=_spawn_main, name=f"nbtrain-rank{rank}",

@@ -1,14 +1,15 @@
 """ddp_spawn's default: ranks forked from the warm template (see template_process.py here, and nbtrain/rank/template_main.py).
 
 Safe where forking the kernel is not (CUDA initialised in it, libraries that refuse fork),
-at fork speed. Falls back to plain spawn, saying why, when the template cannot start.
+at fork speed. Falls back to plain spawn, saying why, when the template cannot start or does
+not answer (stopped, hung).
 """
 from __future__ import annotations
 
 
 from .base import Job, ProcessLauncher, RankProcess, rank_environ
 from .processes import _Pipes, SpawnLauncher
-from .template_process import template
+from .template_process import TemplateUnresponsive, template
 from ..common.transfer import pack_job
 
 
@@ -58,6 +59,9 @@ def start_ranks_cleanly(display, job: Job | None = None):
     try:
         template()
         return TemplateLauncher()
+    except TemplateUnresponsive as exc:
+        display.note(f"the warm template cannot be used: {exc}; starting ranks with plain spawn instead")
+        return SpawnLauncher()
     except (RuntimeError, OSError) as exc:
         display.note(f"the warm template did not start ({exc}); starting ranks with plain spawn instead")
         return SpawnLauncher()

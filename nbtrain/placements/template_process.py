@@ -14,6 +14,15 @@ import threading
 import time
 
 from ..rank.template_main import READY_TIMEOUT, _receive, _send
+from .processes import parent_thread
+
+ANSWER_SECONDS = 5.0  # a ready template answers a ping in milliseconds: one that does not is unusable
+FORK_SECONDS = 10.0  # ... and a fork request in well under a second
+
+
+class TemplateUnresponsive(RuntimeError):
+    """The template runs but does not answer (stopped by SIGSTOP, or hung): ranks cannot come from it."""
+
 
 class Template:
     """The kernel's handle on its template: start, fork ranks, hear of their exits, stop."""
@@ -28,7 +37,8 @@ class Template:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "nbtrain.rank.template_main", str(template_end.fileno()), str(os.getpid()), *preload],
             pass_fds=[template_end.fileno()], stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
-            start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
+            start_new_session=True, env={**os.environ, **parent_thread(),
+                                         "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
         template_end.close()
         self.preload = tuple(preload)
         self.pid: int | None = None
@@ -75,16 +85,33 @@ class Template:
         request = {"env": {**os.environ, **env}, "cwd": os.getcwd(),
                    "path": [os.getcwd() if p == "" else p for p in sys.path],
                    "first": pickle.dumps(first), "live": live, "template": self.pid}
-        with self._lock:
-            with self._changed:
-                self._replies.clear()
-            _send(self._sock, request, fds)
-            with self._changed:
-                self._changed.wait_for(lambda: self._replies, READY_TIMEOUT)
-                reply = self._replies.pop(0) if self._replies else ("gone",)
+        reply = self._ask(request, fds, FORK_SECONDS)
         if reply[0] != "forked":
             raise RuntimeError("nbtrain's template process went away while forking a rank")
         return reply[1]
+
+    def ping(self, timeout: float = ANSWER_SECONDS) -> None:
+        """Make sure the template answers; TemplateUnresponsive (saying why, where it can) if not."""
+        self.wait_ready()
+        if self._ask("ping", (), timeout)[0] == "gone":
+            raise RuntimeError("nbtrain's template process went away")
+
+    def _ask(self, request, fds, timeout: float) -> tuple:
+        with self._lock:
+            with self._changed:
+                self._replies.clear()
+            try:
+                _send(self._sock, request, fds)
+            except OSError:
+                return ("gone",)
+            with self._changed:
+                self._changed.wait_for(lambda: self._replies, timeout)
+                if self._replies:
+                    return self._replies.pop(0)
+        if not self.alive():
+            return ("gone",)
+        raise TemplateUnresponsive(f"nbtrain's template process (PID {self.process.pid}) did not answer within "
+                                   f"{timeout:g} s: {_state(self.process.pid)}")
 
     def exit_code(self, pid: int) -> int | None:
         return self.exits.get(pid)
@@ -107,9 +134,21 @@ class Template:
         self._log.close()
 
 
+def _state(pid: int) -> str:
+    """Why a process may not answer, from its state in /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "it is busy or hung"
+    return {"T": "it is stopped (SIGSTOP or SIGTSTP; SIGCONT resumes it)", "t": "it is stopped by a debugger",
+            "D": "it waits on the disk or a device", "Z": "it has ended"}.get(state, "it is busy or hung")
+
+
 _template: Template | None = None
 _preload: tuple[str, ...] = ()  # the user's own additions (warm_up(preload=...))
-_failed: str | None = None  # why the last start failed: not tried again at every launch, only by warm_up()
+_failed: RuntimeError | None = None  # why the last start failed: not tried again at every launch, only by warm_up()
+_unresponsive: list[Template] = []  # stopped answering: left alone (their ranks may live), stopped at exit
 _guard = threading.Lock()
 
 
@@ -125,15 +164,22 @@ def template(start: bool = True) -> Template | None:
             _template = None
         if _template is None and start:
             if _failed:
-                raise RuntimeError(f"{_failed} (nbtrain.warm_up() tries again)")
+                raise type(_failed)(f"{_failed} (nbtrain.warm_up() tries again)")
             _template = Template(_preload)
         handle = _template
     if handle is not None and start:
         try:
-            handle.wait_ready()
+            handle.ping()  # ready, and answering: a stopped template is noticed here, in seconds
+        except TemplateUnresponsive as exc:
+            with _guard:
+                _failed = exc
+                if _template is handle:
+                    _template = None
+                    _unresponsive.append(handle)  # not killed: ranks forked from it may still be live
+            raise
         except RuntimeError as exc:
             with _guard:
-                _failed = str(exc)
+                _failed = exc
                 if _template is handle:
                     _template = None
             handle.close()
@@ -175,6 +221,8 @@ def stop() -> None:
         if _template is not None:
             _template.close()
             _template = None
+        while _unresponsive:
+            _unresponsive.pop().close()
 
 
 atexit.register(stop)

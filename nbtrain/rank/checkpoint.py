@@ -8,12 +8,17 @@ single-device one into fsdp. Plain state (numbers, tensors, anything with
 `state_dict`/`load_state_dict`, such as an LR scheduler) travels as DCP stores it; plain
 values are the same on every rank (a step, an epoch), and one rank's copy is kept.
 
-A save is written beside `path` and swapped in when complete, so `path` always holds the
-last whole checkpoint: a run killed while saving resumes from the one before.
+A save is written beside `path` (`path.partial`) and swapped in when complete, so `path` always
+holds the last whole checkpoint: a run killed while saving resumes from the one before, and one
+killed between the two renames of the swap leaves it as `path.old`, which `load` then reads
+(saying so). A save that fails removes what it wrote, and says why in one line
+(`CheckpointError`), not at the end of DCP's per-rank tracebacks.
 """
 from __future__ import annotations
 
 import contextlib
+import errno as errnos
+import logging
 import os
 import shutil
 import warnings
@@ -21,6 +26,26 @@ import warnings
 import torch
 
 METADATA = ".metadata"  # DCP's index file: its presence marks a checkpoint directory
+FULL_BELOW = 4 << 20  # bytes free: a write that failed on a file system this full ran out of space
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be saved or loaded. The message is the cause in one line, with the
+    path and the ranks it happened on; `causes` has each failed rank's own error, one line each.
+    `errno` is set where the cause is the operating system's (ENOSPC, EROFS, ENOTDIR, ...)."""
+
+    def __init__(self, message: str, errno: int | None = None, filename: str | None = None,
+                 causes: dict[int, str] | None = None):
+        super().__init__(message)
+        self.errno, self.filename, self.causes = errno, filename, dict(causes or {})
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.errno, self.filename, self.causes))
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -133,15 +158,23 @@ def save(ctx, path, objects: dict) -> None:
     group = _group(ctx)
     partial = path + ".partial"
     if ctx.is_global_zero and os.path.exists(partial):  # left by a run killed while saving
-        shutil.rmtree(partial)
+        shutil.rmtree(partial, ignore_errors=True)
     _barrier(group)
-    with _single_process_is_meant():
-        dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=group is None)
+    try:
+        with _single_process_is_meant():
+            dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=group is None)
+    except _FAILURES as exc:  # every rank hears of every rank's failure: each cleans up and says it
+        error = _explain(exc, "save", path, partial, ctx.rank)
+        shutil.rmtree(partial, ignore_errors=True)  # a partial save only fills the disk
+        raise error from None
     if ctx.is_global_zero:  # dcp.save returns on rank 0 once every rank's shard is written
         old = path + ".old"
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(partial, path)
+        try:
+            if os.path.exists(path):
+                os.replace(path, old)
+            os.replace(partial, path)
+        except OSError as exc:
+            raise _explain(exc, "save", path, partial, ctx.rank) from None
         shutil.rmtree(old, ignore_errors=True)
     _barrier(group)  # nobody reads `path` before it is whole
 
@@ -150,13 +183,74 @@ def load(ctx, path, objects: dict) -> dict:
     import torch.distributed.checkpoint as dcp
 
     path = os.path.abspath(os.fspath(path))
+    where = path
     if not is_checkpoint(path):
-        raise FileNotFoundError(f"load_checkpoint: no checkpoint at {path} (a directory written by "
-                                "ctx.save_checkpoint). To resume only when there is one: "
-                                "`if os.path.exists(path): ctx.load_checkpoint(path, ...)`.")
+        if os.path.exists(path) or not is_checkpoint(path + ".old"):
+            raise FileNotFoundError(f"load_checkpoint: no checkpoint at {path} (a directory written by "
+                                    "ctx.save_checkpoint). To resume only when there is one: "
+                                    "`if os.path.exists(path): ctx.load_checkpoint(path, ...)`.")
+        # A save stopped between its two renames: the checkpoint before it is whole, beside `path`.
+        where = path + ".old"
+        if ctx.is_global_zero:
+            log.warning("load_checkpoint: %s is missing, but %s holds the checkpoint saved before it (a save was "
+                        "stopped while swapping in a new one): loading that.", path, where)
     state = _stateful(objects, "load")
     group = _group(ctx)
-    with _single_process_is_meant():
-        dcp.load(state, checkpoint_id=path, process_group=group, no_dist=group is None)
+    try:
+        with _single_process_is_meant():
+            dcp.load(state, checkpoint_id=where, process_group=group, no_dist=group is None)
+    except _FAILURES as exc:
+        raise _explain(exc, "load", where, where, ctx.rank) from None
     return {name: objects[name] if isinstance(state[name], (_ModelState, _OptimizerState)) else state[name]
             for name in objects}
+
+
+def _checkpoint_exception():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+_FAILURES = (Exception, _checkpoint_exception())  # DCP's CheckpointException is a BaseException
+
+
+def _explain(exc: BaseException, verb: str, path: str, written: str, rank: int) -> CheckpointError:
+    """The cause of a failed save or load in one line: `save_checkpoint: no space left on device
+    writing PATH (rank 1)`. DCP gathers every rank's error; the lowest rank's leads."""
+    failures = {r: error for r, (error, _) in getattr(exc, "failures", {}).items()} or {rank: exc}
+    ranks = sorted(failures)
+    first = failures[ranks[0]]
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    doing = "writing" if verb == "save" else "reading"
+    code = first.errno if isinstance(first, OSError) and first.strerror else None
+    if code is None and verb == "save" and _nearly_full(written):  # torch's zip writer loses ENOSPC
+        code = errnos.ENOSPC
+    if code is not None:
+        message = f"{verb}_checkpoint: {_lower(os.strerror(code))} {doing} {path} ({who})"
+    elif verb == "load":
+        message = (f"load_checkpoint: {path} cannot be read ({who}): it is damaged, or was not written by "
+                   f"save_checkpoint — {_brief(first)}")
+    else:
+        message = f"save_checkpoint: writing {path} failed ({who}): {_brief(first)}"
+    return CheckpointError(message, code, path, {r: _brief(e) for r, e in failures.items()})
+
+
+def _nearly_full(path: str) -> bool:
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        stat = os.statvfs(path or "/")
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize < FULL_BELOW
+
+
+def _brief(error: BaseException) -> str:
+    """An error's type and first sentence."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = text.split(". ")[0]
+    return f"{type(error).__name__}: {text[:300]}" if text else type(error).__name__
+
+
+def _lower(text: str) -> str:
+    return text[:1].lower() + text[1:]

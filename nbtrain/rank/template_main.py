@@ -20,6 +20,8 @@ ranks and reports their exit status, since the kernel is not their parent.
 Protocol, over a Unix socket pair: the kernel sends a length-prefixed pickle with the rank's
 two output pipes attached (SCM_RIGHTS); the template answers ("forked", pid), and later
 ("exited", pid, exit code) for each rank, on the same socket. Its first message is ("ready",).
+A request "ping" is answered ("pong",): the kernel asks before a launch, so a template that
+cannot answer (stopped, say) is noticed in seconds and plain spawn used instead.
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ def _receive(sock: socket.socket, max_fds: int = 0):
 # -- the template process ----------------------------------------------------------------------
 
 def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
-    die_with_parent(kernel_pid)
+    die_with_parent(kernel_pid, thread_bound=os.environ.pop("NBTRAIN_PARENT_THREAD", "") != "other")
     sock = socket.socket(fileno=control_fd)
     for name in (*PRELOAD, *extra):
         __import__(name)
@@ -92,14 +94,17 @@ def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
                 request, fds = _receive(sock, max_fds=2)
             except (EOFError, OSError):
                 break  # the kernel is gone
-            pid = os.fork()  # from the main thread, with no other thread: nothing held in the child
-            if pid == 0:
-                sock.close()
-                _become_rank(request, fds)
-            for fd in fds:
-                os.close(fd)
-            children.add(pid)
-            _send(sock, ("forked", pid))
+            if request == "ping":
+                _send(sock, ("pong",))
+            else:
+                pid = os.fork()  # from the main thread, with no other thread: nothing held in the child
+                if pid == 0:
+                    sock.close()
+                    _become_rank(request, fds)
+                for fd in fds:
+                    os.close(fd)
+                children.add(pid)
+                _send(sock, ("forked", pid))
         for pid in list(children):
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)

@@ -10,8 +10,10 @@ The queue is asked with `squeue` on a thread of its own: submitit's state watche
 """
 from __future__ import annotations
 
+import math
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -38,6 +40,37 @@ ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED"
          "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
 STARTING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED"}
 TIME_WARNING = 90  # seconds: submitit's default --signal=USR2@90
+# What srun and slurmstepd write to the job's stderr when a task ends badly or the job is cancelled:
+SRUN_TASK = re.compile(r"^srun: error: (?P<host>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+?)\s*$", re.M)
+CANCELLED = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (?P<host>\S+) CANCELLED AT (?P<at>\S+)"
+                       r"(?: DUE TO (?P<why>[^*]+?))? \*\*\*")
+SIGNAL_WORDS = {signal.strsignal(s): s for s in signal.Signals if signal.strsignal(s)}  # "Killed": SIGKILL
+# Why a job is PENDING, for the reasons that waiting cannot clear (squeue's %r): the job is
+# cancelled at once and the run fails with these words. Others (Resources, Priority, group
+# limits that free up as other jobs end) wait, bounded by Slurm(queue_timeout=) if given.
+NEVER_RUNS = {
+    "PartitionConfig": "it asks for more than its partition is configured to give (CPUs, memory or GPUs per "
+                       "node, or nodes)",
+    "PartitionNodeLimit": "it asks for more nodes than its partition allows (or has up)",
+    "PartitionTimeLimit": "its time limit is longer than its partition allows",
+    "BadConstraints": "no node has the features it asks for (constraint=)",
+    "DependencyNeverSatisfied": "a job it depends on can never complete",
+    "InvalidAccount": "its account is not valid",
+    "InvalidQOS": "its QOS is not valid",
+    "AccountNotAllowed": "its account may not use this partition",
+    "QOSNotAllowed": "its QOS may not use this partition",
+    "QOSMaxWallDurationPerJobLimit": "its time limit is longer than its QOS allows a job",
+    "AssocMaxWallDurationPerJobLimit": "its time limit is longer than its account allows a job",
+    "QOSMaxCpuPerJobLimit": "it asks for more CPUs than its QOS allows a job",
+    "QOSMaxNodePerJobLimit": "it asks for more nodes than its QOS allows a job",
+    "QOSMaxGRESPerJob": "it asks for more GPUs (GRES) than its QOS allows a job",
+    "QOSMaxMemoryPerJob": "it asks for more memory than its QOS allows a job",
+    "QOSMinCpuNotSatisfied": "it asks for fewer CPUs than its QOS requires",
+    "QOSMinGRES": "it asks for fewer GPUs (GRES) than its QOS requires",
+    "AssocMaxCpuPerJobLimit": "it asks for more CPUs than its account allows a job",
+    "AssocMaxNodesPerJobLimit": "it asks for more nodes than its account allows a job",
+    "AssocMaxGRESPerJob": "it asks for more GPUs (GRES) than its account allows a job",
+}
 
 
 class Slurm(Cluster):
@@ -47,7 +80,10 @@ class Slurm(Cluster):
     here) the job's nodes. `time` is sbatch's (minutes, or 'HH:MM:SS'; None: the partition's
     default). Other sbatch options go as keywords (`qos='high'`, `mem='32G'`,
     `cpus_per_task=8`, `constraint='a100'`); `setup` lines run before the tasks (`module load
-    ...`). `folder` holds submitit's files (the pickled job, logs) for the job's life: it must
+    ...`). A job that can never start (it asks for more than its partition has: SLURM's
+    PartitionConfig, ...) is cancelled at once, saying why; `queue_timeout` (seconds) bounds
+    the wait for the others (Resources, Priority).
+    `folder` holds submitit's files (the pickled job, logs) for the job's life: it must
     be on a file system the nodes share (default ~/.cache/nbtrain/slurm, private to you).
     """
 
@@ -56,7 +92,8 @@ class Slurm(Cluster):
 
     def __init__(self, partition: str | None = None, time: int | str | None = None, account: str | None = None,
                  nodes: int | None = None, gpus_per_node: int | None = None, *, folder: str | os.PathLike | None = None,
-                 setup: list[str] | None = None, notebook_address: str | None = None, **sbatch_options):
+                 setup: list[str] | None = None, notebook_address: str | None = None,
+                 queue_timeout: float | None = None, **sbatch_options):
         super().__init__(notebook_address)
         for name, value in (("partition", partition), ("account", account)):
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -73,6 +110,11 @@ class Slurm(Cluster):
         self.nodes, self.gpus_per_node = nodes, gpus_per_node
         self.folder = Path(folder).expanduser() if folder is not None else None
         self.setup = list(setup) if setup is not None else None
+        if queue_timeout is not None and (isinstance(queue_timeout, bool) or not isinstance(queue_timeout, (int, float))
+                                          or not math.isfinite(queue_timeout) or queue_timeout <= 0):
+            raise ValueError(f"queue_timeout={queue_timeout!r}: give the seconds a job may wait in SLURM's queue "
+                             "before it is cancelled (a number > 0), or None to wait as long as it takes.")
+        self.queue_timeout = queue_timeout
         self.sbatch_options = _sbatch_options(sbatch_options)
 
     def plan(self, devices, accelerator, backend, num_nodes):
@@ -91,7 +133,7 @@ class Slurm(Cluster):
 
     def __repr__(self) -> str:
         given = {"partition": self.partition, "time": self.time, "account": self.account, "nodes": self.nodes,
-                 "gpus_per_node": self.gpus_per_node, **self.sbatch_options}
+                 "gpus_per_node": self.gpus_per_node, "queue_timeout": self.queue_timeout, **self.sbatch_options}
         return f"Slurm({', '.join(f'{k}={v!r}' for k, v in given.items() if v is not None)})"
 
 
@@ -147,8 +189,8 @@ class SlurmPlacement(RemotePlacement):
         try:
             submitted = executor.submit(_task, base_environ(job, channel_env), job.first, job.live)
         except FailedJobError as exc:
-            raise RuntimeError(f"SLURM refused the job ({self.cluster!r}): {exc}") from None
-        self.queue = Queue(submitted)
+            raise SlurmJobError(f"SLURM refused the job ({self.cluster!r}): {exc}") from None
+        self.queue = Queue(submitted, repr(self.cluster), self.cluster.queue_timeout)
         started.extend(SlurmTask(self.queue, task, rank) for task, rank in enumerate(job.ranks))
 
     def _cleanup(self, job: Job) -> None:
@@ -200,13 +242,25 @@ def _time_limit_near(signum, frame) -> None:
 
 # -- the notebook's view of the job -----------------------------------------------------------
 
+class SlurmJobError(RuntimeError):
+    """A SLURM job that cannot run its ranks: refused when submitted, pending for a reason that
+    waiting cannot clear, or queued longer than `queue_timeout`. The notebook shows its one line."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"SlurmJobError: {self}"]
+
+
 class Queue:
     """One submitted job: its state in SLURM's queue, asked of squeue, and its tasks' ends."""
 
-    def __init__(self, submitted):
+    def __init__(self, submitted, cluster: str = "Slurm()", queue_timeout: float | None = None):
         self.job = submitted
         self.id = submitted.job_id
-        self.state, self.reason, self.nodes = "PENDING", "", ""
+        self.cluster, self.queue_timeout = cluster, queue_timeout
+        self.submitted_at = time.monotonic()
+        self.ran = False  # it left PENDING once: queue_timeout no longer applies
+        self.never: str | None = None  # why it can never start, in words
+        self.state, self.reason, self.nodes, self.partition = "PENDING", "", "", ""
         self.gone = threading.Event()  # the job left the queue
         self.gone_at: float | None = None
         self.cancelled = False
@@ -231,7 +285,7 @@ class Queue:
 
     def _ask(self) -> None:
         try:
-            done = subprocess.run(["squeue", "--noheader", "--jobs", self.id, "--format", "%T|%r|%N"],
+            done = subprocess.run(["squeue", "--noheader", "--jobs", self.id, "--format", "%T|%r|%N|%P"],
                                   capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             return  # asked again later
@@ -243,8 +297,12 @@ class Queue:
         if not line:
             self._left()
             return
-        state, reason, nodes = (line.split("|") + ["", ""])[:3]
+        state, reason, nodes, partition = (line.split("|") + ["", "", ""])[:4]
         self.state, self.reason, self.nodes = state, reason, nodes or self.nodes
+        self.partition = partition or self.partition
+        self.ran = self.ran or state not in STARTING
+        if state == "PENDING" and self.never is None:
+            self.never = never_runs(reason, _node_exists)
         if state in ENDED:
             self._left()
 
@@ -255,6 +313,17 @@ class Queue:
 
     def status(self) -> tuple[str, bool]:
         waiting = self.state in STARTING and not self.gone.is_set()
+        if waiting and self.never:
+            self.cancel()
+            raise SlurmJobError(f"SLURM job {self.id} can never start ({self.cluster}): PENDING ({self.reason}): "
+                                f"{self.never}{self._partition_has()}. nbtrain cancelled it: ask for less, or "
+                                "another partition.")
+        waited = time.monotonic() - self.submitted_at
+        if waiting and not self.ran and self.queue_timeout is not None and waited > self.queue_timeout:
+            self.cancel()
+            why = f" ({self.reason})" if self.reason and self.reason != "None" else ""
+            raise SlurmJobError(f"SLURM job {self.id} waited {waited:.0f} s in the queue ({self.state}{why}), longer "
+                                f"than queue_timeout={self.queue_timeout:g} ({self.cluster}); nbtrain cancelled it.")
         if self.gone.is_set() or self.cancelled:
             line = ""
         elif self.state == "PENDING":
@@ -296,12 +365,54 @@ class Queue:
             return f"{where} failed before rank {rank} reported: {last[0] if last else 'no traceback'}"
         if outcome is not None:
             return f"{where}: {describe_exit(code, None)}"
+        reported = self.srun_report(task)
+        if reported:
+            return reported
         try:
             log = (self.job.task(task).stderr() or "").strip().splitlines()[-5:]
         except OSError:
             log = []
         tail = ("; its last log lines:\n" + "\n".join(log)) if log else ""
         return f"{where} ended (last seen {self.state}) before rank {rank} reported{tail}"
+
+    def _partition_has(self) -> str:
+        """'; partition debug has 1 node of 8 CPUs' (sinfo), or '' when sinfo cannot say."""
+        if not self.partition:
+            return ""
+        try:
+            done = subprocess.run(["sinfo", "--noheader", "--partition", self.partition, "--format", "%D|%c|%G"],
+                                  capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        lines = [line.split("|") for line in done.stdout.split() if line.count("|") == 2]
+        if done.returncode != 0 or not lines:
+            return ""
+        parts = []
+        for count, cpus, gres in lines:
+            gpus = f" and {gres}" if gres not in ("(null)", "") else ""
+            parts.append(f"{count} node{'s' if count != '1' else ''} of {cpus} CPUs{gpus}")
+        return f"; partition {self.partition} has {', '.join(parts)}"
+
+    def srun_report(self, task: int) -> str | None:
+        """What SLURM wrote about this task's end in the job's stderr: its exit code or signal (srun),
+        or the job's cancellation (slurmstepd); None if nothing yet."""
+        texts = []
+        for number in dict.fromkeys((0, task)):  # the batch script's stderr is task 0's file
+            try:
+                with open(self.job.task(number).paths.stderr, errors="replace") as f:
+                    texts.append(f.read()[-65536:])
+            except OSError:
+                pass
+        text = "\n".join(texts)
+        cancelled = CANCELLED.search(text)
+        if cancelled:
+            why = cancelled["why"]
+            return (f"SLURM job {self.id} was cancelled at {cancelled['at']}"
+                    + (f" due to {why.strip().lower()}" if why else " (scancel)"))
+        for found in SRUN_TASK.finditer(text):
+            if task in _task_numbers(found["tasks"]):
+                return f"SLURM job {self.id}, task {task} on {found['host']}: {_srun_words(found['what'])}"
+        return None
 
     # -- stopping ----------------------------------------------------------------------------
     def all_ended(self) -> bool:
@@ -351,5 +462,59 @@ class SlurmTask(RemoteRank):
     def exit_reason(self, rank: int, code: int, pid: int | None) -> tuple[str, bool]:
         return self.queue.explain(self.task, rank, code), not self.queue.cancelled
 
+    def lost_reason(self, rank: int) -> str | None:
+        return self.queue.srun_report(self.task)
+
     def status(self) -> tuple[str, bool] | None:
         return self.queue.status() if self.task == 0 else None
+
+
+def _task_numbers(spec: str) -> set[int]:
+    """srun's task list: '1', '0-3', '0,2-3'."""
+    numbers = set()
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        if low.isdigit() and (not high or high.isdigit()):
+            numbers.update(range(int(low), int(high or low) + 1))
+    return numbers
+
+
+def _srun_words(what: str) -> str:
+    """srun's 'Killed' or 'Exited with exit code 3' as nbtrain says it elsewhere."""
+    code = re.fullmatch(r"Exited with exit code (\d+)", what)
+    if code:
+        return f"exited with code {code[1]}"
+    number = SIGNAL_WORDS.get(what.removesuffix(" (core dumped)"))
+    return f"Signal {int(number)} ({number.name})" if number else f"{what} (says srun)"
+
+
+def never_runs(reason: str, node_exists) -> str | None:
+    """Why a job PENDING for `reason` (squeue's %r) can never start, in words; None if waiting may
+    help. `ReqNodeNotAvail, UnavailableNodes:n[1-2]` can never clear only when those nodes do not
+    exist (`node_exists(name)` says); down or drained ones may come back."""
+    code, _, detail = reason.partition(",")
+    if code in NEVER_RUNS:
+        return NEVER_RUNS[code]
+    if code == "ReqNodeNotAvail":
+        listed = detail.strip().partition("UnavailableNodes:")[2].strip()
+        missing = [name for name in _hostnames(listed) if not node_exists(name)] if listed else []
+        if missing:
+            return f"the nodes it asks for do not exist in this cluster: {', '.join(missing)}"
+    return None
+
+
+def _hostnames(spec: str) -> list[str]:
+    """SLURM's 'n[1-2],gpu3' as names."""
+    try:
+        done = subprocess.run(["scontrol", "show", "hostnames", spec], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return done.stdout.split() if done.returncode == 0 else []
+
+
+def _node_exists(name: str) -> bool:
+    try:
+        done = subprocess.run(["scontrol", "show", "node", name], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return True  # cannot tell: keep waiting
+    return not (done.returncode != 0 and "not found" in (done.stdout + done.stderr).lower())
