@@ -16,6 +16,7 @@ torchrun's agent store at another port.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import importlib.abc
@@ -100,7 +101,12 @@ def _refuse_elastic_launch(api) -> None:
     def elastic_launch(*args, **kwargs):
         raise _nested("torch.distributed.launcher.api.elastic_launch")
 
-    api.elastic_launch = elastic_launch
+    class LaunchConfig(api.LaunchConfig):
+        # Refused as it is built: torch's makes a torchelastic_* log directory then, before the launch.
+        def __post_init__(self):
+            raise _nested("torch.distributed.launcher.api.elastic_launch")
+
+    api.elastic_launch, api.LaunchConfig = elastic_launch, dataclasses.dataclass(LaunchConfig)
 
 
 def _after_import(name: str, patch) -> None:
