@@ -360,6 +360,39 @@ def two_ranks_report():
     return ctx.rank, ctx.world_size
 
 
+# -- issue 27, item 10: a local launch's rendezvous is off the network ------------------------
+
+def listening_addresses(kernel_pid):
+    import psutil
+    import torch.distributed as dist
+
+    ctx = nbtrain.context()
+    ctx.barrier()  # the group exists: rank 0 would be hosting its store now
+    pids = [None] * ctx.world_size
+    dist.all_gather_object(pids, os.getpid())
+    ours = set(pids) | {kernel_pid, os.getppid()}
+    found = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in ours}
+    ctx.barrier()
+    return found
+
+
+@slow
+@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
+def test_a_local_launch_listens_on_loopback_only(strategy, no_leftovers):
+    # Before: rank 0's TCP store listened on *:MASTER_PORT, unauthenticated, during every launch.
+    result = nbtrain.launch(listening_addresses, os.getpid(), devices=2, accelerator="cpu", strategy=strategy,
+                            progress=False, timeout=120)
+    assert result.value and result.value <= {"127.0.0.1"}, result.value
+
+
+@slow
+def test_live_ranks_listen_on_loopback_only(no_leftovers):
+    with nbtrain.Ranks(devices=2, accelerator="cpu", progress=False) as ranks:
+        found = ranks.run(listening_addresses, os.getpid()).value
+    assert found and found <= {"127.0.0.1"}, found
+
+
+
 def test_a_million_cpu_ranks_is_refused_before_anything_starts(no_leftovers):
     with pytest.raises(ValueError) as info:
         nbtrain.launch(two_ranks_report, devices=10**6, accelerator="cpu", strategy="ddp_fork", progress=False)

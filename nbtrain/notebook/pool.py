@@ -22,7 +22,7 @@ from .supervisor import CONNECTION_CLOSED, NOT_SENT, Supervisor, stderr_tails
 from ..common.tensor_files import LaunchFiles
 from ..common.pickling import explain_pickling, ship_bytes
 from ..common.source import shippable
-from ..placements.base import describe_exit, free_port
+from ..placements.base import describe_exit, free_port, loopback_store
 from ..rank.process import STACKS_SIGNAL
 
 EXIT_WAIT = 5.0  # ranks that replied: how long they may take to exit on their own
@@ -51,6 +51,7 @@ class Pool:
         # rank on another machine sends bytes instead: see clusters.base.here).
         self.files = LaunchFiles()
         self.processes: list = []
+        self.store = None  # the ranks' rendezvous, when this kernel hosts it
         self.closed: set[int] = set()  # ranks whose channel closed
         self.stderr = stderr_tails()
         self.current: dict[int, int] = {}  # rank: the seq of the command it last began
@@ -86,6 +87,9 @@ class Pool:
         job.live = self.live
         job.first = ("start", 0, True) if self.live else ("run", 0, True, self.launcher._first_job(job))
         self.launcher._apply_nccl_quirks(job, display)
+        if self.launcher.local and not job.master_port:
+            self.store, job.master_port = loopback_store()
+            job.options["store_hosted"] = True
         job.master_port = job.master_port or free_port()
         state = self.state = RunState(self._title(), job.ranks)
         display.start(state)
@@ -127,6 +131,7 @@ class Pool:
             self.hub.close()
             self.pump.close()
             self.launcher._cleanup(self.job)
+            self.store = None  # stops listening
             if self.files is not None:
                 self.files.cleanup()
 
