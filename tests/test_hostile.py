@@ -11,6 +11,7 @@ import subprocess
 import sys
 import signal
 import tempfile
+import time
 
 import pytest
 import torch
@@ -390,6 +391,62 @@ def test_live_ranks_listen_on_loopback_only(no_leftovers):
     with nbtrain.Ranks(devices=2, accelerator="cpu", progress=False) as ranks:
         found = ranks.run(listening_addresses, os.getpid()).value
     assert found and found <= {"127.0.0.1"}, found
+
+
+
+# -- issue 27, item 11: what a rank's code starts ends with the rank --------------------------
+
+def start_escapees(hang=False):
+    # A server in a session of its own, and an orphan (its parent shell exits at once).
+    server = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    orphan = subprocess.run(["sh", "-c", "sleep 301 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True).stdout
+    pids = [server.pid, int(orphan)]
+    if hang:
+        print("PIDS", *pids, flush=True)
+        time.sleep(300)
+    return pids
+
+
+def _gone(pids, within=5.0):
+    import psutil
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@slow
+@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
+def test_processes_a_rank_started_end_with_the_launch(strategy, no_leftovers):
+    pids = nbtrain.launch(start_escapees, devices=2, accelerator="cpu", strategy=strategy, progress=False,
+                          timeout=120).value
+    assert _gone(pids), f"left running: {pids}"
+
+
+@slow
+def test_processes_a_live_rank_started_stay_between_commands_and_end_with_close(no_leftovers):
+    import psutil
+
+    with nbtrain.Ranks(devices=2, accelerator="cpu", progress=False) as ranks:
+        pids = ranks.run(start_escapees).value
+        assert all(psutil.pid_exists(p) for p in pids)  # a server started in one cell serves the next
+        ranks.exec("import time; time.sleep(0.2)")
+        assert all(psutil.pid_exists(p) for p in pids)
+    assert _gone(pids), f"left running: {pids}"
+
+
+@slow
+def test_processes_of_a_rank_killed_on_timeout_end_too(capfd, no_leftovers):
+    with pytest.raises(WorkerError):
+        nbtrain.launch(start_escapees, True, devices=1, accelerator="cpu", strategy="ddp_fork", progress=False,
+                       timeout=3)
+    out = capfd.readouterr()
+    pids = [int(p) for line in (out.out + out.err).splitlines() if "PIDS" in line
+            for p in line.split("PIDS", 1)[1].split()]
+    assert len(pids) == 2 and _gone(pids), f"left running: {pids}"
 
 
 

@@ -22,6 +22,7 @@ from .supervisor import CONNECTION_CLOSED, NOT_SENT, Supervisor, stderr_tails
 from ..common.tensor_files import LaunchFiles
 from ..common.pickling import explain_pickling, ship_bytes
 from ..common.source import shippable
+from ..common.process_tree import descendants
 from ..placements.base import describe_exit, free_port, loopback_store
 from ..rank.process import STACKS_SIGNAL
 
@@ -142,11 +143,20 @@ class Pool:
 
     def stop_processes(self, grace: float = STOP_GRACE) -> None:
         alive = [p for p in self.processes if p.poll() is None]
+        # A rank ends what its code started when it exits; one stopped here may not, so its tree
+        # is found first: once the rank is gone, Linux hands the tree to init (ranks on this
+        # machine only).
+        trees = [] if self.launcher.remote else [descendants(p.pid) for p in alive]
         for p in alive:
             p.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
             time.sleep(0.01)
+        for pid in (pid for tree in trees for pid in tree):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         for p in self.processes:
             p.signal(signal.SIGKILL)  # the group too: grandchildren such as DataLoader workers
             p.join(1.0)
