@@ -55,6 +55,7 @@ class Pool:
         self.store = None  # the ranks' rendezvous, when this kernel hosts it
         self.closed: set[int] = set()  # ranks whose channel closed
         self.stderr = stderr_tails()
+        self.dying: set[int] = set()  # ranks that wrote faulthandler's fatal report
         self.current: dict[int, int] = {}  # rank: the seq of the command it last began
         self.marks: dict[tuple, int] = {}  # (rank, stream): the seq whose output is complete
         self.pids: dict[int, int] = {}
@@ -172,11 +173,22 @@ class Pool:
             except queue.Empty:
                 return
 
+    def shown(self, rank, stream: str, text: str) -> bool:
+        """Whether a rank's output line goes to the cell. faulthandler's report of a fatal signal
+        (every thread's stack, the kernel's inherited frames, the extension modules: ~70 lines)
+        is kept for the error, which shows the part that matters, and not streamed."""
+        if stream == "stderr" and rank is not None:
+            if text.startswith("Fatal Python error"):
+                self.dying.add(rank)
+            return rank not in self.dying
+        return True
+
     def drain_output(self, display) -> None:
         """Hand what is still queued (the ranks' last output lines) to the display."""
         for message in self._queued():
             if message[0] == "output" and display is not None and not message[3].startswith(MARK):
-                display.output(*message[1:])
+                if self.shown(*message[1:]):
+                    display.output(*message[1:])
             elif message[0] in RANK_OUTPUT and display is not None:
                 deliver(display, message)
 
@@ -261,7 +273,7 @@ class Pool:
         pending = []
         for message in self._queued():
             if message[0] == "output":
-                if not message[3].startswith(MARK):
+                if not message[3].startswith(MARK) and self.shown(*message[1:]):
                     display.output(*message[1:])
             elif message[0] in RANK_OUTPUT:
                 deliver(display, message)
