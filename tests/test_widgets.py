@@ -212,6 +212,27 @@ def test_chart_draws_synced_metrics_once_and_others_per_rank_with_axes():
     assert not series.consume([])  # nothing new
 
 
+def test_a_chart_of_one_mean_line_still_says_what_the_line_and_the_x_axis_are():
+    from nbtrain.display.runstate import Metric
+
+    series = chart.MetricSeries()
+    series.consume([Metric(s, 0, "loss", 1 / (s + 1), True) for s in range(5)])
+    legend = chart.legend_html(series, ["loss"])
+    assert "mean over ranks" in legend and "x axis: step" in legend
+
+
+def test_a_loss_within_one_decade_gets_more_than_one_labelled_tick():
+    from nbtrain.display.figure import metrics_figure
+    from nbtrain.display.runstate import Metric
+
+    # 07 and 08 saved a log axis labelled "1" alone: the loss stayed between 0.3 and 0.9.
+    fig = metrics_figure([Metric(s, 0, "loss", 0.9 - 0.04 * s, True) for s in range(15)])
+    ax = fig.axes[0]
+    low, high = ax.get_ylim()
+    shown = [t for t in ax.get_yticks() if low <= t <= high]
+    assert ax.get_yscale() == "log" and len(shown) >= 2, shown
+
+
 def test_metrics_are_drawn_in_the_order_rank_0_logged_them():
     from nbtrain.display.figure import lines_by_metric
     from nbtrain.display.runstate import Metric

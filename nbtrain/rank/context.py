@@ -166,8 +166,14 @@ class Context:
         self._sink.emit("batch_size", per_rank, effective)
 
     # -- metrics and collectives ---------------------------------------------------------
-    def log(self, name: str, value, sync_dist: bool = False) -> float:
-        """Record a metric; with `sync_dist` the mean over ranks is recorded (and returned)."""
+    def log(self, name: str, value, sync_dist: bool = False, step: int | None = None) -> float:
+        """Record a metric; with `sync_dist` the mean over ranks is recorded (and returned).
+
+        `step`: where on the x axis (a resumed run passes its own, so its curve goes on from
+        there); by default one more than this metric's last.
+        """
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"ctx.log({name!r}, step={step!r}): step must be an int >= 0, or None for the next one")
         if isinstance(value, torch.Tensor):  # .item() on a one-element tensor is the cheap path
             value = value.item() if value.numel() == 1 else value.detach().float().mean().item()
         value = float(value)
@@ -176,8 +182,8 @@ class Context:
             total = torch.tensor([value], dtype=torch.float64, device=self._comm_device)
             dist.all_reduce(total)
             value = total.item() / self.world_size
-        step = self._steps[name]
-        self._steps[name] += 1
+        step = self._steps[name] if step is None else step
+        self._steps[name] = step + 1
         self._sink.emit("metric", step, name, value, bool(sync_dist))
         return value
 
