@@ -13,6 +13,7 @@ whose ranks serve commands until closed (see pool.py here and nbtrain/rank/loop.
 from __future__ import annotations
 
 import atexit
+import os
 import itertools
 import keyword
 import sys
@@ -31,7 +32,9 @@ from ..display.text import QuietDisplay
 from .launch import check_timeout
 from ..display.lazy import LazyDisplay
 from .result import Result
-from ..common.pickling import dumps, explain_pickling
+from ..common.pickling import explain_pickling
+from ..common.tensor_files import ENABLE_VAR, RankFiles
+from ..common.transfer import PUSH_FILES, pack_push
 from ..display import check_progress, make_display
 from ..common.source import parse_cell
 from ..placements.clusters import check_cluster, ClusterJob
@@ -193,8 +196,28 @@ class Ranks:
             if name in RESERVED:
                 raise ValueError(f"push({name}=...): `{name}` is {RESERVED[name]} on every rank and is not replaced; "
                                  "push the object under another name.")
-        payload = dumps(objects, f"the objects pushed to the ranks ({', '.join(objects)})", "objects")
-        self._command("push", payload, ranks=ranks)
+        files = self._push_files()
+        try:
+            payload = pack_push(objects, files)
+        except Exception as exc:
+            raise UnpicklableError(f"the objects pushed to the ranks ({', '.join(objects)})",
+                                   explain_pickling(objects, "dill", "objects"), detail=str(exc)) from exc
+        finally:
+            if files is not None and sys.exc_info()[0] is not None:
+                files.discard()
+        try:
+            self._command("push", payload, ranks=ranks)
+        finally:
+            if files is not None:
+                files.discard()  # each rank has mapped its copy-on-write view by now, or failed
+
+    def _push_files(self) -> RankFiles | None:
+        """Where a push's large tensors go: shared memory that ranks on this machine map."""
+        pool = self._pool
+        if pool is None or pool.launcher.remote or not pool.files or not pool.files.prefixes:
+            return None
+        return RankFiles.from_environ(PUSH_FILES, pool.files.environ | {k: v for k, v in os.environ.items()
+                                                                       if k == ENABLE_VAR})
 
     def pull(self, name: str, *, ranks: list[int] | None = None) -> list:
         """`name`'s value from every rank, in rank order (modules come back on CPU, unwrapped)."""
