@@ -220,19 +220,21 @@ class Context:
         desc = desc or ("epoch" if level == 0 else "batch")
         self._depth += 1
         emit = self._sink.emit
+        # Each event carries this rank's own clock: rates are told from when the steps happened
+        # here, not from when batches of events reached the notebook.
         n, last = 0, time.monotonic()
-        emit("progress", level, desc, 0, total, False)
+        emit("progress", level, desc, 0, total, False, last)
         try:
             for item in iterable:
                 yield item
                 n += 1
                 now = time.monotonic()
                 if now - last >= PROGRESS_INTERVAL:
-                    emit("progress", level, desc, n, total, False)
+                    emit("progress", level, desc, n, total, False, now)
                     last = now
         finally:
             self._depth -= 1
-            emit("progress", level, desc, n, total, True)
+            emit("progress", level, desc, n, total, True, time.monotonic())
 
 
 class EpochLoader:
