@@ -17,6 +17,8 @@ from .notebook.result import Result
 from .placements.clusters import Ray, Slurm
 from .placements.template_process import warm_up
 from .rank.context import Context, context, rank_zero_only
+from .rank.profiling import Profile
+from .rank.trackers import MLflow, TensorBoard, WandB
 
 ensure_pci_bus_order()
 install_cuda_init_hook()  # so a refused fork can name the line that initialised CUDA

@@ -161,6 +161,7 @@ class RunState:
         self.values: dict[int, Any] = {}
         self.failures: list[Failure] = []
         self.vitals: list[Vital] = []  # sampled by the display, kept in Result.vitals
+        self.profiles: dict[int, dict] = {}  # each profiled rank's summary (rank/profiling.py)
         self.effective_batch_size: int | None = None
         self.per_rank_batch_size: int | None = None
         self.version = 0  # bumped on every change, so a display redraws only when needed
@@ -202,6 +203,9 @@ class RunState:
         metric = Metric(step, view.rank, name, value, synced)
         view.metrics[name] = metric
         self.history.append(metric)
+
+    def _on_profile(self, view: RankView, summary: dict) -> None:
+        self.profiles[view.rank] = summary
 
     def _on_batch_size(self, view: RankView, per_rank: int, effective: int) -> None:
         if self.effective_batch_size is None:
