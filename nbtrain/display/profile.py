@@ -52,7 +52,7 @@ class ProfileTable:
             return "no rank profiled a step" + (f": {notes[0]}" if notes and notes[0] else "")
         words = f"slowest: rank {slow}, {_ms(self.ranks[slow]['step_time'])} per step, {self._main(slow)}"
         waiting = max(self.ranks, key=lambda r: self.share(r, "communication"))
-        if waiting != slow and self.share(waiting, "communication") >= APART:
+        if self.share(waiting, "communication") - self.share(slow, "communication") >= APART:
             words += f"; rank {waiting} waits for it: {self._part(waiting, 'communication')}"
         return words
 

@@ -27,10 +27,11 @@ TOP = 5  # operators listed per rank
 class Profile:
     """What `launch(..., profile=...)` records: `steps` (how many steps, after one skipped to
     warm up, or a `range` of step numbers counted from 0), `activities` ("cpu", "cuda"; default
-    both where the rank has a GPU), `memory` (operator memory; on CUDA a memory snapshot too)."""
+    both where the rank has a GPU), `memory` (operators' memory, and on CUDA a memory snapshot;
+    default: on CUDA ranks only)."""
     steps: int | range = 5
     activities: tuple[str, ...] | None = None
-    memory: bool = True
+    memory: bool | None = None
 
     @classmethod
     def check(cls, profile) -> "Profile | None":
@@ -66,6 +67,7 @@ class Recorder:
     def __init__(self, settings: Profile, rank: int, device: torch.device, out_dir: str):
         self.settings, self.rank, self.out_dir = settings, rank, out_dir
         self.cuda = device.type == "cuda"
+        self.memory = self.cuda if settings.memory is None else settings.memory
         names = settings.activities or (("cpu", "cuda") if self.cuda else ("cpu",))
         activities = [getattr(torch.profiler.ProfilerActivity, n.upper()) for n in names]
         window = settings.window
@@ -74,12 +76,12 @@ class Recorder:
         self.summary: dict | None = None
         self.trace = os.path.join(out_dir, f"rank{rank}.pt.trace.json")
         self.profiler = torch.profiler.profile(
-            activities=activities, profile_memory=settings.memory, on_trace_ready=self._ready,
+            activities=activities, profile_memory=self.memory, on_trace_ready=self._ready,
             schedule=torch.profiler.schedule(wait=window.start - warmup, warmup=warmup, active=len(window), repeat=1))
 
     def start(self) -> None:
         os.makedirs(self.out_dir, exist_ok=True)
-        if self.cuda and self.settings.memory:
+        if self.cuda and self.memory:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         self.profiler.start()
 
@@ -92,7 +94,7 @@ class Recorder:
         summary = self.summary or {"rank": self.rank, "steps": 0, "trace": None,
                                    "note": f"no step of {_window_words(self.settings.window)} was reached "
                                            f"({self.steps} steps ran)"}
-        if self.cuda and self.settings.memory:
+        if self.cuda and self.memory:
             path = os.path.join(self.out_dir, f"rank{self.rank}.memory.pickle")
             torch.cuda.memory._dump_snapshot(path)
             torch.cuda.memory._record_memory_history(enabled=None)
