@@ -3,6 +3,7 @@ import glob
 import os
 import re
 import sys
+import tempfile
 
 import psutil
 import pytest
@@ -86,11 +87,13 @@ def test_mlflow_honours_the_tracking_uri_of_the_environment(tmp_path, monkeypatc
 @pytest.mark.slow
 def test_wandb_offline_writes_each_ranks_run(tmp_path, no_leftovers):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install 'nbtrain[wandb]')")
+    temp = set(glob.glob(os.path.join(tempfile.gettempdir(), "*wandb*")))
     nbtrain.launch(train, STEPS, trackers=nbtrain.WandB(project="insight", mode="offline"), run_dir=tmp_path, **CPU2)
     runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb")))
     assert len(runs) == 2 and all(os.path.getsize(r) > 0 for r in runs)  # rank 0's, and rank 1's own values
     left = [p.info for p in psutil.process_iter(["pid", "name"]) if p.info["name"] == "wandb-core"]
     assert not left, f"W&B's service left running: {left}"
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "*wandb*"))) == temp  # its temporary folders removed
 
 
 def test_an_uninstalled_tracker_names_the_extra(monkeypatch):
