@@ -39,7 +39,7 @@ def test_a_profiled_ddp_run_has_each_ranks_trace_and_names_the_wait(tmp_path, no
             events = json.load(f)["traceEvents"]
         assert any("all_reduce" in e.get("name", "") for e in events)  # the collective is in each trace
     assert table.slowest() == 1
-    assert table.share(0, "communication") > table.share(1, "communication") + 0.1
+    assert table.share(0, "communication") > table.share(1, "communication") + 0.25
     verdict = table.verdict()
     assert verdict.startswith("slowest: rank 1, ") and "rank 0 waits for it: " in verdict, verdict
     assert "waiting in gloo:all_reduce" in verdict and "idle" in verdict, verdict
@@ -63,7 +63,7 @@ def test_explicit_steps_set_the_window_in_process(tmp_path):
     assert summary["steps"] == 3 and summary["step_time"] > 0
     assert summary["split"]["compute"] > 0 and summary["split"]["communication"] == 0
     assert "aten::" in repr(result.profile)  # the top operators (aten::matmul, aten::tanh)
-    assert result.profile.verdict().startswith("slowest: rank 0, ")
+    assert result.profile.verdict().startswith("rank 0: ") and "computing" in result.profile.verdict()
     assert (tmp_path / "profile" / "rank0.pt.trace.json").exists()
 
 

@@ -25,8 +25,8 @@ TOP = 5  # operators listed per rank
 
 @dataclass(frozen=True)
 class Profile:
-    """What `launch(..., profile=...)` records: `steps` (how many steps, after one skipped to
-    warm up, or a `range` of step numbers counted from 0), `activities` ("cpu", "cuda"; default
+    """What `launch(..., profile=...)` records: `steps` (how many steps, after two skipped: the
+    first steps set things up, or a `range` of step numbers counted from 0), `activities` ("cpu", "cuda"; default
     both where the rank has a GPU), `memory` (operators' memory, and on CUDA a memory snapshot;
     default: on CUDA ranks only)."""
     steps: int | range = 5
@@ -58,7 +58,7 @@ class Profile:
             return self.steps
         if isinstance(self.steps, bool) or not isinstance(self.steps, int):
             return range(0)
-        return range(1, 1 + self.steps)
+        return range(2, 2 + self.steps)
 
 
 class Recorder:
@@ -144,17 +144,23 @@ def summarize(events) -> dict:
         last = at
     n = len(steps)
     per_step = {c: s / n for c, s in seconds.items()}
-    comm = _top([e for e in events if COLLECTIVE.search(e.name) and not e.name.startswith("c10d::")], n, 1)
+    windows = [(e.time_range.start, e.time_range.end) for e in steps]
+    comm = _top([e for e in events if COLLECTIVE.search(e.name) and not e.name.startswith("c10d::")], windows, 1)
     top = _top([e for e in events if not STEP.fullmatch(e.name) and e.cpu_parent is not None
-                and STEP.fullmatch(e.cpu_parent.name)], n, TOP)
+                and STEP.fullmatch(e.cpu_parent.name)], windows, TOP)
     return {"steps": n, "step_time": sum(e.time_range.elapsed_us() for e in steps) / n / 1e6,
             "split": per_step, "top": top, "collective": comm[0][0] if comm else None}
 
 
-def _top(events, steps: int, count: int) -> list[tuple[str, float]]:
-    """The operators taking the most time, as (name, seconds per step)."""
+def _top(events, windows: list[tuple[float, float]], count: int) -> list[tuple[str, float]]:
+    """The operators taking the most time within the steps, as (name, seconds per step). Only
+    the part inside a step counts: a collective started before the window (DDP's first
+    broadcast, on gloo's thread) is not this window's."""
     totals: dict[str, float] = {}
     for e in events:
-        totals[e.name] = totals.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e6
+        start, end = e.time_range.start, e.time_range.end
+        inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in windows)
+        if inside > 0:
+            totals[e.name] = totals.get(e.name, 0.0) + inside / 1e6
     ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:count]
-    return [(name, seconds / steps) for name, seconds in ranked]
+    return [(name, seconds / len(windows)) for name, seconds in ranked]
