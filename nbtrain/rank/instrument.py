@@ -34,22 +34,24 @@ class Instrumented:
         """`call()` on this rank with the trackers open and the profiler recording."""
         ctx = context()
         trackers = recorder = None
-        if self.trackers:
-            trackers = Trackers(self.trackers, RunInfo(self.name, self.run_dir, ctx.rank, ctx.world_size,
-                                                       self.settings))
-            # Every rank passes here together, so handing rank 0's run id round may be a collective.
-            trackers.start(lambda value: ctx.all_gather(value)[0])
-        if self.profile is not None:
-            recorder = Recorder(self.profile, ctx.rank, ctx.device, os.path.join(self.run_dir, "profile"))
-        ctx._observe(trackers, recorder)
         failed = True
         try:
+            if self.trackers:
+                trackers = Trackers(self.trackers, RunInfo(self.name, self.run_dir, ctx.rank, ctx.world_size,
+                                                           self.settings))
+                # Every rank passes here together, so handing rank 0's run id round may be a collective.
+                trackers.start(lambda value: ctx.all_gather(value)[0])
+            if self.profile is not None:
+                recorder = Recorder(self.profile, ctx.rank, ctx.device, os.path.join(self.run_dir, "profile"))
+            ctx._observe(trackers, recorder)
             value = call()
             failed = False
             return value
         finally:
             ctx._observe(None, None)
-            if recorder is not None:
-                ctx._sink.emit("profile", recorder.stop())
+            if recorder is not None and recorder.started:
+                summary = recorder.stop()
+                if not failed:
+                    ctx._sink.emit("profile", summary)
             if trackers is not None:
                 trackers.close(failed)

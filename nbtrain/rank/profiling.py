@@ -73,6 +73,7 @@ class Recorder:
         window = settings.window
         warmup = 1 if window.start >= 1 else 0
         self.steps = 0
+        self.started = False
         self.summary: dict | None = None
         self.trace = os.path.join(out_dir, f"rank{rank}.pt.trace.json")
         self.profiler = torch.profiler.profile(
@@ -84,6 +85,7 @@ class Recorder:
         if self.cuda and self.memory:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         self.profiler.start()
+        self.started = True
 
     def step(self) -> None:
         self.steps += 1

@@ -8,7 +8,10 @@ writes its files; nothing here knows their formats.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import queue
+import threading
 import time
 from dataclasses import dataclass
 
@@ -29,6 +32,7 @@ class TensorBoard:
     name = "tensorboard"
     extra = "tensorboard"
     module = "tensorboard"
+    client = "torch.utils.tensorboard"
 
     def opened(self, run) -> "_TensorBoardWriter":
         return _TensorBoardWriter(self, run)
@@ -44,6 +48,7 @@ class MLflow:
     name = "mlflow"
     extra = "mlflow"
     module = "mlflow"
+    client = "mlflow"
     shared = True  # the ranks write into rank 0's run: its id is handed round at the start
 
     def opened(self, run) -> "_MLflowWriter":
@@ -61,6 +66,7 @@ class WandB:
     name = "wandb"
     extra = "wandb"
     module = "wandb"
+    client = "wandb"
 
     def opened(self, run) -> "_WandBWriter":
         return _WandBWriter(self, run)
@@ -211,14 +217,23 @@ class RunInfo:
 
 class Trackers:
     """This rank's writers, opened from the settings: rank 0's at the start (they carry the
-    hyper-parameters), another rank's when it first logs a value of its own."""
+    hyper-parameters), another rank's when it first logs a value of its own. Values are written
+    on a thread of their own: building a tracker's records costs the training loop nothing but a
+    queue put, and the writing overlaps the loop's torch operators (which release the GIL)."""
 
     def __init__(self, settings: tuple, run: RunInfo):
         self.settings, self.run = settings, run
         self.writers: dict[str, _Writer] = {}
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None  # the first a writer raised: raised again by close()
+        self.thread = threading.Thread(target=self._write, name="nbtrain-trackers", daemon=True)
 
     def start(self, share) -> None:
         """Open rank 0's writers; `share(value)` hands rank 0's value to every rank (a collective)."""
+        for tracker in self.settings:
+            # Imported now on every rank (about a second for some): not in the middle of training,
+            # when a rank's first value of its own opens its writer.
+            importlib.import_module(tracker.client)
         if self.run.rank == 0:
             for tracker in self.settings:
                 self._writer(tracker)
@@ -227,6 +242,7 @@ class Trackers:
                 run_id = share(self.writers[tracker.name].run_id if self.run.rank == 0 else None)
                 if self.run.rank != 0:
                     self._writer(tracker).join(run_id)
+        self.thread.start()
 
     def _writer(self, tracker) -> _Writer:
         writer = self.writers.get(tracker.name)
@@ -237,11 +253,24 @@ class Trackers:
     def log(self, name: str, value: float, step: int, synced: bool) -> None:
         if synced and self.run.rank != 0:
             return  # the same value on every rank: rank 0 writes it once
-        key = name if synced else f"{name}/rank{self.run.rank}"
-        for tracker in self.settings:
-            self._writer(tracker).log(key, value, step)
+        self.queue.put((name if synced else f"{name}/rank{self.run.rank}", value, step))
+
+    def _write(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is not None:
+                continue  # a writer failed: the rest is dropped, close() says why
+            try:
+                for tracker in self.settings:
+                    self._writer(tracker).log(*item)
+            except BaseException as exc:
+                self.error = exc
 
     def close(self, failed: bool = False) -> None:
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
         for writer in self.writers.values():
             writer.close(failed)
         self.writers.clear()
+        if self.error is not None and not failed:
+            raise RuntimeError(f"a tracker could not write: {type(self.error).__name__}: {self.error}") from self.error
