@@ -112,3 +112,12 @@ def test_bad_trackers_are_refused_in_one_line(trackers, words, tmp_path):
     with pytest.raises(ValueError, match=re.escape(words)) as caught:
         nbtrain.launch(train, 1, trackers=trackers, run_dir=tmp_path, devices=1, accelerator="cpu", progress=False)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+def test_a_tracker_that_cannot_write_fails_the_run_with_its_reason(tmp_path, no_leftovers):
+    (tmp_path / "file").write_text("")  # a log directory "inside" a file: the writer cannot make it
+    tracker = nbtrain.TensorBoard(log_dir=str(tmp_path / "file" / "tensorboard"))
+    with pytest.raises(nbtrain.WorkerError) as caught:
+        nbtrain.launch(train, 2, trackers=tracker, run_dir=tmp_path / "run", **CPU2)
+    assert caught.value.rank == 0 and "NotADirectoryError" in str(caught.value), str(caught.value)
