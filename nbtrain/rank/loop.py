@@ -188,13 +188,14 @@ class RankLoop:
     def _do_call(self, seq, payload):
         import dill
 
-        bare, args, kwargs = dill.loads(payload)
+        bare, args, kwargs, *insight = dill.loads(payload)
+        insight = insight[0] if insight else None  # trackers and a profile around the call (Ranks.run), or None
 
         self._fetch_missing(seq, code_global_names(bare.__code__))
         fn = types.FunctionType(bare.__code__, self.namespace, bare.__name__, bare.__defaults__, bare.__closure__)
         fn.__kwdefaults__, fn.__qualname__ = bare.__kwdefaults__, bare.__qualname__
         with self._user_code(seq):
-            value = fn(*args, **kwargs)
+            value = fn(*args, **kwargs) if insight is None else insight.around(lambda: fn(*args, **kwargs))
         return value, f"returned from {fn.__qualname__}()"
 
     def _do_exec(self, seq, source: str, filename: str, want_repr: bool):
