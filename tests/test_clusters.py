@@ -287,3 +287,9 @@ def test_cell_options_for_clusters_are_checked():
         make_cluster({**DEFAULTS, "cluster": "ray", "launcher": "accelerate"})
     with pytest.raises(UsageError, match="--strategy ddp_fork apply to ranks started on this machine"):
         make_cluster({**DEFAULTS, "cluster": "ray", "strategy": "ddp_fork"})
+
+
+def test_live_ranks_on_several_nodes_need_a_cluster():
+    for bad in (2, 0, "2"):
+        with pytest.raises(ValueError, match=r"num_nodes=.*: give an int >= 1; more than one node needs a cluster"):
+            nbtrain.Ranks(devices=1, num_nodes=bad)

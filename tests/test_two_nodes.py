@@ -1,0 +1,145 @@
+"""Two nodes for real: ranks on two SLURM nodes (two network namespaces with their own
+addresses and host names, `two_nodes.py`), a gloo process group across them, and the
+notebook's channel reached at its default address, though this machine's host name
+resolves to loopback. What a multi-node user meets: failures named with their node, a node's
+ranks killed, an interrupt, live ranks, results that travel as bytes."""
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+
+import pytest
+
+import nbtrain
+import two_nodes
+from conftest import slurm_unavailable
+from two_nodes import Network, TwoNodeSlurm, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two SLURM nodes for this module; everything it made is removed at the end, whatever happened."""
+    reason = slurm_unavailable() or two_nodes.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    network = Network()
+    slurm = TwoNodeSlurm(tempfile.mkdtemp(prefix=f"nbtrain-slurm-{os.getpid()}-"), network)
+    before = os.environ.get("SLURM_CONF")
+    try:
+        network.create()
+        try:
+            slurm.start()
+        except RuntimeError as exc:
+            pytest.skip(f"the two-node SLURM cluster did not start: {exc}")
+        os.environ["SLURM_CONF"] = str(slurm.conf)
+        yield slurm
+    finally:
+        os.environ.pop("SLURM_CONF", None) if before is None else os.environ.__setitem__("SLURM_CONF", before)
+        slurm.stop()
+        network.remove()
+
+
+def across_the_nodes():
+    """A gloo all_reduce across the nodes; where this rank ran and how its result travels."""
+    import torch
+    import torch.distributed as dist
+
+    ctx = nbtrain.context()
+    ctx.barrier()  # the group across the nodes
+    total = torch.tensor([ctx.rank + 1.0])
+    dist.all_reduce(total)
+    big = torch.full((1 << 19,), float(ctx.rank))  # 2 MiB: past the size that would go through /dev/shm
+    return socket.gethostname(), total.item(), os.environ.get("NBTRAIN_SHARED_MEMORY"), big
+
+
+def test_a_process_group_spans_the_nodes_with_the_default_notebook_address(cluster, no_leftovers):
+    result = nbtrain.launch(across_the_nodes, devices=1, num_nodes=2, cluster=nbtrain.Slurm(time=5), progress=False)
+    hosts = [value[0] for value in result.values]
+    assert hosts == list(cluster.network.nodes), hosts  # rank 0 on node 1, rank 1 on node 2
+    assert [value[1] for value in result.values] == [3.0, 3.0]
+    assert [value[2] for value in result.values] == ["0", "0"], "ranks on other nodes must return bytes"
+    assert [value[3].sum().item() for value in result.values] == [0.0, float(1 << 19)]
+    assert wait_until(lambda: not cluster.jobs()), cluster.jobs()
+
+
+def fails_on_the_second_node():
+    ctx = nbtrain.context()
+    ctx.barrier()
+    if ctx.rank == 1:
+        raise ValueError(f"bad batch on {socket.gethostname()}")
+    time.sleep(60)
+
+
+def test_a_rank_failing_on_the_second_node_is_named_with_its_node(cluster, no_leftovers):
+    node2 = list(cluster.network.nodes)[1]
+    started = time.monotonic()
+    with pytest.raises(nbtrain.WorkerError) as caught:
+        nbtrain.launch(fails_on_the_second_node, devices=1, num_nodes=2, cluster=nbtrain.Slurm(), progress=False)
+    text = str(caught.value)
+    assert f"ValueError: bad batch on {node2}" in text, text
+    assert f"rank 1 (on {node2})" in text or f"on {node2}" in text.split("ValueError")[0], text
+    assert time.monotonic() - started < 60
+    assert wait_until(lambda: not cluster.jobs()), cluster.jobs()
+
+
+def waits(flag_dir):
+    ctx = nbtrain.context()
+    open(os.path.join(flag_dir, f"rank{ctx.rank}"), "w").close()
+    ctx.barrier()
+    time.sleep(120)
+
+
+def test_the_second_node_s_ranks_killed_is_a_worker_error_naming_it(cluster, tmp_path, no_leftovers):
+    node2 = list(cluster.network.nodes)[1]
+    outcome = {}
+
+    def kill_when_both_run():
+        if wait_until(lambda: len(os.listdir(tmp_path)) == 2 and cluster.ranks_on(node2), 60):
+            outcome["killed_at"] = time.monotonic()
+            for pid in cluster.ranks_on(node2):
+                os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_both_run)
+    killer.start()
+    try:
+        with pytest.raises(nbtrain.WorkerError) as caught:
+            nbtrain.launch(waits, str(tmp_path), devices=1, num_nodes=2, cluster=nbtrain.Slurm(), progress=False)
+    finally:
+        killer.join()
+    took = time.monotonic() - outcome["killed_at"]
+    text = str(caught.value)
+    assert node2 in text, text
+    assert took < 15, f"the WorkerError came {took:.1f} s after the kill"
+    assert wait_until(lambda: not cluster.jobs()), cluster.jobs()
+    assert wait_until(lambda: all(cluster.idle(n) for n in cluster.network.nodes)), "processes left on the nodes"
+
+
+def test_an_interrupt_leaves_no_job_and_no_process_on_either_node(cluster, tmp_path, no_leftovers):
+    def interrupt_when_both_run():
+        if wait_until(lambda: len(os.listdir(tmp_path)) == 2, 60):
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C in the kernel: KeyboardInterrupt on the main thread
+
+    interrupter = threading.Thread(target=interrupt_when_both_run)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            nbtrain.launch(waits, str(tmp_path), devices=1, num_nodes=2, cluster=nbtrain.Slurm(), progress=False)
+        interrupted = time.monotonic()
+    finally:
+        interrupter.join()
+    assert wait_until(lambda: not cluster.jobs()), cluster.jobs()
+    assert wait_until(lambda: all(cluster.idle(n) for n in cluster.network.nodes)), "processes left on the nodes"
+    print(f"interrupt to nothing left on either node: {time.monotonic() - interrupted:.1f} s")
+
+
+def test_live_ranks_on_two_nodes_keep_state_across_commands(cluster):
+    with nbtrain.Ranks(devices=1, cluster=nbtrain.Slurm(), num_nodes=2, progress=False) as ranks:
+        ranks.exec("import socket, torch, torch.distributed as dist\nweight = torch.tensor([ctx.rank + 1.0])\n"
+                   "ctx.barrier()")
+        ranks.exec("dist.all_reduce(weight)")
+        assert ranks.eval("(socket.gethostname(), weight.item())") == [(n, 3.0) for n in cluster.network.nodes]
+    assert wait_until(lambda: not cluster.jobs()), cluster.jobs()
