@@ -147,3 +147,72 @@ def test_live_ranks_on_two_nodes_keep_state_across_commands(cluster):
         ranks.exec("dist.all_reduce(weight)")
         assert ranks.eval("(socket.gethostname(), weight.item())") == [(n, 3.0) for n in cluster.network.nodes]
     assert wait_until(lambda: not cluster.jobs()), cluster.jobs()
+
+
+def model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+
+
+def save_sharded(path):
+    """FSDP across the nodes: each rank holds half of every parameter, changes it, saves its shard."""
+    import torch
+
+    ctx = nbtrain.context()
+    sharded = ctx.setup(model(), min_params=1)
+    with torch.no_grad():
+        for p in sharded.parameters():
+            p.add_(1.0)
+    ctx.save_checkpoint(path, model=sharded, step=7)
+    return type(sharded).__name__, socket.gethostname()
+
+
+def load_whole(path):
+    ctx = nbtrain.context()
+    fresh = model()
+    step = ctx.load_checkpoint(path, model=fresh, step=0)["step"]
+    return step, {k: v.clone() for k, v in fresh.state_dict().items()}
+
+
+def test_fsdp_saves_a_checkpoint_on_two_nodes_that_one_node_loads(cluster, tmp_path, no_leftovers):
+    path = str(tmp_path / "ckpt")  # a file system the nodes share
+    saved = nbtrain.launch(save_sharded, path, devices=1, num_nodes=2, strategy="fsdp", cluster=nbtrain.Slurm(),
+                           progress=False)
+    assert [host for _, host in saved.values] == list(cluster.network.nodes)
+    assert "FSDP" in saved.values[0][0], saved.values  # sharded, not a plain module
+    loaded = nbtrain.launch(load_whole, path, devices=1, cluster=nbtrain.Slurm(), progress=False).values[0]
+    expected = {k: v + 1.0 for k, v in model().state_dict().items()}
+    assert loaded[0] == 7
+    assert all(loaded[1][k].equal(expected[k]) for k in expected), "the loaded weights are not the saved ones"
+    assert wait_until(lambda: not cluster.jobs()), cluster.jobs()
+
+
+@pytest.fixture(scope="module")
+def kernel(cluster):
+    from conftest import Kernel
+
+    kernel = Kernel()  # started after the cluster: it inherits SLURM_CONF
+    try:
+        yield kernel
+    finally:
+        kernel.close()
+
+
+def test_a_cell_runs_as_a_ddp_job_on_two_nodes(cluster, kernel):
+    _, _, error, _ = kernel.run("%load_ext nbtrain\nscale = 10")
+    assert error is None, error
+    out, err, error, _ = kernel.run(
+        "%%nbtrain --cluster slurm --nnodes 2 --devices 1 --strategy ddp --no-progress\n"
+        "import socket, torch, torch.distributed as dist, nbtrain\n"
+        "ctx = nbtrain.context()\n"
+        "model = ctx.setup(torch.nn.Linear(2, 1))\n"
+        "total = torch.tensor([scale * (ctx.rank + 1.0)])\n"
+        "dist.all_reduce(total)\n"
+        "print(type(model).__name__, 'on', socket.gethostname(), total.item())\n")
+    assert error is None, (error, err)
+    for rank, node in enumerate(cluster.network.nodes):
+        assert f"[rank {rank}] DistributedDataParallel on {node} 30.0" in out, out
+    assert "hostname of the client socket" not in out + err
+    assert wait_until(lambda: not cluster.jobs()), cluster.jobs()
