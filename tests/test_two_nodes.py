@@ -3,6 +3,7 @@ addresses and host names, `two_nodes.py`), a gloo process group across them, and
 notebook's channel reached at its default address, though this machine's host name
 resolves to loopback. What a multi-node user meets: failures named with their node, a node's
 ranks killed, an interrupt, live ranks, results that travel as bytes."""
+import importlib.util
 import os
 import signal
 import socket
@@ -16,7 +17,7 @@ import nbtrain
 import two_nodes
 from cluster_helpers import Recorder
 from conftest import slurm_unavailable
-from two_nodes import Network, TwoNodeSlurm, wait_until
+from two_nodes import Network, TwoNodeRay, TwoNodeSlurm, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -216,3 +217,74 @@ def test_a_cell_runs_as_a_ddp_job_on_two_nodes(cluster, kernel):
         assert f"[rank {rank}] DistributedDataParallel on {node} 30.0" in out, out
     assert "hostname of the client socket" not in out + err
     assert wait_until(lambda: not cluster.jobs()), cluster.jobs()
+
+
+# -- Ray: the head beside the kernel, a worker node in each namespace ----------------------------
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Namespaces serve Ray as they serve SLURM (Ray's own cluster_utils.Cluster would put every
+    node on one address and host name, which is what these tests must not do). This process is
+    Ray's driver, whose connections come and go with Ray's own use: the tests check what is left
+    on the nodes, not this process's descriptors (no `no_leftovers`)."""
+    reason = two_nodes.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed (pip install 'nbtrain[ray]')")
+    network = Network("r")
+    ray = TwoNodeRay(tempfile.mkdtemp(prefix=f"nbtrain-ray-{os.getpid()}-"), network)
+    try:
+        network.create()
+        try:
+            ray.start()
+        except RuntimeError as exc:
+            pytest.skip(f"the two-node Ray cluster did not start: {exc}")
+        yield ray
+    finally:
+        ray.stop()
+        network.remove()
+
+
+def test_ray_ranks_on_two_nodes_form_a_group_at_the_default_address(ray_cluster):
+    shown = Recorder(os.devnull)
+    result = nbtrain.launch(across_the_nodes, devices=1, num_nodes=2, cluster=nbtrain.Ray(address=ray_cluster.address),
+                            progress=shown)
+    assert sorted(value[0] for value in result.values) == list(ray_cluster.network.nodes), result.values
+    assert [value[1] for value in result.values] == [3.0, 3.0]
+    assert [value[2] for value in result.values] == ["0", "0"], "ranks on other nodes must return bytes"
+    assert [value[3].sum().item() for value in result.values] == [0.0, float(1 << 19)]
+    assert not [line for _, line in shown.lines if "hostname of the client socket" in line], shown.lines
+
+
+def test_ray_a_rank_failing_on_the_second_node_is_named_with_its_node(ray_cluster):
+    with pytest.raises(nbtrain.WorkerError) as caught:
+        nbtrain.launch(fails_on_the_second_node, devices=1, num_nodes=2,
+                       cluster=nbtrain.Ray(address=ray_cluster.address), progress=False)
+    text = str(caught.value)
+    node = next(n for n in ray_cluster.network.nodes if f"bad batch on {n}" in text)
+    assert f"rank 1 (on {node}) failed: ValueError: bad batch on {node}" in text, text
+
+
+def test_ray_an_interrupt_leaves_no_actor_on_either_node(ray_cluster, tmp_path):
+    import ray
+
+    seen = []
+
+    def interrupt_when_both_run():
+        if wait_until(lambda: len(os.listdir(tmp_path)) == 2, 60):
+            seen.extend(ray_cluster.actors_on(n) for n in ray_cluster.network.nodes)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_when_both_run)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            nbtrain.launch(waits, str(tmp_path), devices=1, num_nodes=2,
+                           cluster=nbtrain.Ray(address=ray_cluster.address), progress=False)
+    finally:
+        interrupter.join()
+    assert len(seen) == 2 and all(seen), f"a rank actor on each node while it ran: {seen}"
+    assert wait_until(lambda: not any(ray_cluster.actors_on(n) for n in ray_cluster.network.nodes)), \
+        "rank actors left on the nodes"
+    assert wait_until(lambda: ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU"))

@@ -3,8 +3,11 @@ own address and host name, joined to this machine (the notebook's side, as on a 
 by a bridge; a SLURM cluster with one `slurmd` in each.
 
     10.231.N.1  the bridge: this machine, where the kernel and slurmctld run
-    10.231.N.11 node 1 (namespace and host name nbt<pid>n1), reached over a veth pair
-    10.231.N.12 node 2 (nbt<pid>n2)
+    10.231.N.11 node 1 (namespace and host name nbt<pid>sn1), reached over a veth pair
+    10.231.N.12 node 2 (nbt<pid>sn2)
+
+and the same for Ray in 10.232.N.0/24 (nbt<pid>rn1, nbt<pid>rn2; the Ray head, with no CPUs
+of its own, on the bridge beside the kernel).
 
 The nodes' names are in /etc/hosts (marked with this session's pid), so the nodes and this
 machine resolve them as a cluster's DNS would; this machine's own host name is left as it is
@@ -46,13 +49,13 @@ def _ip(*args: str) -> None:
 class Network:
     """The bridge, the two namespaces and their /etc/hosts lines."""
 
-    def __init__(self):
+    def __init__(self, engine: str = "s"):  # one letter: each engine's tests have a network of their own
         pid = os.getpid()
-        self.tag = f"nbt{pid % 100000}"
-        self.subnet = f"10.231.{pid % 100 + 100}"
+        self.tag = f"nbt{pid % 100000}{engine}"
+        self.subnet = f"10.{231 + 'sr'.index(engine)}.{pid % 100 + 100}"
         self.bridge, self.gateway = f"{self.tag}br", f"{self.subnet}.1"
         self.nodes = {f"{self.tag}n{i}": f"{self.subnet}.{10 + i}" for i in (1, 2)}  # name: address
-        self.mark = f"# nbtrain two-node test {pid}"
+        self.mark = f"# nbtrain two-node test {pid}{engine}"
 
     def create(self) -> None:
         try:
@@ -149,6 +152,93 @@ class TwoNodeSlurm(LocalSlurm):
     def idle(self, node: str) -> bool:
         """Nothing runs on the node but its slurmd."""
         return all(p in LocalSlurm.running for p in self.network.pids(node))
+
+
+class TwoNodeRay:
+    """A Ray cluster: the head on the bridge (this machine, no CPUs: the ranks go to the nodes),
+    one worker node in each namespace, all started with `ray start --block` as children of the
+    session (stopping them stops their Ray processes; never `ray stop`, which stops every Ray
+    on the machine). Token authentication, with a token of its own (Ray's default for `ray start`)."""
+
+    def __init__(self, root, network: Network):
+        import secrets
+        import socket
+
+        self.root, self.network, self.daemons = str(root), network, []
+        with socket.socket() as s:
+            s.bind(("", 0))
+            self.address = f"{network.gateway}:{s.getsockname()[1]}"
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+        # This process is the driver: Ray reads its token once, so before anything here uses Ray.
+        os.environ.update({k: self.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})
+
+    def _daemon(self, name: str, command: list[str]) -> None:
+        log = open(os.path.join(self.root, f"{name}.log"), "w")
+        self.daemons.append(subprocess.Popen(command, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT))
+        LocalSlurm.running.add(self.daemons[-1].pid)  # the session's daemons: not a test's leftovers
+        log.close()
+
+    def start(self, timeout: float = 120.0) -> None:
+        import ray
+
+        port = self.address.rsplit(":", 1)[1]
+        common = ["--block", "--disable-usage-stats"]
+        self._daemon("head", ["ray", "start", "--head", f"--port={port}", f"--node-ip-address={self.network.gateway}",
+                              "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={self.root}/head", *common])
+        for name, address in self.network.nodes.items():
+            self._daemon(name, self.network.run_on(name, "ray", "start", f"--address={self.address}",
+                                                   f"--node-ip-address={address}", "--num-cpus=2",
+                                                   f"--temp-dir={self.root}/{name}", *common))
+        deadline = time.monotonic() + timeout
+        if not wait_until(lambda: _listens(self.address), timeout):
+            raise RuntimeError(f"no Ray head at {self.address} after {timeout:g} s:\n{self.logs()}")
+        ray.init(address=self.address, _node_ip_address=self.network.gateway)
+        if not wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 3, deadline - time.monotonic()):
+            raise RuntimeError(f"the Ray nodes did not join within {timeout:g} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {name}\n{open(os.path.join(self.root, name)).read()[-2000:]}"
+                         for name in sorted(os.listdir(self.root)) if name.endswith(".log"))
+
+    def actors_on(self, node: str) -> list[int]:
+        """The rank actors' processes (`ray::RankActor`) on a node."""
+        found = []
+        for pid in self.network.pids(node):
+            try:
+                if "RankActor" in " ".join(psutil.Process(pid).cmdline()):
+                    found.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    def stop(self) -> None:
+        import ray
+
+        ray.shutdown()
+        for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+            os.environ.pop(name, None)
+        for process in reversed(self.daemons):  # the workers first, then the head
+            process.terminate()
+        for process in self.daemons:
+            try:
+                process.wait(40)  # a node drains for up to 30 s
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            LocalSlurm.running.discard(process.pid)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _listens(address: str) -> bool:
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def wait_until(condition, timeout: float = 30.0) -> bool:
