@@ -289,6 +289,23 @@ def test_cell_options_for_clusters_are_checked():
         make_cluster({**DEFAULTS, "cluster": "ray", "strategy": "ddp_fork"})
 
 
+def test_a_node_without_the_notebook_s_directory_says_so_once(tmp_path):
+    from nbtrain.rank.loop import NOTICE_VAR
+
+    missing = str(tmp_path / "not-on-this-node")
+    cwd, path = os.getcwd(), list(sys.path)
+    try:
+        first = base.here({base.CWD_VAR: missing, base.PATH_VAR: missing, "LOCAL_RANK": "0"})
+        assert first[NOTICE_VAR].startswith(f"the notebook's directory {missing} is not on {socket.gethostname()}")
+        assert os.getcwd() == cwd and missing not in sys.path
+        assert NOTICE_VAR not in base.here({base.CWD_VAR: missing, "LOCAL_RANK": "1"})  # once per node
+        assert NOTICE_VAR not in base.here({base.CWD_VAR: str(tmp_path), "LOCAL_RANK": "0"})
+        assert os.getcwd() == str(tmp_path)
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
+
+
 def test_live_ranks_on_several_nodes_need_a_cluster():
     for bad in (2, 0, "2"):
         with pytest.raises(ValueError, match=r"num_nodes=.*: give an int >= 1; more than one node needs a cluster"):

@@ -55,7 +55,8 @@ def across_the_nodes():
     total = torch.tensor([ctx.rank + 1.0])
     dist.all_reduce(total)
     big = torch.full((1 << 19,), float(ctx.rank))  # 2 MiB: past the size that would go through /dev/shm
-    return socket.gethostname(), total.item(), os.environ.get("NBTRAIN_SHARED_MEMORY"), big
+    dialled = os.environ["NBTRAIN_CHANNEL"].split(",")[0]  # the address this rank reached the notebook by
+    return socket.gethostname(), total.item(), os.environ.get("NBTRAIN_SHARED_MEMORY"), big, dialled
 
 
 def test_a_process_group_spans_the_nodes_with_the_default_notebook_address(cluster, no_leftovers):
@@ -66,6 +67,8 @@ def test_a_process_group_spans_the_nodes_with_the_default_notebook_address(clust
     assert [value[1] for value in result.values] == [3.0, 3.0]
     assert [value[2] for value in result.values] == ["0", "0"], "ranks on other nodes must return bytes"
     assert [value[3].sum().item() for value in result.values] == [0.0, float(1 << 19)]
+    # This machine's host name resolves to loopback here; the address toward SLURM's controller is offered first.
+    assert all(value[4].startswith(f"{cluster.network.gateway}:") for value in result.values), result.values
     # torch's reverse-DNS warning, one per connection to the store, is not shown (nothing is wrong)
     assert not [line for _, line in shown.lines if "hostname of the client socket" in line], shown.lines
     assert wait_until(lambda: not cluster.jobs()), cluster.jobs()
@@ -254,6 +257,7 @@ def test_ray_ranks_on_two_nodes_form_a_group_at_the_default_address(ray_cluster)
     assert [value[1] for value in result.values] == [3.0, 3.0]
     assert [value[2] for value in result.values] == ["0", "0"], "ranks on other nodes must return bytes"
     assert [value[3].sum().item() for value in result.values] == [0.0, float(1 << 19)]
+    assert all(value[4].startswith(f"{ray_cluster.network.gateway}:") for value in result.values), result.values
     assert not [line for _, line in shown.lines if "hostname of the client socket" in line], shown.lines
 
 

@@ -19,7 +19,7 @@ from ..base import Job, ProcessLauncher, RankProcess, rank_environ
 from ...common.tensor_files import ENABLE_VAR as SHARED_MEMORY_VAR  # "0": a rank returns tensors as bytes
 from ...common.transfer import pack_job
 from ...common.channel import ADDRESS_VAR, CONNECT_SECONDS, HANDSHAKE_SECONDS, addresses
-from ...rank.loop import remote_main
+from ...rank.loop import NOTICE_VAR, remote_main
 
 MACHINE_VAR = "NBTRAIN_KERNEL_MACHINE"  # the notebook's machine, so a rank can tell whether it shares it
 PATH_VAR, CWD_VAR = "NBTRAIN_KERNEL_PATH", "NBTRAIN_KERNEL_CWD"  # the notebook's sys.path and directory
@@ -232,16 +232,23 @@ def here(environ: dict[str, str]) -> dict[str, str]:
     environ = dict(environ)
     if environ.pop(MACHINE_VAR, None) != machine_identity():
         environ[SHARED_MEMORY_VAR] = "0"  # the notebook cannot map this machine's memory
-    _as_in_the_notebook(environ.pop(PATH_VAR, ""), environ.pop(CWD_VAR, ""))
+    missing = _as_in_the_notebook(environ.pop(PATH_VAR, ""), environ.pop(CWD_VAR, ""))
+    if missing and environ.get("LOCAL_RANK", "0") == "0":  # said once per node
+        environ[NOTICE_VAR] = (f"the notebook's directory {missing} is not on {socket.gethostname()}: the ranks "
+                               f"there run in {os.getcwd()} and import only what is installed there (a file system "
+                               "the nodes share makes the notebook's modules and relative paths theirs too)")
     return environ
 
 
-def _as_in_the_notebook(path: str, cwd: str) -> None:
+def _as_in_the_notebook(path: str, cwd: str) -> str | None:
     """The notebook's directory and import path, where this machine has them (a shared file
-    system): the user's own modules and relative paths then mean what they mean there."""
+    system): the user's own modules and relative paths then mean what they mean there. The
+    notebook's directory if this machine lacks it."""
+    sys.path[:0] = [p for p in path.split(os.pathsep) if p and p not in sys.path and os.path.isdir(p)]
     if cwd and os.path.isdir(cwd):
         os.chdir(cwd)
-    sys.path[:0] = [p for p in path.split(os.pathsep) if p and p not in sys.path and os.path.isdir(p)]
+        return None
+    return cwd or None
 
 
 def check_reachable(environ: dict[str, str], rank: int) -> None:
