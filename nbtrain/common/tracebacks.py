@@ -38,3 +38,70 @@ def name_cells(traceback: str, shell=None) -> str:
         return f"{named[0]} {named[1]}, line {match['line']}" if named else match.group(0)
 
     return FILE_LINE.sub(rename, traceback)
+
+
+def _library_roots() -> tuple[str, ...]:
+    import site
+    import sysconfig
+
+    roots = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots.update(site.getsitepackages() + [site.getusersitepackages()])
+    return tuple(sorted((root.rstrip("/") + "/" for root in roots if root), key=len, reverse=True))
+
+
+def _frame_file(line: str) -> str | None:
+    """The file of a frame's first line ("" for a cell already named), None for other lines."""
+    if line.startswith("  Cell In["):
+        return ""
+    match = FILE_LINE.search(line) if line.startswith('  File "') else None
+    return match["file"] if match else None
+
+
+def fold_library_frames(traceback: str) -> str:
+    """A traceback as a reader of their own code wants it: runs of frames inside installed
+    packages or the standard library fold into one line naming the packages, and the frame that
+    raised stays, its path cut to where the package starts. The full text stays in
+    `WorkerError.traceback`."""
+    roots = _library_roots()
+
+    def library(path: str) -> str | None:  # the path from the package on, for a library frame
+        return next((path[len(root):] for root in roots if path.startswith(root)), None)
+
+    lines, out, run = traceback.splitlines(), [], []
+
+    def shortened(frame) -> list[str]:
+        path, block = frame
+        return [block[0].replace(path, library(path), 1), *block[1:]]
+
+    def flush(keep_last: bool) -> None:
+        frames, last = (run[:-1], run[-1]) if keep_last and run else (list(run), None)
+        if len(frames) > 1:
+            packages = sorted({library(path).split("/")[0].removesuffix(".py") for path, _ in frames})
+            out.append(f"  ... {len(frames)} frames in {', '.join(packages)}")
+        elif frames:
+            out.extend(shortened(frames[0]))
+        if last is not None:
+            out.extend(shortened(last))
+        run.clear()
+
+    i = 0
+    while i < len(lines):
+        path = _frame_file(lines[i])
+        block = [lines[i]]
+        i += 1
+        while path is not None and i < len(lines) and lines[i].startswith("    "):
+            block.append(lines[i])  # the frame's source line and its carets
+            i += 1
+        if path and library(path) is not None:
+            run.append((path, block))
+            continue
+        last_frame = path is None and run  # the run ends the traceback: its last frame raised
+        flush(keep_last=bool(last_frame))
+        out.extend(block)
+    flush(keep_last=True)
+    return "\n".join(out)
+
+
+def readable(traceback: str, shell=None) -> str:
+    """What the notebook shows of a rank's traceback: cells named, library frames folded."""
+    return name_cells(fold_library_frames(traceback), shell)

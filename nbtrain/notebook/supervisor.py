@@ -173,7 +173,7 @@ class Supervisor:
             elif self._capturing is not None and rank in self._capturing and stream == "stderr":
                 self._capturing[rank].append(text)
                 self._heard[rank] = time.monotonic()
-            else:
+            elif pool.shown(rank, stream, text):
                 self.display.output(rank, stream, text)
         elif kind in RANK_OUTPUT:  # lines a bar redraws, rich display
             deliver(self.display, message)
