@@ -58,6 +58,7 @@ class Network:
         self.mark = f"# nbtrain two-node test {pid}{engine}"
 
     def create(self) -> None:
+        remove_orphans()
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
@@ -101,6 +102,36 @@ class Network:
             kept = [line for line in f if not line.rstrip().endswith(self.mark)]
         with open(HOSTS, "w") as f:  # rewritten in place: /etc/hosts may be a bind mount
             f.writelines(kept)
+
+
+def remove_orphans() -> None:
+    """What sessions that were killed left (their daemons died with them; the network did not):
+    their /etc/hosts lines name their nodes and their pid."""
+    import re
+
+    with open(HOSTS) as f:
+        lines = f.read().splitlines(keepends=True)
+    dead: dict[str, set[str]] = {}  # a dead session's tag: its node names
+    for line in lines:
+        found = re.fullmatch(r"\S+ (\S+) # nbtrain two-node test (\d+)([a-z])", line.strip())
+        if found and not psutil.pid_exists(int(found[2])):
+            dead.setdefault(f"nbt{int(found[2]) % 100000}{found[3]}", set()).add(found[1])
+    if not dead:
+        return
+    for tag, nodes in dead.items():
+        for node in nodes:
+            done = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True)
+            for pid in map(int, done.stdout.split()):  # a job's processes that outlived their slurmd
+                try:
+                    psutil.Process(pid).kill()
+                except psutil.NoSuchProcess:
+                    pass
+            subprocess.run(["ip", "netns", "del", node], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"{tag}br"], capture_output=True)
+    names = {name for nodes in dead.values() for name in nodes}
+    with open(HOSTS, "w") as f:
+        f.writelines(line for line in lines
+                     if not ("# nbtrain two-node test" in line and names & set(line.split())))
 
 
 class TwoNodeSlurm(LocalSlurm):
@@ -173,9 +204,15 @@ class TwoNodeRay:
         os.environ.update({k: self.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})
 
     def _daemon(self, name: str, command: list[str]) -> None:
+        import ctypes
+        import signal
+
+        def die_with_the_session():  # SIGTERM: `ray start --block` then stops what it started
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: survives exec
+
         log = open(os.path.join(self.root, f"{name}.log"), "w")
         self.daemons.append(subprocess.Popen(command, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
-                                             stderr=subprocess.STDOUT))
+                                             stderr=subprocess.STDOUT, preexec_fn=die_with_the_session))
         LocalSlurm.running.add(self.daemons[-1].pid)  # the session's daemons: not a test's leftovers
         log.close()
 
