@@ -118,7 +118,8 @@ def private_address():
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("a network interface of its own needs root and iproute2's `ip`")
     nic, address = f"nbt{os.getpid() % 100000}a", f"10.231.{200 + os.getpid() % 50}.1"
-    made = subprocess.run(f"ip link add {nic} type bridge && ip addr add {address}/32 dev {nic} && ip link set {nic} up",
+    made = subprocess.run(f"ip link add {nic} type bridge && ip addr add {address}/32 dev {nic} && "
+                          f"ip link set {nic} up",
                           shell=True, capture_output=True, text=True)
     try:
         if made.returncode != 0:
@@ -133,7 +134,8 @@ def test_the_nodes_are_offered_every_address_of_this_machine_loopback_last(priva
     offered = base.notebook_addresses("slurm", toward=(private_address,))
     assert offered[0] == private_address  # the one toward the cluster first
     assert offered[-1] == "127.0.0.1" and not any(a.startswith("127.") for a in offered[:-1]), offered
-    assert (socket.gethostname() in offered) == any(not a.startswith("127.") for a in base._resolve(socket.gethostname()))
+    name = socket.gethostname()
+    assert (name in offered) == any(not a.startswith("127.") for a in base._resolve(name))
 
 
 @pytest.mark.slow  # `ip` makes the interface

@@ -292,3 +292,38 @@ def test_ray_an_interrupt_leaves_no_actor_on_either_node(ray_cluster, tmp_path):
     assert wait_until(lambda: not any(ray_cluster.actors_on(n) for n in ray_cluster.network.nodes)), \
         "rank actors left on the nodes"
     assert wait_until(lambda: ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU"))
+
+
+def test_ray_the_second_node_s_rank_killed_is_a_worker_error_naming_it(ray_cluster, tmp_path):
+    outcome = {}
+
+    def kill_when_both_run():
+        if wait_until(lambda: {"rank0", "rank1"} <= set(os.listdir(tmp_path)), 60):
+            rank1 = open(tmp_path / "rank1").read()  # the node rank 1 runs on
+            outcome["node"], outcome["killed_at"] = rank1, time.monotonic()
+            for pid in ray_cluster.actors_on(rank1):
+                os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_both_run)
+    killer.start()
+    try:
+        with pytest.raises(nbtrain.WorkerError) as caught:
+            nbtrain.launch(waits_saying_where, str(tmp_path), devices=1, num_nodes=2,
+                           cluster=nbtrain.Ray(address=ray_cluster.address), progress=False)
+    finally:
+        killer.join()
+    took = time.monotonic() - outcome["killed_at"]
+    text = str(caught.value)
+    assert f"rank 1 (on {outcome['node']})" in text, text
+    assert took < 15, f"the WorkerError came {took:.1f} s after the kill"
+    assert wait_until(lambda: not any(ray_cluster.actors_on(n) for n in ray_cluster.network.nodes))
+
+
+def waits_saying_where(flag_dir):
+    ctx = nbtrain.context()
+    with open(os.path.join(flag_dir, f".rank{ctx.rank}"), "w") as f:
+        f.write(socket.gethostname())
+    # renamed into place: the test reads it whole or not at all
+    os.rename(os.path.join(flag_dir, f".rank{ctx.rank}"), os.path.join(flag_dir, f"rank{ctx.rank}"))
+    ctx.barrier()
+    time.sleep(120)
