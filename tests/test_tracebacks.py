@@ -57,3 +57,28 @@ def test_worker_error_shows_the_folded_traceback_and_keeps_the_full_one():
     assert error.traceback == full
     assert "frames in torch" in str(error) and "site-packages" not in str(error)
     assert "frames in torch" in "\n".join(error._render_traceback_())
+
+
+def test_a_stack_listed_most_recent_first_keeps_the_running_frame():
+    import site
+
+    lib = site.getsitepackages()[0]
+    dump = ("Current thread 0x00007f (most recent call first):\n"
+            f'  File "{lib}/torch/distributed/rendezvous.py", line 199 in _create_c10d_store\n'
+            f'  File "{lib}/torch/distributed/rendezvous.py", line 280 in _env_rendezvous_handler\n'
+            f'  File "{lib}/torch/distributed/distributed_c10d.py", line 1892 in init_process_group\n'
+            '  File "/home/me/notebook_helpers.py", line 4 in hangs\n')
+    folded = fold_library_frames(dump).splitlines()
+    assert folded == ["Current thread 0x00007f (most recent call first):",
+                      '  File "torch/distributed/rendezvous.py", line 199 in _create_c10d_store',
+                      "  ... 2 frames in torch",
+                      '  File "/home/me/notebook_helpers.py", line 4 in hangs']
+
+
+def test_py_spy_output_loses_its_colours_and_long_paths():
+    import nbtrain
+    from nbtrain.common.tracebacks import plain_native_stack
+
+    own = nbtrain.__file__.replace("__init__.py", "rank/context.py")
+    text = f"\x1b[32mpoll\x1b[0m (\x1b[36mlibc.so.6\x1b[0m)\nbarrier ({own}:203)"
+    assert plain_native_stack(text) == "poll (libc.so.6)\nbarrier (nbtrain/rank/context.py:203)"
