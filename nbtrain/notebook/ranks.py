@@ -56,22 +56,25 @@ class Ranks:
     forks the warm template (a clean process; see `nbtrain.warm_up`), as `launch` does;
     'fork', 'template' and 'spawn' (plain fresh interpreters) choose one. `timeout` is the default limit, in seconds, of
     each call (none by default: a cell may run for hours). `cluster` (`nbtrain.Slurm(...)`,
-    `nbtrain.Ray(...)`) starts them there instead: `devices` ranks on each of the cluster's nodes.
+    `nbtrain.Ray(...)`) starts them there instead: `devices` ranks on each of `num_nodes` nodes.
     """
 
     def __init__(self, devices="auto", accelerator: str = "auto", backend: str | None = None,
                  timeout: float | None = None, strategy: str = "ddp", start: str = "auto", progress=True,
-                 cluster=None):
+                 cluster=None, num_nodes: int = 1):
         if strategy not in WRAPPINGS:
             raise ValueError(f"strategy={strategy!r}: live ranks wrap models with {' or '.join(map(repr, WRAPPINGS))}.")
         if start not in START_METHODS:
             raise ValueError(f"start={start!r} is not known. Accepted: {', '.join(map(repr, START_METHODS))}.")
         self.timeout = check_timeout(timeout)
         check_progress(progress)
+        if type(num_nodes) is not int or num_nodes < 1 or (num_nodes > 1 and cluster is None):
+            raise ValueError(f"num_nodes={num_nodes!r}: give an int >= 1; more than one node needs a cluster "
+                             "(cluster=nbtrain.Slurm(...) or nbtrain.Ray(...)).")
         if cluster is not None:
             if start != "auto":
                 raise ValueError(f"start={start!r} with cluster={cluster!r}: the cluster's engine starts the ranks.")
-            self.plan = check_cluster(cluster).plan(devices, accelerator, backend, 1)
+            self.plan = check_cluster(cluster).plan(devices, accelerator, backend, num_nodes)
         else:
             self.plan = plan_devices(devices, accelerator, backend)
         self.cluster = cluster

@@ -407,6 +407,9 @@ def _exit_site(exc: SystemExit) -> str:
     return f"{frame.filename} line {frame.lineno}{line}"
 
 
+NOTICE_VAR = "NBTRAIN_NOTICE"  # a line for the notebook from a remote rank's start (see serve)
+
+
 def serve(first: tuple | None = None, once: bool = False, live: bool = False, forward_output: bool = False) -> int:
     """Be a rank (environment already set): connect, say hello, run commands; the exit code.
 
@@ -422,6 +425,9 @@ def serve(first: tuple | None = None, once: bool = False, live: bool = False, fo
         return 1
     if forward_output:
         forward(link)
+        notice = os.environ.pop(NOTICE_VAR, None)
+        if notice:  # what the engine's side found as the rank started, now that its output reaches the notebook
+            print(f"nbtrain: {notice}", file=sys.stderr, flush=True)
     become_torchrun_worker()
     show_in_notebook(link, rank)
     ctx = Context.from_environ(os.environ, link)
