@@ -215,6 +215,15 @@ def test_post_mortem_debugging_in_the_failed_rank(nb):
     assert "\n1\n" in out
 
 
+def test_the_debugger_opens_in_the_users_frame_above_library_code(nb):
+    # A failure inside torch (F.linear): pdb opened in torch/nn/modules/linear.py.
+    failing(nb, "%%ranks\nlayer = torch.nn.Linear(4, 2)\ndef forward(x):\n    out = layer(x)\n    return out\n"
+                "forward(torch.randn(3, 5))")
+    out, _ = ok(nb, "ranks[0].debug()", answers=["p x.shape", "q"])
+    assert "out = layer(x)" in out and "torch.Size([3, 5])" in out, out
+    assert "site-packages" not in out.split("(Pdb")[0]
+
+
 def test_breakpoint_on_one_rank(nb):
     out, _ = ok(nb, "%%ranks --rank 0\nz = 5\nbreakpoint()\nprint('after', z)", answers=["p z", "z = 7", "c"])
     assert nb.prompts[0] == "(Pdb rank 0) " and "5" in out and "[rank 0] after 7" in out

@@ -41,6 +41,7 @@ from ..common.process_tree import become_subreaper, end_descendants
 from ..common.channel import ChannelUnreachable, Link
 from ..common.pickling import code_global_names
 from ..common.source import free_names, parse_cell
+from ..common.tracebacks import package_path
 from ..common.transfer import pack_exception, pack_result, unpack_job, unpack_push
 from .compat import become_torchrun_worker, destroy_asked_group
 from .context import Context, set_current
@@ -287,6 +288,17 @@ class RemoteDebugger:
                 super().__init__(stdin=io, stdout=io, nosigint=True)
                 self.use_rawinput = False
                 self.prompt = f"(Pdb rank {loop.ctx.rank}) "
+
+            def setup(self, frame, tb):
+                # Open at the innermost frame of the user's own code (torch's F.linear is rarely
+                # what to look at); `down` still reaches the library frames below it.
+                super().setup(frame, tb)
+                for index in range(len(self.stack) - 1, -1, -1):
+                    if package_path(self.stack[index][0].f_code.co_filename) is None:
+                        self.curindex = index
+                        self.curframe = self.stack[index][0]
+                        self.curframe_locals = self.curframe.f_locals
+                        break
 
         return _Debugger()
 
