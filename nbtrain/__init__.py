@@ -49,7 +49,7 @@ def __getattr__(name: str):
             value = getattr(_importlib.import_module(_PUBLIC[name], __name__), name)
         else:
             value = _importlib.import_module(f".{name}", __name__)
-    globals()[name] = value  # once loaded, a plain attribute
+        globals()[name] = value  # once loaded, a plain attribute
     return value
 
 
