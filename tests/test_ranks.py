@@ -222,6 +222,7 @@ def test_the_debugger_opens_in_the_users_frame_above_library_code(nb):
     out, _ = ok(nb, "ranks[0].debug()", answers=["p x.shape", "q"])
     assert "out = layer(x)" in out and "torch.Size([3, 5])" in out, out
     assert "site-packages" not in out.split("(Pdb")[0]
+    assert "> Cell In[" in out and "ipykernel_" not in out, out  # where, as IPython's debugger says it
 
 
 def test_breakpoint_on_one_rank(nb):
