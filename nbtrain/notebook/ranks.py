@@ -267,13 +267,17 @@ class Ranks:
         """`run(fn, ...)` with torch.profiler on every rank: the `Result`'s `profile` is the table."""
         return self.run(fn, *args, profile=profile, **kwargs)
 
-    def debug(self, rank: int | None = None) -> None:
-        """pdb in `rank`'s last failure (default: the rank that failed last), from this notebook."""
+    def debug(self, rank: int | None = None, commands: list[str] | None = None) -> None:
+        """pdb in `rank`'s last failure (default: the rank that failed last), from this notebook.
+        `commands` are typed for you first (["p x.shape", "up", "q"]); the prompt follows unless
+        they end the session, so a notebook run top to bottom does not stop at it."""
         rank = self._last_failure if rank is None else rank
         if rank is None:
             raise RuntimeError("no rank has failed yet: there is nothing to debug. (breakpoint() in code run on "
                                "the ranks also opens pdb here.)")
-        self._command("debug", ranks=[rank])
+        if commands is not None and (isinstance(commands, str) or not all(isinstance(c, str) for c in commands)):
+            raise TypeError(f"debug(commands={commands!r}): give a list of pdb commands, e.g. ['p x.shape', 'q'].")
+        self._command("debug", list(commands or []), ranks=[rank])
 
     # -- plumbing ------------------------------------------------------------------------
     def _command(self, kind: str, *args, ranks=None, timeout=None, namespace=None, display=None, title=""):
@@ -327,8 +331,8 @@ class Rank:
     def run(self, fn, *args, **kwargs):
         return self._ranks.run(fn, *args, ranks=[self.rank], **kwargs)
 
-    def debug(self) -> None:
-        self._ranks.debug(self.rank)
+    def debug(self, commands: list[str] | None = None) -> None:
+        self._ranks.debug(self.rank, commands)
 
     def __repr__(self) -> str:
         return f"Rank({self.rank} of {self._ranks!r})"

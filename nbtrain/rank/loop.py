@@ -234,10 +234,12 @@ class RankLoop:
             self.ctx.start_group()
         return None, ""
 
-    def _do_debug(self, seq):
+    def _do_debug(self, seq, commands=()):
         if self.last_traceback is None:
             raise RuntimeError(f"rank {self.ctx.rank} has no failure to debug: nothing raised since the ranks started.")
         debugger = RemoteDebugger(self)
+        debugger.cmdqueue.extend(commands)  # typed before the prompt, as if by the user
+        debugger.typed = list(commands)
         with self._user_code(seq):
             debugger.reset()
             debugger.interaction(None, self.last_traceback)
@@ -288,6 +290,13 @@ class RemoteDebugger:
                 super().__init__(stdin=io, stdout=io, nosigint=True)
                 self.use_rawinput = False
                 self.prompt = f"(Pdb rank {loop.ctx.rank}) "
+                self.typed: list[str] = []
+
+            def precmd(self, line):
+                if self.typed and line == self.typed[0]:  # a command given in advance: shown as if typed
+                    self.typed.pop(0)
+                    self.message(f"{self.prompt}{line}")
+                return super().precmd(line)
 
             def setup(self, frame, tb):
                 # Open at the innermost frame of the user's own code (torch's F.linear is rarely
