@@ -14,6 +14,8 @@ from .notebook.env import environment
 from .notebook.launch import launch
 from .notebook.ranks import Rank, Ranks
 from .notebook.result import Result
+from .notebook.runs import Run, attach, runs
+from .notebook.submit import submit
 from .placements.clusters import Ray, Slurm
 from .placements.template_process import warm_up
 from .rank.context import Context, context, rank_zero_only

@@ -18,6 +18,7 @@ class Result:
     effective_batch_size: int | None = None
     devices: str = ""  # the plan, in words
     vitals: list[Vital] = field(default_factory=list)  # per-rank step rate and memory, about once a second
+    restarts: list[str] = field(default_factory=list)  # why each restart of a submitted run's ranks happened
 
     @classmethod
     def from_state(cls, state: RunState, strategy: str, devices: str) -> "Result":

@@ -1,0 +1,89 @@
+"""The supervisor of a submitted run: a process in its own session that outlives the kernel.
+
+It runs the job with `launch` itself, as a kernel would, so a submitted run starts its ranks,
+watches them and names failures exactly as `launch` does (every placement, the same
+`WorkerError`); its display (`display/recorder.py`) writes what the ranks report to the run
+directory instead of drawing it. With `max_restarts`, a failed attempt starts all ranks again.
+`submit.py` starts it: `python -c "from nbtrain.notebook.detached import main; main(RUN_DIR)"`,
+so the job's `__main__` is a blank module, as in a spawned rank.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from ..common import runlog
+from ..common.errors import WorkerError
+from ..common.pickling import ship_bytes
+from ..common.transfer import unpack_job
+from ..display.recorder import RunRecorder
+from .launch import launch
+
+
+class Status:
+    """status.json, rewritten whole at each change."""
+
+    def __init__(self, run_dir: Path, max_restarts: int):
+        self.path = run_dir / runlog.STATUS
+        self.value = {"status": "queued", "pid": os.getpid(), "max_restarts": max_restarts, "restarts": [],
+                      "reason": "", "ended": None}
+
+    def set(self, status: str, **more) -> None:
+        self.value.update(status=status, **more)
+        if status in runlog.ENDED:
+            self.value["ended"] = time.time()
+        runlog.write_json(self.path, self.value)
+
+
+def main(run_dir: str) -> int:
+    run_dir = Path(run_dir)
+    # cancel() sends SIGTERM: the running launch takes it as a Ctrl-C, stops its ranks and cleans up.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    spec = runlog.read_json(run_dir / runlog.SPEC)
+    status = Status(run_dir, spec["max_restarts"])
+    os.environ["NBTRAIN_RUN_DIR"] = str(run_dir)  # ctx.run_dir, in every rank (their environment starts from ours)
+    try:
+        fn, args, kwargs = unpack_job((run_dir / runlog.JOB).read_bytes())
+    except BaseException as exc:
+        return _failed(run_dir, status, exc, "the job could not be loaded")
+    for attempt in range(spec["max_restarts"] + 1):
+        status.set("running", attempt=attempt)
+        recorder = RunRecorder(run_dir, attempt)
+        try:
+            result = launch(fn, *args, progress=recorder, **spec["launch"], **kwargs)
+        except KeyboardInterrupt:
+            recorder.note("cancelled")
+            status.set("cancelled", reason="cancelled by Run.cancel()")
+            return 1
+        except WorkerError as error:
+            reason = f"rank {error.rank} failed: {error.summary.splitlines()[0] if error.summary else ''}"
+            if attempt == spec["max_restarts"]:
+                return _failed(run_dir, status, error, reason)
+            said = f"restarting ({attempt + 1} of {spec['max_restarts']}): {reason}"
+            recorder.note(said)
+            status.set("restarting", reason=said, restarts=[*status.value["restarts"], reason])
+            continue
+        except BaseException as exc:  # launch refused the run, or nbtrain itself failed
+            return _failed(run_dir, status, exc, f"{type(exc).__name__}: {exc}".splitlines()[0])
+        finally:
+            recorder.close()
+        result.restarts = list(status.value["restarts"])
+        runlog.write_whole(run_dir / runlog.RESULT, ship_bytes(result))
+        status.set("finished", reason="")
+        return 0
+    return 1  # not reached: the last attempt returns
+
+
+def _failed(run_dir: Path, status: Status, error: BaseException, reason: str) -> int:
+    traceback.print_exception(error, file=sys.stderr)
+    try:
+        payload = ship_bytes(error)
+    except Exception:  # an exception that does not pickle: its text still reaches the notebook
+        payload = ship_bytes(RuntimeError("".join(traceback.format_exception(error))))
+    runlog.write_whole(run_dir / runlog.ERROR, payload)
+    status.set("failed", reason=reason)
+    return 1

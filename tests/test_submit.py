@@ -1,0 +1,169 @@
+"""submit / attach: runs that outlive the kernel, restarts from the last checkpoint, cancel."""
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+import nbtrain
+from nbtrain.common import runlog, session
+
+from conftest import Kernel
+
+# Defined in the kernel as a notebook would, and here for the plain launch it is compared with.
+TRAIN = '''
+import os, time, torch, nbtrain
+
+def train(steps, pause=0.0, die_at=None):
+    """DDP on a seeded model and seeded batches, resuming from ctx.run_dir's checkpoint if any.
+    die_at: rank 1 exits (code 1) at that step, once per run directory."""
+    ctx = nbtrain.context()
+    torch.manual_seed(0)
+    model = ctx.setup(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = 0
+    checkpoint = ctx.run_dir / "checkpoint" if ctx.run_dir else None
+    if checkpoint is not None and checkpoint.exists():
+        start = ctx.load_checkpoint(checkpoint, model=model, optimizer=opt, step=0)["step"]
+    for step in ctx.progress(range(start, steps), total=steps):
+        marker = ctx.run_dir / "died" if ctx.run_dir else None
+        if step == die_at and ctx.rank == 1 and not marker.exists():
+            marker.touch()
+            os._exit(1)
+        g = torch.Generator().manual_seed(100 * step + ctx.rank)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.log("loss", loss.item())
+        print("step", step)
+        if checkpoint is not None:
+            ctx.save_checkpoint(checkpoint, model=model, optimizer=opt, step=step + 1)
+        time.sleep(pause)
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+'''
+exec(TRAIN)  # noqa: S102 - the same code as the kernel's
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _ended_cleanly(run) -> None:
+    """Nothing of the run's session or tree is left, a little after it ended."""
+    pid = json.loads((run.dir / runlog.SUPERVISOR).read_text())["pid"]
+    _wait_for(lambda: not session.members(pid), 20, f"the run's processes to exit: {session.members(pid)}")
+
+
+def _rank_pids(run) -> list[int]:
+    return [e[3] for r in (0, 1) for e in runlog.Tail(run.dir / runlog.rank_events(r)).read() if e[1] == "hello"]
+
+
+def test_a_directory_that_is_not_a_run_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="does not exist: give a directory made by nbtrain.submit"):
+        nbtrain.attach(tmp_path / "nothing")
+    with pytest.raises(ValueError, match=r"is not a run directory \(no run.json, status.json\)"):
+        nbtrain.attach(tmp_path)
+    assert nbtrain.runs(tmp_path) == []
+
+
+def test_bad_submit_settings_are_refused_before_anything_starts(tmp_path):
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "file").touch()
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        nbtrain.submit(train, 1, devices=2, accelerator="cpu", run_dir=tmp_path / "used")
+    with pytest.raises(ValueError, match="max_restarts=-1: give a whole number"):
+        nbtrain.submit(train, 1, devices=2, accelerator="cpu", run_dir=tmp_path / "new", max_restarts=-1)
+    with pytest.raises(ValueError, match="strategy='nope' is not known"):
+        nbtrain.submit(train, 1, strategy="nope", run_dir=tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
+def test_event_log_lines_are_whole_or_absent(tmp_path):
+    log = runlog.EventLog(tmp_path / "e.jsonl")
+    tail = runlog.Tail(tmp_path / "e.jsonl")
+    log.write(0, "metric", 0, 1, "loss", 0.5, False)
+    with open(tmp_path / "e.jsonl", "ab") as file:
+        file.write(b'[0, "metric", 0, 2, "lo')  # a writer killed mid-line
+    assert tail.read() == [[0, "metric", 0, 1, "loss", 0.5, False]]
+    with open(tmp_path / "e.jsonl", "ab") as file:
+        file.write(b'ss", 0.25, false]\n')
+    assert tail.read() == [[0, "metric", 0, 2, "loss", 0.25, False]]
+    log.close()
+
+
+@pytest.mark.slow
+def test_a_run_outlives_a_killed_kernel_and_attach_gets_the_launch_values(tmp_path):
+    kernel = Kernel()
+    try:
+        _, _, error, _ = kernel.run(f"{TRAIN}\nos.chdir({str(tmp_path)!r})\n"
+                                    "run = nbtrain.submit(train, 12, 0.2, devices=2, accelerator='cpu')")
+        assert error is None, error
+        path = kernel.value("str(run.dir)")
+        run = nbtrain.attach(path)
+        _wait_for(lambda: "step 2" in run.logs(0), 60, "the run to take steps")
+        os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
+        kernel.manager.provisioner.process.wait()
+    finally:
+        kernel.client.stop_channels()
+        kernel.manager.cleanup_resources()
+    assert run.status == "running"  # the kernel is gone, the run is not
+    result = nbtrain.attach(path).result(timeout=120)
+    assert run.status == "finished" and result.restarts == []
+    assert os.stat(path).st_mode & 0o777 == 0o700
+    assert [f"step {i}" for i in range(12)] == run.logs(1).split("\n")[:-1]
+    plain = nbtrain.launch(train, 12, devices=2, accelerator="cpu", progress=False)
+    assert _same(result.value, plain.value)
+    assert result.metrics("loss") == plain.metrics("loss")
+    _ended_cleanly(run)
+    [row] = nbtrain.runs(tmp_path / "nbtrain-runs")
+    assert (row["function"], row["status"]) == ("train", "finished") and row["metrics"].startswith("loss=")
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_once_is_restarted_from_the_checkpoint(tmp_path):
+    run = nbtrain.submit(train, 6, die_at=3, devices=2, accelerator="cpu", run_dir=tmp_path / "run",
+                         max_restarts=1)
+    result = run.result(timeout=180)
+    assert (tmp_path / "run" / "died").exists()  # it did die once
+    [why] = result.restarts
+    assert re.fullmatch(r"rank 1 failed: exited with code 1 \(PID \d+\)", why), why
+    assert run.restarts == result.restarts and run.status == "finished"
+    plain = nbtrain.launch(train, 6, devices=2, accelerator="cpu", progress=False)
+    assert _same(result.value, plain.value)
+    assert f"restarting (1 of 1): {why}" in (tmp_path / "run" / "events.jsonl").read_text()
+    _ended_cleanly(run)
+
+
+@pytest.mark.slow
+def test_a_failure_beyond_the_restarts_is_the_launch_error(tmp_path):
+    run = nbtrain.submit(train, 6, die_at=1, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
+    with pytest.raises(nbtrain.WorkerError, match="rank 1 failed: exited with code 1") as caught:
+        run.result(timeout=120)
+    assert caught.value.rank == 1 and run.status == "failed"
+    _ended_cleanly(run)
+
+
+@pytest.mark.slow
+def test_cancel_leaves_no_process(tmp_path):
+    run = nbtrain.submit(train, 1000, 0.1, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
+    _wait_for(lambda: "step 1" in run.logs(1), 60, "the run to take steps")
+    ranks = _rank_pids(run)
+    assert len(ranks) == 2
+    run.cancel()
+    assert run.status == "cancelled"
+    with pytest.raises(RuntimeError, match="was cancelled; it has no result"):
+        run.result(timeout=5)
+    _ended_cleanly(run)
+    assert not any(session.alive(session.identity(p)) for p in ranks)
