@@ -167,3 +167,23 @@ def test_cancel_leaves_no_process(tmp_path):
         run.result(timeout=5)
     _ended_cleanly(run)
     assert not any(session.alive(session.identity(p)) for p in ranks)
+
+
+@pytest.mark.slow
+def test_a_submitted_cell_and_attach_magic_in_a_kernel(tmp_path):
+    kernel = Kernel()
+    try:
+        assert kernel.run(f"import os; os.chdir({str(tmp_path)!r})\n%load_ext nbtrain\nscale = 10")[2] is None
+        _, _, error, shown = kernel.run("%%nbtrain --submit --devices 2 --accelerator cpu\n"
+                                        "import nbtrain\nctx = nbtrain.context()\nprint('rank', ctx.rank)\n"
+                                        "scale * (ctx.rank + 1)")
+        assert error is None, error
+        assert any("nbtrain: ddp on 2 CPU ranks" in s.get("text/plain", "") for s in shown), shown  # the live view
+        assert kernel.value("_nbtrain_run.result(timeout=120).values") == [10, 20]
+        assert kernel.value("_nbtrain_run.logs(1)") == "rank 1\n"
+        assert kernel.run("again = %nbtrain attach {_nbtrain_run.dir}")[2] is None
+        assert kernel.value("(again.status, again.dir == _nbtrain_run.dir)") == ("finished", True)
+        _, _, error, _ = kernel.run("%nbtrain attach nowhere")
+        assert error["ename"] == "ValueError" and "'nowhere' does not exist" in error["evalue"]
+    finally:
+        kernel.close()

@@ -6,6 +6,8 @@
                                --cluster slurm|ray: on a cluster's nodes)
     %nbtrain config [options]  session defaults for those options; alone, shows them; `config reset` clears
     %nbtrain gpus              the GPU table (`nbtrain.gpus()`)
+    %%nbtrain --submit [options]   the cell as a run that outlives the kernel (`nbtrain.submit`)
+    %nbtrain attach PATH       a submitted run again (`nbtrain.attach`); `%nbtrain runs [PATH]` lists them
 
 The cell's `Result` is stored in the user namespace as `_nbtrain_result` (rank 0's last
 expression value in `.value`). The magics only parse options and call
@@ -23,9 +25,12 @@ from IPython.display import display
 from ..common.devices import plan_devices
 from ..display.gpus import gpus
 from ..placements.script import check_installed, script_options
-from .cell import run_cell
+from .cell import cell_job, run_cell
 from .launch import deepspeed_options, resolve_strategy
-from .magic_options import COMMANDS, DEFAULTS, RESULT_NAME, SCRIPT_STRATEGIES, _given, make_cluster, run_options
+from .magic_options import (COMMANDS, DEFAULTS, RESULT_NAME, RUN_NAME, SCRIPT_STRATEGIES, _given, make_cluster,
+                            run_options)
+from .runs import attach, runs
+from .submit import submit
 from .ranks_magics import command as live_command
 from .ranks_magics import register as register_live
 
@@ -98,6 +103,9 @@ class NbtrainMagics(Magics):
             return self._command(line)
         options = {**DEFAULTS, **self.config_options, **_given(parse_argstring(self.nbtrain, line))}
         check_options(options)
+        if options["submit"]:
+            self.shell.user_ns[RUN_NAME] = run = self.submit(cell, options)
+            return run  # the cell's output: the run's live view
         self.shell.user_ns[RESULT_NAME] = None  # a failed run leaves no earlier result behind
         self.shell.user_ns[RESULT_NAME] = self.run(cell, options)
 
@@ -110,6 +118,17 @@ class NbtrainMagics(Magics):
             hidden=self.shell.user_ns_hidden, cluster=make_cluster(options),
             rerun_as=rerun_line(options) if options["nnodes"] > 1 and not options["cluster"] else None)
 
+    def submit(self, cell: str, options: dict):
+        if options["cluster"]:
+            raise UsageError("--submit runs on this machine for now; --cluster runs live with the kernel.")
+        strategy = options["strategy"]
+        job = cell_job(cell, self.shell.user_ns, strategy, self.shell.user_ns_hidden)
+        script = {"launcher": _launcher(options)} if strategy in SCRIPT_STRATEGIES else None
+        # --max-restarts restarts the submitted run's ranks (all of them, from ctx.run_dir's checkpoint).
+        return submit(job, strategy=strategy, devices=options["devices"], accelerator=options["accelerator"],
+                      num_nodes=options["nnodes"], timeout=options["timeout"], launcher_options=script,
+                      max_restarts=options["max_restarts"])
+
     def _command(self, line: str):
         words = line.split(None, 1)
         command, rest = (words[0], words[1] if len(words) > 1 else "") if words else ("", "")
@@ -118,6 +137,12 @@ class NbtrainMagics(Magics):
         if command == "gpus":
             display(gpus())
             return None
+        if command == "attach":
+            if not rest.strip():
+                raise UsageError("%nbtrain attach PATH: give a run directory (`%nbtrain runs` lists them).")
+            return attach(rest.strip())
+        if command == "runs":
+            return runs(rest.strip() or "nbtrain-runs")
         if command in ("start", "stop", "warm"):
             return live_command(self.shell, command, rest)
         what = f"unknown command {command!r}" if command else "a command is needed"

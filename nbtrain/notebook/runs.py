@@ -21,6 +21,7 @@ from ..display.runstate import RunState, Vital
 from .result import Result
 
 POLL = 0.2  # seconds between looks at the run directory
+START_WAIT = 60.0  # seconds a Run shown in a cell waits for its ranks to start (the supervisor imports torch)
 
 
 class Run:
@@ -124,7 +125,12 @@ class Run:
         # Drawn by a thread, so the cell returns at once; rank output stays in logs(rank),
         # since a thread's prints would land in whichever cell runs then.
         follower = Follower(self.dir, make_display(True), output=False)
-        follower.poll(self._status())
+        deadline = time.monotonic() + START_WAIT  # the view is shown here, in this cell, once the ranks start
+        while not follower.poll(self._status()) and follower.state is None and time.monotonic() < deadline:
+            time.sleep(POLL)
+        if follower.state is None and not follower.done:
+            print(f"{self!r}: not started after {START_WAIT:.0f} s; show it again, or run.watch().")
+            return
 
         def follow() -> None:
             while not follower.poll(self._status()):
@@ -153,6 +159,7 @@ class Follower:
         self.attempt = -1
         self.t0 = 0.0  # the attempt's start, wall clock
         self.done = False
+        self.restart = ""  # the latest "restarting (k of N): why"
 
     def poll(self, status: dict) -> bool:
         """Take in what was written since the last poll; True once the run has ended and is drawn."""
@@ -184,12 +191,18 @@ class Follower:
                 self.state = RunState(title, ranks)
                 self.display.start(self.state)
             else:  # a restart: the same state object, begun again, so the display keeps drawing it
-                self.state.__init__(title, ranks)
+                self.state.__init__(title if self.output else f"{title} · {self.restart.replace('ing', 'ed', 1)}",
+                                    ranks)
             self.state.started = time.monotonic() - (time.time() - self.t0)
             for rank in ranks:
                 self.tails.setdefault(rank, runlog.Tail(self.dir / runlog.rank_events(rank)))
-        elif kind == "note":
+        elif kind == "note" and self.output:
             self.display.note(payload[0])
+        elif kind == "note" and payload[0].startswith("restarting") and self.state is not None:
+            # Drawn by a thread, a note would print into whichever cell runs: the title says it.
+            self.restart = payload[0]
+            self.state.title = f"{self.state.title.split(' · ')[0]} · {self.restart}"
+            self.state.version += 1
         elif kind == "end" and attempt == self.attempt and self.state is not None:
             self.state.ended = self.state.started + (payload[1] - self.t0)
 
