@@ -13,6 +13,7 @@ from .notebook.dropins import notebook_launcher, spawn
 from .notebook.env import environment
 from .notebook.launch import launch
 from .notebook.ranks import Rank, Ranks
+from .notebook.export import export
 from .notebook.result import Result
 from .notebook.runs import Run, attach, runs
 from .notebook.submit import submit

@@ -3,7 +3,10 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
+
+import dill
 
 import pytest
 import torch
@@ -187,3 +190,28 @@ def test_a_submitted_cell_and_attach_magic_in_a_kernel(tmp_path):
         assert error["ename"] == "ValueError" and "'nowhere' does not exist" in error["evalue"]
     finally:
         kernel.close()
+
+
+@pytest.mark.slow
+def test_an_export_runs_with_bash_and_gives_the_launch_weights(tmp_path):
+    kernel = Kernel()
+    try:
+        code = f"{TRAIN}\nimport torch.nn.functional as F\nSCALE = torch.ones(1)\n" \
+               "def scaled(x):\n    return F.relu(x) * SCALE\n" \
+               "def uses_helpers(steps):\n    return {k: scaled(v) for k, v in train(steps).items()}\n" \
+               f"nbtrain.export(uses_helpers, 4, to={str(tmp_path / 'job')!r}, devices=2, accelerator='cpu')"
+        assert kernel.run(code)[2] is None
+    finally:
+        kernel.close()
+    script = (tmp_path / "job" / "job.py").read_text()
+    assert "def train(steps, pause=0.0, die_at=None):" in script and "def scaled(x):" in script
+    assert "import torch.nn.functional as F" in script and "SCALE" not in script.split("def scaled")[0].split("dill")[0]
+    ran = subprocess.run(["bash", str(tmp_path / "job" / "run.sh")], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "rank 0 returned: {'weight': tensor(" in ran.stdout
+    value = dill.loads((tmp_path / "job" / "run" / "value.pkl").read_bytes())
+    plain = nbtrain.launch(train, 4, devices=2, accelerator="cpu", progress=False)
+    assert _same(value, {k: torch.relu(v) for k, v in plain.value.items()})
+    with pytest.raises(ValueError, match="the source of 'train' cannot be read"):
+        nbtrain.export(train, 4, to=tmp_path / "again")  # exec'd here: no source to write
+    assert not (tmp_path / "again").exists()

@@ -18,6 +18,7 @@ import dill
 from ..common import runlog, session
 from ..display import in_jupyter, make_display
 from ..display.runstate import RunState, Vital
+from .export import export, load_job
 from .result import Result
 
 POLL = 0.2  # seconds between looks at the run directory
@@ -106,6 +107,13 @@ class Run:
         """What `rank` printed, every attempt's, as text."""
         lines = [e[4] for e in runlog.Tail(self.dir / runlog.rank_events(rank)).read() if e[1] == "output"]
         return "".join(line + "\n" for line in lines)
+
+    def export(self, path) -> Path:
+        """This run's job as a directory that runs with no notebook (see `nbtrain.export`)."""
+        fn, args, kwargs = load_job((self.dir / runlog.JOB).read_bytes())
+        options = self.spec["launch"]
+        return export(fn, *args, to=path, devices=options["devices"], accelerator=options["accelerator"],
+                      num_nodes=options["num_nodes"], **kwargs)
 
     # -- the live view -------------------------------------------------------------------
     def watch(self, progress=True, output: bool = True) -> str:
