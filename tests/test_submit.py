@@ -215,3 +215,25 @@ def test_an_export_runs_with_bash_and_gives_the_launch_weights(tmp_path):
     with pytest.raises(ValueError, match="the source of 'train' cannot be read"):
         nbtrain.export(train, 4, to=tmp_path / "again")  # exec'd here: no source to write
     assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.slow
+def test_a_slurm_run_outlives_the_kernel_and_attach_collects_it(slurm, tmp_path):
+    kernel = Kernel()  # started after the fixture exported SLURM_CONF: it submits to the local cluster
+    try:
+        _, _, error, _ = kernel.run(f"{TRAIN}\nrun = nbtrain.submit(train, 8, 0.3, devices=2, accelerator='cpu', "
+                                    f"cluster=nbtrain.Slurm(), run_dir={str(tmp_path / 'run')!r})")
+        assert error is None, error
+        run = nbtrain.attach(tmp_path / "run")
+        _wait_for(lambda: "step 1" in run.logs(1), 120, "the job's ranks to take steps")
+        os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
+        kernel.manager.provisioner.process.wait()
+    finally:
+        kernel.client.stop_channels()
+        kernel.manager.cleanup_resources()
+    result = run.result(timeout=180)
+    assert result.devices.endswith("on SLURM") and run.status == "finished"
+    plain = nbtrain.launch(train, 8, devices=2, accelerator="cpu", progress=False)
+    assert _same(result.value, plain.value)
+    _ended_cleanly(run)
+    _wait_for(lambda: not slurm.jobs(), 30, "the job to leave the queue")

@@ -16,6 +16,8 @@ import time
 import traceback
 from pathlib import Path
 
+import dill
+
 from ..common import runlog
 from ..common.errors import WorkerError
 from ..common.pickling import ship_bytes
@@ -48,13 +50,14 @@ def main(run_dir: str) -> int:
     os.environ["NBTRAIN_RUN_DIR"] = str(run_dir)  # ctx.run_dir, in every rank (their environment starts from ours)
     try:
         fn, args, kwargs = unpack_job((run_dir / runlog.JOB).read_bytes())
+        cluster = dill.loads((run_dir / runlog.CLUSTER).read_bytes()) if (run_dir / runlog.CLUSTER).exists() else None
     except BaseException as exc:
         return _failed(run_dir, status, exc, "the job could not be loaded")
     for attempt in range(spec["max_restarts"] + 1):
         status.set("running", attempt=attempt)
         recorder = RunRecorder(run_dir, attempt)
         try:
-            result = launch(fn, *args, progress=recorder, **spec["launch"], **kwargs)
+            result = launch(fn, *args, progress=recorder, cluster=cluster, **spec["launch"], **kwargs)
         except KeyboardInterrupt:
             recorder.note("cancelled")
             status.set("cancelled", reason="cancelled by Run.cancel()")

@@ -12,7 +12,9 @@ from typing import Callable
 
 from ..common import runlog, session
 from ..common.devices import plan_devices
+from ..common.pickling import ship_bytes
 from ..common.transfer import pack_job
+from ..placements.clusters import check_cluster
 from .launch import check_timeout, resolve_strategy
 from .runs import Run
 
@@ -36,20 +38,24 @@ def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     a `Run` at once. What the ranks report, and the result, go to `run_dir` (default: a new
     directory under ./nbtrain-runs/); `nbtrain.attach(run_dir)` follows the run from any later
     kernel. With `max_restarts=N`, a failed attempt starts all ranks again, up to N times;
-    `ctx.run_dir` is where the training code keeps the checkpoints it resumes from."""
+    `ctx.run_dir` is where the training code keeps the checkpoints it resumes from. With
+    `cluster=nbtrain.Slurm(...)` (or Ray), the supervisor on this machine runs the cluster job,
+    so the job outlives the kernel (not this machine)."""
     if not callable(fn):
         raise TypeError(f"submit(fn=...) needs a callable training function, got {type(fn).__name__}.")
-    if cluster is not None:
-        raise NotImplementedError(f"submit(cluster={cluster!r}): a submitted run runs on this machine for now; "
-                                  "use nbtrain.launch(..., cluster=...) for a cluster run that lives with the kernel.")
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r}: give a whole number of restarts, 0 or more.")
     check_timeout(timeout)
-    resolve_strategy(strategy, plan_devices(devices, accelerator, backend, num_nodes))  # bad settings fail here
+    if cluster is None:  # bad settings fail here, before anything starts
+        resolve_strategy(strategy, plan_devices(devices, accelerator, backend, num_nodes))
+    else:
+        check_cluster(cluster).plan(devices, accelerator, backend, num_nodes)
     name = getattr(fn, "__name__", type(fn).__name__)
     where = _new_run_dir(name) if run_dir is None else _given_run_dir(run_dir)
     try:
         runlog.write_whole(where / runlog.JOB, pack_job(fn, args, kwargs))
+        if cluster is not None:  # the supervisor runs launch(..., cluster=...): the job survives the kernel
+            runlog.write_whole(where / runlog.CLUSTER, ship_bytes(cluster))
     except BaseException:
         for leftover in where.iterdir():
             leftover.unlink()
