@@ -135,7 +135,7 @@ def test_a_run_outlives_a_killed_kernel_and_attach_gets_the_launch_values(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_rank_that_dies_once_is_restarted_from_the_checkpoint(tmp_path):
+def test_a_rank_that_dies_once_is_restarted_from_the_checkpoint(tmp_path, no_leftovers):
     run = nbtrain.submit(train, 6, die_at=3, devices=2, accelerator="cpu", run_dir=tmp_path / "run",
                          max_restarts=1)
     result = run.result(timeout=180)
@@ -150,7 +150,7 @@ def test_a_rank_that_dies_once_is_restarted_from_the_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failure_beyond_the_restarts_is_the_launch_error(tmp_path):
+def test_a_failure_beyond_the_restarts_is_the_launch_error(tmp_path, no_leftovers):
     run = nbtrain.submit(train, 6, die_at=1, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
     with pytest.raises(nbtrain.WorkerError, match="rank 1 failed: exited with code 1") as caught:
         run.result(timeout=120)
@@ -159,7 +159,7 @@ def test_a_failure_beyond_the_restarts_is_the_launch_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_cancel_leaves_no_process(tmp_path):
+def test_cancel_leaves_no_process(tmp_path, no_leftovers):
     run = nbtrain.submit(train, 1000, 0.1, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
     _wait_for(lambda: "step 1" in run.logs(1), 60, "the run to take steps")
     ranks = _rank_pids(run)
