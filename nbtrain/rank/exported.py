@@ -20,6 +20,7 @@ def main(fn, here: str) -> None:
     here = Path(here)
     args, kwargs = dill.loads((here / ARGUMENTS).read_bytes())
     run_dir = Path(os.environ.setdefault("NBTRAIN_RUN_DIR", str(here / "run")))
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # ctx.run_dir, where the code keeps checkpoints
     ctx = Context.from_environ(os.environ)
     set_current(ctx)
     try:
@@ -28,6 +29,5 @@ def main(fn, here: str) -> None:
         ctx.close()
         set_current(None)
     if ctx.rank == 0:
-        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         runlog.write_whole(run_dir / VALUE, ship_bytes(value))
         print(f"rank 0 returned: {value!r}", flush=True)
