@@ -20,10 +20,13 @@ from conftest import Kernel
 TRAIN = '''
 import os, time, torch, nbtrain
 
-def train(steps, pause=0.0, die_at=None):
+def train(steps, pause=0.0, die_at=None, key_to=None):
     """DDP on a seeded model and seeded batches, resuming from ctx.run_dir's checkpoint if any.
-    die_at: rank 1 exits (code 1) at that step, once per run directory."""
+    die_at: rank 1 exits (code 1) at that step, once per run directory. key_to: a file where
+    rank 0 writes the channel's authkey (to look for it in the run directory)."""
     ctx = nbtrain.context()
+    if key_to and ctx.rank == 0:
+        open(key_to, "w").write(os.environ["NBTRAIN_AUTHKEY"])
     torch.manual_seed(0)
     model = ctx.setup(torch.nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -160,7 +163,8 @@ def test_a_failure_beyond_the_restarts_is_the_launch_error(tmp_path, no_leftover
 
 @pytest.mark.slow
 def test_cancel_leaves_no_process(tmp_path, no_leftovers):
-    run = nbtrain.submit(train, 1000, 0.1, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
+    run = nbtrain.submit(train, 1000, 0.1, devices=2, accelerator="cpu", run_dir=tmp_path / "run",
+                         key_to=str(tmp_path / "key"))
     _wait_for(lambda: "step 1" in run.logs(1), 60, "the run to take steps")
     ranks = _rank_pids(run)
     assert len(ranks) == 2
@@ -170,6 +174,10 @@ def test_cancel_leaves_no_process(tmp_path, no_leftovers):
         run.result(timeout=5)
     _ended_cleanly(run)
     assert not any(session.alive(session.identity(p)) for p in ranks)
+    key = (tmp_path / "key").read_text()
+    files = [f for f in run.dir.rglob("*") if f.is_file()]
+    assert len(key) >= 32 and not [f.name for f in files if key.encode() in f.read_bytes()]
+    assert all(f.stat().st_mode & 0o077 == 0 for f in run.dir.iterdir() if f.is_file()), "nbtrain's files are private"
 
 
 @pytest.mark.slow

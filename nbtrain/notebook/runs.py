@@ -257,9 +257,10 @@ def runs(path="nbtrain-runs") -> RunTable:
     if not base.is_dir():
         return table
     for entry in sorted(base.iterdir()):
-        if not (entry / runlog.SPEC).is_file():
+        try:
+            run = Run(entry)
+        except ValueError:  # not a run (yet): a directory submit is still filling, or anything else
             continue
-        run = Run(entry)
         options = run.spec["launch"]
         metrics = {}
         for event in runlog.Tail(entry / runlog.rank_events(0)).read():
