@@ -196,8 +196,14 @@ def test_a_submitted_cell_and_attach_magic_in_a_kernel(tmp_path):
         assert kernel.value("(again.status, again.dir == _nbtrain_run.dir)") == ("finished", True)
         _, _, error, _ = kernel.run("%nbtrain attach nowhere")
         assert error["ename"] == "ValueError" and "'nowhere' does not exist" in error["evalue"]
+        out, _, error, _ = kernel.run(f"%nbtrain export {tmp_path / 'job'}")
+        assert error is None and "the last %%nbtrain cell is a job in" in out, (out, error)
     finally:
         kernel.close()
+    assert "print('rank', ctx.rank)\nscale * (ctx.rank + 1)" in (tmp_path / "job" / "job.py").read_text()
+    ran = subprocess.run(["bash", str(tmp_path / "job" / "run.sh")], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "rank 0 returned: 10" in ran.stdout and "rank 1" in ran.stdout, ran.stdout
 
 
 @pytest.mark.slow

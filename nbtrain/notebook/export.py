@@ -24,6 +24,7 @@ import dill
 from ..common.devices import plan_devices
 from ..common.pickling import code_global_names, ship_bytes
 from ..common.runlog import make_private_dir, write_whole
+from ..rank.cell import CellJob
 from ..rank.exported import ARGUMENTS, VALUE
 
 NAMES = "names.pkl"  # what the code reads that has no source: pickled
@@ -34,22 +35,28 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
     """Write `fn(*args, **kwargs)` as a job directory at `to`: `bash run.sh` runs it with torchrun
     on this machine (as many ranks as `devices` plans), `sbatch sbatch.sh` on SLURM; rank 0's
     return value is printed and written to `run/value.pkl`. Returns the directory."""
-    if not callable(fn) or not hasattr(fn, "__code__"):
+    if not isinstance(fn, CellJob) and (not callable(fn) or not hasattr(fn, "__code__")):
         raise TypeError(f"export(fn=...) needs a Python function, got {type(fn).__name__}.")
     plan = plan_devices(devices, accelerator, None, num_nodes)
-    imports, sources, pickled = _gather(fn)
+    if isinstance(fn, CellJob):  # a %%nbtrain cell: its source as it is, its names as they travel
+        imports, script = {n: _import_line(n, m) for n, m in fn.imports}, _cell_script(fn, plan)
+        pickled = fn.payload
+    else:
+        imports, sources, names = _gather(fn)
+        script = _script(fn, imports, sources, bool(names), plan)
+        pickled = ship_bytes(names) if names else None
     where = Path(to).absolute()
     make_private_dir(where)
     if pickled:
-        write_whole(where / NAMES, ship_bytes(pickled))
+        write_whole(where / NAMES, pickled)
     write_whole(where / ARGUMENTS, ship_bytes((args, kwargs)))
-    _write(where / "job.py", _script(fn, imports, sources, bool(pickled), plan))
+    _write(where / "job.py", script)
     nproc = plan.nprocs
     # The kernel's import path: modules the code imports from its directory (or a sys.path entry) are found.
     path = shlex.quote(os.pathsep.join(p or os.getcwd() for p in sys.path))
     _write(where / "run.sh", RUN_SH.format(python=shlex.quote(sys.executable), nproc=nproc, path=path,
                                            accelerator=plan.accelerator), executable=True)
-    _write(where / "sbatch.sh", SBATCH_SH.format(name=fn.__name__, nodes=plan.num_nodes, nproc=nproc, path=path,
+    _write(where / "sbatch.sh", SBATCH_SH.format(name=getattr(fn, "__name__", "cell"), nodes=plan.num_nodes, nproc=nproc, path=path,
                                                  gpus=f"#SBATCH --gpus-per-node={nproc}\n" if plan.accelerator == "gpu"
                                                  else "", accelerator=plan.accelerator), executable=True)
     _write(where / "requirements.txt", _requirements(imports))
@@ -129,6 +136,22 @@ def _script(fn, imports: dict, sources: dict, has_names: bool, plan) -> str:
     lines += ["", "", 'if __name__ == "__main__":', "    from nbtrain.rank.exported import main", "",
               f"    main({fn.__name__}, os.path.dirname(os.path.abspath(__file__)))", ""]
     return "\n".join(lines)
+
+
+def _cell_script(job: CellJob, plan) -> str:
+    source = job.source.rstrip()
+    # As written in the cell, where a raw string can hold it (its first line is blank: line numbers are the cell's + 1).
+    quoted = f'r"""\n{source}\n"""' if '"""' not in source and not source.endswith("\\") else repr(source)
+    return "\n".join([
+        f'"""A notebook cell, exported by nbtrain: `bash run.sh` runs it with torchrun on {plan.describe()},',
+        "`sbatch sbatch.sh` on SLURM. Rank 0 prints the value of its last expression and writes it to run/value.pkl.",
+        f"The names it reads from earlier cells are imports, or pickled in {NAMES}.\"\"\"",
+        "import os", "", "from nbtrain.rank.cell import CellJob", "from nbtrain.rank.exported import main", "",
+        f"CELL = {quoted}", f"IMPORTS = {job.imports!r}", "", 'if __name__ == "__main__":',
+        "    here = os.path.dirname(os.path.abspath(__file__))",
+        f"    names = os.path.join(here, {NAMES!r})",
+        "    payload = open(names, 'rb').read() if os.path.exists(names) else None",
+        "    main(CellJob(CELL, IMPORTS, payload), here)", ""])
 
 
 RUN_SH = """#!/bin/bash

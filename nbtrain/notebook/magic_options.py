@@ -25,7 +25,7 @@ CLUSTER_OPTIONS = {"slurm": ("partition", "time", "account", "sbatch"), "ray": (
 LOCAL_ONLY = ("node_rank", "rdzv_endpoint", "max_restarts", "launcher")  # ranks this machine starts itself
 COMMANDS = "Accepted: `%nbtrain config [options]`, `%nbtrain config reset`, `%nbtrain gpus`, " \
            "`%nbtrain start [options]` / `%nbtrain stop` (live ranks, then `%%ranks` cells), `%nbtrain warm`, " \
-           "`%nbtrain attach PATH` / `%nbtrain runs [PATH]` (submitted runs); " \
+           "`%nbtrain attach PATH` / `%nbtrain runs [PATH]` (submitted runs), `%nbtrain export PATH`; " \
            "`%%nbtrain [options]` as a cell's first line runs the cell on every rank."
 
 
