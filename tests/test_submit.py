@@ -181,6 +181,20 @@ def test_cancel_leaves_no_process(tmp_path, no_leftovers):
 
 
 @pytest.mark.slow
+def test_a_run_whose_supervisor_was_killed_is_failed_not_running(tmp_path, no_leftovers):
+    run = nbtrain.submit(train, 1000, 0.1, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
+    _wait_for(lambda: "step 1" in run.logs(1), 60, "the run to take steps")
+    ranks = _rank_pids(run)
+    os.kill(json.loads((run.dir / runlog.SUPERVISOR).read_text())["pid"], signal.SIGKILL)
+    _wait_for(lambda: run.status == "failed", 10, "the run to read as failed")
+    assert "the run's supervisor (pid " in run.reason and "ended without finishing it" in run.reason
+    with pytest.raises(RuntimeError, match="ended without finishing it"):
+        run.result(timeout=5)
+    _ended_cleanly(run)  # its ranks die with it
+    assert not any(session.alive(session.identity(p)) for p in ranks)
+
+
+@pytest.mark.slow
 def test_a_submitted_cell_and_attach_magic_in_a_kernel(tmp_path):
     kernel = Kernel()
     try:
@@ -218,7 +232,7 @@ def test_an_export_runs_with_bash_and_gives_the_launch_weights(tmp_path):
     finally:
         kernel.close()
     script = (tmp_path / "job" / "job.py").read_text()
-    assert "def train(steps, pause=0.0, die_at=None):" in script and "def scaled(x):" in script
+    assert "def train(steps, pause=0.0, die_at=None, key_to=None):" in script and "def scaled(x):" in script
     assert "import torch.nn.functional as F" in script and "SCALE" not in script.split("def scaled")[0].split("dill")[0]
     ran = subprocess.run(["bash", str(tmp_path / "job" / "run.sh")], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr[-2000:]

@@ -16,7 +16,8 @@ from pathlib import Path
 import dill
 
 from ..common import runlog, session
-from ..display import in_jupyter, make_display
+from ..display import check_progress, in_jupyter, make_display
+from ..display.widgets import WidgetDisplay
 from ..display.runstate import RunState, Vital
 from .export import export, load_job
 from .result import Result
@@ -28,8 +29,8 @@ START_WAIT = 60.0  # seconds a Run shown in a cell waits for its ranks to start 
 class Run:
     """A run started by `nbtrain.submit`, or found again with `nbtrain.attach(run_dir)`."""
 
-    def __init__(self, run_dir):
-        self.dir = Path(run_dir).absolute()
+    def __init__(self, run_dir, progress=True):
+        self.dir, self.progress = Path(run_dir).absolute(), progress
         missing = [name for name in (runlog.SPEC, runlog.STATUS) if not (self.dir / name).is_file()]
         if not self.dir.is_dir() or missing:
             what = "does not exist" if not self.dir.exists() else f"is not a run directory (no {', '.join(missing)})"
@@ -44,7 +45,9 @@ class Run:
         supervisor = self.dir / runlog.SUPERVISOR
         if value["status"] in runlog.ACTIVE and supervisor.is_file():
             who = runlog.read_json(supervisor)
-            if not session.alive(who) and runlog.read_json(self.dir / runlog.STATUS)["status"] in runlog.ACTIVE:
+            if not session.alive(who):  # read again: it may have written its end just before exiting
+                value = runlog.read_json(self.dir / runlog.STATUS)
+            if not session.alive(who) and value["status"] in runlog.ACTIVE:
                 value.update(status="failed", reason=f"the run's supervisor (pid {who['pid']}) ended without "
                                                      f"finishing it; see {self.dir / runlog.SUPERVISOR_LOG}")
         return value
@@ -116,9 +119,10 @@ class Run:
                       num_nodes=options["num_nodes"], **kwargs)
 
     # -- the live view -------------------------------------------------------------------
-    def watch(self, progress=True, output: bool = True) -> str:
-        """Show the run as `launch` does, until it ends (Ctrl-C stops watching, not the run)."""
-        follower = Follower(self.dir, make_display(progress), output)
+    def watch(self, progress=None, output: bool = True) -> str:
+        """Show the run as `launch` does, until it ends (Ctrl-C stops watching, not the run);
+        `progress` as for `launch` (default: the Run's own, given to submit or attach)."""
+        follower = Follower(self.dir, make_display(self.progress if progress is None else progress), output)
         try:
             while not follower.poll(self._status()):
                 time.sleep(POLL)
@@ -127,12 +131,13 @@ class Run:
         return self.status
 
     def _ipython_display_(self) -> None:
-        if not in_jupyter():
+        display = make_display(self.progress)
+        if not in_jupyter() or not isinstance(display, WidgetDisplay):  # lines would print into later cells
             print(repr(self))
             return
         # Drawn by a thread, so the cell returns at once; rank output stays in logs(rank),
         # since a thread's prints would land in whichever cell runs then.
-        follower = Follower(self.dir, make_display(True), output=False)
+        follower = Follower(self.dir, display, output=False)
         deadline = time.monotonic() + START_WAIT  # the view is shown here, in this cell, once the ranks start
         while not follower.poll(self._status()) and follower.state is None and time.monotonic() < deadline:
             time.sleep(POLL)
@@ -151,9 +156,11 @@ class Run:
         return f"Run({str(self.dir)!r}, function={self.function!r}, status={self.status!r})"
 
 
-def attach(run_dir) -> Run:
-    """The run in `run_dir`, from any kernel: its status, live view, result, logs and cancel."""
-    return Run(run_dir)
+def attach(run_dir, progress=True) -> Run:
+    """The run in `run_dir`, from any kernel: its status, live view, result, logs and cancel;
+    `progress` is how it draws itself (as `launch(progress=...)`)."""
+    check_progress(progress)
+    return Run(run_dir, progress)
 
 
 class Follower:

@@ -14,6 +14,7 @@ from ..common import runlog, session
 from ..common.devices import plan_devices
 from ..common.pickling import ship_bytes
 from ..common.transfer import pack_job
+from ..display import check_progress
 from ..placements.clusters import check_cluster
 from .launch import check_timeout, resolve_strategy
 from .runs import Run
@@ -33,11 +34,11 @@ _SUPERVISE = "import sys; from nbtrain.notebook.detached import main; sys.exit(m
 def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelerator: str = "auto",
            num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
            launcher_options: dict | None = None, cluster=None, run_dir=None, max_restarts: int = 0,
-           **kwargs) -> Run:
+           progress=True, **kwargs) -> Run:
     """Run `fn(*args, **kwargs)` as `launch` would, in processes that outlive this kernel; return
     a `Run` at once. What the ranks report, and the result, go to `run_dir` (default: a new
     directory under ./nbtrain-runs/); `nbtrain.attach(run_dir)` follows the run from any later
-    kernel. With `max_restarts=N`, a failed attempt starts all ranks again, up to N times;
+    kernel; `progress` is how the `Run` draws itself (as `launch(progress=...)`). With `max_restarts=N`, a failed attempt starts all ranks again, up to N times;
     `ctx.run_dir` is where the training code keeps the checkpoints it resumes from. With
     `cluster=nbtrain.Slurm(...)` (or Ray), the supervisor on this machine runs the cluster job,
     so the job outlives the kernel (not this machine)."""
@@ -46,6 +47,7 @@ def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r}: give a whole number of restarts, 0 or more.")
     check_timeout(timeout)
+    check_progress(progress)
     if cluster is None:  # bad settings fail here, before anything starts
         resolve_strategy(strategy, plan_devices(devices, accelerator, backend, num_nodes))
     else:
@@ -73,7 +75,7 @@ def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
                             # modules that only it can import (its directory, a sys.path.append).
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
     runlog.write_json(where / runlog.SUPERVISOR, session.identity(int(detach.stdout)))
-    return Run(where)
+    return Run(where, progress)
 
 
 def _new_run_dir(name: str) -> Path:
