@@ -265,3 +265,19 @@ def test_a_slurm_run_outlives_the_kernel_and_attach_collects_it(slurm, tmp_path)
     assert _same(result.value, plain.value)
     _ended_cleanly(run)
     _wait_for(lambda: not slurm.jobs(), 30, "the job to leave the queue")
+
+
+def test_bar_updates_are_logged_at_most_once_a_second_and_none_is_lost_at_the_end(tmp_path):
+    from nbtrain.display.recorder import RunRecorder
+    from nbtrain.display.runstate import RunState
+
+    recorder, state = RunRecorder(tmp_path, 0), RunState("ddp on 1 CPU rank", [0])
+    recorder.start(state)
+    for n in range(50):  # as a fast loop reports them: all within a second
+        state.handle(("progress", 0, 0, "epoch", n, 50, False))
+    state.handle(("metric", 0, 3, "loss", 0.5, False))
+    state.handle(("progress", 0, 0, "epoch", 50, 50, True))
+    recorder.finish(state, True)
+    recorder.close()
+    logged = [e[3:] for e in runlog.Tail(tmp_path / runlog.rank_events(0)).read() if e[1] == "progress"]
+    assert logged == [[0, "epoch", 0, 50, False], [0, "epoch", 49, 50, False], [0, "epoch", 50, 50, True]]
