@@ -1,28 +1,40 @@
-"""nbtrain: multi-device PyTorch training from a Jupyter notebook."""
+"""nbtrain: multi-device PyTorch training from a Jupyter notebook.
+
+The public names load on first use (PEP 562): `import nbtrain` and `nbtrain --version` stay
+light, and torch is imported by the first name that needs it, not by the package.
+"""
+import importlib as _importlib
 from importlib import metadata as _metadata
 
-from . import template  # noqa: F401 - `nbtrain.template.warm_up/stop`, as before the folders
-from .common.devices import DevicePlan, ensure_pci_bus_order, parse_devices, plan_devices
-from .common.errors import UnpicklableError, WorkerError
-from .common.inventory import Gpu, GpuProcess, StaticInventory, find_free_gpus, use_inventory
-from .common.pickling import Finding, explain_pickling
-from .common.preflight import ForkUnsafeError, install_cuda_init_hook
-from .display.gpus import gpus
-from .display.picker import GpuPicker, pick_gpus
-from .notebook.dropins import notebook_launcher, spawn
-from .notebook.env import environment
-from .notebook.launch import launch
-from .notebook.ranks import Rank, Ranks
-from .notebook.export import export
-from .notebook.result import Result
-from .notebook.runs import Run, attach, runs
-from .notebook.submit import submit
-from .placements.clusters import Ray, Slurm
-from .placements.template_process import warm_up
-from .rank.context import Context, context, rank_zero_only
+from .common.devices import ensure_pci_bus_order as _ensure_pci_bus_order
+from .common.preflight import install_cuda_init_hook_when_imported as _install_cuda_init_hook
 
-ensure_pci_bus_order()
-install_cuda_init_hook()  # so a refused fork can name the line that initialised CUDA
+# name: the module that defines it
+_PUBLIC = {
+    **dict.fromkeys(["DevicePlan", "ensure_pci_bus_order", "parse_devices", "plan_devices"], ".common.devices"),
+    **dict.fromkeys(["UnpicklableError", "WorkerError"], ".common.errors"),
+    **dict.fromkeys(["Gpu", "GpuProcess", "StaticInventory", "find_free_gpus", "use_inventory"], ".common.inventory"),
+    **dict.fromkeys(["Finding", "explain_pickling"], ".common.pickling"),
+    **dict.fromkeys(["ForkUnsafeError", "install_cuda_init_hook"], ".common.preflight"),
+    "gpus": ".display.gpus",
+    **dict.fromkeys(["GpuPicker", "pick_gpus"], ".display.picker"),
+    **dict.fromkeys(["notebook_launcher", "spawn"], ".notebook.dropins"),
+    "environment": ".notebook.env",
+    "launch": ".notebook.launch",
+    **dict.fromkeys(["Rank", "Ranks"], ".notebook.ranks"),
+    "Result": ".notebook.result",
+    **dict.fromkeys(["Run", "attach", "runs"], ".notebook.runs"),
+    "submit": ".notebook.submit",
+    "export": ".notebook.export",
+    **dict.fromkeys(["Ray", "Slurm"], ".placements.clusters"),
+    "warm_up": ".placements.template_process",
+    **dict.fromkeys(["Context", "context", "rank_zero_only"], ".rank.context"),
+}
+_SUBMODULES = {"template", "cli", "demo", "script_rank", "notebook", "display", "placements", "rank", "common"}
+__all__ = sorted(_PUBLIC)
+
+_ensure_pci_bus_order()
+_install_cuda_init_hook()  # so a refused fork can name the line that initialised CUDA
 
 try:  # pyproject.toml is the one place the version is written; read it back from the install
     __version__ = _metadata.version(__name__)
@@ -30,9 +42,24 @@ except _metadata.PackageNotFoundError:  # a source tree put on sys.path, never i
     __version__ = "0+unknown"
 
 
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(_importlib.import_module(_PUBLIC[name], __name__), name)
+    elif name in _SUBMODULES:
+        value = _importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'nbtrain' has no attribute {name!r}")
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC) | _SUBMODULES)
+
+
 def load_ipython_extension(ipython) -> None:
     """`%load_ext nbtrain`: the %nbtrain / %%nbtrain magics. IPython is imported only here."""
     from .notebook.magics import register
 
-    install_cuda_init_hook()  # already in place from the import; a no-op unless torch was reloaded
+    _install_cuda_init_hook()  # already in place from the import; a no-op unless torch was reloaded
     register(ipython)

@@ -5,23 +5,28 @@ import argparse
 import sys
 
 from . import __version__
-from .demo import METRIC, train
-from .display.gpus import gpus
-from .notebook.launch import launch
+
+# The commands' modules are imported when a command runs: `nbtrain --version` and `--help` need
+# no torch (seconds to import).
 
 
 def _gpus(args) -> int:
+    from .display.gpus import gpus
+
     print(gpus())
     return 0
 
 
 def _demo(args) -> int:
+    from .demo import METRIC, train
+    from .notebook.launch import launch
+
     result = launch(train, args.epochs, devices=args.devices, accelerator=args.accelerator,
                     strategy=args.strategy, timeout=args.timeout)
     # Two kinds of loss, labelled apart: each rank's own last batch, and the logged mean over ranks.
     for value in result.values:
         print(f"rank {value['rank']}: last batch loss {value['last_batch_loss']:.4f} (this rank's own batch)")
-    print(f"mean over ranks: {result.metrics(METRIC)[-1]:.4f} (the live {METRIC}= above, "
+    print(f"mean over ranks: {result.metrics(METRIC)[-1]:.4f} (the {METRIC}= in the table above, "
           "synced by ctx.log(..., sync_dist=True))")
     print(f"effective batch size: {result.effective_batch_size}  ({result.devices}, {result.strategy}, "
           f"{result.elapsed:.2f} s)")

@@ -444,3 +444,13 @@ def test_real_cuda_initialisation_is_named(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.startswith("CUDA is already initialised in this kernel, by importing gpulib, at gpulib line 2 "
                                  "(`CAPABILITY = torch.cuda.get_device_capability()`)"), run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["import nbtrain, torch", "import torch, nbtrain"])
+def test_the_hook_is_placed_whichever_is_imported_first(order):
+    # `import nbtrain` no longer imports torch: the hook waits for torch.cuda to load.
+    code = (f"{order}\n"
+            "print(sum(getattr(c, 'nbtrain_recorder', False) for c, _ in torch.cuda._queued_calls))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip() == "1", run.stdout + run.stderr

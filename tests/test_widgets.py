@@ -442,6 +442,7 @@ def test_auto_select_skips_the_busy_gpu():
         picker.select([])
         assert picker.auto_select() == [0, 2, 3]
         assert picker.auto_select(2) == [0, 2]
+        assert picker.count.value == 2  # the "how many" box follows the call (it said 3)
         assert picker.auto_select(4) == [0, 2]  # only 3 free: selection kept, reason shown
         assert "3 of 4 visible are free" in picker.message.value and "pid 4242" in picker.message.value
         picker.count.value = 1  # the count box and the button, as in the front end

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import inspect
 
-from .tracebacks import name_cells
+from .tracebacks import readable
 
 
 class WorkerError(RuntimeError):
@@ -52,7 +52,7 @@ class WorkerError(RuntimeError):
         if self.others:
             text += "\nthen: " + "; ".join(self.others)
         if self.traceback:
-            text += f"\n\n--- rank {self.rank} ---\n{self.traceback.rstrip()}"
+            text += f"\n\n--- rank {self.rank} ---\n{readable(self.traceback).rstrip()}"
         return text
 
     def __reduce__(self):
@@ -64,7 +64,7 @@ class WorkerError(RuntimeError):
         lines = [f"WorkerError: {self._who} failed: {self.summary}"]
         lines += [f"then: {line}" for line in self.others]
         if self.traceback:
-            lines += ["", f"--- rank {self.rank} ---", *name_cells(self.traceback).rstrip().splitlines()]
+            lines += ["", f"--- rank {self.rank} ---", *readable(self.traceback).rstrip().splitlines()]
         return lines
 
 
@@ -177,5 +177,5 @@ def interrupt_report(live: bool, ranks: list[int], where: dict[int, str], stuck:
         places.setdefault(where[rank], []).append(rank)
     for traceback, at in places.items():
         label = f"rank {at[0]}" if len(at) == 1 else f"ranks {', '.join(map(str, at))}"
-        lines += ["", f"--- {label} ---", *name_cells(traceback).rstrip().splitlines()]
+        lines += ["", f"--- {label} ---", *readable(traceback).rstrip().splitlines()]
     return lines

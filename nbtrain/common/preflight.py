@@ -160,6 +160,38 @@ def install_cuda_init_hook() -> bool:
     return True
 
 
+def install_cuda_init_hook_when_imported() -> None:
+    """`install_cuda_init_hook` now if torch.cuda is loaded, else as soon as it is: `import nbtrain`
+    does not import torch (the notebook's own `import torch` may come after it)."""
+    if "torch.cuda" in sys.modules:
+        install_cuda_init_hook()
+    elif not any(isinstance(finder, _AfterTorchCuda) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterTorchCuda())
+
+
+class _AfterTorchCuda:
+    """A meta path finder that finds nothing itself: it wraps torch.cuda's loader so that the
+    hook is placed right after the module runs, then steps aside."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch.cuda":
+            return None
+        sys.meta_path.remove(self)
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(name, path)
+        if spec is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            install_cuda_init_hook()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 def recorded_cuda_init() -> CudaInit | None:
     """This process's first CUDA initialisation, when the hook saw it (not one inherited by fork)."""
     record = _first_init

@@ -140,6 +140,8 @@ class GpuPicker:
         except (RuntimeError, ValueError) as exc:
             self._say(str(exc), error=True)
             return self.devices
+        if k is not None:
+            self.count.value = min(max(1, k), self.count.max)  # the box says what was asked for
         return self.select(chosen)
 
     # -- drawing -------------------------------------------------------------------------

@@ -127,6 +127,13 @@ def summary_lines(state, ok: bool) -> list[str]:
     return [head, *("  " + rank_line(v, state, True, vitals.get(r)) for r, v in state.ranks.items())]
 
 
+def _sends_in_batches(stream) -> bool:
+    """A kernel's stream sends what it holds every 0.2 s, and before any display: flushing it
+    per line made one message per line (10,000 lines: 10,029 messages), and past the iopub
+    socket's high-water mark ZeroMQ drops messages, so a busy rank's lines were lost."""
+    return type(stream).__module__.startswith("ipykernel")
+
+
 class QuietDisplay:
     """progress=False: no bars, no summary; the ranks' own output is still shown.
 
@@ -149,7 +156,7 @@ class QuietDisplay:
 
     def _write(self, text: str, stream: str = "stdout") -> None:
         target = self._file or (sys.stderr if stream == "stderr" else sys.stdout)
-        print(text, file=target, flush=True)
+        print(text, file=target, flush=not _sends_in_batches(target))
 
     def start(self, state) -> None:
         self.rank_output.start(state)

@@ -22,7 +22,8 @@ from .supervisor import CONNECTION_CLOSED, NOT_SENT, Supervisor, stderr_tails
 from ..common.tensor_files import LaunchFiles
 from ..common.pickling import explain_pickling, ship_bytes
 from ..common.source import shippable
-from ..placements.base import describe_exit, free_port
+from ..common.process_tree import descendants
+from ..placements.base import describe_exit, free_port, loopback_store
 from ..rank.process import STACKS_SIGNAL
 
 EXIT_WAIT = 5.0  # ranks that replied: how long they may take to exit on their own
@@ -51,8 +52,10 @@ class Pool:
         # rank on another machine sends bytes instead: see clusters.base.here).
         self.files = LaunchFiles()
         self.processes: list = []
+        self.store = None  # the ranks' rendezvous, when this kernel hosts it
         self.closed: set[int] = set()  # ranks whose channel closed
         self.stderr = stderr_tails()
+        self.dying: set[int] = set()  # ranks that wrote faulthandler's fatal report
         self.current: dict[int, int] = {}  # rank: the seq of the command it last began
         self.marks: dict[tuple, int] = {}  # (rank, stream): the seq whose output is complete
         self.pids: dict[int, int] = {}
@@ -86,6 +89,9 @@ class Pool:
         job.live = self.live
         job.first = ("start", 0, True) if self.live else ("run", 0, True, self.launcher._first_job(job))
         self.launcher._apply_nccl_quirks(job, display)
+        if self.launcher.local and not job.master_port:
+            self.store, job.master_port = loopback_store()
+            job.options["store_hosted"] = True
         job.master_port = job.master_port or free_port()
         state = self.state = RunState(self._title(), job.ranks)
         display.start(state)
@@ -127,6 +133,7 @@ class Pool:
             self.hub.close()
             self.pump.close()
             self.launcher._cleanup(self.job)
+            self.store = None  # stops listening
             if self.files is not None:
                 self.files.cleanup()
 
@@ -137,11 +144,20 @@ class Pool:
 
     def stop_processes(self, grace: float = STOP_GRACE) -> None:
         alive = [p for p in self.processes if p.poll() is None]
+        # A rank ends what its code started when it exits; one stopped here may not, so its tree
+        # is found first: once the rank is gone, Linux hands the tree to init (ranks on this
+        # machine only).
+        trees = [] if self.launcher.remote else [descendants(p.pid) for p in alive]
         for p in alive:
             p.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
             time.sleep(0.01)
+        for pid in (pid for tree in trees for pid in tree):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         for p in self.processes:
             p.signal(signal.SIGKILL)  # the group too: grandchildren such as DataLoader workers
             p.join(1.0)
@@ -157,11 +173,22 @@ class Pool:
             except queue.Empty:
                 return
 
+    def shown(self, rank, stream: str, text: str) -> bool:
+        """Whether a rank's output line goes to the cell. faulthandler's report of a fatal signal
+        (every thread's stack, the kernel's inherited frames, the extension modules: ~70 lines)
+        is kept for the error, which shows the part that matters, and not streamed."""
+        if stream == "stderr" and rank is not None:
+            if text.startswith("Fatal Python error"):
+                self.dying.add(rank)
+            return rank not in self.dying
+        return True
+
     def drain_output(self, display) -> None:
         """Hand what is still queued (the ranks' last output lines) to the display."""
         for message in self._queued():
             if message[0] == "output" and display is not None and not message[3].startswith(MARK):
-                display.output(*message[1:])
+                if self.shown(*message[1:]):
+                    display.output(*message[1:])
             elif message[0] in RANK_OUTPUT and display is not None:
                 deliver(display, message)
 
@@ -246,7 +273,7 @@ class Pool:
         pending = []
         for message in self._queued():
             if message[0] == "output":
-                if not message[3].startswith(MARK):
+                if not message[3].startswith(MARK) and self.shown(*message[1:]):
                     display.output(*message[1:])
             elif message[0] in RANK_OUTPUT:
                 deliver(display, message)

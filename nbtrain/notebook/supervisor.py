@@ -22,6 +22,7 @@ from ..common.errors import WorkerError, interrupt_report
 from ..rank.loop import MARK
 from ..display.rank_output import KINDS as RANK_OUTPUT, deliver
 from ..display.runstate import RunState, brief
+from ..common.tracebacks import plain_native_stack
 from ..common.transfer import unpack_exception
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ class Supervisor:
             elif self._capturing is not None and rank in self._capturing and stream == "stderr":
                 self._capturing[rank].append(text)
                 self._heard[rank] = time.monotonic()
-            else:
+            elif pool.shown(rank, stream, text):
                 self.display.output(rank, stream, text)
         elif kind in RANK_OUTPUT:  # lines a bar redraws, rich display
             deliver(self.display, message)
@@ -455,7 +456,7 @@ def native_stack(pid: int, lines: int = NATIVE_LINES) -> str | None:
         return None
     if dump.returncode != 0:
         return f"(py-spy could not read PID {pid}: {dump.stderr.strip()[:200]})"
-    main = dump.stdout.split("\nThread ")[1:2]  # the first thread py-spy lists is the main one
+    main = plain_native_stack(dump.stdout).split("\nThread ")[1:2]  # the first thread py-spy lists is the main one
     frames = [line.strip() for line in ("Thread " + main[0]).splitlines()[1:] if line.strip()] if main else []
     mine = next((i for i, frame in enumerate(frames) if LOOP_FILE in frame), len(frames))  # below: nbtrain's loop
     frames = frames[:mine]

@@ -44,6 +44,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def loopback_store():
+    """A rendezvous store for ranks on this machine, hosted by the caller and reachable only from it.
+
+    Left to rank 0, torch's TCP store would listen on every interface, unauthenticated.
+    Bound here to 127.0.0.1 and handed to torch as a listening socket; the ranks then join it
+    as clients, as torchrun's workers join their agent's (`rank_environ`'s
+    TORCHELASTIC_USE_AGENT_STORE). Returns the store (it stops listening when dropped) and its port.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(socket.SOMAXCONN)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False,
+                          master_listen_fd=sock.detach())  # the store owns the socket from here
+    return store, port
+
+
 def rank_environ(job: Job, local_rank: int, channel_env: dict[str, str]) -> dict[str, str]:
     """The torchrun-standard environment for one rank, plus nbtrain's own variables.
 
@@ -69,6 +90,7 @@ def rank_environ(job: Job, local_rank: int, channel_env: dict[str, str]) -> dict
         "TORCHELASTIC_RUN_ID": f"nbtrain-{job.master_port}",
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
+        **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if job.options.get("store_hosted") else {}),
         "NBTRAIN_ACCELERATOR": plan.accelerator,
         "NBTRAIN_BACKEND": plan.backend,
         "NBTRAIN_STRATEGY": job.strategy,
@@ -156,6 +178,7 @@ class ProcessLauncher:
 
     strategy = ""
     is_interactive_compatible = True
+    local = False  # every rank on this machine: the caller hosts their rendezvous on loopback
 
     def _start(self, job: Job, channel_env: dict[str, str], pump, started: list[RankProcess]) -> None:
         """Start the ranks, appending each process to `started` as soon as it runs

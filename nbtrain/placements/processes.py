@@ -148,6 +148,7 @@ class _Pipes:
 
 class ForkLauncher(ProcessLauncher):
     strategy = "ddp_fork"
+    local = True
 
     def _prepare(self, job: Job) -> None:
         check_fork()
@@ -206,6 +207,7 @@ def _without_main_module():
 
 class SpawnLauncher(ProcessLauncher):
     strategy = "ddp_spawn"
+    local = True
 
     def _prepare(self, job: Job) -> None:
         if not job.live and "payload" not in job.options:  # start_ranks_cleanly may have shipped it

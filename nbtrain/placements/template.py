@@ -15,6 +15,7 @@ from ..common.transfer import pack_job
 
 class TemplateLauncher(ProcessLauncher):
     strategy = "ddp_spawn"
+    local = True
 
     def _prepare(self, job: Job) -> None:
         ship(job)

@@ -37,6 +37,7 @@ import threading
 import traceback
 import types
 
+from ..common.process_tree import become_subreaper, end_descendants
 from ..common.channel import ChannelUnreachable, Link
 from ..common.pickling import code_global_names
 from ..common.source import free_names, parse_cell
@@ -428,7 +429,11 @@ def serve(first: tuple | None = None, once: bool = False, live: bool = False, fo
     loop = RankLoop(ctx, link, live)
     link.listen(loop.on_message)
     link.emit("hello", os.getpid(), socket.gethostname())
-    return loop.serve(first, once)
+    become_subreaper()  # what the code starts, in a session of its own or orphaned, stays in reach
+    try:
+        return loop.serve(first, once)
+    finally:
+        end_descendants()
 
 
 def remote_main(environ: dict, first: tuple | None, live: bool) -> int:
