@@ -50,7 +50,7 @@ def train(steps, pause=0.0, die_at=None, key_to=None):
         if checkpoint is not None:
             ctx.save_checkpoint(checkpoint, model=model, optimizer=opt, step=step + 1)
         time.sleep(pause)
-    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    return {k: v.detach().clone() for k, v in getattr(model, "module", model).state_dict().items()}
 '''
 exec(TRAIN)  # noqa: S102 - the same code as the kernel's
 
@@ -265,6 +265,14 @@ def test_a_slurm_run_outlives_the_kernel_and_attach_collects_it(slurm, tmp_path)
     assert _same(result.value, plain.value)
     _ended_cleanly(run)
     _wait_for(lambda: not slurm.jobs(), 30, "the job to leave the queue")
+
+
+@pytest.mark.slow
+def test_a_one_device_run_in_the_supervisor_keeps_rank_0_output(tmp_path, no_leftovers):
+    run = nbtrain.submit(train, 3, devices=1, accelerator="cpu", run_dir=tmp_path / "run")
+    result = run.result(timeout=60)
+    assert result.strategy == "single" and run.logs(0) == "step 0\nstep 1\nstep 2\n"
+    assert len(result.metrics("loss")) == 3
 
 
 def test_bar_updates_are_logged_at_most_once_a_second_and_none_is_lost_at_the_end(tmp_path):

@@ -9,6 +9,7 @@ so the job's `__main__` is a blank module, as in a spawned rank.
 """
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
@@ -23,7 +24,8 @@ from ..common.errors import WorkerError
 from ..common.pickling import ship_bytes
 from ..common.transfer import unpack_job
 from ..display.recorder import RunRecorder
-from .launch import launch
+from ..common.devices import plan_devices
+from .launch import launch, resolve_strategy
 
 
 class Status:
@@ -41,6 +43,31 @@ class Status:
         runlog.write_json(self.path, self.value)
 
 
+class _RankZeroOutput(io.TextIOBase):
+    """The supervisor's stdout or stderr while it runs a one-process job itself (strategies single
+    and dp run in the caller, as in a kernel): each whole line is rank 0's output, also in the log."""
+
+    def __init__(self, stream: str, original, recorder: RunRecorder):
+        self.stream, self.original, self.recorder, self.partial = stream, original, recorder, ""
+
+    def write(self, text: str) -> int:
+        self.original.write(text)
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            self.recorder.output(0, self.stream, line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.original.flush()
+
+
+def _in_process(options: dict, cluster) -> bool:
+    if cluster is not None:
+        return False
+    plan = plan_devices(options["devices"], options["accelerator"], options["backend"], options["num_nodes"])
+    return resolve_strategy(options["strategy"], plan)[0] in ("single", "dp")
+
+
 def main(run_dir: str) -> int:
     run_dir = Path(run_dir)
     # cancel() sends SIGTERM: the running launch takes it as a Ctrl-C, stops its ranks and cleans up.
@@ -51,11 +78,16 @@ def main(run_dir: str) -> int:
     try:
         fn, args, kwargs = unpack_job((run_dir / runlog.JOB).read_bytes())
         cluster = dill.loads((run_dir / runlog.CLUSTER).read_bytes()) if (run_dir / runlog.CLUSTER).exists() else None
+        in_process = _in_process(spec["launch"], cluster)
     except BaseException as exc:
         return _failed(run_dir, status, exc, "the job could not be loaded")
     for attempt in range(spec["max_restarts"] + 1):
         status.set("running", attempt=attempt)
         recorder = RunRecorder(run_dir, attempt)
+        streams = sys.stdout, sys.stderr
+        if in_process:
+            sys.stdout, sys.stderr = (_RankZeroOutput(name, stream, recorder)
+                                      for name, stream in zip(("stdout", "stderr"), streams))
         try:
             result = launch(fn, *args, progress=recorder, cluster=cluster, **spec["launch"], **kwargs)
         except KeyboardInterrupt:
@@ -73,6 +105,7 @@ def main(run_dir: str) -> int:
         except BaseException as exc:  # launch refused the run, or nbtrain itself failed
             return _failed(run_dir, status, exc, f"{type(exc).__name__}: {exc}".splitlines()[0])
         finally:
+            sys.stdout, sys.stderr = streams
             recorder.close()
         result.restarts = list(status.value["restarts"])
         runlog.write_whole(run_dir / runlog.RESULT, ship_bytes(result))
