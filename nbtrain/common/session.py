@@ -10,6 +10,8 @@ import os
 import signal
 import time
 
+from .process_tree import descendants
+
 
 def _stat(pid: int) -> list[str] | None:
     """/proc/PID/stat's fields from the state on (field 3 of proc(5) is index 0), or None."""
@@ -35,24 +37,12 @@ def alive(who: dict) -> bool:
 def members(pid: int) -> list[int]:
     """Every live process of session `pid`, and every descendant of `pid` (a rank or helper may
     have started a session of its own, as the warm template does)."""
-    parents, found = {}, set()
+    found = set(descendants(pid))
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        fields = _stat(int(entry))
-        if fields is None or fields[0] in ("Z", "X"):
-            continue
-        parents[int(entry)] = int(fields[1])
-        if int(fields[3]) == pid:
+        fields = _stat(int(entry)) if entry.isdigit() else None
+        if fields is not None and int(fields[3]) == pid:
             found.add(int(entry))
-    for child in parents:
-        ancestor, seen = child, 0
-        while ancestor in parents and seen < 64:
-            if ancestor == pid:
-                found.add(child)
-                break
-            ancestor, seen = parents[ancestor], seen + 1
-    return sorted(found)
+    return sorted(p for p in found if _running(p))
 
 
 def stop(pid: int, grace: float = 15.0) -> None:

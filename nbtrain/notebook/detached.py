@@ -25,6 +25,7 @@ from ..common.pickling import ship_bytes
 from ..common.transfer import unpack_job
 from ..display.recorder import RunRecorder
 from ..common.devices import plan_devices
+from ..common.process_tree import become_subreaper, end_descendants
 from .launch import launch, resolve_strategy
 
 
@@ -69,7 +70,16 @@ def _in_process(options: dict, cluster) -> bool:
 
 
 def main(run_dir: str) -> int:
-    run_dir = Path(run_dir)
+    # What the run's processes leave behind (orphans, a session of their own) comes to us, and
+    # is ended with the run, however it ends.
+    become_subreaper()
+    try:
+        return _supervise(Path(run_dir))
+    finally:
+        end_descendants()
+
+
+def _supervise(run_dir: Path) -> int:
     # cancel() sends SIGTERM: the running launch takes it as a Ctrl-C, stops its ranks and cleans up.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     spec = runlog.read_json(run_dir / runlog.SPEC)
