@@ -289,3 +289,25 @@ def test_bar_updates_are_logged_at_most_once_a_second_and_none_is_lost_at_the_en
     recorder.close()
     logged = [e[3:] for e in runlog.Tail(tmp_path / runlog.rank_events(0)).read() if e[1] == "progress"]
     assert logged == [[0, "epoch", 0, 50, False], [0, "epoch", 49, 50, False], [0, "epoch", 50, 50, True]]
+
+
+@pytest.mark.slow
+def test_an_export_runs_as_a_slurm_batch_job(slurm, tmp_path):
+    # Written as a module file, so the source can be read (a notebook's cells work the same way).
+    (tmp_path / "train_module.py").write_text(TRAIN)
+    import sys
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import train_module
+        job = nbtrain.export(train_module.train, 3, to=tmp_path / "job", devices=2, accelerator="cpu")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("train_module", None)
+    submitted = subprocess.run(["sbatch", "--parsable", str(job / "sbatch.sh")], cwd=tmp_path, capture_output=True,
+                               text=True, check=True, env=slurm.env)
+    job_id = submitted.stdout.strip().split(";")[0]
+    _wait_for(lambda: job_id not in slurm.jobs(), 120, "the batch job to end")
+    output = (job / "run" / f"slurm-{job_id}.out").read_text()
+    assert "rank 0 returned: {'weight': tensor(" in output, output[-2000:]
+    value = dill.loads((job / "run" / "value.pkl").read_bytes())
+    assert _same(value, nbtrain.launch(train, 3, devices=2, accelerator="cpu", progress=False).value)

@@ -56,10 +56,12 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
     path = shlex.quote(os.pathsep.join(p or os.getcwd() for p in sys.path))
     _write(where / "run.sh", RUN_SH.format(python=shlex.quote(sys.executable), nproc=nproc, path=path,
                                            accelerator=plan.accelerator), executable=True)
-    _write(where / "sbatch.sh", SBATCH_SH.format(name=getattr(fn, "__name__", "cell"), nodes=plan.num_nodes, nproc=nproc, path=path,
+    _write(where / "sbatch.sh", SBATCH_SH.format(name=getattr(fn, "__name__", "cell"), nodes=plan.num_nodes, nproc=nproc,
+                                                 path=path, python=shlex.quote(sys.executable), where=where,
                                                  gpus=f"#SBATCH --gpus-per-node={nproc}\n" if plan.accelerator == "gpu"
                                                  else "", accelerator=plan.accelerator), executable=True)
     _write(where / "requirements.txt", _requirements(imports))
+    (where / "run").mkdir(mode=0o700)  # sbatch writes the job's output there before the script starts
     return where
 
 
@@ -167,16 +169,16 @@ SBATCH_SH = """#!/bin/bash
 #SBATCH --job-name={name}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1
-{gpus}#SBATCH --output=run/slurm-%j.out
-# One torchrun per node (srun), meeting at the first node's address.
+{gpus}#SBATCH --chdir={where}
+#SBATCH --output=run/slurm-%j.out
+# One torchrun per node (srun), meeting at the first node's address. `sbatch sbatch.sh` from anywhere.
 set -euo pipefail
-cd "${{SLURM_SUBMIT_DIR:-$(dirname "$0")}}"
-mkdir -p run
 export NBTRAIN_RUN_DIR="$PWD/run" NBTRAIN_ACCELERATOR={accelerator}
 export PYTHONPATH={path}"${{PYTHONPATH:+:$PYTHONPATH}}"
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-srun python -m torch.distributed.run --nnodes "$SLURM_NNODES" --nproc-per-node {nproc} \\
-    --rdzv-backend c10d --rdzv-endpoint "$head:29500" --rdzv-id "$SLURM_JOB_ID" job.py
+port=$((20000 + SLURM_JOB_ID % 20000))  # one per job: two jobs on one node do not collide
+srun {python} -m torch.distributed.run --nnodes "$SLURM_NNODES" --nproc-per-node {nproc} \\
+    --rdzv-backend c10d --rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID" job.py
 """
 
 
