@@ -55,6 +55,14 @@ def train(steps, pause=0.0, die_at=None, key_to=None):
 exec(TRAIN)  # noqa: S102 - the same code as the kernel's
 
 
+def _fails_once():
+    marker = nbtrain.context().run_dir / "tried"
+    if not marker.exists():
+        marker.touch()
+        raise ValueError("first try")
+    return "second try"
+
+
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -273,6 +281,9 @@ def test_a_one_device_run_in_the_supervisor_keeps_rank_0_output(tmp_path, no_lef
     result = run.result(timeout=60)
     assert result.strategy == "single" and run.logs(0) == "step 0\nstep 1\nstep 2\n"
     assert len(result.metrics("loss")) == 3
+    # The code's own exception, raised in the supervisor: restarted as a rank's failure would be.
+    run = nbtrain.submit(_fails_once, devices=1, accelerator="cpu", run_dir=tmp_path / "again", max_restarts=1)
+    assert run.result(timeout=60).value == "second try" and run.restarts == ["ValueError: first try"]
 
 
 def test_bar_updates_are_logged_at_most_once_a_second_and_none_is_lost_at_the_end(tmp_path):
