@@ -203,25 +203,21 @@ def test_a_run_whose_supervisor_was_killed_is_failed_not_running(tmp_path, no_le
 
 
 @pytest.mark.slow
-def test_a_submitted_cell_and_attach_magic_in_a_kernel(tmp_path):
-    kernel = Kernel()
-    try:
-        assert kernel.run(f"import os; os.chdir({str(tmp_path)!r})\n%load_ext nbtrain\nscale = 10")[2] is None
-        _, _, error, shown = kernel.run("%%nbtrain --submit --devices 2 --accelerator cpu\n"
-                                        "import nbtrain\nctx = nbtrain.context()\nprint('rank', ctx.rank)\n"
-                                        "scale * (ctx.rank + 1)")
-        assert error is None, error
-        assert any("nbtrain: ddp on 2 CPU ranks" in s.get("text/plain", "") for s in shown), shown  # the live view
-        assert kernel.value("_nbtrain_run.result(timeout=120).values") == [10, 20]
-        assert kernel.value("_nbtrain_run.logs(1)") == "rank 1\n"
-        assert kernel.run("again = %nbtrain attach {_nbtrain_run.dir}")[2] is None
-        assert kernel.value("(again.status, again.dir == _nbtrain_run.dir)") == ("finished", True)
-        _, _, error, _ = kernel.run("%nbtrain attach nowhere")
-        assert error["ename"] == "ValueError" and "'nowhere' does not exist" in error["evalue"]
-        out, _, error, _ = kernel.run(f"%nbtrain export {tmp_path / 'job'}")
-        assert error is None and "the last %%nbtrain cell is a job in" in out, (out, error)
-    finally:
-        kernel.close()
+def test_a_submitted_cell_and_attach_magic_in_a_kernel(kernel, tmp_path):
+    assert kernel.run(f"import os; os.chdir({str(tmp_path)!r})\n%load_ext nbtrain\nscale = 10")[2] is None
+    _, _, error, shown = kernel.run("%%nbtrain --submit --devices 2 --accelerator cpu\n"
+                                    "import nbtrain\nctx = nbtrain.context()\nprint('rank', ctx.rank)\n"
+                                    "scale * (ctx.rank + 1)")
+    assert error is None, error
+    assert any("nbtrain: ddp on 2 CPU ranks" in s.get("text/plain", "") for s in shown), shown  # the live view
+    assert kernel.value("_nbtrain_run.result(timeout=120).values") == [10, 20]
+    assert kernel.value("_nbtrain_run.logs(1)") == "rank 1\n"
+    assert kernel.run("again = %nbtrain attach {_nbtrain_run.dir}")[2] is None
+    assert kernel.value("(again.status, again.dir == _nbtrain_run.dir)") == ("finished", True)
+    _, _, error, _ = kernel.run("%nbtrain attach nowhere")
+    assert error["ename"] == "ValueError" and "'nowhere' does not exist" in error["evalue"]
+    out, _, error, _ = kernel.run(f"%nbtrain export {tmp_path / 'job'}")
+    assert error is None and "the last %%nbtrain cell is a job in" in out, (out, error)
     assert "print('rank', ctx.rank)\nscale * (ctx.rank + 1)" in (tmp_path / "job" / "job.py").read_text()
     ran = subprocess.run(["bash", str(tmp_path / "job" / "run.sh")], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr[-2000:]
@@ -229,16 +225,12 @@ def test_a_submitted_cell_and_attach_magic_in_a_kernel(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_export_runs_with_bash_and_gives_the_launch_weights(tmp_path):
-    kernel = Kernel()
-    try:
-        code = f"{TRAIN}\nimport torch.nn.functional as F\nSCALE = torch.ones(1)\n" \
-               "def scaled(x):\n    return F.relu(x) * SCALE\n" \
-               "def uses_helpers(steps):\n    return {k: scaled(v) for k, v in train(steps).items()}\n" \
-               f"nbtrain.export(uses_helpers, 4, to={str(tmp_path / 'job')!r}, devices=2, accelerator='cpu')"
-        assert kernel.run(code)[2] is None
-    finally:
-        kernel.close()
+def test_an_export_runs_with_bash_and_gives_the_launch_weights(kernel, tmp_path):
+    code = f"{TRAIN}\nimport torch.nn.functional as F\nSCALE = torch.ones(1)\n" \
+           "def scaled(x):\n    return F.relu(x) * SCALE\n" \
+           "def uses_helpers(steps):\n    return {k: scaled(v) for k, v in train(steps).items()}\n" \
+           f"nbtrain.export(uses_helpers, 4, to={str(tmp_path / 'job')!r}, devices=2, accelerator='cpu')"
+    assert kernel.run(code)[2] is None
     script = (tmp_path / "job" / "job.py").read_text()
     assert "def train(steps, pause=0.0, die_at=None, key_to=None):" in script and "def scaled(x):" in script
     assert "import torch.nn.functional as F" in script and "SCALE" not in script.split("def scaled")[0].split("dill")[0]
