@@ -142,7 +142,8 @@ def test_a_run_outlives_a_killed_kernel_and_attach_gets_the_launch_values(tmp_pa
     assert result.metrics("loss") == plain.metrics("loss")
     _ended_cleanly(run)
     [row] = nbtrain.runs(tmp_path / "nbtrain-runs")
-    assert (row["function"], row["status"]) == ("train", "finished") and row["metrics"].startswith("loss=")
+    assert (row["function"], row["status"], row["devices"]) == ("train", "finished", "2 CPU ranks, gloo")
+    assert row["metrics"].startswith("loss=")
 
 
 @pytest.mark.slow

@@ -269,13 +269,16 @@ def runs(path="nbtrain-runs") -> RunTable:
         except ValueError:  # not a run (yet): a directory submit is still filling, or anything else
             continue
         options = run.spec["launch"]
+        starts = [e for e in runlog.Tail(entry / runlog.EVENTS).read() if e[1] == "start"]
+        # As the run planned them ("2 CPU ranks, gloo"); before it started, as they were asked for.
+        devices = starts[-1][3].split(" on ", 1)[-1] if starts else f"{options['devices']} ({options['accelerator']})"
         metrics = {}
         for event in runlog.Tail(entry / runlog.rank_events(0)).read():
             if event[1] == "metric":
                 metrics[event[4]] = event[5]
         table.append({"run": entry.name, "function": run.function,
                       "started": datetime.fromtimestamp(run.spec["started"]).strftime("%Y-%m-%d %H:%M:%S"),
-                      "devices": f"{options['devices']} ({options['accelerator']})", "status": run.status,
+                      "devices": devices, "status": run.status,
                       "metrics": ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()),
                       "dir": str(entry.absolute())})
     return table
