@@ -20,13 +20,13 @@ from pathlib import Path
 import dill
 
 from ..common import runlog
-from ..common.errors import WorkerError
 from ..common.pickling import ship_bytes
 from ..common.devices import plan_devices
 from ..common.process_tree import become_subreaper, end_descendants
 from ..common.transfer import unpack_job
 from ..display.recorder import RunRecorder
 from .launch import launch, resolve_strategy
+from .restarts import restarting, why
 
 
 class Status:
@@ -105,10 +105,10 @@ def _supervise(run_dir: Path) -> int:
             status.set("cancelled", reason="cancelled by Run.cancel()")
             return 1
         except Exception as error:  # a WorkerError; in the supervisor itself (single, dp), the code's own
-            reason = _why(error)
+            reason = why(error)
             if attempt == spec["max_restarts"]:
                 return _failed(run_dir, status, error, reason)
-            said = f"restarting ({attempt + 1} of {spec['max_restarts']}): {reason}"
+            said = restarting(attempt, spec["max_restarts"], reason)
             recorder.note(said)
             status.set("restarting", reason=said, restarts=[*status.value["restarts"], reason])
             continue
@@ -120,13 +120,6 @@ def _supervise(run_dir: Path) -> int:
         status.set("finished", reason="")
         return 0
     return 1  # not reached: the last attempt returns
-
-
-def _why(error: Exception) -> str:
-    """One line: "rank 1 failed: exited with code 1", or the exception's first line."""
-    if isinstance(error, WorkerError):
-        return f"rank {error.rank} failed: {error.summary.splitlines()[0] if error.summary else ''}"
-    return f"{type(error).__name__}: {error}".splitlines()[0]
 
 
 def _failed(run_dir: Path, status: Status, error: BaseException, reason: str) -> int:

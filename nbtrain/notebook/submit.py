@@ -17,6 +17,7 @@ from ..common.transfer import pack_job
 from ..display import check_progress
 from ..placements.clusters import check_cluster
 from .launch import check_timeout, resolve_strategy
+from .restarts import check_restarts
 from .runs import Run
 
 RUNS = "nbtrain-runs"
@@ -44,8 +45,7 @@ def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     so the job outlives the kernel (not this machine)."""
     if not callable(fn):
         raise TypeError(f"submit(fn=...) needs a callable training function, got {type(fn).__name__}.")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts={max_restarts!r}: give a whole number of restarts, 0 or more.")
+    check_restarts(max_restarts)
     check_timeout(timeout)
     check_progress(progress)
     if cluster is None:  # bad settings fail here, before anything starts
