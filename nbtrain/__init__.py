@@ -29,6 +29,8 @@ _PUBLIC = {
     **dict.fromkeys(["Ray", "Slurm"], ".placements.clusters"),
     "warm_up": ".placements.template_process",
     **dict.fromkeys(["Context", "context", "rank_zero_only"], ".rank.context"),
+    "Profile": ".rank.profiling",
+    **dict.fromkeys(["MLflow", "TensorBoard", "WandB"], ".rank.trackers"),
 }
 _SUBMODULES = {"template", "cli", "demo", "script_rank", "notebook", "display", "placements", "rank", "common"}
 __all__ = sorted(_PUBLIC)

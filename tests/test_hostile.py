@@ -615,11 +615,12 @@ def tcp_received_but_unread(pid: int) -> int:
 
 
 def push_to_a_stopped_rank(nb, pid: int) -> None:
-    """Start pushing 100 MB while rank 0 (`pid`) is stopped, and return once it is mid-message."""
+    """Start pushing 100 MB while rank 0 (`pid`) is stopped, and return once it is mid-message.
+    Bytes, not a tensor: a tensor's storage goes through shared memory, the message stays small."""
     import time
 
     os.kill(pid, signal.SIGSTOP)
-    nb.client.execute("ranks.push(big=torch.ones(25_000_000))")
+    nb.client.execute("ranks.push(big=bytes(100_000_000))")
     deadline = time.monotonic() + 60
     while tcp_received_but_unread(pid) < 1 << 16:  # part of the message sits unread in rank 0's socket
         assert time.monotonic() < deadline, "the push never started sending"
@@ -643,7 +644,7 @@ def test_an_interrupt_while_push_sends_finishes_the_message_then_raises(nb):
     assert "their state is kept" in shown and "ranks [1] never had it" in shown, shown
     # the channel is whole: the next command works on the same ranks, the push reached rank 0 only
     assert nb.value("ranks.eval('x')") == [1, 1]
-    assert nb.value("ranks.eval('\"big\" in globals() and float(big.sum())')") == [25_000_000.0, False]
+    assert nb.value("ranks.eval('\"big\" in globals() and len(big)')") == [100_000_000, False]
     assert nb.value("ranks.eval('os.getpid()')") == pids
 
 

@@ -362,3 +362,20 @@ def test_a_single_forked_rank_computes_after_the_kernel_used_its_thread_pool(no_
     assert forked.values == [1]
     templated = nbtrain.launch(matmul_threads, devices=1, accelerator="cpu", strategy="ddp_spawn", progress=False, timeout=60)
     assert templated.values == [max(1, os.cpu_count())]
+
+
+def resumed_logging(first_step):
+    ctx = nbtrain.context()
+    for step in range(first_step, first_step + 3):
+        ctx.log("loss", 1.0 / (step + 1), sync_dist=True, step=step)
+    ctx.log("loss", 0.001, sync_dist=True)  # no step: the next one
+    try:
+        ctx.log("loss", 1.0, step=-1)
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_a_resumed_run_logs_at_its_own_steps(no_leftovers):
+    result = nbtrain.launch(resumed_logging, 150, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False)
+    assert sorted({m.step for m in result.history if m.name == "loss"}) == [150, 151, 152, 153]
+    assert "step must be an int >= 0" in result.value

@@ -262,3 +262,17 @@ trainer.global_rank, trainer.world_size, trainer.global_step
     assert nb.value("_nbtrain_result.values") == [(0, 2, 3), (1, 2, 3)]
     assert "[rank 1] Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in out + err  # torchrun's env: no relaunch
     assert nb.value("children()") == []
+
+
+def test_a_cell_feeds_tensorboard_and_is_profiled(nb, tmp_path):
+    run_ok(nb, f"""%%nbtrain --devices 2 --accelerator cpu --strategy ddp_fork --trackers tensorboard --profile --run-dir {tmp_path}
+ctx = nbtrain.context()
+for i in ctx.progress(range(8)):
+    ctx.all_gather(torch.ones(2))
+    ctx.log("loss", 1.0 / (i + 1), sync_dist=True)
+""")
+    assert nb.value("sorted(_nbtrain_result.profile.traces())") == [0, 1]
+    assert "gather" in nb.value("repr(_nbtrain_result.profile)")  # gloo:all_gather, c10d::allgather_
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    _, err, error, _ = nb.run("%%nbtrain --trackers tensorbord\nprint('the cell ran')")
+    assert "UsageError: argument --trackers: invalid choice: 'tensorbord'" in err and len(err.strip().splitlines()) == 1

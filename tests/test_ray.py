@@ -124,6 +124,15 @@ def test_two_ranks_train_and_return_values_and_metrics(rk):
     assert rk.value("settled(ray_is_empty)")
 
 
+def test_ray_ranks_write_trackers_and_profiles_themselves(rk, tmp_path):
+    run(rk, f"result = nbtrain.launch(train, 8, devices=2, cluster=nbtrain.Ray(), progress=False, "
+            f"trackers='tensorboard', profile=True, run_dir={str(tmp_path)!r})")
+    assert rk.value("sorted(result.profile.traces())") == [0, 1]
+    assert "gloo:all_reduce" in rk.value("repr(result.profile)")
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    assert rk.value("settled(ray_is_empty)")
+
+
 def test_a_rank_exception_is_a_worker_error_naming_the_rank_and_its_node(rk):
     run(rk, '''
 def fail_on(bad):

@@ -212,6 +212,27 @@ def test_chart_draws_synced_metrics_once_and_others_per_rank_with_axes():
     assert not series.consume([])  # nothing new
 
 
+def test_a_chart_of_one_mean_line_still_says_what_the_line_and_the_x_axis_are():
+    from nbtrain.display.runstate import Metric
+
+    series = chart.MetricSeries()
+    series.consume([Metric(s, 0, "loss", 1 / (s + 1), True) for s in range(5)])
+    legend = chart.legend_html(series, ["loss"])
+    assert "mean over ranks" in legend and "x axis: step" in legend
+
+
+def test_a_loss_within_one_decade_gets_more_than_one_labelled_tick():
+    from nbtrain.display.figure import metrics_figure
+    from nbtrain.display.runstate import Metric
+
+    # 07 and 08 saved a log axis labelled "1" alone: the loss stayed between 0.3 and 0.9.
+    fig = metrics_figure([Metric(s, 0, "loss", 0.9 - 0.04 * s, True) for s in range(15)])
+    ax = fig.axes[0]
+    low, high = ax.get_ylim()
+    shown = [t for t in ax.get_yticks() if low <= t <= high]
+    assert ax.get_yscale() == "log" and len(shown) >= 2, shown
+
+
 def test_metrics_are_drawn_in_the_order_rank_0_logged_them():
     from nbtrain.display.figure import lines_by_metric
     from nbtrain.display.runstate import Metric
@@ -276,10 +297,10 @@ def test_result_plot_without_matplotlib_names_the_extra(monkeypatch):
 def test_step_rate_counts_the_innermost_loop_across_epochs():
     view = RunState("x", [0]).ranks[0]
     for epoch in range(3):
-        view.count_steps(0, epoch, epoch, 10.0 + epoch)
+        view.count_steps(0, epoch, epoch, 10.0 + epoch, 10.0 + epoch)
         previous = 0
         for n in (0, 40, 100):  # the batch bar restarts every epoch
-            view.count_steps(1, n, previous, 10.0 + epoch + n / 100)
+            view.count_steps(1, n, previous, 10.0 + epoch + n / 100, 10.0 + epoch + n / 100)
             previous = n
     assert view.steps == 300 and view.step_level == 1
     assert view.step_rate == pytest.approx(300 / 3.0)
@@ -301,9 +322,9 @@ def test_vitals_find_each_ranks_gpu_by_pid_and_memory_otherwise(monkeypatch):
     try:
         sampler = VitalsSampler(interval=0.0)
         assert sampler.maybe_sample(state, now=100.0)
-        for n in (50, 100):
-            state.handle(("progress", 0, 0, "batch", n, 1000, False))
-            state.handle(("progress", 1, 0, "batch", n // 2, 1000, False))
+        for n in (0, 50, 100):  # each event carries the rank's clock: 100.0, 101.0, 102.0
+            state.handle(("progress", 0, 0, "batch", n, 1000, False, 100.0 + n / 50))
+            state.handle(("progress", 1, 0, "batch", n // 2, 1000, False, 100.0 + n / 50))
         assert sampler.maybe_sample(state, now=102.0)
     finally:
         use_inventory(None)
@@ -356,8 +377,8 @@ def test_live_view_shows_rate_memory_and_marks_the_slowest_rank():
     display.start(state)
     display.vitals.maybe_sample(state, now=0.0)
     for rank, n in ((0, 100), (1, 40)):
-        state.handle(("progress", rank, 0, "batch", 0, 1000, False))
-        state.handle(("progress", rank, 0, "batch", n, 1000, False))
+        for step, at in ((0, 0.0), (n // 2, 1.0), (n, 2.0)):  # at: the rank's clock
+            state.handle(("progress", rank, 0, "batch", step, 1000, False, at))
     display.vitals.maybe_sample(state, now=2.0)
     display._draw(state, time.monotonic())
     rows = display.snapshot()["ranks"]

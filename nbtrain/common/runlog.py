@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 JOB = "job.pkl"  # the function and its arguments, pickled as launch ships them
-CLUSTER = "cluster.pkl"  # the cluster object (nbtrain.Slurm, nbtrain.Ray), when the run has one
+OBJECTS = "launch.pkl"  # launch's settings that are objects: cluster, trackers, profile
 SPEC = "run.json"  # what was asked: function, devices, strategy, max_restarts, when
 STATUS = "status.json"  # queued, running, restarting, finished, failed, cancelled; the supervisor's pid
 EVENTS = "events.jsonl"  # run-level events: each attempt's start, notes, restarts, the end

@@ -146,6 +146,31 @@ def unpack_result(payload: bytes) -> Any:
     return _ResultUnpickler(io.BytesIO(payload)).load()
 
 
+PUSH_FILES = 1_000_000  # the files of a push are named as a rank this far beyond any real one
+
+
+def pack_push(objects: dict, files: RankFiles | None) -> bytes:
+    """Objects for live ranks, pickled as a job travels; with `files` (ranks on this machine),
+    each large storage is written once to shared memory, and every rank maps that one copy
+    (a 500 MB tensor went through the socket once per rank). The caller removes the files
+    (`files.discard()`) once the ranks have them."""
+    return _dump_result(objects, files, recurse=True)
+
+
+class _PushUnpickler(_ResultUnpickler):
+    def persistent_load(self, pid):
+        tag, path, nbytes, dtype = pid
+        if tag != _SHARED:
+            raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
+        if path not in self._mapped:  # private (copy-on-write), and left for the other ranks to map
+            self._mapped[path] = torch.UntypedStorage.from_file(path, False, nbytes)
+        return torch.storage.TypedStorage(wrap_storage=self._mapped[path], dtype=dtype, _internal=True)
+
+
+def unpack_push(payload: bytes) -> dict:
+    return _PushUnpickler(io.BytesIO(payload)).load()
+
+
 class _ExceptionPickler(dill.Pickler):
     """dill by reference, except that an exception of a user-defined class is rebuilt without
     calling its __init__: pickle's default calls `cls(*exc.args)`, which fails (or garbles the

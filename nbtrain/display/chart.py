@@ -176,10 +176,10 @@ def panel_svg(name: str, lines: dict[int, _Line]) -> str:
 
 def legend_html(series: MetricSeries, names: list[str]) -> str:
     keys = sorted({key for n in names for key in series.lines[n]})
-    if keys == [MEAN] or keys == [0]:
-        return ""  # one line per chart needs no legend
-    items = " ".join(f'<span style="color:{line_colour(k)}">&#9644; {line_label(k)}</span>' for k in keys)
-    return f'<div style="font-size:11px">{items} <span style="color:#777">(x: step)</span></div>'
+    # The lines are named even when there is one: a mean over ranks is not rank 0's curve.
+    shown = [] if keys == [0] else keys
+    items = " ".join(f'<span style="color:{line_colour(k)}">&#9644; {line_label(k)}</span>' for k in shown)
+    return f'<div style="font-size:11px">{items} <span style="color:#777">(x axis: step)</span></div>'
 
 
 def chart_html(series: MetricSeries) -> str:

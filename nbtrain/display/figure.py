@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import math
 
-from .chart import MEAN, line_colour, line_label, use_log_scale
+from .chart import MEAN, line_colour, line_label, log_ticks, use_log_scale
 
 MISSING_MATPLOTLIB = ("plotting needs matplotlib, which is not installed: pip install 'nbtrain[plot]' "
                       "(or pip install matplotlib), then restart the kernel.")
@@ -68,8 +68,9 @@ def metrics_figure(history, names=(), title: str = ""):
     for ax, (name, lines) in zip(axes, metrics.items()):
         for key, (steps, values) in sorted(lines.items()):
             ax.plot(steps, values, color=line_colour(key), linewidth=1.3, label=line_label(key))
-        if use_log_scale(name, [v for _, vs in lines.values() for v in vs if math.isfinite(v)]):
-            _log_axis(ax)
+        finite = [v for _, vs in lines.values() for v in vs if math.isfinite(v)]
+        if use_log_scale(name, finite):
+            _log_axis(ax, finite)
         ax.set_title(name, fontsize=10, loc="left")
         ax.set_xlabel("step", fontsize=9)
         ax.tick_params(labelsize=8)
@@ -83,13 +84,16 @@ def metrics_figure(history, names=(), title: str = ""):
     return fig
 
 
-def _log_axis(ax) -> None:
-    # Plain numbers at 1-2-5 steps: "0.2" reads faster than "2x10^-1" on a loss curve.
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+def _log_axis(ax, values: list[float]) -> None:
+    # Plain numbers, at least two of them: the live chart's ticks (decades, 1-2-5 steps, or round
+    # linear steps when the curve spans less than that). Matplotlib's LogLocator labelled one
+    # tick on a loss that stayed within a decade.
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
     ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_locator(FixedLocator(log_ticks(min(values), max(values))))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_locator(NullLocator())
     ax.yaxis.set_minor_formatter(NullFormatter())
 
 

@@ -72,7 +72,7 @@ class RunRecorder:
         state.handle, state.fail, state.stop = handled, failed, stopped
 
     def _progress(self, rank: int, payload: list) -> None:
-        level, _, n, _, done = payload
+        level, n, done = payload[0], payload[2], payload[4]  # (level, desc, n, total, done, the rank's clock)
         key, now = (rank, level), time.monotonic()
         if key in self._held and self._held[key][1] != payload[1]:  # a new bar here: the old one's end first
             self._flush(rank)

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import re
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..common.transfer import unpack_result
 
+
+RECENT = 10.0  # seconds of (time, steps) kept per rank for its recent step rate
+STALLED = 1.0  # seconds a rank may be silent before the notebook's clock counts against its rate
 
 _MISSING_CLASS = re.compile(r"Can't get attribute '([\w.]+)' on <module '__main__'")
 
@@ -37,6 +41,7 @@ class Vital(NamedTuple):
 
 @dataclass
 class Bar:
+    """One progress level of a rank; `started` and `updated` are by the rank's clock."""
     desc: str
     n: int = 0
     total: int | None = None
@@ -83,28 +88,58 @@ class RankView:
     ended_where: str = ""  # how a finished rank ended: "returned from train()", "called sys.exit(0) at ..."
     bars: dict[int, Bar] = field(default_factory=dict)
     metrics: dict[str, Metric] = field(default_factory=dict)
-    # Iterations of the innermost progress level, across its restarts (epochs), and when the
-    # first and latest of them arrived: the rank's step rate.
+    # Iterations of the innermost progress level, across its restarts (epochs), and when they
+    # happened by the rank's own clock: the rank's step rate. Counted from the first event that
+    # reports a finished step, so time spent before it (waiting at the first collective for a
+    # rank still setting up) is not read as slowness.
     steps: int = 0
     step_level: int = -1
-    first_step: float | None = None
+    first_step: tuple[float, int] | None = None  # (rank clock, steps) when steps were first seen
     last_step: float | None = None
+    recent: deque = field(default_factory=deque)  # (rank clock, steps) over the last RECENT seconds
+    # The smallest (notebook clock - rank clock) seen on arrival: maps the notebook's "now" onto
+    # the rank's clock, so a rank that stops reporting is seen to slow down.
+    lag: float | None = None
 
-    def count_steps(self, level: int, n: int, previous: int, now: float) -> None:
+    def count_steps(self, level: int, n: int, previous: int, at: float, arrived: float) -> None:
+        self.lag = arrived - at if self.lag is None else min(self.lag, arrived - at)
         if level < self.step_level:
             return
         if level > self.step_level:  # a deeper loop: its iterations are the steps
             self.step_level, self.steps, self.first_step = level, 0, None
+            self.recent.clear()
         self.steps += max(0, n - previous)
-        self.first_step = now if self.first_step is None else self.first_step
-        self.last_step = now
+        if not self.steps:
+            return
+        self.first_step = self.first_step or (at, self.steps)
+        self.last_step = at
+        self.recent.append((at, self.steps))
+        while len(self.recent) > 2 and at - self.recent[1][0] >= RECENT:
+            self.recent.popleft()
 
     @property
     def step_rate(self) -> float | None:
-        """Steps per second over the whole run so far; None before half a second of steps
-        (messages arrive in batches every 0.1 s: a shorter span would not measure anything)."""
-        span = (self.last_step or 0.0) - (self.first_step or 0.0)
-        return self.steps / span if self.steps and span >= 0.5 else None
+        """Steps per second over the whole run so far, by the rank's clock; None before half a
+        second of steps (events are sent every 0.1 s: a shorter span would not measure anything)."""
+        if self.first_step is None:
+            return None
+        at, steps = self.first_step
+        span = self.last_step - at
+        return (self.steps - steps) / span if span >= 0.5 else None
+
+    def recent_rate(self, window: float, now: float) -> float | None:
+        """Steps per second over the rank's last `window` seconds, by its clock. `now` (the
+        notebook's clock) counts only once the rank has been silent for STALLED seconds: until
+        then the latest event is the rank's now, so batching of events adds no noise."""
+        if not self.recent or self.lag is None:
+            return None
+        end, steps = self.recent[-1]
+        silent = now - self.lag - end
+        if silent > STALLED:
+            end += silent
+        start = next(((t, s) for t, s in reversed(self.recent) if end - t >= window), self.recent[0])
+        span = end - start[0]
+        return (steps - start[1]) / span if span >= 0.5 else None
 
 
 @dataclass
@@ -126,6 +161,7 @@ class RunState:
         self.values: dict[int, Any] = {}
         self.failures: list[Failure] = []
         self.vitals: list[Vital] = []  # sampled by the display, kept in Result.vitals
+        self.profiles: dict[int, dict] = {}  # each profiled rank's summary (rank/profiling.py)
         self.effective_batch_size: int | None = None
         self.per_rank_batch_size: int | None = None
         self.version = 0  # bumped on every change, so a display redraws only when needed
@@ -151,19 +187,25 @@ class RunState:
         view.pid, view.host = pid, host or view.host
         view.status = "running"
 
-    def _on_progress(self, view: RankView, level: int, desc: str, n: int, total, done: bool) -> None:
+    def _on_progress(self, view: RankView, level: int, desc: str, n: int, total, done: bool,
+                     at: float | None = None) -> None:
+        arrived = time.monotonic()
+        at = arrived if at is None else at  # the rank's own clock (an in-process run shares the kernel's)
         bar = view.bars.get(level)
         if bar is None or (n == 0 and not done) or bar.desc != desc:
-            bar = view.bars[level] = Bar(desc, total=total)
+            bar = view.bars[level] = Bar(desc, total=total, started=at, updated=at)
             for deeper in [lv for lv in view.bars if lv > level]:
                 del view.bars[deeper]
-        view.count_steps(level, n, bar.n, time.monotonic())
-        bar.n, bar.total, bar.done, bar.updated = n, total, done, time.monotonic()
+        view.count_steps(level, n, bar.n, at, arrived)
+        bar.n, bar.total, bar.done, bar.updated = n, total, done, at
 
     def _on_metric(self, view: RankView, step: int, name: str, value: float, synced: bool) -> None:
         metric = Metric(step, view.rank, name, value, synced)
         view.metrics[name] = metric
         self.history.append(metric)
+
+    def _on_profile(self, view: RankView, summary: dict) -> None:
+        self.profiles[view.rank] = summary
 
     def _on_batch_size(self, view: RankView, per_rank: int, effective: int) -> None:
         if self.effective_batch_size is None:

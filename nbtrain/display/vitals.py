@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 
 from ..common import inventory
 from .runstate import RunState, Vital
@@ -52,17 +51,17 @@ class VitalsSampler:
     def __init__(self, interval: float = INTERVAL):
         self.interval = interval
         self._last = float("-inf")
-        self._counts: dict[int, deque] = {}  # rank -> (time, steps) of recent samples
+        self._sampled: set[int] = set()  # ranks sampled at least once
 
     def maybe_sample(self, state: RunState, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         due = now - self._last >= self.interval
-        if not due and len(self._counts) == len(state.ranks):
+        if not due and len(self._sampled) == len(state.ranks):
             return False
         # A running rank without a pid runs in this kernel (single device, DataParallel). Each
         # rank is sampled as soon as it runs, then with the others once per interval.
         pids = {r: view.pid or os.getpid() for r, view in state.ranks.items()
-                if view.status == "running" and (due or r not in self._counts)}
+                if view.status == "running" and (due or r not in self._sampled)}
         if not pids:
             return False
         if due:
@@ -77,13 +76,9 @@ class VitalsSampler:
         return True
 
     def _rate(self, rank: int, view, now: float) -> float | None:
-        """Steps/s over the last RATE_WINDOW seconds of samples (the run so far, at the first)."""
-        counts = self._counts.setdefault(rank, deque())
-        counts.append((now, view.steps))
-        while len(counts) > 2 and now - counts[1][0] >= RATE_WINDOW:
-            counts.popleft()
-        then, before = counts[0]
-        return (view.steps - before) / (now - then) if now > then else view.step_rate
+        """Steps/s over the rank's last RATE_WINDOW seconds, by its own clock (see RankView.recent_rate)."""
+        self._sampled.add(rank)
+        return view.recent_rate(RATE_WINDOW, now)
 
 
 def latest(state: RunState) -> dict[int, Vital]:

@@ -69,14 +69,16 @@ def _pack_names(values: dict) -> bytes:
 def run_cell(source: str, namespace: Mapping[str, Any], *, strategy: str = "ddp", devices="auto",
              accelerator: str = "auto", num_nodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
              max_restarts: int = 0, launcher: str = "torchrun", timeout: float | None = None, progress=True,
-             hidden=(), rerun_as: str | None = None, cluster=None):
+             hidden=(), rerun_as: str | None = None, cluster=None, trackers=None, profile=None, run_dir=None):
     """Run a cell's code on every rank and return the `Result` (the last expression's value
     on each rank in `values`, rank 0's in `value`). What `%%nbtrain` calls; with `cluster`
-    (`nbtrain.Slurm(...)`, `nbtrain.Ray(...)`) the ranks run there, the names shipped."""
+    (`nbtrain.Slurm(...)`, `nbtrain.Ray(...)`) the ranks run there, the names shipped.
+    `trackers`, `profile` and `run_dir` as for `launch`."""
     job = cell_job(source, namespace, "ddp" if cluster is not None else strategy, hidden)
+    insight = {"trackers": trackers, "profile": profile, "run_dir": run_dir}
     if cluster is not None:
         return launch(job, strategy=strategy, devices=devices, accelerator=accelerator, num_nodes=num_nodes,
-                      timeout=timeout, progress=progress, cluster=cluster)
+                      timeout=timeout, progress=progress, cluster=cluster, **insight)
     options = None
     if strategy in ("ddp", "fsdp", "deepspeed"):  # a script under the launcher
         options = {"launcher": launcher, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,
@@ -84,4 +86,4 @@ def run_cell(source: str, namespace: Mapping[str, Any], *, strategy: str = "ddp"
         if rerun_as:
             options["rerun_as"] = rerun_as
     return launch(job, strategy=strategy, devices=devices, accelerator=accelerator, num_nodes=num_nodes,
-                  timeout=timeout, progress=progress, launcher_options=options)
+                  timeout=timeout, progress=progress, launcher_options=options, **insight)

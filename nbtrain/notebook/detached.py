@@ -87,8 +87,8 @@ def _supervise(run_dir: Path) -> int:
     os.environ["NBTRAIN_RUN_DIR"] = str(run_dir)  # ctx.run_dir, in every rank (their environment starts from ours)
     try:
         fn, args, kwargs = unpack_job((run_dir / runlog.JOB).read_bytes())
-        cluster = dill.loads((run_dir / runlog.CLUSTER).read_bytes()) if (run_dir / runlog.CLUSTER).exists() else None
-        in_process = _in_process(spec["launch"], cluster)
+        objects = dill.loads((run_dir / runlog.OBJECTS).read_bytes())  # cluster, trackers, profile
+        in_process = _in_process(spec["launch"], objects["cluster"])
     except BaseException as exc:
         return _failed(run_dir, status, exc, "the job could not be loaded")
     for attempt in range(spec["max_restarts"] + 1):
@@ -99,7 +99,8 @@ def _supervise(run_dir: Path) -> int:
             sys.stdout, sys.stderr = (_RankZeroOutput(name, stream, recorder)
                                       for name, stream in zip(("stdout", "stderr"), streams))
         try:
-            result = launch(fn, *args, progress=recorder, cluster=cluster, **spec["launch"], **kwargs)
+            result = launch(fn, *args, progress=recorder, run_dir=str(run_dir), **objects, **spec["launch"],
+                            **kwargs)
         except KeyboardInterrupt:
             recorder.note("cancelled")
             status.set("cancelled", reason="cancelled by Run.cancel()")

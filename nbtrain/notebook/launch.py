@@ -13,6 +13,7 @@ from ..placements.processes import ForkLauncher, SpawnLauncher
 from ..placements.script import ScriptLauncher
 from ..placements.template import start_ranks_cleanly
 from .inprocess import InProcessLauncher
+from .insight import instrument
 from .pool import Pool
 from .restarts import check_restarts, with_restarts
 from .result import Result
@@ -104,8 +105,8 @@ def check_timeout(timeout):
 
 def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelerator: str = "auto",
            num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
-           progress=True, launcher_options: dict | None = None, cluster=None, max_restarts: int = 0,
-           **kwargs) -> Result:
+           progress=True, launcher_options: dict | None = None, cluster=None, trackers=None, profile=None,
+           run_dir=None, max_restarts: int = 0, **kwargs) -> Result:
     """Run `fn(*args, **kwargs)` on every rank and return a `Result`.
 
     Inside `fn`, `nbtrain.context()` is this rank's Context. Keyword arguments that `launch`
@@ -119,6 +120,9 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     'deepspeed' runs the job as a script under DeepSpeed's launcher; `fn` calls
     `deepspeed.initialize` itself.
     `cluster` runs the ranks elsewhere: `nbtrain.Slurm(...)` or `nbtrain.Ray(...)` (see nbtrain/placements/clusters).
+    `trackers` ("tensorboard", "mlflow", "wandb" or their settings objects) receive `ctx.log`'s
+    values; `profile` (True or `nbtrain.Profile(...)`) records torch.profiler on every rank into
+    `Result.profile`. Both write under `run_dir` (default ./nbtrain-runs/<time>-<function>/).
     `max_restarts=N`: a failed run starts all ranks again, up to N times; the code resumes from its
     own checkpoint (`Result.restarts` says why each restart happened).
     """
@@ -129,12 +133,14 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     if cluster is not None and max_restarts:
         raise ValueError(f"max_restarts={max_restarts} with cluster={cluster!r}: restarts are for ranks on this "
                          "machine here; nbtrain.submit(..., cluster=..., max_restarts=N) restarts a cluster run.")
+    insight = {"trackers": trackers, "profile": profile, "run_dir": run_dir}
     if cluster is not None:
         return launch_on(cluster, fn, args, kwargs, strategy=strategy, devices=devices, accelerator=accelerator,
                          num_nodes=num_nodes, backend=backend, timeout=timeout, progress=progress,
-                         launcher_options=launcher_options)
+                         launcher_options=launcher_options, **insight)
     plan = plan_devices(devices, accelerator, backend, num_nodes)
     name, note = resolve_strategy(strategy, plan)
+    fn = instrument(fn, args, kwargs, plan=plan, strategy=name, **insight)
     placement = name  # where the ranks run; `name` (the Context's strategy) says how models are wrapped
     if name == "fsdp":
         script = launcher_options is not None or plan.num_nodes > 1
@@ -174,7 +180,8 @@ def run_once(launcher, job: Job, display) -> Result:
 
 
 def launch_on(cluster, fn, args: tuple, kwargs: dict, *, strategy: str, devices, accelerator: str, num_nodes: int,
-              backend: str | None, timeout: float | None, progress, launcher_options: dict | None):
+              backend: str | None, timeout: float | None, progress, launcher_options: dict | None,
+              trackers=None, profile=None, run_dir=None):
     """`launch(..., cluster=...)`: the same run, its ranks placed by the cluster's engine."""
     cluster = check_cluster(cluster)
     if strategy not in CLUSTER_STRATEGIES:
@@ -185,6 +192,8 @@ def launch_on(cluster, fn, args: tuple, kwargs: dict, *, strategy: str, devices,
         raise ValueError(f"launcher_options={launcher_options!r} are for ranks started on this machine; with a cluster, "
                          "give the engine's settings to the cluster object.")
     plan = cluster.plan(devices, accelerator, backend, num_nodes)
+    strategy = "ddp" if strategy == "auto" else strategy
+    fn = instrument(fn, args, kwargs, trackers=trackers, profile=profile, run_dir=run_dir, plan=plan, strategy=strategy)
     display = make_display(progress)
-    job = ClusterJob(fn, args, kwargs, plan, "ddp" if strategy == "auto" else strategy, timeout)
+    job = ClusterJob(fn, args, kwargs, plan, strategy, timeout)
     return run_once(cluster.placement(), job, display)

@@ -17,10 +17,11 @@ LAUNCHERS = ("torchrun", "accelerate", "deepspeed")
 RESULT_NAME = "_nbtrain_result"
 RUN_NAME = "_nbtrain_run"  # the Run of the last `%%nbtrain --submit` cell
 CLUSTERS = ("slurm", "ray")
+TRACKERS = ("tensorboard", "mlflow", "wandb")
 DEFAULTS = {"strategy": "ddp", "devices": "auto", "accelerator": "auto", "nnodes": 1, "node_rank": 0,
             "rdzv_endpoint": None, "max_restarts": 0, "launcher": "torchrun", "timeout": None, "no_progress": False,
             "cluster": None, "partition": None, "time": None, "account": None, "sbatch": None, "address": None,
-            "num_workers": None, "notebook_address": None, "submit": False}
+            "num_workers": None, "notebook_address": None, "trackers": None, "profile": None, "run_dir": None, "submit": False}
 CLUSTER_OPTIONS = {"slurm": ("partition", "time", "account", "sbatch"), "ray": ("address", "num_workers")}
 LOCAL_ONLY = ("node_rank", "rdzv_endpoint", "max_restarts", "launcher")  # ranks this machine starts itself
 COMMANDS = "Accepted: `%nbtrain config [options]`, `%nbtrain config reset`, `%nbtrain gpus`, " \
@@ -74,6 +75,10 @@ RUN_OPTIONS = [
              "deepspeed (the launcher of --strategy deepspeed)"),
     argument("--timeout", type=_seconds, help="seconds before the run is stopped, with every rank's stack"),
     argument("--no-progress", dest="no_progress", action="store_true", default=None, help="no progress display"),
+    argument("--trackers", nargs="+", choices=TRACKERS, metavar="TRACKER",
+             help=f"where ctx.log's values go besides the notebook: {', '.join(TRACKERS)}"),
+    argument("--profile", action="store_true", default=None, help="torch.profiler on every rank: the Result's profile"),
+    argument("--run-dir", dest="run_dir", help="the directory trackers and profiles write under"),
     argument("--submit", action="store_true", default=None, help="a run that outlives the kernel (nbtrain.submit): "
              "the cell shows its Run, kept as _nbtrain_run; --max-restarts restarts all its ranks"),
 ]

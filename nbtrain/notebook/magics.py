@@ -26,6 +26,7 @@ from IPython.display import display
 from ..common.devices import plan_devices
 from ..display.gpus import gpus
 from ..placements.script import check_installed, script_options
+from ..rank.trackers import check_trackers
 from .cell import cell_job, run_cell
 from .launch import deepspeed_options, resolve_strategy
 from .magic_options import (COMMANDS, DEFAULTS, RESULT_NAME, RUN_NAME, SCRIPT_STRATEGIES, _given, make_cluster,
@@ -38,6 +39,10 @@ from .ranks_magics import register as register_live
 
 def check_options(options: dict) -> None:
     """Refuse, as UsageError, what cannot run, before anything starts."""
+    try:
+        check_trackers(options["trackers"])
+    except (ValueError, ImportError) as exc:
+        raise UsageError(str(exc)) from None
     cluster = make_cluster(options)
     if cluster is not None:
         try:
@@ -119,7 +124,8 @@ class NbtrainMagics(Magics):
             accelerator=options["accelerator"], num_nodes=options["nnodes"], node_rank=options["node_rank"],
             rdzv_endpoint=options["rdzv_endpoint"], max_restarts=options["max_restarts"],
             launcher=_launcher(options), timeout=options["timeout"], progress=not options["no_progress"],
-            hidden=self.shell.user_ns_hidden, cluster=make_cluster(options),
+            hidden=self.shell.user_ns_hidden, cluster=make_cluster(options), trackers=options["trackers"],
+            profile=bool(options["profile"]), run_dir=options["run_dir"],
             rerun_as=rerun_line(options) if options["nnodes"] > 1 and not options["cluster"] else None)
 
     def submit(self, cell: str, options: dict):
@@ -131,7 +137,8 @@ class NbtrainMagics(Magics):
         # --max-restarts restarts the submitted run's ranks (all of them, from ctx.run_dir's checkpoint).
         return submit(job, strategy=strategy, devices=options["devices"], accelerator=options["accelerator"],
                       num_nodes=options["nnodes"], timeout=options["timeout"], launcher_options=script,
-                      max_restarts=options["max_restarts"])
+                      max_restarts=options["max_restarts"], trackers=options["trackers"],
+                      profile=bool(options["profile"]), run_dir=options["run_dir"])
 
     def _command(self, line: str):
         words = line.split(None, 1)

@@ -13,6 +13,8 @@ whose ranks serve commands until closed (see pool.py here and nbtrain/rank/loop.
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import os
 import itertools
 import keyword
 import sys
@@ -28,10 +30,13 @@ from ..common.preflight import check_fork, fork_blocker
 from ..placements.template import start_ranks_cleanly, TemplateLauncher
 from ..placements.processes import ForkLauncher, SpawnLauncher
 from ..display.text import QuietDisplay
+from .insight import instrument
 from .launch import check_timeout
 from ..display.lazy import LazyDisplay
 from .result import Result
-from ..common.pickling import dumps, explain_pickling
+from ..common.pickling import explain_pickling
+from ..common.tensor_files import ENABLE_VAR, RankFiles
+from ..common.transfer import PUSH_FILES, pack_push
 from ..display import check_progress, make_display
 from ..common.source import parse_cell
 from ..placements.clusters import check_cluster, ClusterJob
@@ -193,8 +198,28 @@ class Ranks:
             if name in RESERVED:
                 raise ValueError(f"push({name}=...): `{name}` is {RESERVED[name]} on every rank and is not replaced; "
                                  "push the object under another name.")
-        payload = dumps(objects, f"the objects pushed to the ranks ({', '.join(objects)})", "objects")
-        self._command("push", payload, ranks=ranks)
+        files = self._push_files()
+        try:
+            payload = pack_push(objects, files)
+        except Exception as exc:
+            raise UnpicklableError(f"the objects pushed to the ranks ({', '.join(objects)})",
+                                   explain_pickling(objects, "dill", "objects"), detail=str(exc)) from exc
+        finally:
+            if files is not None and sys.exc_info()[0] is not None:
+                files.discard()
+        try:
+            self._command("push", payload, ranks=ranks)
+        finally:
+            if files is not None:
+                files.discard()  # each rank has mapped its copy-on-write view by now, or failed
+
+    def _push_files(self) -> RankFiles | None:
+        """Where a push's large tensors go: shared memory that ranks on this machine map."""
+        pool = self._pool
+        if pool is None or pool.launcher.remote or not pool.files or not pool.files.prefixes:
+            return None
+        return RankFiles.from_environ(PUSH_FILES, pool.files.environ | {k: v for k, v in os.environ.items()
+                                                                       if k == ENABLE_VAR})
 
     def pull(self, name: str, *, ranks: list[int] | None = None) -> list:
         """`name`'s value from every rank, in rank order (modules come back on CPU, unwrapped)."""
@@ -203,19 +228,29 @@ class Ranks:
         state = self._command("pull", name, ranks=ranks)
         return [state.values.get(r) for r in sorted(state.ranks)]
 
-    def run(self, fn, *args, progress=None, timeout: float | None = None, ranks: list[int] | None = None, **kwargs):
+    def run(self, fn, *args, progress=None, timeout: float | None = None, ranks: list[int] | None = None,
+            trackers=None, profile=None, run_dir=None, **kwargs):
         """`fn(*args, **kwargs)` on every rank, with the rank's namespace as its globals (so it
-        sees `model`, `opt`, ... defined there); a `Result`, with the live dashboard."""
+        sees `model`, `opt`, ... defined there); a `Result`, with the live dashboard. `trackers`,
+        `profile` and `run_dir` as for `launch`."""
         import dill
 
 
         if not isinstance(fn, types.FunctionType):
             raise TypeError(f"run(fn, ...) takes a Python function, got {type(fn).__name__}; "
                             "for other callables, push them and call them with exec().")
+        wrapped = instrument(fn, args, kwargs, trackers=trackers, profile=profile, run_dir=run_dir, plan=self.plan,
+                             strategy=f"live ({self.placement})")
+        insight = None
+        if wrapped is not fn:
+            if ranks is not None:
+                raise ValueError(f"ranks={ranks!r} with trackers or a profile: they run on every rank together "
+                                 "(rank 0's tracker run is shared), so leave ranks=None.")
+            insight = dataclasses.replace(wrapped, fn=None)  # the settings; the rank has its own fn
         bare = types.FunctionType(fn.__code__, {}, fn.__name__, fn.__defaults__, fn.__closure__)
         bare.__kwdefaults__, bare.__qualname__ = fn.__kwdefaults__, fn.__qualname__
         try:
-            payload = dill.dumps((bare, args, kwargs), recurse=True)
+            payload = dill.dumps((bare, args, kwargs, insight), recurse=True)
         except Exception as exc:
             findings = [f for part, root in ((bare, fn.__name__), (args, "args"), (kwargs, "kwargs"))
                         for f in explain_pickling(part, "dill", root)]
@@ -224,6 +259,10 @@ class Ranks:
         state = self._command("call", payload, ranks=ranks, timeout=timeout, namespace=fn.__globals__,
                               display=display, title=f"{fn.__qualname__} on live ranks")
         return Result.from_state(state, f"live ({self.placement})", self.plan.describe())
+
+    def profile(self, fn, *args, profile=True, **kwargs):
+        """`run(fn, ...)` with torch.profiler on every rank: the `Result`'s `profile` is the table."""
+        return self.run(fn, *args, profile=profile, **kwargs)
 
     def debug(self, rank: int | None = None) -> None:
         """pdb in `rank`'s last failure (default: the rank that failed last), from this notebook."""

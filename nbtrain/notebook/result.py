@@ -4,8 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..display.runstate import Metric, RunState, Vital
 from ..display.figure import make_displayable, metrics_figure
+from ..display.profile import ProfileTable
+from ..display.runstate import Metric, RunState, Vital
 
 
 @dataclass
@@ -18,13 +19,15 @@ class Result:
     effective_batch_size: int | None = None
     devices: str = ""  # the plan, in words
     vitals: list[Vital] = field(default_factory=list)  # per-rank step rate and memory, about once a second
+    profile: ProfileTable | None = None  # launch(..., profile=...): a row per rank, the slowest named
     restarts: list[str] = field(default_factory=list)  # why each restart of a submitted run's ranks happened
 
     @classmethod
     def from_state(cls, state: RunState, strategy: str, devices: str) -> "Result":
         values = [state.values.get(r) for r in sorted(state.ranks)]
         return cls(values[0] if values else None, values, list(state.history), state.elapsed,
-                   strategy, state.effective_batch_size, devices, list(state.vitals))
+                   strategy, state.effective_batch_size, devices, list(state.vitals),
+                   ProfileTable(state.profiles) if state.profiles else None)
 
     def metrics(self, name: str, rank: int | None = 0) -> list[float]:
         """The values logged under `name` (by `rank`; None for every rank), in order."""

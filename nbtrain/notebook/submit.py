@@ -16,6 +16,8 @@ from ..common.pickling import ship_bytes
 from ..common.transfer import pack_job
 from ..display import check_progress
 from ..placements.clusters import check_cluster
+from ..rank.profiling import Profile
+from ..rank.trackers import check_trackers
 from .launch import check_timeout, resolve_strategy
 from .restarts import check_restarts
 from .runs import Run
@@ -34,12 +36,13 @@ _SUPERVISE = "import sys; from nbtrain.notebook.detached import main; sys.exit(m
 
 def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelerator: str = "auto",
            num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
-           launcher_options: dict | None = None, cluster=None, run_dir=None, max_restarts: int = 0,
-           progress=True, **kwargs) -> Run:
+           launcher_options: dict | None = None, cluster=None, trackers=None, profile=None, run_dir=None,
+           max_restarts: int = 0, progress=True, **kwargs) -> Run:
     """Run `fn(*args, **kwargs)` as `launch` would, in processes that outlive this kernel; return
     a `Run` at once. What the ranks report, and the result, go to `run_dir` (default: a new
     directory under ./nbtrain-runs/); `nbtrain.attach(run_dir)` follows the run from any later
-    kernel; `progress` is how the `Run` draws itself (as `launch(progress=...)`). With `max_restarts=N`, a failed attempt starts all ranks again, up to N times;
+    kernel; `progress` is how the `Run` draws itself (as `launch(progress=...)`); `trackers` and
+    `profile` are launch's, writing under the run directory. With `max_restarts=N`, a failed attempt starts all ranks again, up to N times;
     `ctx.run_dir` is where the training code keeps the checkpoints it resumes from. With
     `cluster=nbtrain.Slurm(...)` (or Ray), the supervisor on this machine runs the cluster job,
     so the job outlives the kernel (not this machine)."""
@@ -56,8 +59,10 @@ def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     where = _new_run_dir(name) if run_dir is None else _given_run_dir(run_dir)
     try:
         runlog.write_whole(where / runlog.JOB, pack_job(fn, args, kwargs))
-        if cluster is not None:  # the supervisor runs launch(..., cluster=...): the job survives the kernel
-            runlog.write_whole(where / runlog.CLUSTER, ship_bytes(cluster))
+        # The supervisor runs launch(..., cluster=...): the job survives the kernel. Trackers and
+        # profiles write under the run directory.
+        runlog.write_whole(where / runlog.OBJECTS, ship_bytes({"cluster": cluster, "trackers": check_trackers(trackers),
+                                                               "profile": Profile.check(profile)}))
     except BaseException:
         for leftover in where.iterdir():
             leftover.unlink()

@@ -48,6 +48,10 @@ class Context:
         self._steps: dict[str, int] = defaultdict(int)
         self._depth = 0
         self._reported_batch = False
+        self._trackers = None  # this run's tracker writers (trackers=), fed by log()
+        self._recorder = None  # this run's profiler (profile=), stepped by step()
+        self._deepest = -1  # the innermost progress level seen: its iterations are the steps
+        self._explicit_steps = False  # the code calls step() itself
 
     @classmethod
     def from_environ(cls, environ=os.environ, sink=None) -> "Context":
@@ -97,6 +101,20 @@ class Context:
         """Create the default process group now (live ranks do, so plain torch.distributed works
         in their first cell); a no-op for a single non-distributed rank or an existing group."""
         self._ensure_group()
+
+    def _observe(self, trackers, recorder) -> None:
+        """Attach (or, with None, detach) the trackers and the profiler of the command starting now."""
+        self._trackers, self._recorder = trackers, recorder
+        self._deepest, self._explicit_steps = -1, False
+        if recorder is not None:
+            recorder.start()
+
+    def step(self) -> None:
+        """Mark the end of one training step, for a profile's window (`launch(..., profile=...)`).
+        Without calls to it, each iteration of the innermost `progress` loop is a step."""
+        self._explicit_steps = True
+        if self._recorder is not None:
+            self._recorder.step()
 
     def _begin_command(self) -> None:
         # A live rank runs many commands: each one's progress bars start at the outer level.
@@ -174,8 +192,14 @@ class Context:
         self._sink.emit("batch_size", per_rank, effective)
 
     # -- metrics and collectives ---------------------------------------------------------
-    def log(self, name: str, value, sync_dist: bool = False) -> float:
-        """Record a metric; with `sync_dist` the mean over ranks is recorded (and returned)."""
+    def log(self, name: str, value, sync_dist: bool = False, step: int | None = None) -> float:
+        """Record a metric; with `sync_dist` the mean over ranks is recorded (and returned).
+
+        `step`: where on the x axis (a resumed run passes its own, so its curve goes on from
+        there); by default one more than this metric's last.
+        """
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"ctx.log({name!r}, step={step!r}): step must be an int >= 0, or None for the next one")
         if isinstance(value, torch.Tensor):  # .item() on a one-element tensor is the cheap path
             value = value.item() if value.numel() == 1 else value.detach().float().mean().item()
         value = float(value)
@@ -184,9 +208,11 @@ class Context:
             total = torch.tensor([value], dtype=torch.float64, device=self._comm_device)
             dist.all_reduce(total)
             value = total.item() / self.world_size
-        step = self._steps[name]
-        self._steps[name] += 1
+        step = self._steps[name] if step is None else step
+        self._steps[name] = step + 1
         self._sink.emit("metric", step, name, value, bool(sync_dist))
+        if self._trackers is not None:
+            self._trackers.log(name, value, step, bool(sync_dist) or self.world_size == 1)
         return value
 
     def all_gather(self, x):
@@ -227,20 +253,25 @@ class Context:
         level = self._depth
         desc = desc or ("epoch" if level == 0 else "batch")
         self._depth += 1
+        self._deepest = max(self._deepest, level)
         emit = self._sink.emit
+        # Each event carries this rank's own clock: rates are told from when the steps happened
+        # here, not from when batches of events reached the notebook.
         n, last = 0, time.monotonic()
-        emit("progress", level, desc, 0, total, False)
+        emit("progress", level, desc, 0, total, False, last)
         try:
             for item in iterable:
                 yield item
                 n += 1
+                if self._recorder is not None and level == self._deepest and not self._explicit_steps:
+                    self._recorder.step()
                 now = time.monotonic()
                 if now - last >= PROGRESS_INTERVAL:
-                    emit("progress", level, desc, n, total, False)
+                    emit("progress", level, desc, n, total, False, now)
                     last = now
         finally:
             self._depth -= 1
-            emit("progress", level, desc, n, total, True)
+            emit("progress", level, desc, n, total, True, time.monotonic())
 
 
 class EpochLoader:

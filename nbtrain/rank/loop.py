@@ -41,7 +41,7 @@ from ..common.process_tree import become_subreaper, end_descendants
 from ..common.channel import ChannelUnreachable, Link
 from ..common.pickling import code_global_names
 from ..common.source import free_names, parse_cell
-from ..common.transfer import pack_exception, pack_result, unpack_job
+from ..common.transfer import pack_exception, pack_result, unpack_job, unpack_push
 from .compat import become_torchrun_worker, destroy_asked_group
 from .context import Context, set_current
 from .output import show_in_notebook
@@ -106,6 +106,7 @@ class RankLoop:
             if command[0] == "stop":
                 return code
             code = self._execute(command, once)
+            del command  # a pushed 500 MB payload, unpickled already, is not kept until the next command
             if once:
                 return code
 
@@ -187,13 +188,14 @@ class RankLoop:
     def _do_call(self, seq, payload):
         import dill
 
-        bare, args, kwargs = dill.loads(payload)
+        bare, args, kwargs, *insight = dill.loads(payload)
+        insight = insight[0] if insight else None  # trackers and a profile around the call (Ranks.run), or None
 
         self._fetch_missing(seq, code_global_names(bare.__code__))
         fn = types.FunctionType(bare.__code__, self.namespace, bare.__name__, bare.__defaults__, bare.__closure__)
         fn.__kwdefaults__, fn.__qualname__ = bare.__kwdefaults__, bare.__qualname__
         with self._user_code(seq):
-            value = fn(*args, **kwargs)
+            value = fn(*args, **kwargs) if insight is None else insight.around(lambda: fn(*args, **kwargs))
         return value, f"returned from {fn.__qualname__}()"
 
     def _do_exec(self, seq, source: str, filename: str, want_repr: bool):
@@ -218,9 +220,7 @@ class RankLoop:
             return eval(code, self.namespace), ""
 
     def _do_push(self, seq, payload: bytes):
-        import dill
-
-        self.namespace.update(dill.loads(payload))
+        self.namespace.update(unpack_push(payload))
         return None, ""
 
     def _do_pull(self, seq, name: str):

@@ -12,6 +12,7 @@ resolved arguments, so all ranks agree on the master and on who shares a node.
 """
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 
@@ -20,6 +21,7 @@ from .base import (Cluster, RemotePlacement, RemoteRank, accelerator_of, base_en
                    make_plan, rank_entry, rank_vars, require)
 
 PLACING_QUIET = 1.0  # seconds a placement may take before the display says it waits for resources
+GCS_LOOK = 1.0  # seconds between looks at whether Ray's cluster still answers (and a look's limit)
 
 
 class Ray(Cluster):
@@ -99,6 +101,9 @@ class RayPlacement(RemotePlacement):
         ray = require("ray", self.cluster.extra)
         _keep_print()
         if not ray.is_initialized():
+            if _LOST and self.cluster.address is None:  # a new local Ray is not the one that was lost
+                raise RuntimeError(f"{_LOST[-1]}. Connect again with ray.init(...) (nbtrain then uses that Ray), "
+                                   "or give nbtrain.Ray(address=...).")
             ray.init(address=self.cluster.address)
         return ray
 
@@ -196,10 +201,19 @@ class RankActor:
         return rank_entry(environ, first, live)
 
 
+_LOST: list[str] = []  # why Ray went away under a run in this kernel
+
+
+class RayGone(RuntimeError):
+    """Ray itself went away under the run: shut down in this kernel, or its cluster stopped."""
+
+
 class RayGroup:
     """The placement group and its actors: what `_cleanup` removes."""
 
     def __init__(self, group, bundles: list[dict], strategy: str):
+        import ray
+
         self.group, self.bundles, self.strategy = group, bundles, strategy
         self.actors: list = []
         self.places: list = []  # each actor's report of where it runs: ready once the actor exists
@@ -207,12 +221,44 @@ class RayGroup:
         self._ready_ref = group.ready()
         self.placed = self.running = False
         self._told = False
+        try:
+            self.gcs = ray.get_runtime_context().gcs_address  # host:port of the cluster's control store
+        except Exception:  # Ray Client, or a Ray that does not say: only a shutdown is noticed
+            self.gcs = None
+        self.lost: str | None = None
+        self._looked = 0.0
+
+    def gone(self) -> str | None:
+        """Why Ray is no longer there, or None; looked at no more than once a second.
+
+        Every later Ray call is skipped: after `ray.shutdown()` one would silently start a new
+        local Ray. When the cluster's GCS stops answering, this kernel's Ray driver is shut
+        down too: left connected, it ends the kernel's process about a minute later.
+        """
+        import ray
+
+        if self.lost is None and not ray.is_initialized():
+            self.lost = "Ray was shut down in this kernel (ray.shutdown()) while the ranks ran"
+        elif self.lost is None and self.gcs and time.monotonic() - self._looked >= GCS_LOOK:
+            self._looked = time.monotonic()
+            host, _, port = self.gcs.rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=GCS_LOOK).close()
+            except OSError as exc:
+                self.lost = (f"Ray's cluster went away: its GCS at {self.gcs} does not answer ({exc.strerror or exc}); "
+                             "this kernel's Ray driver was shut down so that the kernel survives")
+                ray.shutdown()
+            if self.lost:
+                _LOST.append(self.lost)
+        return self.lost
 
     def status(self) -> tuple[str, bool]:
         """Waiting while the group is placed and the actors' processes start (Ray's queue):
         neither counts against `timeout` or the start clock."""
         import ray
 
+        if self.gone():
+            return "", False
         if not self.placed:
             self.placed = bool(ray.wait([self._ready_ref], timeout=0)[0])
         if self.placed and not self.running:
@@ -231,6 +277,8 @@ class RayGroup:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if self.gone():
+            return  # nothing of it is left to remove, and a call would start a new Ray
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         remove_placement_group(self.group)
@@ -247,7 +295,9 @@ class RayRank(RemoteRank):
     def poll(self) -> int | None:
         import ray
 
-        if self.code is None and ray.wait([self.ref], timeout=0)[0]:
+        if self.code is None and self.group.gone():
+            self.error, self.code = RayGone(self.group.lost), 1
+        elif self.code is None and ray.wait([self.ref], timeout=0)[0]:
             try:
                 self.code = int(ray.get(self.ref))
             except ray.exceptions.RayError as exc:  # the actor died, or its creation or run raised
@@ -258,14 +308,18 @@ class RayRank(RemoteRank):
         import ray
 
         self.killed = True
-        ray.kill(self.actor, no_restart=True)
+        if not self.group.gone():
+            ray.kill(self.actor, no_restart=True)
 
     def join(self, timeout: float) -> None:
         import ray
 
-        ray.wait([self.ref], timeout=timeout)
+        if not self.group.gone():
+            ray.wait([self.ref], timeout=timeout)
 
     def exit_reason(self, rank: int, code: int, pid: int | None) -> tuple[str, bool]:
+        if isinstance(self.error, RayGone):
+            return f"rank {rank} was lost with Ray: {self.error}", True
         if self.error is None:
             return f"Ray actor of rank {rank}: {describe_exit(code, pid)}", True
         lines = [line.strip() for line in str(self.error).splitlines() if line.strip()]

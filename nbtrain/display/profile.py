@@ -1,0 +1,106 @@
+"""`Result.profile`: the ranks' profile summaries as one table, and the slowest rank in words.
+
+Each rank measured itself (`rank/profiling.py`); here they are only compared and shown: HTML in
+a notebook, text elsewhere.
+"""
+from __future__ import annotations
+
+import html
+
+WORDS = {"communication": "waiting in {collective}", "data": "loading data", "compute": "computing",
+         "idle": "idle (in no operator: Python code, sleeps, I/O)"}
+# A rank waiting this much less of its step in collectives than another is the one they wait for
+# (a share of the step: tiny CPU steps differ by 10 points from run to run with no straggler).
+WAIT_GAP = 0.25
+SPREAD = 0.20  # steps this much longer than another rank's: that rank is slower
+
+
+class ProfileTable:
+    """One row per rank: step time, its split (communication, data, compute, idle), top operators."""
+
+    def __init__(self, summaries: dict[int, dict]):
+        self.summaries = dict(sorted(summaries.items()))
+
+    @property
+    def ranks(self) -> dict[int, dict]:
+        """The ranks that profiled a step."""
+        return {r: s for r, s in self.summaries.items() if s.get("steps")}
+
+    def traces(self) -> dict[int, str]:
+        """Each rank's Chrome trace file (open in ui.perfetto.dev or TensorBoard's profiler)."""
+        return {r: s["trace"] for r, s in self.summaries.items() if s.get("trace")}
+
+    def share(self, rank: int, category: str) -> float:
+        summary = self.ranks[rank]
+        return summary["split"][category] / summary["step_time"] if summary["step_time"] else 0.0
+
+    def slowest(self) -> int | None:
+        """The rank the others wait for: the one spending clearly least of its step in collectives
+        (the others wait there for it); without such a gap, the one with the longest steps."""
+        ranks = self.ranks
+        if not ranks:
+            return None
+        waits = {r: self.share(r, "communication") for r in ranks}
+        least = min(waits, key=waits.get)
+        if len(ranks) > 1 and max(waits.values()) - waits[least] >= WAIT_GAP:
+            return least
+        return max(ranks, key=lambda r: ranks[r]["step_time"])
+
+    def verdict(self) -> str:
+        """The slowest rank and why, in words: "slowest: rank 1, 25 ms per step, 81 % idle (...);
+        rank 0 waits for it: 95 % waiting in gloo:all_reduce"; or that no rank stands out."""
+        slow = self.slowest()
+        if slow is None:
+            notes = [s.get("note", "") for s in self.summaries.values()]
+            return "no rank profiled a step" + (f": {notes[0]}" if notes and notes[0] else "")
+        ranks = self.ranks
+        step = f"{_ms(ranks[slow]['step_time'])} per step, {self._main(slow)}"
+        if len(ranks) == 1:
+            return f"rank {slow}: {step}"
+        waiting = max(ranks, key=lambda r: self.share(r, "communication"))
+        if self.share(waiting, "communication") - self.share(slow, "communication") >= WAIT_GAP:
+            return f"slowest: rank {slow}, {step}; rank {waiting} waits for it: {self._part(waiting, 'communication')}"
+        times = [s["step_time"] for s in ranks.values()]
+        if max(times) > (1 + SPREAD) * min(times):
+            return f"slowest: rank {slow}, {step}"
+        return f"no rank stands out (steps of {_ms(min(times))} to {_ms(max(times))}); rank {slow}: {step}"
+
+    def _main(self, rank: int) -> str:
+        split = self.ranks[rank]["split"]
+        return self._part(rank, max(split, key=split.get))
+
+    def _part(self, rank: int, category: str) -> str:
+        collective = self.ranks[rank].get("collective") or "collectives"
+        return f"{self.share(rank, category):.0%} {WORDS[category].format(collective=collective)}".replace("%", " %", 1)
+
+    def rows(self) -> list[list[str]]:
+        head = ["rank", "step", "communication", "data", "compute", "idle", "top operators"]
+        rows = [head]
+        for rank, summary in self.summaries.items():
+            if not summary.get("steps"):
+                rows.append([str(rank), "", "", "", "", "", summary.get("note", "")])
+                continue
+            shares = [f"{self.share(rank, c):.0%}" for c in ("communication", "data", "compute", "idle")]
+            top = ", ".join(f"{name} {_ms(seconds)}" for name, seconds in summary["top"][:3])
+            rows.append([str(rank), _ms(summary["step_time"]), *shares, top])
+        return rows
+
+    def __repr__(self) -> str:
+        rows = self.rows()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+        return "\n".join([f"Profile of {len(self.summaries)} ranks: {self.verdict()}", *lines])
+
+    def _repr_html_(self) -> str:
+        rows = self.rows()
+        slow = self.slowest()
+        head = "".join(f"<th style='text-align:left'>{html.escape(c)}</th>" for c in rows[0])
+        body = "".join(
+            "<tr" + (" style='font-weight:bold'" if r[0] == str(slow) else "") + ">"
+            + "".join(f"<td style='text-align:left'>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
+        return (f'<div class="nbtrain-profile"><div><b>nbtrain profile</b> · {html.escape(self.verdict())}</div>'
+                f"<table><tr>{head}</tr>{body}</table></div>")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.3g} ms"

@@ -1,0 +1,168 @@
+"""Per-rank profiles: torch.profiler over a window of steps, a Chrome trace per rank, and a summary.
+
+A step is one iteration of the innermost `ctx.progress` loop (or one `ctx.step()`). Each rank
+records its own window, saves `rank{N}.pt.trace.json` (TensorBoard's profiler and ui.perfetto.dev
+open it) and sends the notebook a summary: its step time split into communication (collectives,
+on any thread), data loading, compute (other operators) and idle (no operator at all: Python,
+sleeps, I/O), and its top operators. On a CUDA rank it also saves a memory snapshot for
+PyTorch's memory viewer (pytorch.org/memory_viz).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+COLLECTIVE = re.compile(r"gloo:|nccl:|c10d::|all_?reduce|all_?gather|reduce_?scatter|broadcast|barrier|all_to_all",
+                        re.IGNORECASE)
+DATA = re.compile(r"DataLoader|_DataLoaderIter")
+STEP = re.compile(r"ProfilerStep[#*]\d*")  # one step's span ("ProfilerStep*" as events() names it)
+CATEGORIES = ("communication", "data", "compute", "idle")  # a moment in two counts once, for the first
+TOP = 5  # operators listed per rank
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What `launch(..., profile=...)` records: `steps` (how many steps, after two skipped: the
+    first steps set things up, or a `range` of step numbers counted from 0), `activities` ("cpu", "cuda"; default
+    both where the rank has a GPU), `memory` (operators' memory, and on CUDA a memory snapshot;
+    default: on CUDA ranks only)."""
+    steps: int | range = 5
+    activities: tuple[str, ...] | None = None
+    memory: bool | None = None
+
+    @classmethod
+    def check(cls, profile) -> "Profile | None":
+        if profile is None or profile is False:
+            return None
+        if profile is True:
+            return cls()
+        if not isinstance(profile, cls):
+            raise ValueError(f"profile={profile!r}: give True, False or nbtrain.Profile(steps=..., activities=..., "
+                             "memory=...).")
+        window = profile.window
+        if len(window) < 1 or window.step != 1 or window.start < 0:
+            raise ValueError(f"Profile(steps={profile.steps!r}): give a number of steps (at least 1) or a range of "
+                             "step numbers such as range(2, 7).")
+        unknown = set(profile.activities or ()) - {"cpu", "cuda"}
+        if unknown:
+            raise ValueError(f"Profile(activities={profile.activities!r}): {sorted(unknown)} not known. "
+                             "Accepted: 'cpu', 'cuda'.")
+        return profile
+
+    @property
+    def window(self) -> range:
+        if isinstance(self.steps, range):
+            return self.steps
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int):
+            return range(0)
+        return range(2, 2 + self.steps)
+
+
+class Recorder:
+    """One rank's profiler: started with the run, stepped by the Context, stopped at its end."""
+
+    def __init__(self, settings: Profile, rank: int, device: torch.device, out_dir: str):
+        self.settings, self.rank, self.out_dir = settings, rank, out_dir
+        self.cuda = device.type == "cuda"
+        self.memory = self.cuda if settings.memory is None else settings.memory
+        names = settings.activities or (("cpu", "cuda") if self.cuda else ("cpu",))
+        activities = [getattr(torch.profiler.ProfilerActivity, n.upper()) for n in names]
+        window = settings.window
+        warmup = 1 if window.start >= 1 else 0
+        self.steps = 0
+        self.started = False
+        self.summary: dict | None = None
+        self.trace = os.path.join(out_dir, f"rank{rank}.pt.trace.json")
+        self.profiler = torch.profiler.profile(
+            activities=activities, profile_memory=self.memory, on_trace_ready=self._ready,
+            schedule=torch.profiler.schedule(wait=window.start - warmup, warmup=warmup, active=len(window), repeat=1))
+
+    def start(self) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        if self.cuda and self.memory:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self.profiler.start()
+        self.started = True
+
+    def step(self) -> None:
+        self.steps += 1
+        self.profiler.step()
+
+    def stop(self) -> dict:
+        self.profiler.stop()  # a window still open ends here: its trace is saved all the same
+        summary = self.summary or {"rank": self.rank, "steps": 0, "trace": None,
+                                   "note": f"no step of {_window_words(self.settings.window)} was reached "
+                                           f"({self.steps} steps ran)"}
+        if self.cuda and self.memory:
+            path = os.path.join(self.out_dir, f"rank{self.rank}.memory.pickle")
+            torch.cuda.memory._dump_snapshot(path)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            summary["memory_snapshot"] = path
+        return summary
+
+    def _ready(self, profiler) -> None:
+        profiler.export_chrome_trace(self.trace)
+        self.summary = {"rank": self.rank, "trace": self.trace, **summarize(profiler.events())}
+
+
+def _window_words(window: range) -> str:
+    return f"steps {window.start}-{window.stop - 1}"
+
+
+def summarize(events) -> dict:
+    """Mean step time and its split into CATEGORIES (seconds per step), and the top operators."""
+    steps = [e for e in events if STEP.fullmatch(e.name)]
+    if not steps:
+        return {"steps": 0}
+    main = steps[0].thread
+    marks = []  # (time, +1/-1, label)
+    for e in events:
+        start, end = e.time_range.start, e.time_range.end
+        if end <= start:
+            continue
+        if STEP.fullmatch(e.name):
+            label = "step"
+        elif COLLECTIVE.search(e.name):
+            label = "communication"
+        elif e.thread != main:
+            continue
+        elif DATA.search(e.name):
+            label = "data"
+        else:
+            label = "compute"
+        marks += [(start, 1, label), (end, -1, label)]
+    marks.sort(key=lambda m: (m[0], m[1]))
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    open_ = dict.fromkeys((*CATEGORIES, "step"), 0)
+    last = None
+    for at, change, label in marks:
+        if last is not None and at > last and open_["step"]:
+            winner = next((c for c in CATEGORIES[:-1] if open_[c]), "idle")
+            seconds[winner] += (at - last) / 1e6  # microseconds
+        open_[label] += change
+        last = at
+    n = len(steps)
+    per_step = {c: s / n for c, s in seconds.items()}
+    windows = [(e.time_range.start, e.time_range.end) for e in steps]
+    comm = _top([e for e in events if COLLECTIVE.search(e.name) and not e.name.startswith("c10d::")], windows, 1)
+    top = _top([e for e in events if not STEP.fullmatch(e.name) and e.cpu_parent is not None
+                and STEP.fullmatch(e.cpu_parent.name)], windows, TOP)
+    return {"steps": n, "step_time": sum(e.time_range.elapsed_us() for e in steps) / n / 1e6,
+            "split": per_step, "top": top, "collective": comm[0][0] if comm else None}
+
+
+def _top(events, windows: list[tuple[float, float]], count: int) -> list[tuple[str, float]]:
+    """The operators taking the most time within the steps, as (name, seconds per step). Only
+    the part inside a step counts: a collective started before the window (DDP's first
+    broadcast, on gloo's thread) is not this window's."""
+    totals: dict[str, float] = {}
+    for e in events:
+        start, end = e.time_range.start, e.time_range.end
+        inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in windows)
+        if inside > 0:
+            totals[e.name] = totals.get(e.name, 0.0) + inside / 1e6
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:count]
+    return [(name, seconds / len(windows)) for name, seconds in ranked]

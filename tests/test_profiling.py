@@ -1,0 +1,127 @@
+"""launch(..., profile=...): torch.profiler on every rank, a trace per rank, a table naming the slowest."""
+import json
+import os
+import re
+import time
+
+import pytest
+import torch
+
+import nbtrain
+
+CPU2 = {"devices": 2, "accelerator": "cpu", "strategy": "ddp_fork", "progress": False, "timeout": 120}
+
+
+def ddp_train(steps: int, straggler: int | None = None):
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = ctx.loader(torch.utils.data.TensorDataset(torch.randn(steps * 16, 32), torch.randn(steps * 16, 1)),
+                        batch_size=8)
+    for x, y in ctx.progress(loader):
+        if ctx.rank == straggler:
+            time.sleep(0.03)  # this rank's own slowness: the other waits for it in all_reduce
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.slow
+def test_a_profiled_ddp_run_has_each_ranks_trace_and_names_the_wait(tmp_path, no_leftovers):
+    result = nbtrain.launch(ddp_train, 8, 1, profile=True, run_dir=tmp_path, **CPU2)
+    table = result.profile
+    traces = table.traces()
+    assert sorted(traces) == [0, 1]
+    for rank, path in traces.items():
+        assert os.path.dirname(path) == str(tmp_path / "profile") and f"rank{rank}" in os.path.basename(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        assert any("all_reduce" in e.get("name", "") for e in events)  # the collective is in each trace
+    assert table.slowest() == 1
+    assert table.share(0, "communication") > table.share(1, "communication") + 0.25
+    verdict = table.verdict()
+    assert verdict.startswith("slowest: rank 1, ") and "rank 0 waits for it: " in verdict, verdict
+    assert "waiting in gloo:all_reduce" in verdict and "idle" in verdict, verdict
+    text, page = repr(table), table._repr_html_()
+    assert text.splitlines()[0] == f"Profile of 2 ranks: {verdict}"
+    assert [line.split()[0] for line in text.splitlines()[1:]] == ["rank", "0", "1"]
+    assert "<table>" in page and "communication" in page and "gloo:all_reduce" in page
+
+
+def test_explicit_steps_set_the_window_in_process(tmp_path):
+    def train():
+        ctx = nbtrain.context()
+        x = torch.randn(64, 64)
+        for _ in range(6):
+            x = torch.tanh(x @ x)
+            ctx.step()
+
+    result = nbtrain.launch(train, devices=1, accelerator="cpu", progress=False, run_dir=tmp_path,
+                            profile=nbtrain.Profile(steps=range(2, 5)))
+    (summary,) = result.profile.ranks.values()
+    assert summary["steps"] == 3 and summary["step_time"] > 0
+    assert summary["split"]["compute"] > 0 and summary["split"]["communication"] == 0
+    assert "aten::" in repr(result.profile)  # the top operators (aten::matmul, aten::tanh)
+    assert result.profile.verdict().startswith("rank 0: ") and "computing" in result.profile.verdict()
+    assert (tmp_path / "profile" / "rank0.pt.trace.json").exists()
+
+
+def test_a_window_the_run_never_reaches_says_so(tmp_path):
+    def train():
+        for _ in nbtrain.context().progress(range(2)):
+            pass
+
+    result = nbtrain.launch(train, devices=1, accelerator="cpu", progress=False, run_dir=tmp_path,
+                            profile=nbtrain.Profile(steps=range(10, 12)))
+    assert result.profile.verdict() == "no rank profiled a step: no step of steps 10-11 was reached (2 steps ran)"
+
+
+@pytest.mark.parametrize("profile, words", [
+    ("yes", "profile='yes': give True, False or nbtrain.Profile("),
+    (nbtrain.Profile(steps=0), "Profile(steps=0): give a number of steps (at least 1)"),
+    (nbtrain.Profile(activities=("tpu",)), "Profile(activities=('tpu',)): ['tpu'] not known. Accepted: 'cpu', 'cuda'."),
+])
+def test_bad_profile_settings_are_refused(profile, words, tmp_path):
+    with pytest.raises(ValueError) as caught:
+        nbtrain.launch(lambda: None, devices=1, accelerator="cpu", progress=False, run_dir=tmp_path, profile=profile)
+    assert str(caught.value).startswith(words) and "\n" not in str(caught.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the memory snapshot is CUDA's")
+def test_a_cuda_rank_saves_its_memory_snapshot(tmp_path, no_leftovers):
+    def train():
+        ctx = nbtrain.context()
+        x = torch.randn(256, 256, device=ctx.device)
+        for _ in ctx.progress(range(4)):
+            x = torch.tanh(x @ x)
+
+    result = nbtrain.launch(train, devices=1, accelerator="gpu", strategy="ddp_spawn", progress=False,
+                            run_dir=tmp_path, profile=nbtrain.Profile(steps=2), timeout=300)
+    (summary,) = result.profile.summaries.values()
+    assert summary["memory_snapshot"].endswith("rank0.memory.pickle") and os.path.getsize(summary["memory_snapshot"])
+
+
+@pytest.mark.slow
+def test_live_ranks_profile_and_track_a_call(tmp_path, no_leftovers):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def steps(n):
+        ctx = nbtrain.context()
+        for i in ctx.progress(range(n)):
+            ctx.all_gather(torch.ones(4))
+            ctx.log("loss", 1.0 / (i + 1), sync_dist=True)
+
+    with nbtrain.Ranks(devices=2, accelerator="cpu", progress=False, timeout=120) as ranks:
+        result = ranks.profile(steps, 6, profile=nbtrain.Profile(steps=3), trackers="tensorboard", run_dir=tmp_path)
+        with pytest.raises(ValueError, match=r"^ranks=\[1\] with trackers or a profile: they run on every rank"):
+            ranks.run(steps, 2, ranks=[1], profile=True, run_dir=tmp_path)
+        plain = ranks.run(steps, 2)  # the next call has neither
+    assert sorted(result.profile.traces()) == [0, 1] and plain.profile is None
+    assert all(s["steps"] == 3 for s in result.profile.ranks.values())
+    assert re.search(r"all_?gather", repr(result.profile))  # gloo:all_gather, c10d::allgather_
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(6))

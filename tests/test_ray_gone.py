@@ -1,0 +1,80 @@
+"""Ray going away under a run (issue 29 item 6): shut down from another thread, or its cluster's
+daemons killed. The run fails naming Ray within seconds, no new Ray starts behind the user's
+back, and the kernel survives (its Ray driver would otherwise end it about a minute later).
+
+A kernel of its own: these tests end the Ray they started, which the other Ray tests share.
+"""
+import importlib.util
+import os
+
+import pytest
+
+from test_ray import SETUP, _close_with_ray
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                 reason="ray is not installed (pip install 'nbtrain[ray]')")]
+
+HELPERS = '''
+import threading
+
+def ray_daemons():
+    """This kernel's own Ray: the GCS and raylet it started (never another test's)."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if any(name in " ".join(p.cmdline()) for name in ("gcs_server", "raylet"))]
+
+def later(seconds, action):
+    threading.Timer(seconds, action).start()
+
+def sleeper(seconds):
+    nbtrain.context().barrier()  # both ranks are up
+    time.sleep(seconds)
+
+def lost_with_ray():
+    started = time.monotonic()
+    try:
+        nbtrain.launch(sleeper, 120, devices=2, cluster=nbtrain.Ray(), progress=False, timeout=200)
+    except nbtrain.WorkerError as error:
+        return str(error), time.monotonic() - started
+'''
+
+
+@pytest.fixture(scope="module")
+def gk():
+    from conftest import Kernel
+
+    kernel = Kernel()
+    try:
+        setup = SETUP.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__))))
+        _, _, error, _ = kernel.run(setup + HELPERS, timeout=600)
+        assert error is None, error
+        yield kernel
+    finally:
+        _close_with_ray(kernel)
+
+
+def test_ray_shut_down_under_a_run_fails_it_and_starts_no_new_ray(gk):
+    _, _, error, _ = gk.run("later(8, ray.shutdown)\nmessage, took = lost_with_ray()", timeout=300)
+    assert error is None, error
+    message = gk.value("message")
+    assert "Ray was shut down in this kernel (ray.shutdown())" in message, message
+    assert gk.value("took") < 60  # not the 120 s the ranks sleep
+    assert gk.value("ray.is_initialized()") is False  # before: a new local Ray, silently
+    assert gk.value("len(ray_daemons())") == 0
+
+
+def test_ray_daemons_killed_under_a_run_fail_it_and_the_kernel_survives(gk):
+    _, _, error, _ = gk.run("start_ray()\nkill_daemons = lambda: [p.kill() for p in ray_daemons()]\n"
+                            "later(8, kill_daemons)\nmessage, took = lost_with_ray()", timeout=600)
+    assert error is None, error
+    message = gk.value("message")
+    assert "Ray's cluster went away: its GCS at" in message, message
+    assert gk.value("took") < 60
+    # The driver is shut down, so it cannot end the kernel (measured: alive 90 s after, where
+    # before the kernel's process exited ~61 s after the daemons).
+    assert gk.value("ray.is_initialized()") is False
+    _, _, error, _ = gk.run("try:\n    nbtrain.launch(sleeper, 1, devices=2, cluster=nbtrain.Ray(), progress=False)\n"
+                            "except RuntimeError as e:\n    again = str(e)")
+    assert error is None, error
+    again = gk.value("again")
+    assert "Ray's cluster went away" in again and "ray.init(" in again  # not a new local Ray
