@@ -204,7 +204,19 @@ def test_a_run_whose_supervisor_was_killed_is_failed_not_running(tmp_path, no_le
 
 
 @pytest.mark.slow
+def test_a_one_device_run_in_the_supervisor_keeps_rank_0_output(tmp_path, no_leftovers):
+    run = nbtrain.submit(train, 3, devices=1, accelerator="cpu", run_dir=tmp_path / "run")
+    result = run.result(timeout=60)
+    assert result.strategy == "single" and run.logs(0) == "step 0\nstep 1\nstep 2\n"
+    assert len(result.metrics("loss")) == 3
+    # The code's own exception, raised in the supervisor: restarted as a rank's failure would be.
+    run = nbtrain.submit(_fails_once, devices=1, accelerator="cpu", run_dir=tmp_path / "again", max_restarts=1)
+    assert run.result(timeout=60).value == "second try" and run.restarts == ["ValueError: first try"]
+
+
+@pytest.mark.slow
 def test_a_submitted_cell_and_attach_magic_in_a_kernel(kernel, tmp_path):
+    # The module's kernel lives to the module's end: the tests that check for leftovers come before.
     assert kernel.run(f"import os; os.chdir({str(tmp_path)!r})\n%load_ext nbtrain\nscale = 10")[2] is None
     _, _, error, shown = kernel.run("%%nbtrain --submit --devices 2 --accelerator cpu\n"
                                     "import nbtrain\nctx = nbtrain.context()\nprint('rank', ctx.rank)\n"
@@ -266,17 +278,6 @@ def test_a_slurm_run_outlives_the_kernel_and_attach_collects_it(slurm, tmp_path)
     assert _same(result.value, plain.value)
     _ended_cleanly(run)
     _wait_for(lambda: not slurm.jobs(), 30, "the job to leave the queue")
-
-
-@pytest.mark.slow
-def test_a_one_device_run_in_the_supervisor_keeps_rank_0_output(tmp_path, no_leftovers):
-    run = nbtrain.submit(train, 3, devices=1, accelerator="cpu", run_dir=tmp_path / "run")
-    result = run.result(timeout=60)
-    assert result.strategy == "single" and run.logs(0) == "step 0\nstep 1\nstep 2\n"
-    assert len(result.metrics("loss")) == 3
-    # The code's own exception, raised in the supervisor: restarted as a rank's failure would be.
-    run = nbtrain.submit(_fails_once, devices=1, accelerator="cpu", run_dir=tmp_path / "again", max_restarts=1)
-    assert run.result(timeout=60).value == "second try" and run.restarts == ["ValueError: first try"]
 
 
 def test_bar_updates_are_logged_at_most_once_a_second_and_none_is_lost_at_the_end(tmp_path):
