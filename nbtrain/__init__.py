@@ -45,14 +45,35 @@ except _metadata.PackageNotFoundError:  # a source tree put on sys.path, never i
 
 
 def __getattr__(name: str):
-    if name in _PUBLIC:
-        value = getattr(_importlib.import_module(_PUBLIC[name], __name__), name)
-    elif name in _SUBMODULES:
-        value = _importlib.import_module(f".{name}", __name__)
-    else:
+    if name not in _PUBLIC and name not in _SUBMODULES:
         raise AttributeError(f"module 'nbtrain' has no attribute {name!r}")
-    globals()[name] = value  # once loaded, a plain attribute
+    with _interrupt_after():
+        if name in _PUBLIC:
+            value = getattr(_importlib.import_module(_PUBLIC[name], __name__), name)
+        else:
+            value = _importlib.import_module(f".{name}", __name__)
+        globals()[name] = value  # once loaded, a plain attribute
     return value
+
+
+class _interrupt_after:
+    """A Ctrl-C during the first use's imports (torch's, seconds) waits for them to finish: torch
+    interrupted half-way through its import cannot be imported again in that kernel
+    ("cannot initialize type ... already defined")."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self._signal, self._asked, self._previous = signal, [], None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, lambda *_: self._asked.append(True))
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            self._signal.signal(self._signal.SIGINT, self._previous)
+            if self._asked and exc[0] is None:
+                raise KeyboardInterrupt
 
 
 def __dir__() -> list[str]:

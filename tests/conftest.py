@@ -230,7 +230,7 @@ class LocalSlurm:
         while not self.socket.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         self._daemon("slurmctld", "-D", "-f", str(self.conf))
-        self._daemon("slurmd", "-D", "-f", str(self.conf))
+        self._start_nodes()
         while time.monotonic() < deadline:
             state = subprocess.run(["sinfo", "--noheader", "--format", "%t"], env=self.env, capture_output=True,
                                    text=True).stdout.strip()
@@ -241,6 +241,9 @@ class LocalSlurm:
                          if (self.root / "log" / f).exists())
         self.stop()
         raise RuntimeError(f"the local SLURM cluster did not become idle within {timeout:g} s:\n{logs}")
+
+    def _start_nodes(self) -> None:
+        self._daemon("slurmd", "-D", "-f", str(self.conf))
 
     def jobs(self) -> list[str]:
         """The ids of jobs still in the queue, in any state."""

@@ -97,3 +97,15 @@ def test_demo_bad_input_is_one_line(capsys):
     assert code == 2 and out == ""
     assert err.startswith("nbtrain demo: strategy='warp' is not known. Accepted:")
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_first_use_waits_for_torchs_import():
+    # `import nbtrain` is light; the first nbtrain.launch imports torch. A Ctrl-C half-way
+    # through that import left a torch that could never be imported again in the kernel.
+    code = ("import os, signal, sys, threading, time, nbtrain\n"
+            "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+            "try:\n    nbtrain.launch\nexcept KeyboardInterrupt:\n    print('interrupted after the import')\n"
+            "import torch\nprint(float(torch.ones(2).sum()), 'launch' in vars(nbtrain))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout.splitlines() == ["interrupted after the import", "2.0 True"], run.stdout + run.stderr

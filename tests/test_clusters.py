@@ -94,16 +94,103 @@ def test_the_channel_listens_where_the_nodes_are_told_to_dial():
     def default():
         return "127.0.0.1", "127.0.0.1"
 
-    assert base.channel_options(None, default) == {"host": "127.0.0.1", "advertise": "127.0.0.1"}
+    assert base.channel_options(None, default, "slurm") == {"host": "127.0.0.1", "advertise": "127.0.0.1"}
     # Not an address of this machine (a name the nodes resolve, a forwarded port): every interface.
-    assert base.channel_options("login.example.invalid", default) == {"host": "0.0.0.0",
-                                                                      "advertise": "login.example.invalid"}
-    assert base.channel_options("0.0.0.0", default) == {"host": "0.0.0.0", "advertise": socket.gethostname()}
+    assert base.channel_options("login.example.invalid", default, "slurm") == {
+        "host": "0.0.0.0", "advertise": "login.example.invalid"}
+    assert base.channel_options("0.0.0.0", default, "slurm") == {"host": "0.0.0.0",
+                                                                 "advertise": base.notebook_addresses("slurm")}
     # A name may resolve here to loopback, which the nodes cannot use: every interface, the name advertised.
-    assert base.channel_options("localhost", default) == {"host": "0.0.0.0", "advertise": "localhost"}
+    assert base.channel_options("localhost", default, "slurm") == {"host": "0.0.0.0", "advertise": "localhost"}
     address = this_machines_address()
     if address is not None:  # one of this machine's own addresses is bound, and only it
-        assert base.channel_options(address, default) == {"host": address, "advertise": address}
+        assert base.channel_options(address, default, "slurm") == {"host": address, "advertise": address}
+
+
+@pytest.fixture
+def private_address():
+    """A private address on an interface the test creates (and removes): an address of this
+    machine that is not loopback, as a node would reach the notebook by. A bridge with no ports,
+    not a dummy interface: some kernels (gVisor's) have no dummy device type."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("a network interface of its own needs root and iproute2's `ip`")
+    nic, address = f"nbt{os.getpid() % 100000}a", f"10.231.{200 + os.getpid() % 50}.1"
+    made = subprocess.run(f"ip link add {nic} type bridge && ip addr add {address}/32 dev {nic} && "
+                          f"ip link set {nic} up",
+                          shell=True, capture_output=True, text=True)
+    try:
+        if made.returncode != 0:
+            pytest.skip(f"could not create a bridge interface: {made.stderr.strip()}")
+        yield address
+    finally:
+        subprocess.run(["ip", "link", "del", nic], capture_output=True)
+
+
+@pytest.mark.slow  # `ip` makes the interface
+def test_the_nodes_are_offered_every_address_of_this_machine_loopback_last(private_address):
+    offered = base.notebook_addresses("slurm", toward=(private_address,))
+    assert offered[0] == private_address  # the one toward the cluster first
+    assert offered[-1] == "127.0.0.1" and not any(a.startswith("127.") for a in offered[:-1]), offered
+    name = socket.gethostname()
+    assert (name in offered) == any(not a.startswith("127.") for a in base._resolve(name))
+
+
+@pytest.mark.slow  # `ip` makes the interface
+def test_a_rank_tries_the_notebook_s_addresses_in_order_until_one_passes_the_challenge(private_address):
+    """The first address is dead, the second is another notebook's channel (the wrong key: a
+    node's own loopback may reach one), the third is this launch's, on a non-loopback address."""
+    inbox, other = queue.Queue(), queue.Queue()
+    hub, stranger = Hub(inbox, host=private_address), Hub(other)
+    hub.start()
+    stranger.start()
+    try:
+        with socket.socket() as dead:
+            dead.bind(("127.0.0.1", 0))  # bound, not listening: refused
+            port = hub.environ[ADDRESS_VAR].rsplit(":", 1)[1]
+            environ = {**hub.environ, ADDRESS_VAR: f"127.0.0.1:{dead.getsockname()[1]},"
+                                                   f"{stranger.environ[ADDRESS_VAR]},{private_address}:{port}"}
+            link = Link(3, environ)
+        link.emit("hello", os.getpid())
+        assert inbox.get(timeout=10)[:2] == ("hello", 3)
+        link.close()
+        assert other.empty()  # the other notebook heard nothing from it
+    finally:
+        hub.close()
+        stranger.close()
+
+
+def test_a_rank_that_reaches_none_of_the_addresses_lists_each_with_its_reason():
+    from nbtrain.common.channel import dial
+
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        tried = [("127.0.0.1", a.getsockname()[1]), ("127.0.0.1", b.getsockname()[1])]
+        with pytest.raises(ChannelUnreachable) as caught:
+            dial(tried, os.urandom(32), rank=2, seconds=1.0)
+        message = str(caught.value)
+        assert message.startswith("rank 2: could not reach the notebook at any of its addresses"), message
+        for host, port in tried:
+            assert f"{host}:{port} (Connection refused)" in message, message
+        assert f"from {socket.gethostname()}" in message and "notebook_address=" in message
+        environ = {ADDRESS_VAR: ",".join(f"{h}:{p}" for h, p in tried)}
+        with pytest.raises(ConnectionError) as caught:
+            base.check_reachable(environ, 1)
+        message = str(caught.value)
+        assert f"rank 1 on {socket.gethostname()} cannot reach the notebook's channel at any of" in message, message
+        assert all(f"127.0.0.1:{port} (ConnectionRefusedError" in message for _, port in tried), message
+
+
+def test_a_node_dials_first_the_address_it_can_connect_to():
+    with socket.socket() as dead, socket.create_server(("127.0.0.1", 0)) as live:
+        dead.bind(("127.0.0.1", 0))
+        dead_at, live_at = f"127.0.0.1:{dead.getsockname()[1]}", f"127.0.0.1:{live.getsockname()[1]}"
+        environ = {ADDRESS_VAR: f"nbtrain-test.invalid:1,{dead_at},{live_at}"}
+        base.check_reachable(environ, 0)
+    assert environ[ADDRESS_VAR] == f"{live_at},nbtrain-test.invalid:1,{dead_at}"
 
 
 def test_a_rank_on_another_machine_returns_bytes_not_shared_memory(tmp_path):
@@ -202,3 +289,26 @@ def test_cell_options_for_clusters_are_checked():
         make_cluster({**DEFAULTS, "cluster": "ray", "launcher": "accelerate"})
     with pytest.raises(UsageError, match="--strategy ddp_fork apply to ranks started on this machine"):
         make_cluster({**DEFAULTS, "cluster": "ray", "strategy": "ddp_fork"})
+
+
+def test_a_node_without_the_notebook_s_directory_says_so_once(tmp_path):
+    from nbtrain.rank.loop import NOTICE_VAR
+
+    missing = str(tmp_path / "not-on-this-node")
+    cwd, path = os.getcwd(), list(sys.path)
+    try:
+        first = base.here({base.CWD_VAR: missing, base.PATH_VAR: missing, "LOCAL_RANK": "0"})
+        assert first[NOTICE_VAR].startswith(f"the notebook's directory {missing} is not on {socket.gethostname()}")
+        assert os.getcwd() == cwd and missing not in sys.path
+        assert NOTICE_VAR not in base.here({base.CWD_VAR: missing, "LOCAL_RANK": "1"})  # once per node
+        assert NOTICE_VAR not in base.here({base.CWD_VAR: str(tmp_path), "LOCAL_RANK": "0"})
+        assert os.getcwd() == str(tmp_path)
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
+
+
+def test_live_ranks_on_several_nodes_need_a_cluster():
+    for bad in (2, 0, "2"):
+        with pytest.raises(ValueError, match=r"num_nodes=.*: give an int >= 1; more than one node needs a cluster"):
+            nbtrain.Ranks(devices=1, num_nodes=bad)

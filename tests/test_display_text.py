@@ -139,3 +139,14 @@ def test_progress_switched_off_by_environment(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "[rank 1] hello from 1" in done.stdout and "[rank 1] careful on 1" in done.stderr
     assert "finished in" not in done.stdout
+
+
+def test_a_rank_before_its_first_step_reads_first_step_not_a_rate():
+    from nbtrain.display.runstate import RunState
+    from nbtrain.display.text import rank_line
+
+    state = RunState("ddp on 2 CPU ranks", [0, 1])
+    state.handle(("hello", 0, 123, "node"))
+    state.handle(("progress", 0, 0, "step", 0, 10, False))
+    line = rank_line(state.ranks[0], state)
+    assert "first step..." in line and "it/s" not in line, line

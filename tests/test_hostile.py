@@ -874,3 +874,44 @@ def test_every_line_a_busy_rank_prints_reaches_the_cell_in_few_messages(nb):
             break
     assert counts == {0: lines, 1: lines}
     assert messages < 1000, f"{messages} stream messages for {2 * lines} lines"
+
+
+# == issue 29 item 9: spawned ranks interrupted while they start ===========================
+
+@slow
+def test_spawned_ranks_interrupted_while_starting_print_no_tracebacks(nb):
+    # They were in the kernel's process group until their own setpgid, after importing torch;
+    # Jupyter interrupts the kernel's whole group, so each printed a KeyboardInterrupt traceback
+    # (when its lines arrived before the launch ended). Checked at the cause: a spawned rank is
+    # in a group of its own from its first moment.
+    import psutil
+    from conftest import CHILDREN
+
+    _, _, error, _ = nb.run(CHILDREN + "\nimport time\ndef sleeps():\n    time.sleep(30)\n")
+    assert error is None, error
+    kernel = psutil.Process(nb.manager.provisioner.pid)
+    msg_id = nb.client.execute("nbtrain.launch(sleeps, devices=2, accelerator='cpu', strategy='ddp_spawn', "
+                               "launcher_options={'template': False}, progress=False)")
+    seen, groups, deadline = [], {}, time.monotonic() + 60
+    while len(seen) < 2 and time.monotonic() < deadline:
+        seen = [c for c in kernel.children() if "spawn_main" in " ".join(c.cmdline())]
+        time.sleep(0.01)
+    time.sleep(0.3)  # past the interpreter's own start-up; torch's import takes seconds more
+    for child in seen:
+        groups[child.pid] = os.getpgid(child.pid)
+    nb.manager.interrupt_kernel()
+    streams, errors = [], []
+    while True:
+        msg = nb.client.get_iopub_msg(timeout=120)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            streams.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            errors.append(msg["content"]["ename"])
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    assert len(groups) == 2 and all(pid == group for pid, group in groups.items()), groups
+    assert errors == ["KeyboardInterrupt"], (errors, streams)
+    assert "Traceback" not in "".join(streams), "".join(streams)
+    assert nb.value("children()") == []

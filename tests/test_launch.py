@@ -379,3 +379,18 @@ def test_a_resumed_run_logs_at_its_own_steps(no_leftovers):
     result = nbtrain.launch(resumed_logging, 150, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False)
     assert sorted({m.step for m in result.history if m.name == "loss"}) == [150, 151, 152, 153]
     assert "step must be an int >= 0" in result.value
+
+
+def slow_to_exit():
+    import atexit
+
+    atexit.register(time.sleep, 3.5)  # a library's teardown, after the rank has reported
+    return nbtrain.context().rank
+
+
+@pytest.mark.slow
+def test_a_cell_waiting_for_ranks_to_exit_says_so(capfd, no_leftovers):
+    # The live view read "finished" ~5 s before the cell ended, saying nothing of why.
+    result = nbtrain.launch(slow_to_exit, devices=2, accelerator="cpu", strategy="ddp", progress=False)
+    assert result.values == [0, 1]
+    assert "nbtrain: every rank has reported; waiting for their processes to exit" in capfd.readouterr().out

@@ -215,6 +215,25 @@ def test_post_mortem_debugging_in_the_failed_rank(nb):
     assert "\n1\n" in out
 
 
+def test_the_debugger_opens_in_the_users_frame_above_library_code(nb):
+    # A failure inside torch (F.linear): pdb opened in torch/nn/modules/linear.py.
+    failing(nb, "%%ranks\nlayer = torch.nn.Linear(4, 2)\ndef forward(x):\n    out = layer(x)\n    return out\n"
+                "forward(torch.randn(3, 5))")
+    out, _ = ok(nb, "ranks[0].debug()", answers=["p x.shape", "q"])
+    assert "out = layer(x)" in out and "torch.Size([3, 5])" in out, out
+    assert "site-packages" not in out.split("(Pdb")[0]
+    assert "> Cell In[" in out and "ipykernel_" not in out, out  # where, as IPython's debugger says it
+
+
+def test_debug_commands_given_in_advance_need_no_prompt(nb):
+    # Notebook 06 stopped at a pdb prompt under Run All; commands given up front end the session.
+    failing(nb, "%%ranks\nw = ctx.rank * 10\nraise ValueError(w)")
+    out, _ = ok(nb, "ranks[1].debug(commands=['p w + 1', 'q'])")
+    assert nb.prompts == [] and "(Pdb rank 1) p w + 1\n11" in out, out
+    shown, _ = failing(nb, "ranks[1].debug(commands='q')", ename="TypeError")
+    assert "give a list of pdb commands" in shown
+
+
 def test_breakpoint_on_one_rank(nb):
     out, _ = ok(nb, "%%ranks --rank 0\nz = 5\nbreakpoint()\nprint('after', z)", answers=["p z", "z = 7", "c"])
     assert nb.prompts[0] == "(Pdb rank 0) " and "5" in out and "[rank 0] after 7" in out

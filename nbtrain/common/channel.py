@@ -1,8 +1,9 @@
 """One two-way channel between the notebook and every rank, whatever started the rank.
 
 The notebook side (`Hub`) listens with a random authkey — on 127.0.0.1 unless a remote
-placement asks for another address — and ranks find it through `NBTRAIN_CHANNEL` /
-`NBTRAIN_AUTHKEY` in their environment, so forked, spawned, template-forked, torchrun-,
+placement asks for another address — and ranks find it through `NBTRAIN_CHANNEL` (one
+address, or several to try in order: `HOST:PORT,HOST:PORT`) / `NBTRAIN_AUTHKEY` in their
+environment, so forked, spawned, template-forked, torchrun-,
 SLURM- and Ray-started ranks speak the same protocol. The authkey is the security boundary:
 a connection that fails its challenge is dropped before anything is read from it.
 
@@ -53,10 +54,11 @@ class Hub:
 
     A closed connection is reported as ("closed", rank) so the notebook knows that nothing
     more will come from that rank. `host` is the address to bind (loopback by default);
-    `advertise` the address ranks are told to dial, when it differs (0.0.0.0 bound, say).
+    `advertise` the address ranks are told to dial, when it differs (0.0.0.0 bound, say), or
+    several, best first: each rank tries them in order until one passes the authkey challenge.
     """
 
-    def __init__(self, inbox: queue.Queue, host: str = "127.0.0.1", advertise: str | None = None):
+    def __init__(self, inbox: queue.Queue, host: str = "127.0.0.1", advertise: str | list[str] | None = None):
         self.inbox = inbox
         self._authkey = os.urandom(32)
         # The challenge is run per connection (`_serve`), on a thread of its own: one stranger
@@ -64,7 +66,7 @@ class Hub:
         self._socket = socket.create_server((host, 0), backlog=BACKLOG)
         self._socket.settimeout(SWEEP_SECONDS)  # the accept loop also drops strangers that took too long
         self._address = self._socket.getsockname()[:2]
-        self._advertise = advertise or host
+        self._advertise = [advertise or host] if isinstance(advertise, (str, type(None))) else list(advertise)
         self._lock = threading.Lock()
         # Strangers are bounded: at most MAX_STRANGERS at once, each for AUTH_SECONDS in all; nothing
         # of a dropped one is kept. Only connections that proved the authkey stay (`_served`).
@@ -79,7 +81,7 @@ class Hub:
     @property
     def environ(self) -> dict[str, str]:
         port = self._address[1]
-        return {ADDRESS_VAR: f"{self._advertise}:{port}", AUTHKEY_VAR: self._authkey.hex()}
+        return {ADDRESS_VAR: ",".join(f"{host}:{port}" for host in self._advertise), AUTHKEY_VAR: self._authkey.hex()}
 
     def start(self) -> None:
         # Started only after the first ranks are forked, so no rank inherits another's
@@ -317,9 +319,8 @@ class Link:
     """
 
     def __init__(self, rank: int, environ=os.environ, on_command=None, on_lost=None):
-        host, port = environ[ADDRESS_VAR].rsplit(":", 1)
         self.rank = rank
-        self._conn = dial((host, int(port)), bytes.fromhex(environ[AUTHKEY_VAR]), rank)
+        self._conn = dial(addresses(environ[ADDRESS_VAR]), bytes.fromhex(environ[AUTHKEY_VAR]), rank)
         self._pending: list[tuple] = []
         self._lock = threading.Condition()
         self._closing = False
@@ -382,31 +383,61 @@ class ChannelUnreachable(ConnectionError):
     """A rank could not reach the notebook's channel in CONNECT_SECONDS."""
 
 
-def dial(address: tuple[str, int], authkey: bytes, rank: int, seconds: float = CONNECT_SECONDS) -> Connection:
+def addresses(value: str) -> list[tuple[str, int]]:
+    """`NBTRAIN_CHANNEL`'s 'HOST:PORT[,HOST:PORT...]' as (host, port) pairs, in order."""
+    pairs = []
+    for item in value.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{ADDRESS_VAR}={value!r}: expected HOST:PORT, or several separated by commas")
+        pairs.append((host, int(port)))
+    return pairs
+
+
+def dial(address, authkey: bytes, rank: int, seconds: float = CONNECT_SECONDS) -> Connection:
     """Connect to the Hub and pass the authkey challenge both ways, retrying with back-off.
 
+    `address`: a (host, port), or a list of them tried in order, each round, until one passes
+    the challenge (a notebook's machine may have several addresses, not all reachable from
+    every node; one may even reach another notebook's channel, whose key is not this one).
     Each attempt is bounded: a handshake the notebook lost (its accept queue was full) or a
     notebook too busy to answer is retried, never waited on forever.
     """
+    candidates = [address] if isinstance(address, tuple) else list(address)
     deadline = time.monotonic() + seconds
     pause, attempts = 0.02, 0
+    reasons: dict[tuple[str, int], str] = {}
     while True:
         attempts += 1
-        try:
-            return _handshake(address, authkey)
-        except AuthenticationError as exc:  # a wrong key will not become right: say so now
-            raise ChannelUnreachable(f"rank {rank}: the notebook at {address[0]}:{address[1]} refused this "
-                                     f"rank's authkey ({exc}); NBTRAIN_AUTHKEY is not this launch's") from None
-        except (OSError, EOFError) as exc:
-            reason = _reason(exc)
+        for candidate in candidates:
+            try:
+                return _handshake(candidate, authkey)
+            except AuthenticationError as exc:
+                reasons[candidate] = f"refused this rank's authkey ({exc})"
+            except (OSError, EOFError) as exc:
+                reasons[candidate] = _reason(exc)
+        if all(reason.startswith("refused this rank's authkey") for reason in reasons.values()):
+            # A wrong key will not become right: say so now.
+            raise ChannelUnreachable(f"rank {rank}: {_tried(reasons)}; NBTRAIN_AUTHKEY is not this launch's")
         if time.monotonic() + pause > deadline:
             raise ChannelUnreachable(
-                f"rank {rank}: could not reach the notebook at {address[0]}:{address[1]} "
-                f"({attempts} attempts in {seconds:g} s; last: {reason}). The kernel may have exited, or this "
-                f"machine cannot reach that address: for ranks on other machines give the notebook an address "
-                f"they can reach (Slurm(notebook_address=...) / Ray(notebook_address=...)).")
+                f"rank {rank}: could not reach the notebook {_tried(reasons, f'{attempts} attempts in {seconds:g} s')} "
+                f"from {socket.gethostname()}. The kernel may have exited, or this machine cannot reach that "
+                f"address: for ranks on other machines give the notebook an address they can reach "
+                f"(Slurm(notebook_address=...) / Ray(notebook_address=...)).")
         time.sleep(pause * random.uniform(0.5, 1.5))  # jittered, so retries do not arrive in step
         pause = min(pause * 2, 1.0)
+
+
+def _tried(reasons: dict[tuple[str, int], str], attempts: str = "") -> str:
+    """What was tried and why each failed: one address as before, several each with its reason."""
+    if len(reasons) == 1:
+        [((host, port), reason)] = reasons.items()
+        if not attempts:
+            return f"the notebook at {host}:{port} {reason}"
+        return f"at {host}:{port} ({attempts}; last: {reason})"
+    each = ", ".join(f"{host}:{port} ({reason})" for (host, port), reason in reasons.items())
+    return f"at any of its addresses ({attempts}; tried {each})" if attempts else f"tried {each}"
 
 
 def _handshake(address: tuple[str, int], authkey: bytes) -> Connection:

@@ -42,6 +42,28 @@ def name_cells(traceback: str, shell=None) -> str:
     return FILE_LINE.sub(rename, traceback)
 
 
+_C = r"(?:\x1b\[[0-9;]*m)*"  # the colours IPython's pdb adds around each part
+_PDB_WHERE = re.compile(rf"^(?P<lead>(?:> |-> )?){_C}(?P<file>/[^()\s\x1b]+\.py){_C}\({_C}(?P<line>\d+){_C}\)",
+                        re.MULTILINE)
+
+
+def name_cells_in_pdb(text: str, shell=None) -> str:
+    """pdb's `> /tmp/ipykernel_1/2.py(19)forward()` as IPython's debugger says it:
+    `> Cell In[2], line 19, forward()`; other files as they are."""
+    if shell is None:
+        ipython = sys.modules.get("IPython")
+        shell = ipython.get_ipython() if ipython is not None else None
+    namer = _cell_namer(shell) if shell is not None else None
+    if namer is None:
+        return text
+
+    def rename(match: re.Match) -> str:
+        named = namer(match["file"])
+        return f"{match['lead']}{named[0]} {named[1]}, line {match['line']}, " if named else match.group(0)
+
+    return _PDB_WHERE.sub(rename, text)
+
+
 @functools.lru_cache(maxsize=1)
 def _library_roots() -> tuple[str, ...]:
     import site

@@ -106,7 +106,7 @@ def rank_line(view, state=None, final: bool = False, vital=None) -> str:
         status, detail = detail, ""
     bars = " ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in sorted(view.bars.items()))
     rate = view.step_rate if final or vital is None else vital.step_rate
-    parts = [f"rank {view.rank}", status, bars, rate_text(rate), memory_text(vital), _metric_text(view.metrics),
+    parts = [f"rank {view.rank}", status, bars, rate_text(rate, None if final else view), memory_text(vital), _metric_text(view.metrics),
              detail, _clip(reason.splitlines()[0]) if reason else ""]  # its first line; a stack may follow
     return "  ".join(p for p in parts if p)
 

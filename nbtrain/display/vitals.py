@@ -118,5 +118,9 @@ def _bytes(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def rate_text(rate: float | None) -> str:
+def rate_text(rate: float | None, view=None) -> str:
+    """"12.3 it/s"; for a running rank that has not finished a step yet, "first step..." rather
+    than a rate of 0 (script mode and Ray ranks take seconds to import and meet)."""
+    if view is not None and view.status == "running" and view.bars and not view.steps:
+        return "first step..."
     return "" if rate is None else f"{rate:.3g} it/s"

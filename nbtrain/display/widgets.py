@@ -199,14 +199,15 @@ class _RankRow:
         rate = view.step_rate if final else (vital.step_rate if vital else None)
         for level, bar in view.bars.items():
             self.bars[level].draw(bar, status, rate if level == view.step_level else None)
-        drawn = (tuple(view.metrics.values()), vital, straggler, detail, reason, rate)
+        drawn = (tuple(view.metrics.values()), vital, straggler, detail, reason, rate, view.steps > 0)
         if drawn != self._drawn:
-            metrics, _, _, _, _, _ = self._drawn or (None,) * 6
+            metrics = (self._drawn or (None,))[0]
             self._drawn = drawn
             if drawn[0] != metrics:
                 text = html.escape(_metric_text(view.metrics))
                 self.metrics.value = f"<code>{text}</code>" if text else ""
-            parts = [rate_text(rate), html.escape(memory_text(vital)), STRAGGLER_MARK if straggler else ""]
+            parts = [rate_text(rate, None if final else view), html.escape(memory_text(vital)),
+                     STRAGGLER_MARK if straggler else ""]
             self.vitals.value = " · ".join(p for p in parts if p)
             self.detail.value = detail_html(status, detail, reason)
             self.detail.layout.display = "" if detail or reason else "none"

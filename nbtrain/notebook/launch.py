@@ -1,6 +1,7 @@
 """`launch()`: resolve devices, choose the strategy, run the ranks, return a `Result`."""
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 from ..common.devices import DevicePlan, plan_devices
@@ -165,6 +166,9 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     return with_restarts(attempt, max_restarts, display)
 
 
+CLOSE_NOTE_AFTER = 2.0  # seconds after the ranks reported before the cell says it waits for their exit
+CLOSE_NOTE = "every rank has reported; waiting for their processes to exit"
+
 def run_once(launcher, job: Job, display) -> Result:
     """Start the ranks with `job.fn` as their one command, watch it, stop them: a `Result`."""
     pool = Pool(launcher, job, live=False)
@@ -173,7 +177,18 @@ def run_once(launcher, job: Job, display) -> Result:
         pool.start(display, job.timeout)
         ok = True
     finally:
-        pool.close(ok, display)
+        # Every rank may have reported while their processes still take seconds to end (a
+        # library's teardown, torchrun, a SLURM job): the view would read "finished" while the
+        # cell still runs. Say what it waits for.
+        waiting = threading.Timer(CLOSE_NOTE_AFTER, display.note, (CLOSE_NOTE,)) if ok else None
+        if waiting is not None:
+            waiting.daemon = True
+            waiting.start()
+        try:
+            pool.close(ok, display)
+        finally:
+            if waiting is not None:
+                waiting.cancel()
         if pool.state is not None:  # None: it failed in its checks, before anything was shown
             display.finish(pool.state, ok)
     return Result.from_state(pool.state, job.strategy, job.plan.describe())

@@ -56,22 +56,25 @@ class Ranks:
     forks the warm template (a clean process; see `nbtrain.warm_up`), as `launch` does;
     'fork', 'template' and 'spawn' (plain fresh interpreters) choose one. `timeout` is the default limit, in seconds, of
     each call (none by default: a cell may run for hours). `cluster` (`nbtrain.Slurm(...)`,
-    `nbtrain.Ray(...)`) starts them there instead: `devices` ranks on each of the cluster's nodes.
+    `nbtrain.Ray(...)`) starts them there instead: `devices` ranks on each of `num_nodes` nodes.
     """
 
     def __init__(self, devices="auto", accelerator: str = "auto", backend: str | None = None,
                  timeout: float | None = None, strategy: str = "ddp", start: str = "auto", progress=True,
-                 cluster=None):
+                 cluster=None, num_nodes: int = 1):
         if strategy not in WRAPPINGS:
             raise ValueError(f"strategy={strategy!r}: live ranks wrap models with {' or '.join(map(repr, WRAPPINGS))}.")
         if start not in START_METHODS:
             raise ValueError(f"start={start!r} is not known. Accepted: {', '.join(map(repr, START_METHODS))}.")
         self.timeout = check_timeout(timeout)
         check_progress(progress)
+        if type(num_nodes) is not int or num_nodes < 1 or (num_nodes > 1 and cluster is None):
+            raise ValueError(f"num_nodes={num_nodes!r}: give an int >= 1; more than one node needs a cluster "
+                             "(cluster=nbtrain.Slurm(...) or nbtrain.Ray(...)).")
         if cluster is not None:
             if start != "auto":
                 raise ValueError(f"start={start!r} with cluster={cluster!r}: the cluster's engine starts the ranks.")
-            self.plan = check_cluster(cluster).plan(devices, accelerator, backend, 1)
+            self.plan = check_cluster(cluster).plan(devices, accelerator, backend, num_nodes)
         else:
             self.plan = plan_devices(devices, accelerator, backend)
         self.cluster = cluster
@@ -264,13 +267,17 @@ class Ranks:
         """`run(fn, ...)` with torch.profiler on every rank: the `Result`'s `profile` is the table."""
         return self.run(fn, *args, profile=profile, **kwargs)
 
-    def debug(self, rank: int | None = None) -> None:
-        """pdb in `rank`'s last failure (default: the rank that failed last), from this notebook."""
+    def debug(self, rank: int | None = None, commands: list[str] | None = None) -> None:
+        """pdb in `rank`'s last failure (default: the rank that failed last), from this notebook.
+        `commands` are typed for you first (["p x.shape", "up", "q"]); the prompt follows unless
+        they end the session, so a notebook run top to bottom does not stop at it."""
         rank = self._last_failure if rank is None else rank
         if rank is None:
             raise RuntimeError("no rank has failed yet: there is nothing to debug. (breakpoint() in code run on "
                                "the ranks also opens pdb here.)")
-        self._command("debug", ranks=[rank])
+        if commands is not None and (isinstance(commands, str) or not all(isinstance(c, str) for c in commands)):
+            raise TypeError(f"debug(commands={commands!r}): give a list of pdb commands, e.g. ['p x.shape', 'q'].")
+        self._command("debug", list(commands or []), ranks=[rank])
 
     # -- plumbing ------------------------------------------------------------------------
     def _command(self, kind: str, *args, ranks=None, timeout=None, namespace=None, display=None, title=""):
@@ -324,8 +331,8 @@ class Rank:
     def run(self, fn, *args, **kwargs):
         return self._ranks.run(fn, *args, ranks=[self.rank], **kwargs)
 
-    def debug(self) -> None:
-        self._ranks.debug(self.rank)
+    def debug(self, commands: list[str] | None = None) -> None:
+        self._ranks.debug(self.rank, commands)
 
     def __repr__(self) -> str:
         return f"Rank({self.rank} of {self._ranks!r})"

@@ -22,7 +22,7 @@ from ..common.errors import WorkerError, interrupt_report
 from ..rank.loop import MARK
 from ..display.rank_output import KINDS as RANK_OUTPUT, deliver
 from ..display.runstate import RunState, brief
-from ..common.tracebacks import plain_native_stack
+from ..common.tracebacks import name_cells_in_pdb, plain_native_stack
 from ..common.transfer import unpack_exception
 
 log = logging.getLogger(__name__)
@@ -170,8 +170,8 @@ class Supervisor:
                 return
             if stream == "stderr" and rank is not None:
                 pool.stderr[rank].append(text)
-            if stream == "debug":  # pdb on a rank talking to the user: as it is, untagged
-                print(text, flush=True)
+            if stream == "debug":  # pdb on a rank talking to the user: untagged, cells named as IPython names them
+                print(name_cells_in_pdb(text), flush=True)
             elif self._capturing is not None and rank in self._capturing and stream == "stderr":
                 self._capturing[rank].append(text)
                 self._heard[rank] = time.monotonic()

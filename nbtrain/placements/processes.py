@@ -187,10 +187,10 @@ class ForkLauncher(ProcessLauncher):
 def _without_main_module():
     """Spawned ranks must not re-run the notebook's or script's main module: the job travels
     whole with dill, and re-running a script's top level in every rank would repeat its work
-    (and launch again, without a `__main__` guard)."""
+    (and launch again, without a `__main__` guard). And each starts in a process group of its own."""
     from multiprocess import spawn
 
-    original = spawn.get_preparation_data
+    original, command_line = spawn.get_preparation_data, spawn.get_command_line
 
     def preparation_data(name):
         data = original(name)
@@ -198,11 +198,22 @@ def _without_main_module():
         data.pop("init_main_from_name", None)
         return data
 
-    spawn.get_preparation_data = preparation_data
+    def own_group_first(**kwds):
+        # The child's first statement: a process group of its own. The kernel's setpgid comes
+        # too late (the child has exec'd), and until the child's own, seconds later, after
+        # importing torch, Jupyter's interrupt (sent to the kernel's whole group) reached it
+        # there: a KeyboardInterrupt traceback from each rank in the cell.
+        line = command_line(**kwds)
+        if "-c" in line:
+            at = line.index("-c") + 1
+            line[at] = "import os; os.setpgid(0, 0); " + line[at]
+        return line
+
+    spawn.get_preparation_data, spawn.get_command_line = preparation_data, own_group_first
     try:
         yield
     finally:
-        spawn.get_preparation_data = original
+        spawn.get_preparation_data, spawn.get_command_line = original, command_line
 
 
 class SpawnLauncher(ProcessLauncher):

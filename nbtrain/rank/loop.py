@@ -41,6 +41,7 @@ from ..common.process_tree import become_subreaper, end_descendants
 from ..common.channel import ChannelUnreachable, Link
 from ..common.pickling import code_global_names
 from ..common.source import free_names, parse_cell
+from ..common.tracebacks import package_path
 from ..common.transfer import pack_exception, pack_result, unpack_job, unpack_push
 from .compat import become_torchrun_worker, destroy_asked_group
 from .context import Context, set_current
@@ -233,10 +234,12 @@ class RankLoop:
             self.ctx.start_group()
         return None, ""
 
-    def _do_debug(self, seq):
+    def _do_debug(self, seq, commands=()):
         if self.last_traceback is None:
             raise RuntimeError(f"rank {self.ctx.rank} has no failure to debug: nothing raised since the ranks started.")
         debugger = RemoteDebugger(self)
+        debugger.cmdqueue.extend(commands)  # typed before the prompt, as if by the user
+        debugger.typed = list(commands)
         with self._user_code(seq):
             debugger.reset()
             debugger.interaction(None, self.last_traceback)
@@ -287,6 +290,24 @@ class RemoteDebugger:
                 super().__init__(stdin=io, stdout=io, nosigint=True)
                 self.use_rawinput = False
                 self.prompt = f"(Pdb rank {loop.ctx.rank}) "
+                self.typed: list[str] = []
+
+            def precmd(self, line):
+                if self.typed and line == self.typed[0]:  # a command given in advance: shown as if typed
+                    self.typed.pop(0)
+                    self.message(f"{self.prompt}{line}")
+                return super().precmd(line)
+
+            def setup(self, frame, tb):
+                # Open at the innermost frame of the user's own code (torch's F.linear is rarely
+                # what to look at); `down` still reaches the library frames below it.
+                super().setup(frame, tb)
+                for index in range(len(self.stack) - 1, -1, -1):
+                    if package_path(self.stack[index][0].f_code.co_filename) is None:
+                        self.curindex = index
+                        self.curframe = self.stack[index][0]
+                        self.curframe_locals = self.curframe.f_locals
+                        break
 
         return _Debugger()
 
@@ -407,6 +428,9 @@ def _exit_site(exc: SystemExit) -> str:
     return f"{frame.filename} line {frame.lineno}{line}"
 
 
+NOTICE_VAR = "NBTRAIN_NOTICE"  # a line for the notebook from a remote rank's start (see serve)
+
+
 def serve(first: tuple | None = None, once: bool = False, live: bool = False, forward_output: bool = False) -> int:
     """Be a rank (environment already set): connect, say hello, run commands; the exit code.
 
@@ -422,6 +446,9 @@ def serve(first: tuple | None = None, once: bool = False, live: bool = False, fo
         return 1
     if forward_output:
         forward(link)
+        notice = os.environ.pop(NOTICE_VAR, None)
+        if notice:  # what the engine's side found as the rank started, now that its output reaches the notebook
+            print(f"nbtrain: {notice}", file=sys.stderr, flush=True)
     become_torchrun_worker()
     show_in_notebook(link, rank)
     ctx = Context.from_environ(os.environ, link)

@@ -9,6 +9,7 @@ import ctypes
 import faulthandler
 import io
 import os
+import re
 import signal
 import sys
 import threading
@@ -68,6 +69,9 @@ def _follow(old, new) -> None:
         old.write, old.flush = new.write, new.flush
 
 
+# c10d's store asks reverse DNS for each peer that connects, and warns where there is none (nodes
+# known by address only, as on many clusters): a line per connection per rank, and nothing wrong.
+UNHEARD = re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved")
 _DRAINED = b"\x00nbtrain-drained\x00"  # written after a command's output; its arrival means all came before
 _forwarded: list[threading.Event] = []  # one per forwarded stream: set when its marker is read
 
@@ -75,7 +79,8 @@ _forwarded: list[threading.Event] = []  # one per forwarded stream: set when its
 def forward_output(link) -> None:
     """For ranks with no pipe to the notebook (another machine): fds 1 and 2 become pipes
     read by threads that send each line over the channel as ("output", rank, stream, line),
-    and the lines a progress bar redraws as ("live", rank, stream, text, done)."""
+    and the lines a progress bar redraws as ("live", rank, stream, text, done). Lines that only
+    a rank on another machine writes, and that say nothing is wrong (`UNHEARD`), are dropped."""
     for fd, stream in ((1, "stdout"), (2, "stderr")):
         read, write = os.pipe()
         os.dup2(write, fd)
@@ -106,7 +111,7 @@ def _forward(fd: int, stream: str, link, drained: threading.Event) -> None:
                 link.emit("live", stream, *event[1:])
             elif event[1] == marker:
                 drained.set()
-            else:
+            elif not UNHEARD.search(event[1]):
                 link.emit("output", stream, event[1])
         if not chunk:
             return

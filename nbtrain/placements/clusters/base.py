@@ -18,12 +18,11 @@ from ...common.devices import BACKENDS, DevicePlan
 from ..base import Job, ProcessLauncher, RankProcess, rank_environ
 from ...common.tensor_files import ENABLE_VAR as SHARED_MEMORY_VAR  # "0": a rank returns tensors as bytes
 from ...common.transfer import pack_job
-from ...common.channel import ADDRESS_VAR
-from ...rank.loop import remote_main
+from ...common.channel import ADDRESS_VAR, CONNECT_SECONDS, HANDSHAKE_SECONDS, addresses
+from ...rank.loop import NOTICE_VAR, remote_main
 
 MACHINE_VAR = "NBTRAIN_KERNEL_MACHINE"  # the notebook's machine, so a rank can tell whether it shares it
 PATH_VAR, CWD_VAR = "NBTRAIN_KERNEL_PATH", "NBTRAIN_KERNEL_CWD"  # the notebook's sys.path and directory
-CONNECT_SECONDS = 30.0  # how long a rank tries to reach the notebook before saying it cannot
 # Set per rank by the engine, not from the notebook's view of the job:
 PER_RANK = ("RANK", "ROLE_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
             "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
@@ -118,27 +117,60 @@ def check_cluster(cluster) -> Cluster:
 
 # -- the channel's address ------------------------------------------------------------------
 
-def channel_options(notebook_address: str | None, default) -> dict:
-    """Where the notebook's channel listens and the address ranks are told to dial.
+def channel_options(notebook_address: str | None, default, extra: str) -> dict:
+    """Where the notebook's channel listens and the addresses ranks are told to dial.
 
     A given IP address of this machine is listened on alone; anything else (a host name, which
     may resolve here to a loopback address the nodes cannot use, or an address this machine is
-    reached by but does not have) means every interface, and ranks are told that address.
-    Either way only a peer that proves the launch's random authkey is heard.
+    reached by but does not have) means every interface, and ranks are told that address;
+    "0.0.0.0" means every interface, and ranks try each of this machine's addresses. Either
+    way only a peer that proves the launch's random authkey is heard.
     """
     if notebook_address is None:
         host, advertise = default()
     elif notebook_address == "0.0.0.0":
-        host, advertise = "0.0.0.0", socket.gethostname()
+        host, advertise = "0.0.0.0", notebook_addresses(extra)
     else:
         host, advertise = (notebook_address if _bindable(notebook_address) else "0.0.0.0"), notebook_address
     return {"host": host, "advertise": advertise}
 
 
-def every_interface() -> tuple[str, str]:
-    """Listen on every interface, and tell ranks this machine's name (which nodes of one
-    cluster resolve to the address they reach it by)."""
-    return "0.0.0.0", socket.gethostname()
+def notebook_addresses(extra: str, toward: tuple[str, ...] = ()) -> list[str]:
+    """Every address the nodes might reach this machine by, best first; each rank tries them in
+    order. The host name alone is not enough: Debian and many clusters map it to a loopback
+    address (127.0.1.1), which on a node is the node itself.
+
+    First the address this machine would send from toward `toward` (hosts of the cluster, such
+    as SLURM's controller: the network the nodes share), then the host name if it resolves
+    here to a non-loopback address (the nodes may resolve it to a better one), then every other
+    non-loopback IPv4 address of an interface that is up, then loopback, for ranks on this machine.
+    """
+    psutil = require("psutil", extra)
+    found = [_source_toward(host) for host in toward]
+    name = socket.gethostname()
+    if any(not ipaddress.ip_address(a).is_loopback for a in _resolve(name)):
+        found.append(name)
+    up = {nic for nic, stats in psutil.net_if_stats().items() if stats.isup}
+    found += [a.address for nic, addrs in psutil.net_if_addrs().items() if nic in up for a in addrs
+              if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback]
+    return [a for a in dict.fromkeys(found) if a and not a.startswith("127.")] + ["127.0.0.1"]
+
+
+def _resolve(name: str) -> list[str]:
+    try:
+        return [info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)]
+    except OSError:
+        return []
+
+
+def _source_toward(host: str) -> str | None:
+    """The address this machine sends from to reach `host` (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
 
 
 def _bindable(address: str) -> bool:
@@ -200,29 +232,44 @@ def here(environ: dict[str, str]) -> dict[str, str]:
     environ = dict(environ)
     if environ.pop(MACHINE_VAR, None) != machine_identity():
         environ[SHARED_MEMORY_VAR] = "0"  # the notebook cannot map this machine's memory
-    _as_in_the_notebook(environ.pop(PATH_VAR, ""), environ.pop(CWD_VAR, ""))
+    missing = _as_in_the_notebook(environ.pop(PATH_VAR, ""), environ.pop(CWD_VAR, ""))
+    if missing and environ.get("LOCAL_RANK", "0") == "0":  # said once per node
+        environ[NOTICE_VAR] = (f"the notebook's directory {missing} is not on {socket.gethostname()}: the ranks "
+                               f"there run in {os.getcwd()} and import only what is installed there (a file system "
+                               "the nodes share makes the notebook's modules and relative paths theirs too)")
     return environ
 
 
-def _as_in_the_notebook(path: str, cwd: str) -> None:
+def _as_in_the_notebook(path: str, cwd: str) -> str | None:
     """The notebook's directory and import path, where this machine has them (a shared file
-    system): the user's own modules and relative paths then mean what they mean there."""
+    system): the user's own modules and relative paths then mean what they mean there. The
+    notebook's directory if this machine lacks it."""
+    sys.path[:0] = [p for p in path.split(os.pathsep) if p and p not in sys.path and os.path.isdir(p)]
     if cwd and os.path.isdir(cwd):
         os.chdir(cwd)
-    sys.path[:0] = [p for p in path.split(os.pathsep) if p and p not in sys.path and os.path.isdir(p)]
+        return None
+    return cwd or None
 
 
 def check_reachable(environ: dict[str, str], rank: int) -> None:
-    """Fail with a message that says what to do when the notebook cannot be reached from here
-    (a firewall, an address that only resolves on the notebook's side)."""
-    host, port = environ[ADDRESS_VAR].rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS).close()
-    except OSError as exc:
-        raise ConnectionError(
-            f"rank {rank} on {socket.gethostname()} cannot reach the notebook's channel at {host}:{port} "
-            f"({type(exc).__name__}: {exc}). The nodes must be able to connect to the notebook's machine: give "
-            "the cluster object notebook_address='<an address of that machine the nodes can reach>'.") from None
+    """Put the notebook's first address this machine can connect to first (the rank dials them
+    in order), or fail with a message that says what was tried and what to do (a firewall, an
+    address that only resolves on the notebook's side, a loopback-only host name)."""
+    candidates, tried = addresses(environ[ADDRESS_VAR]), []
+    seconds = max(HANDSHAKE_SECONDS, CONNECT_SECONDS / len(candidates))
+    for i, (host, port) in enumerate(candidates):
+        try:
+            socket.create_connection((host, port), timeout=seconds).close()
+        except OSError as exc:
+            tried.append(f"{host}:{port} ({type(exc).__name__}: {exc})")
+            continue
+        environ[ADDRESS_VAR] = ",".join(f"{h}:{p}" for h, p in [candidates[i], *candidates[:i], *candidates[i + 1:]])
+        return
+    where = f"at {tried[0]}" if len(tried) == 1 else f"at any of {', '.join(tried)}"
+    raise ConnectionError(
+        f"rank {rank} on {socket.gethostname()} cannot reach the notebook's channel {where}. The nodes must be "
+        "able to connect to the notebook's machine: give the cluster object notebook_address='<an address of that "
+        "machine the nodes can reach>'.") from None
 
 
 class RemoteRank(RankProcess):

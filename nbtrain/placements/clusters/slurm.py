@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..base import Job, describe_exit
 from .base import (Cluster, RemotePlacement, RemoteRank, accelerator_of, base_environ, channel_options, count,
-                   every_interface, make_plan, rank_entry, rank_vars, require)
+                   make_plan, notebook_addresses, rank_entry, rank_vars, require)
 
 # Set by nbtrain from the plan and the arguments, so not accepted as sbatch options:
 OWN_OPTIONS = {"nodes", "ntasks", "ntasks_per_node", "gpus_per_node", "partition", "time", "account", "output",
@@ -158,7 +158,12 @@ class SlurmPlacement(RemotePlacement):
         self.queue: Queue | None = None
 
     def channel_options(self, job: Job) -> dict:
-        return channel_options(self.cluster.notebook_address, every_interface)
+        self.submitit = require("submitit", self.cluster.extra)  # named before anything runs
+
+        def every_interface():  # the nodes' network is the one toward the controller
+            return "0.0.0.0", notebook_addresses(self.cluster.extra, toward=_controllers())
+
+        return channel_options(self.cluster.notebook_address, every_interface, self.cluster.extra)
 
     def _prepare(self, job: Job) -> None:
         self.submitit = require("submitit", self.cluster.extra)
@@ -198,6 +203,17 @@ class SlurmPlacement(RemotePlacement):
             self.queue.close()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _controllers() -> tuple[str, ...]:
+    """The addresses (or names) of SLURM's controllers, as `scontrol show config` gives them:
+    `SlurmctldHost[0] = name(address)` or `= name`."""
+    try:
+        done = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    found = re.findall(r"^SlurmctldHost\[\d+\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", done.stdout, re.M)
+    return tuple(address or name for name, address in found)
 
 
 def _remove_orphans(base: Path) -> None:

@@ -1,0 +1,287 @@
+"""Two nodes on one machine, for the multi-node tests: two network namespaces, each with its
+own address and host name, joined to this machine (the notebook's side, as on a login node)
+by a bridge; a SLURM cluster with one `slurmd` in each.
+
+    10.231.N.1  the bridge: this machine, where the kernel and slurmctld run
+    10.231.N.11 node 1 (namespace and host name nbt<pid>sn1), reached over a veth pair
+    10.231.N.12 node 2 (nbt<pid>sn2)
+
+and the same for Ray in 10.232.N.0/24 (nbt<pid>rn1, nbt<pid>rn2; the Ray head, with no CPUs
+of its own, on the bridge beside the kernel).
+
+The nodes' names are in /etc/hosts (marked with this session's pid), so the nodes and this
+machine resolve them as a cluster's DNS would; this machine's own host name is left as it is
+(on Debian and here it resolves to loopback, which is what the default notebook address must
+survive). Every name, address and file is this session's own, and `close` removes them all,
+also after a failed start.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import psutil
+
+from conftest import LocalSlurm
+
+HOSTS = "/etc/hosts"
+
+
+def unavailable() -> str | None:
+    """Why two nodes cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "two nodes on one machine need root (network namespaces, a bridge, /etc/hosts)"
+    missing = [p for p in ("ip", "nsenter", "unshare") if shutil.which(p) is None]
+    if missing:
+        return f"two nodes on one machine need {', '.join(missing)} (iproute2, util-linux)"
+    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"`ip netns` does not work here: {probe.stderr.strip()}"
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+class Network:
+    """The bridge, the two namespaces and their /etc/hosts lines."""
+
+    def __init__(self, engine: str = "s"):  # one letter: each engine's tests have a network of their own
+        pid = os.getpid()
+        self.tag = f"nbt{pid % 100000}{engine}"
+        self.subnet = f"10.{231 + 'sr'.index(engine)}.{pid % 100 + 100}"
+        self.bridge, self.gateway = f"{self.tag}br", f"{self.subnet}.1"
+        self.nodes = {f"{self.tag}n{i}": f"{self.subnet}.{10 + i}" for i in (1, 2)}  # name: address
+        self.mark = f"# nbtrain two-node test {pid}{engine}"
+
+    def create(self) -> None:
+        remove_orphans()
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for i, (name, address) in enumerate(self.nodes.items(), 1):
+                outside, inside = f"{self.tag}v{i}", f"{self.tag}p{i}"
+                _ip("netns", "add", name)
+                _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+                _ip("link", "set", inside, "netns", name)
+                _ip("link", "set", outside, "master", self.bridge)
+                _ip("link", "set", outside, "up")
+                _ip("-n", name, "addr", "add", f"{address}/24", "dev", inside)
+                _ip("-n", name, "link", "set", inside, "up")
+                _ip("-n", name, "link", "set", "lo", "up")
+            with open(HOSTS, "a") as f:
+                f.writelines(f"{address} {name} {self.mark}\n" for name, address in self.nodes.items())
+        except subprocess.CalledProcessError as exc:
+            self.remove()
+            raise RuntimeError(f"could not make two nodes: `{' '.join(exc.cmd)}`: {exc.stderr.strip()}") from None
+
+    def pids(self, node: str) -> list[int]:
+        """Every process in a node's network namespace."""
+        done = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True)
+        return [int(p) for p in done.stdout.split()]
+
+    def run_on(self, node: str, *command: str) -> list[str]:
+        """`command` inside a node, as that node's host (its own network and host name)."""
+        return ["nsenter", f"--net=/run/netns/{node}", "unshare", "--uts", "sh", "-c",
+                f'hostname {node} && exec "$@"', "sh", *command]
+
+    def remove(self) -> None:
+        for node in self.nodes:
+            for pid in self.pids(node):  # whatever a failed test left in the node: this session's own
+                try:
+                    psutil.Process(pid).kill()
+                except psutil.NoSuchProcess:
+                    pass
+            subprocess.run(["ip", "netns", "del", node], capture_output=True)  # its veth pair goes with it
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        with open(HOSTS) as f:
+            kept = [line for line in f if not line.rstrip().endswith(self.mark)]
+        with open(HOSTS, "w") as f:  # rewritten in place: /etc/hosts may be a bind mount
+            f.writelines(kept)
+
+
+def remove_orphans() -> None:
+    """What sessions that were killed left (their daemons died with them; the network did not):
+    their /etc/hosts lines name their nodes and their pid."""
+    import re
+
+    with open(HOSTS) as f:
+        lines = f.read().splitlines(keepends=True)
+    dead: dict[str, set[str]] = {}  # a dead session's tag: its node names
+    for line in lines:
+        found = re.fullmatch(r"\S+ (\S+) # nbtrain two-node test (\d+)([a-z])", line.strip())
+        if found and not psutil.pid_exists(int(found[2])):
+            dead.setdefault(f"nbt{int(found[2]) % 100000}{found[3]}", set()).add(found[1])
+    if not dead:
+        return
+    for tag, nodes in dead.items():
+        for node in nodes:
+            done = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True)
+            for pid in map(int, done.stdout.split()):  # a job's processes that outlived their slurmd
+                try:
+                    psutil.Process(pid).kill()
+                except psutil.NoSuchProcess:
+                    pass
+            subprocess.run(["ip", "netns", "del", node], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"{tag}br"], capture_output=True)
+    names = {name for nodes in dead.values() for name in nodes}
+    with open(HOSTS, "w") as f:
+        f.writelines(line for line in lines
+                     if not ("# nbtrain two-node test" in line and names & set(line.split())))
+
+
+class TwoNodeSlurm(LocalSlurm):
+    """LocalSlurm with its controller on the bridge and one slurmd in each namespace."""
+
+    def __init__(self, root, network: Network):
+        super().__init__(root)
+        self.network = network
+
+    def _conf(self) -> str:
+        net = self.network
+        names = ",".join(net.nodes)
+        lines = super()._conf().splitlines()
+        host = next(line.split("=", 1)[1] for line in lines if line.startswith("SlurmctldHost="))
+        rewritten = {
+            "SlurmctldHost": f"SlurmctldHost={host}({net.gateway})",
+            "SlurmdSpoolDir": f"SlurmdSpoolDir={self.root}/spool/%n",
+            "SlurmdPidFile": f"SlurmdPidFile={self.root}/slurmd-%n.pid",
+            "SlurmdLogFile": f"SlurmdLogFile={self.root}/log/slurmd-%n.log",
+            "NodeName": "\n".join(f"NodeName={name} NodeAddr={address} CPUs=8 State=UNKNOWN"
+                                  for name, address in net.nodes.items()),
+            "PartitionName": f"PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP "
+                             "OverSubscribe=FORCE:4",
+        }
+        return "\n".join(rewritten.get(line.split("=", 1)[0], line) for line in lines) + "\n"
+
+    def _start_nodes(self) -> None:
+        for name in self.network.nodes:
+            (self.root / "spool" / name).mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._daemon(*self.network.run_on(name, "slurmd", "-D", "-N", name, "-f", str(self.conf)))
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.root / "log").glob("*.log")))
+
+    def node_of(self, pid: int) -> str | None:
+        return next((n for n in self.network.nodes if pid in self.network.pids(n)), None)
+
+    def ranks_on(self, node: str) -> list[int]:
+        """The rank processes (submitit's tasks) running on a node."""
+        found = []
+        for pid in self.network.pids(node):
+            try:
+                if "submitit" in " ".join(psutil.Process(pid).cmdline()):
+                    found.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    def idle(self, node: str) -> bool:
+        """Nothing runs on the node but its slurmd."""
+        return all(p in LocalSlurm.running for p in self.network.pids(node))
+
+
+class TwoNodeRay:
+    """A Ray cluster: the head on the bridge (this machine, no CPUs: the ranks go to the nodes),
+    one worker node in each namespace, all started with `ray start --block` as children of the
+    session (stopping them stops their Ray processes; never `ray stop`, which stops every Ray
+    on the machine). Token authentication, with a token of its own (Ray's default for `ray start`)."""
+
+    def __init__(self, root, network: Network):
+        import secrets
+        import socket
+
+        self.root, self.network, self.daemons = str(root), network, []
+        with socket.socket() as s:
+            s.bind(("", 0))
+            self.address = f"{network.gateway}:{s.getsockname()[1]}"
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+        # This process is the driver: Ray reads its token once, so before anything here uses Ray.
+        os.environ.update({k: self.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})
+
+    def _daemon(self, name: str, command: list[str]) -> None:
+        import ctypes
+        import signal
+
+        def die_with_the_session():  # SIGTERM: `ray start --block` then stops what it started
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: survives exec
+
+        log = open(os.path.join(self.root, f"{name}.log"), "w")
+        self.daemons.append(subprocess.Popen(command, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, preexec_fn=die_with_the_session))
+        LocalSlurm.running.add(self.daemons[-1].pid)  # the session's daemons: not a test's leftovers
+        log.close()
+
+    def start(self, timeout: float = 120.0) -> None:
+        import ray
+
+        port = self.address.rsplit(":", 1)[1]
+        common = ["--block", "--disable-usage-stats"]
+        self._daemon("head", ["ray", "start", "--head", f"--port={port}", f"--node-ip-address={self.network.gateway}",
+                              "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={self.root}/head", *common])
+        for name, address in self.network.nodes.items():
+            self._daemon(name, self.network.run_on(name, "ray", "start", f"--address={self.address}",
+                                                   f"--node-ip-address={address}", "--num-cpus=2",
+                                                   f"--temp-dir={self.root}/{name}", *common))
+        deadline = time.monotonic() + timeout
+        if not wait_until(lambda: _listens(self.address), timeout):
+            raise RuntimeError(f"no Ray head at {self.address} after {timeout:g} s:\n{self.logs()}")
+        ray.init(address=self.address, _node_ip_address=self.network.gateway)
+        if not wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 3, deadline - time.monotonic()):
+            raise RuntimeError(f"the Ray nodes did not join within {timeout:g} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {name}\n{open(os.path.join(self.root, name)).read()[-2000:]}"
+                         for name in sorted(os.listdir(self.root)) if name.endswith(".log"))
+
+    def actors_on(self, node: str) -> list[int]:
+        """The rank actors' processes (`ray::RankActor`) on a node."""
+        found = []
+        for pid in self.network.pids(node):
+            try:
+                if "RankActor" in " ".join(psutil.Process(pid).cmdline()):
+                    found.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    def stop(self) -> None:
+        import ray
+
+        ray.shutdown()
+        for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+            os.environ.pop(name, None)
+        for process in reversed(self.daemons):  # the workers first, then the head
+            process.terminate()
+        for process in self.daemons:
+            try:
+                process.wait(40)  # a node drains for up to 30 s
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            LocalSlurm.running.discard(process.pid)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _listens(address: str) -> bool:
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def wait_until(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return bool(condition())
