@@ -111,7 +111,7 @@ def memory_text(vital: Vital | None) -> str:
         if vital.gpu_util is not None:
             parts.append(f"{vital.gpu_util}%")
         return " ".join(parts)
-    return f"RSS {_bytes(vital.rss)}" if vital.rss is not None else ""
+    return f"RSS {_bytes(vital.rss)}" if vital.rss else ""  # 0: the process is gone, nothing to say
 
 
 def _bytes(n: int) -> str:

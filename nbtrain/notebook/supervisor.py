@@ -37,6 +37,7 @@ INTERRUPT_GRACE = 2.0  # live ranks: how long an interrupted rank may take to re
 STACK_WAIT = 1.0  # for faulthandler's dumps after asking for them
 STACK_QUIET = 0.15  # a dump is complete once its rank has been silent this long
 NATIVE_LINES = 25  # frames of a stuck rank's native stack shown
+PY_FRAME = re.compile(r"\([^()]*\.py:\d+\)$")  # py-spy's "function (file.py:12)"
 NATIVE_WIDTH = 160  # characters of one native frame shown (a C++ template's name runs to thousands)
 NATIVE_WAIT = 20.0  # py-spy's reading of one process, at most
 NATIVE_HINT = ("(Frames in C/C++ that do not return: a collective waiting for a rank that is elsewhere, a process "
@@ -460,7 +461,10 @@ def native_stack(pid: int, lines: int = NATIVE_LINES) -> str | None:
     main = plain_native_stack(dump.stdout).split("\nThread ")[1:2]  # the first thread py-spy lists is the main one
     frames = [line.strip() for line in ("Thread " + main[0]).splitlines()[1:] if line.strip()] if main else []
     mine = next((i for i, frame in enumerate(frames) if LOOP_FILE in frame), len(frames))  # below: nbtrain's loop
-    frames = [f if len(f) <= NATIVE_WIDTH else f[:NATIVE_WIDTH - 3] + "..." for f in frames[:mine]]  # C++ templates
+    # Down to the first Python frame (where the native code was entered): below it, the Python
+    # stack shown above says the rest better.
+    python = next((i + 1 for i, frame in enumerate(frames) if PY_FRAME.search(frame)), mine)
+    frames = [f if len(f) <= NATIVE_WIDTH else f[:NATIVE_WIDTH - 3] + "..." for f in frames[:min(mine, python)]]
     return "\n".join(frames[:lines]) + ("\n..." if len(frames) > lines else "")
 
 
