@@ -16,6 +16,7 @@ from ..placements.template import start_ranks_cleanly
 from .inprocess import InProcessLauncher
 from .insight import instrument
 from .pool import Pool
+from .restarts import check_restarts, with_restarts
 from .result import Result
 
 STRATEGIES = ("auto", "dp", "ddp_fork", "ddp_spawn", "ddp", "fsdp", "deepspeed")
@@ -106,7 +107,7 @@ def check_timeout(timeout):
 def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelerator: str = "auto",
            num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
            progress=True, launcher_options: dict | None = None, cluster=None, trackers=None, profile=None,
-           run_dir=None, **kwargs) -> Result:
+           run_dir=None, max_restarts: int = 0, **kwargs) -> Result:
     """Run `fn(*args, **kwargs)` on every rank and return a `Result`.
 
     Inside `fn`, `nbtrain.context()` is this rank's Context. Keyword arguments that `launch`
@@ -123,10 +124,16 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     `trackers` ("tensorboard", "mlflow", "wandb" or their settings objects) receive `ctx.log`'s
     values; `profile` (True or `nbtrain.Profile(...)`) records torch.profiler on every rank into
     `Result.profile`. Both write under `run_dir` (default ./nbtrain-runs/<time>-<function>/).
+    `max_restarts=N`: a failed run starts all ranks again, up to N times; the code resumes from its
+    own checkpoint (`Result.restarts` says why each restart happened).
     """
     if not callable(fn):
         raise TypeError(f"launch(fn=...) needs a callable training function, got {type(fn).__name__}.")
     check_timeout(timeout)
+    check_restarts(max_restarts)
+    if cluster is not None and max_restarts:
+        raise ValueError(f"max_restarts={max_restarts} with cluster={cluster!r}: restarts are for ranks on this "
+                         "machine here; nbtrain.submit(..., cluster=..., max_restarts=N) restarts a cluster run.")
     insight = {"trackers": trackers, "profile": profile, "run_dir": run_dir}
     if cluster is not None:
         return launch_on(cluster, fn, args, kwargs, strategy=strategy, devices=devices, accelerator=accelerator,
@@ -148,11 +155,15 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     display = make_display(progress)
     if note:
         display.note(note)
-    job = Job(fn, args, kwargs, plan, name, timeout, options=options)
-    launcher = _launcher(placement, job, display)
-    if isinstance(launcher, InProcessLauncher):
-        return launcher.launch(job, display)
-    return run_once(launcher, job, display)
+
+    def attempt() -> Result:  # a new job each time: nothing of a failed attempt is reused
+        job = Job(fn, args, kwargs, plan, name, timeout, options=dict(options))
+        launcher = _launcher(placement, job, display)
+        if isinstance(launcher, InProcessLauncher):
+            return launcher.launch(job, display)
+        return run_once(launcher, job, display)
+
+    return with_restarts(attempt, max_restarts, display)
 
 
 CLOSE_NOTE_AFTER = 2.0  # seconds after the ranks reported before the cell says it waits for their exit

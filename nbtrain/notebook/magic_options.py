@@ -15,16 +15,18 @@ SCRIPT_STRATEGIES = ("ddp", "fsdp", "deepspeed")  # the cell as a script under t
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed")
 RESULT_NAME = "_nbtrain_result"
+RUN_NAME = "_nbtrain_run"  # the Run of the last `%%nbtrain --submit` cell
 CLUSTERS = ("slurm", "ray")
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 DEFAULTS = {"strategy": "ddp", "devices": "auto", "accelerator": "auto", "nnodes": 1, "node_rank": 0,
             "rdzv_endpoint": None, "max_restarts": 0, "launcher": "torchrun", "timeout": None, "no_progress": False,
             "cluster": None, "partition": None, "time": None, "account": None, "sbatch": None, "address": None,
-            "num_workers": None, "notebook_address": None, "trackers": None, "profile": None, "run_dir": None}
+            "num_workers": None, "notebook_address": None, "trackers": None, "profile": None, "run_dir": None, "submit": False}
 CLUSTER_OPTIONS = {"slurm": ("partition", "time", "account", "sbatch"), "ray": ("address", "num_workers")}
 LOCAL_ONLY = ("node_rank", "rdzv_endpoint", "max_restarts", "launcher")  # ranks this machine starts itself
 COMMANDS = "Accepted: `%nbtrain config [options]`, `%nbtrain config reset`, `%nbtrain gpus`, " \
-           "`%nbtrain start [options]` / `%nbtrain stop` (live ranks, then `%%ranks` cells), `%nbtrain warm`; " \
+           "`%nbtrain start [options]` / `%nbtrain stop` (live ranks, then `%%ranks` cells), `%nbtrain warm`, " \
+           "`%nbtrain attach PATH` / `%nbtrain runs [PATH]` (submitted runs), `%nbtrain export PATH`; " \
            "`%%nbtrain [options]` as a cell's first line runs the cell on every rank."
 
 
@@ -77,6 +79,8 @@ RUN_OPTIONS = [
              help=f"where ctx.log's values go besides the notebook: {', '.join(TRACKERS)}"),
     argument("--profile", action="store_true", default=None, help="torch.profiler on every rank: the Result's profile"),
     argument("--run-dir", dest="run_dir", help="the directory trackers and profiles write under"),
+    argument("--submit", action="store_true", default=None, help="a run that outlives the kernel (nbtrain.submit): "
+             "the cell shows its Run, kept as _nbtrain_run; --max-restarts restarts all its ranks"),
 ]
 CLUSTER_ARGUMENTS = [  # also taken by `%nbtrain start` (live ranks on a cluster)
     argument("--cluster", choices=CLUSTERS, help="run the ranks on a SLURM cluster (submitit) or a Ray cluster"),

@@ -6,6 +6,9 @@
                                --cluster slurm|ray: on a cluster's nodes)
     %nbtrain config [options]  session defaults for those options; alone, shows them; `config reset` clears
     %nbtrain gpus              the GPU table (`nbtrain.gpus()`)
+    %%nbtrain --submit [options]   the cell as a run that outlives the kernel (`nbtrain.submit`)
+    %nbtrain attach PATH       a submitted run again (`nbtrain.attach`); `%nbtrain runs [PATH]` lists them
+    %nbtrain export PATH       the last %%nbtrain cell as a job directory (`nbtrain.export`): run.sh, sbatch.sh
 
 The cell's `Result` is stored in the user namespace as `_nbtrain_result` (rank 0's last
 expression value in `.value`). The magics only parse options and call
@@ -24,9 +27,13 @@ from ..common.devices import plan_devices
 from ..display.gpus import gpus
 from ..placements.script import check_installed, script_options
 from ..rank.trackers import check_trackers
-from .cell import run_cell
+from .cell import cell_job, run_cell
 from .launch import deepspeed_options, resolve_strategy
-from .magic_options import COMMANDS, DEFAULTS, RESULT_NAME, SCRIPT_STRATEGIES, _given, make_cluster, run_options
+from .magic_options import (COMMANDS, DEFAULTS, RESULT_NAME, RUN_NAME, SCRIPT_STRATEGIES, _given, make_cluster,
+                            run_options)
+from .export import export
+from .runs import attach, runs
+from .submit import submit
 from .ranks_magics import command as live_command
 from .ranks_magics import register as register_live
 
@@ -90,6 +97,7 @@ class NbtrainMagics(Magics):
     def __init__(self, shell):
         super().__init__(shell)
         self.config_options: dict = {}  # `%nbtrain config`: this session's defaults
+        self.last_cell: tuple[str, dict] | None = None
 
     @magic_arguments()
     @run_options
@@ -103,6 +111,10 @@ class NbtrainMagics(Magics):
             return self._command(line)
         options = {**DEFAULTS, **self.config_options, **_given(parse_argstring(self.nbtrain, line))}
         check_options(options)
+        self.last_cell = (cell, options)  # for `%nbtrain export PATH`
+        if options["submit"]:
+            self.shell.user_ns[RUN_NAME] = run = self.submit(cell, options)
+            return run  # the cell's output: the run's live view
         self.shell.user_ns[RESULT_NAME] = None  # a failed run leaves no earlier result behind
         self.shell.user_ns[RESULT_NAME] = self.run(cell, options)
 
@@ -116,6 +128,18 @@ class NbtrainMagics(Magics):
             profile=bool(options["profile"]), run_dir=options["run_dir"],
             rerun_as=rerun_line(options) if options["nnodes"] > 1 and not options["cluster"] else None)
 
+    def submit(self, cell: str, options: dict):
+        if options["cluster"]:
+            raise UsageError("--submit runs on this machine for now; --cluster runs live with the kernel.")
+        strategy = options["strategy"]
+        job = cell_job(cell, self.shell.user_ns, strategy, self.shell.user_ns_hidden)
+        script = {"launcher": _launcher(options)} if strategy in SCRIPT_STRATEGIES else None
+        # --max-restarts restarts the submitted run's ranks (all of them, from ctx.run_dir's checkpoint).
+        return submit(job, strategy=strategy, devices=options["devices"], accelerator=options["accelerator"],
+                      num_nodes=options["nnodes"], timeout=options["timeout"], launcher_options=script,
+                      max_restarts=options["max_restarts"], trackers=options["trackers"],
+                      profile=bool(options["profile"]), run_dir=options["run_dir"])
+
     def _command(self, line: str):
         words = line.split(None, 1)
         command, rest = (words[0], words[1] if len(words) > 1 else "") if words else ("", "")
@@ -124,10 +148,30 @@ class NbtrainMagics(Magics):
         if command == "gpus":
             display(gpus())
             return None
+        if command == "attach":
+            if not rest.strip():
+                raise UsageError("%nbtrain attach PATH: give a run directory (`%nbtrain runs` lists them).")
+            return attach(rest.strip())
+        if command == "export":
+            return self._export(rest.strip())
+        if command == "runs":
+            return runs(rest.strip() or "nbtrain-runs")
         if command in ("start", "stop", "warm"):
             return live_command(self.shell, command, rest)
         what = f"unknown command {command!r}" if command else "a command is needed"
         raise UsageError(f"%nbtrain: {what}. {COMMANDS}")
+
+    def _export(self, path: str):
+        if not path:
+            raise UsageError("%nbtrain export PATH: give a new directory for the job.")
+        if self.last_cell is None:
+            raise UsageError("%nbtrain export PATH exports the last %%nbtrain cell; run one first.")
+        cell, options = self.last_cell
+        job = cell_job(cell, self.shell.user_ns, "ddp", self.shell.user_ns_hidden)  # the names as they are now
+        where = export(job, to=path, devices=options["devices"], accelerator=options["accelerator"],
+                       num_nodes=options["nnodes"])
+        print(f"nbtrain: the last %%nbtrain cell is a job in {path}: bash run.sh, or sbatch sbatch.sh")
+        return where
 
     def _config(self, rest: str) -> None:
         if rest.strip() == "reset":

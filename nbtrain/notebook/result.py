@@ -20,6 +20,7 @@ class Result:
     devices: str = ""  # the plan, in words
     vitals: list[Vital] = field(default_factory=list)  # per-rank step rate and memory, about once a second
     profile: ProfileTable | None = None  # launch(..., profile=...): a row per rank, the slowest named
+    restarts: list[str] = field(default_factory=list)  # why each restart of a submitted run's ranks happened
 
     @classmethod
     def from_state(cls, state: RunState, strategy: str, devices: str) -> "Result":

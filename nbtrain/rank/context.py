@@ -10,6 +10,7 @@ import functools
 import os
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -149,6 +150,13 @@ class Context:
         if self.strategy in SHARDED_STRATEGIES:
             return strategies.gather_returned(value, self)
         return value
+
+    @property
+    def run_dir(self) -> Path | None:
+        """A submitted run's directory (`nbtrain.submit`): checkpoints kept there survive a
+        restart of the ranks. None in a plain launch."""
+        where = os.environ.get("NBTRAIN_RUN_DIR")
+        return Path(where) if where else None
 
     # -- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, path, **objects) -> None:

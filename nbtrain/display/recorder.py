@@ -1,0 +1,115 @@
+"""A display that draws nothing and writes what it is given to a run directory's event logs.
+
+A submitted run's supervisor runs `launch` with this as its display: what the ranks report
+(progress, metrics, output, failures, vitals) goes to one file per rank, the run's notes to the
+run's own file, and a notebook that attaches later feeds them to a `RunState` of its own
+(`notebook/runs.py`). It has no `live` or `rich`: a redrawn bar arrives as its last lines.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..common import runlog
+from .runstate import RunState
+from .vitals import VitalsSampler
+
+# RunState messages kept as they are; "result" carries the pickled value, which goes to
+# result.pkl whole, so only that the rank finished (and where) is logged.
+PLAIN = ("hello", "metric", "batch_size")
+PROGRESS_INTERVAL = 1.0  # seconds between the logged updates of one bar
+
+
+class RunRecorder:
+    def __init__(self, run_dir: Path, attempt: int):
+        self.dir, self.attempt = Path(run_dir), attempt
+        self.run_events = runlog.EventLog(self.dir / runlog.EVENTS)
+        self.logs: dict[int, runlog.EventLog] = {}
+        self.vitals = VitalsSampler()
+        self._vitals_written = 0
+        # A bar's updates, at most one a second each: a ranks' bar reports up to ten a second, and a
+        # run of hours would otherwise log millions of them. Each carries the bar's whole position,
+        # so the one held back is written before anything else of its rank, and at the end.
+        self._held: dict[tuple[int, int], tuple] = {}  # (rank, level): the latest unwritten update
+        self._written: dict[tuple[int, int], float] = {}  # (rank, level): when one was last written
+
+    def _log(self, rank) -> runlog.EventLog:
+        if rank is None:
+            return self.run_events
+        if rank not in self.logs:
+            self.logs[rank] = runlog.EventLog(self.dir / runlog.rank_events(rank))
+        return self.logs[rank]
+
+    def _write(self, rank, kind: str, *payload) -> None:
+        self._log(rank).write(self.attempt, kind, rank, *payload)
+
+    def start(self, state: RunState) -> None:
+        self._write(None, "start", state.title, sorted(state.ranks), time.time())
+        handle, fail, stop = state.handle, state.fail, state.stop
+
+        # The state's own methods, recorded as they are called: every change the pool makes.
+        def handled(message: tuple) -> None:
+            kind, rank, *payload = message
+            if kind == "progress":
+                self._progress(rank, payload)
+            elif kind in PLAIN:
+                self._flush(rank)
+                self._write(rank, kind, *payload)
+            elif kind == "result":
+                self._flush(rank)
+                self._write(rank, "finished", payload[1] if len(payload) > 1 else "")
+            handle(message)
+
+        def failed(rank: int, summary: str, traceback: str = "", crashed: bool = False, **more) -> None:
+            self._flush(rank)
+            self._write(rank, "failed", summary, traceback, crashed)
+            fail(rank, summary, traceback, crashed, **more)
+
+        def stopped(rank: int, why: str = "", stack: str = "") -> None:
+            self._write(rank, "stopped", why, stack)
+            stop(rank, why, stack)
+
+        state.handle, state.fail, state.stop = handled, failed, stopped
+
+    def _progress(self, rank: int, payload: list) -> None:
+        level, n, done = payload[0], payload[2], payload[4]  # (level, desc, n, total, done, the rank's clock)
+        key, now = (rank, level), time.monotonic()
+        if key in self._held and self._held[key][1] != payload[1]:  # a new bar here: the old one's end first
+            self._flush(rank)
+        if n and not done and now - self._written.get(key, float("-inf")) < PROGRESS_INTERVAL:
+            self._held[key] = payload
+            return
+        self._held.pop(key, None)  # this one says where the bar is now
+        self._flush(rank)
+        self._write(rank, "progress", *payload)
+        self._written[key] = now
+
+    def _flush(self, rank=None, due: float | None = None) -> None:
+        """Write the held bar updates (of `rank`; of every rank; those older than `due` seconds)."""
+        now = time.monotonic()
+        for key in [k for k in self._held if rank is None or k[0] == rank]:
+            if due is None or now - self._written.get(key, float("-inf")) >= due:
+                self._write(key[0], "progress", *self._held.pop(key))
+                self._written[key] = now
+
+    def note(self, text: str) -> None:
+        self._write(None, "note", text)
+
+    def output(self, rank, stream: str, text: str) -> None:
+        self._write(rank, "output", stream, text)
+
+    def update(self, state: RunState) -> None:
+        self._flush(due=PROGRESS_INTERVAL)
+        self.vitals.maybe_sample(state)
+        for vital in state.vitals[self._vitals_written:]:
+            self._write(vital.rank, "vital", *vital[:1], *vital[2:])
+        self._vitals_written = len(state.vitals)
+
+    def finish(self, state: RunState, ok: bool) -> None:
+        self._flush()
+        self.update(state)
+        self._write(None, "end", ok, time.time())
+
+    def close(self) -> None:
+        for log in (self.run_events, *self.logs.values()):
+            log.close()

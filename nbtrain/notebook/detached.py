@@ -1,0 +1,134 @@
+"""The supervisor of a submitted run: a process in its own session that outlives the kernel.
+
+It runs the job with `launch` itself, as a kernel would, so a submitted run starts its ranks,
+watches them and names failures exactly as `launch` does (every placement, the same
+`WorkerError`); its display (`display/recorder.py`) writes what the ranks report to the run
+directory instead of drawing it. With `max_restarts`, a failed attempt starts all ranks again.
+`submit.py` starts it: `python -c "from nbtrain.notebook.detached import main; main(RUN_DIR)"`,
+so the job's `__main__` is a blank module, as in a spawned rank.
+"""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import dill
+
+from ..common import runlog
+from ..common.pickling import ship_bytes
+from ..common.devices import plan_devices
+from ..common.process_tree import become_subreaper, end_descendants
+from ..common.transfer import unpack_job
+from ..display.recorder import RunRecorder
+from .launch import launch, resolve_strategy
+from .restarts import restarting, why
+
+
+class Status:
+    """status.json, rewritten whole at each change."""
+
+    def __init__(self, run_dir: Path, max_restarts: int):
+        self.path = run_dir / runlog.STATUS
+        self.value = {"status": "queued", "pid": os.getpid(), "max_restarts": max_restarts, "restarts": [],
+                      "reason": "", "ended": None}
+
+    def set(self, status: str, **more) -> None:
+        self.value.update(status=status, **more)
+        if status in runlog.ENDED:
+            self.value["ended"] = time.time()
+        runlog.write_json(self.path, self.value)
+
+
+class _RankZeroOutput(io.TextIOBase):
+    """The supervisor's stdout or stderr while it runs a one-process job itself (strategies single
+    and dp run in the caller, as in a kernel): each whole line is rank 0's output, also in the log."""
+
+    def __init__(self, stream: str, original, recorder: RunRecorder):
+        self.stream, self.original, self.recorder, self.partial = stream, original, recorder, ""
+
+    def write(self, text: str) -> int:
+        self.original.write(text)
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            self.recorder.output(0, self.stream, line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.original.flush()
+
+
+def _in_process(options: dict, cluster) -> bool:
+    if cluster is not None:
+        return False
+    plan = plan_devices(options["devices"], options["accelerator"], options["backend"], options["num_nodes"])
+    return resolve_strategy(options["strategy"], plan)[0] in ("single", "dp")
+
+
+def main(run_dir: str) -> int:
+    # What the run's processes leave behind (orphans, a session of their own) comes to us, and
+    # is ended with the run, however it ends.
+    become_subreaper()
+    try:
+        return _supervise(Path(run_dir))
+    finally:
+        end_descendants()
+
+
+def _supervise(run_dir: Path) -> int:
+    # cancel() sends SIGTERM: the running launch takes it as a Ctrl-C, stops its ranks and cleans up.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    spec = runlog.read_json(run_dir / runlog.SPEC)
+    status = Status(run_dir, spec["max_restarts"])
+    os.environ["NBTRAIN_RUN_DIR"] = str(run_dir)  # ctx.run_dir, in every rank (their environment starts from ours)
+    try:
+        fn, args, kwargs = unpack_job((run_dir / runlog.JOB).read_bytes())
+        objects = dill.loads((run_dir / runlog.OBJECTS).read_bytes())  # cluster, trackers, profile
+        in_process = _in_process(spec["launch"], objects["cluster"])
+    except BaseException as exc:
+        return _failed(run_dir, status, exc, "the job could not be loaded")
+    for attempt in range(spec["max_restarts"] + 1):
+        status.set("running", attempt=attempt)
+        recorder = RunRecorder(run_dir, attempt)
+        streams = sys.stdout, sys.stderr
+        if in_process:
+            sys.stdout, sys.stderr = (_RankZeroOutput(name, stream, recorder)
+                                      for name, stream in zip(("stdout", "stderr"), streams))
+        try:
+            result = launch(fn, *args, progress=recorder, run_dir=str(run_dir), **objects, **spec["launch"],
+                            **kwargs)
+        except KeyboardInterrupt:
+            recorder.note("cancelled")
+            status.set("cancelled", reason="cancelled by Run.cancel()")
+            return 1
+        except Exception as error:  # a WorkerError; in the supervisor itself (single, dp), the code's own
+            reason = why(error)
+            if attempt == spec["max_restarts"]:
+                return _failed(run_dir, status, error, reason)
+            said = restarting(attempt, spec["max_restarts"], reason)
+            recorder.note(said)
+            status.set("restarting", reason=said, restarts=[*status.value["restarts"], reason])
+            continue
+        finally:
+            sys.stdout, sys.stderr = streams
+            recorder.close()
+        result.restarts = list(status.value["restarts"])
+        runlog.write_whole(run_dir / runlog.RESULT, ship_bytes(result))
+        status.set("finished", reason="")
+        return 0
+    return 1  # not reached: the last attempt returns
+
+
+def _failed(run_dir: Path, status: Status, error: BaseException, reason: str) -> int:
+    traceback.print_exception(error, file=sys.stderr)
+    try:
+        payload = ship_bytes(error)
+    except Exception:  # an exception that does not pickle: its text still reaches the notebook
+        payload = ship_bytes(RuntimeError("".join(traceback.format_exception(error))))
+    runlog.write_whole(run_dir / runlog.ERROR, payload)
+    status.set("failed", reason=reason)
+    return 1

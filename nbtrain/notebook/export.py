@@ -1,0 +1,204 @@
+"""`export()`: a training function and the notebook code it needs, written as a directory that
+runs with no notebook: a readable `job.py`, `run.sh` (torchrun on this machine), `sbatch.sh`
+(SLURM) and `requirements.txt` (the versions in use).
+
+The function, and the notebook's functions and classes it reads, are written as their source
+wherever the kernel still has it (IPython keeps each cell's); modules it reads become imports;
+anything else (data, objects without source) is pickled next to the script, as `launch` ships it.
+"""
+from __future__ import annotations
+
+import inspect
+import linecache
+import os
+import shlex
+import stat
+import sys
+import textwrap
+import types
+from importlib import metadata
+from pathlib import Path
+
+import dill
+
+from ..common.devices import plan_devices
+from ..common.pickling import code_global_names, ship_bytes
+from ..common.runlog import make_private_dir, write_whole
+from ..rank.cell import CellJob
+from ..rank.exported import ARGUMENTS, VALUE
+
+NAMES = "names.pkl"  # what the code reads that has no source: pickled
+ALWAYS = ("torch", "nbtrain", "dill")  # in requirements.txt whatever the code imports
+
+
+def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: int = 1, **kwargs) -> Path:
+    """Write `fn(*args, **kwargs)` as a job directory at `to`: `bash run.sh` runs it with torchrun
+    on this machine (as many ranks as `devices` plans), `sbatch sbatch.sh` on SLURM; rank 0's
+    return value is printed and written to `run/value.pkl`. Returns the directory."""
+    if not isinstance(fn, CellJob) and (not callable(fn) or not hasattr(fn, "__code__")):
+        raise TypeError(f"export(fn=...) needs a Python function, got {type(fn).__name__}.")
+    plan = plan_devices(devices, accelerator, None, num_nodes)
+    if isinstance(fn, CellJob):  # a %%nbtrain cell: its source as it is, its names as they travel
+        imports, script = {n: _import_line(n, m) for n, m in fn.imports}, _cell_script(fn, plan)
+        pickled = fn.payload
+    else:
+        imports, sources, names = _gather(fn)
+        script = _script(fn, imports, sources, bool(names), plan)
+        pickled = ship_bytes(names) if names else None
+    where = Path(to).absolute()
+    make_private_dir(where)
+    if pickled:
+        write_whole(where / NAMES, pickled)
+    write_whole(where / ARGUMENTS, ship_bytes((args, kwargs)))
+    _write(where / "job.py", script)
+    nproc = plan.nprocs
+    # The kernel's import path: modules the code imports from its directory (or a sys.path entry) are found.
+    path = shlex.quote(os.pathsep.join(p or os.getcwd() for p in sys.path))
+    _write(where / "run.sh", RUN_SH.format(python=shlex.quote(sys.executable), nproc=nproc, path=path,
+                                           accelerator=plan.accelerator), executable=True)
+    _write(where / "sbatch.sh", SBATCH_SH.format(name=getattr(fn, "__name__", "cell"), nodes=plan.num_nodes, nproc=nproc,
+                                                 path=path, python=shlex.quote(sys.executable), where=where,
+                                                 gpus=f"#SBATCH --gpus-per-node={nproc}\n" if plan.accelerator == "gpu"
+                                                 else "", accelerator=plan.accelerator), executable=True)
+    _write(where / "requirements.txt", _requirements(imports))
+    (where / "run").mkdir(mode=0o700)  # sbatch writes the job's output there before the script starts
+    return where
+
+
+def _gather(fn):
+    """(imports, sources, pickled names) for the notebook code `fn` reads, followed through the
+    notebook's own functions and classes."""
+    imports: dict[str, str] = {}
+    sources: dict[str, str] = {}  # name -> source, in the order found (fn last)
+    pickled: dict[str, object] = {}
+    seen: set[str] = set()
+
+    def visit(obj) -> None:
+        namespace = getattr(obj, "__globals__", None)
+        if namespace is None:  # a class: its methods' globals
+            functions = [v for v in vars(obj).values() if isinstance(v, types.FunctionType)]
+            for function in functions:
+                visit(function)
+            return
+        for name in sorted(code_global_names(obj.__code__)):
+            if name in seen or name not in namespace:
+                continue
+            seen.add(name)
+            value = namespace[name]
+            module = getattr(value, "__module__", None)
+            if isinstance(value, types.ModuleType):
+                imports[name] = _import_line(name, value.__name__)
+            elif module not in (None, "__main__") and getattr(value, "__qualname__", "").isidentifier() \
+                    and getattr(sys.modules.get(module), value.__qualname__, None) is value:
+                imports[name] = f"from {module} import {value.__qualname__}" + (
+                    f" as {name}" if name != value.__qualname__ else "")
+            elif isinstance(value, (types.FunctionType, type)) and _source(value) and value.__name__ == name:
+                visit(value)
+                sources[name] = _source(value)
+            else:
+                pickled[name] = value
+
+    visit(fn)
+    own = _source(fn)
+    if own is None:
+        raise ValueError(f"export: the source of {fn.__name__!r} cannot be read (a function defined with exec, or "
+                         "in a cell the kernel no longer has); define it in a cell or a file, then export again.")
+    sources[fn.__name__] = own
+    return imports, sources, pickled
+
+
+def _import_line(name: str, module: str) -> str:
+    if name == module:
+        return f"import {module}"
+    if "." in module and module.rsplit(".", 1)[1] == name:
+        return f"from {module.rsplit('.', 1)[0]} import {name}"
+    return f"import {module} as {name}"
+
+
+def _source(obj) -> str | None:
+    code = getattr(obj, "__code__", None)
+    if code is not None and code.co_filename not in linecache.cache and not os.path.exists(code.co_filename):
+        return None
+    try:
+        return textwrap.dedent(inspect.getsource(obj))
+    except (OSError, TypeError):
+        return None
+
+
+def _script(fn, imports: dict, sources: dict, has_names: bool, plan) -> str:
+    lines = [f'"""{fn.__name__}, exported from a notebook by nbtrain: `bash run.sh` runs it with torchrun on '
+             f'{plan.describe()},', '`sbatch sbatch.sh` on SLURM. Rank 0 prints its return value and writes it to '
+             'run/value.pkl."""', "import os", "", *sorted(set(imports.values()))]
+    if has_names:
+        lines += ["", "import dill", "", f"# What the code reads that has no source in the notebook ({NAMES}).",
+                  f"with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), {NAMES!r}), 'rb') as _file:",
+                  "    globals().update(dill.load(_file))"]
+    for source in sources.values():
+        lines += ["", "", source.rstrip()]
+    lines += ["", "", 'if __name__ == "__main__":', "    from nbtrain.rank.exported import main", "",
+              f"    main({fn.__name__}, os.path.dirname(os.path.abspath(__file__)))", ""]
+    return "\n".join(lines)
+
+
+def _cell_script(job: CellJob, plan) -> str:
+    source = job.source.rstrip()
+    # As written in the cell, where a raw string can hold it (its first line is blank: line numbers are the cell's + 1).
+    quoted = f'r"""\n{source}\n"""' if '"""' not in source and not source.endswith("\\") else repr(source)
+    return "\n".join([
+        f'"""A notebook cell, exported by nbtrain: `bash run.sh` runs it with torchrun on {plan.describe()},',
+        "`sbatch sbatch.sh` on SLURM. Rank 0 prints the value of its last expression and writes it to run/value.pkl.",
+        f"The names it reads from earlier cells are imports, or pickled in {NAMES}.\"\"\"",
+        "import os", "", "from nbtrain.rank.cell import CellJob", "from nbtrain.rank.exported import main", "",
+        f"CELL = {quoted}", f"IMPORTS = {job.imports!r}", "", 'if __name__ == "__main__":',
+        "    here = os.path.dirname(os.path.abspath(__file__))",
+        f"    names = os.path.join(here, {NAMES!r})",
+        "    payload = open(names, 'rb').read() if os.path.exists(names) else None",
+        "    main(CellJob(CELL, IMPORTS, payload), here)", ""])
+
+
+RUN_SH = """#!/bin/bash
+# Runs job.py with torchrun on this machine; rank 0's return value is printed and written to run/.
+set -euo pipefail
+cd "$(dirname "$0")"
+export NBTRAIN_RUN_DIR="${{NBTRAIN_RUN_DIR:-$PWD/run}}" NBTRAIN_ACCELERATOR={accelerator}
+export PYTHONPATH={path}"${{PYTHONPATH:+:$PYTHONPATH}}"
+exec {python} -m torch.distributed.run --standalone --nproc-per-node {nproc} job.py
+"""
+
+SBATCH_SH = """#!/bin/bash
+#SBATCH --job-name={name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+{gpus}#SBATCH --chdir={where}
+#SBATCH --output=run/slurm-%j.out
+# One torchrun per node (srun), meeting at the first node's address. `sbatch sbatch.sh` from anywhere.
+set -euo pipefail
+export NBTRAIN_RUN_DIR="$PWD/run" NBTRAIN_ACCELERATOR={accelerator}
+export PYTHONPATH={path}"${{PYTHONPATH:+:$PYTHONPATH}}"
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+port=$((20000 + SLURM_JOB_ID % 20000))  # one per job: two jobs on one node do not collide
+srun {python} -m torch.distributed.run --nnodes "$SLURM_NNODES" --nproc-per-node {nproc} \\
+    --rdzv-backend c10d --rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID" job.py
+"""
+
+
+def _requirements(imports: dict) -> str:
+    names = {*ALWAYS, *(line.split()[1].split(".")[0] for line in imports.values())}
+    found = metadata.packages_distributions()
+    pins = sorted({f"{d}=={metadata.version(d)}" for n in names for d in found.get(n, ())})
+    return f"# Python {sys.version.split()[0]}; the versions this notebook ran with\n" + "\n".join(pins) + "\n"
+
+
+def _write(path: Path, text: str, executable: bool = False) -> None:
+    write_whole(path, text.encode())
+    if executable:
+        os.chmod(path, stat.S_IRWXU)
+
+
+def load_job(payload: bytes):
+    """A submitted run's (fn, args, kwargs), with the cell sources it travelled with back in
+    linecache (so `export` finds them) and nothing added to this kernel's namespace."""
+    fn, args, kwargs, sources = dill.loads(payload)
+    for filename, entry in sources.items():
+        linecache.cache.setdefault(filename, entry)
+    return fn, args, kwargs

@@ -1,0 +1,106 @@
+"""`submit()`: a run that outlives the kernel. Its job goes to a new run directory and a
+supervisor in its own session (`detached.py`) runs it; the returned `Run` follows it there."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..common import runlog, session
+from ..common.devices import plan_devices
+from ..common.pickling import ship_bytes
+from ..common.transfer import pack_job
+from ..display import check_progress
+from ..placements.clusters import check_cluster
+from ..rank.profiling import Profile
+from ..rank.trackers import check_trackers
+from .launch import check_timeout, resolve_strategy
+from .restarts import check_restarts
+from .runs import Run
+
+RUNS = "nbtrain-runs"
+
+# Started by a short-lived intermediate process, so the supervisor is not the kernel's child:
+# it is re-parented away at once, and no zombie of it waits in the kernel for a wait() that a
+# dropped Run would never make.
+_DETACH = ("import subprocess, sys; log = open(sys.argv[1], 'ab'); "
+           "print(subprocess.Popen(sys.argv[2:], start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, "
+           "stderr=log, close_fds=True).pid)")
+# -P: the import path is the kernel's alone (PYTHONPATH below), not this directory first.
+_SUPERVISE = "import sys; from nbtrain.notebook.detached import main; sys.exit(main(sys.argv[1]))"
+
+
+def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelerator: str = "auto",
+           num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
+           launcher_options: dict | None = None, cluster=None, trackers=None, profile=None, run_dir=None,
+           max_restarts: int = 0, progress=True, **kwargs) -> Run:
+    """Run `fn(*args, **kwargs)` as `launch` would, in processes that outlive this kernel; return
+    a `Run` at once. What the ranks report, and the result, go to `run_dir` (default: a new
+    directory under ./nbtrain-runs/); `nbtrain.attach(run_dir)` follows the run from any later
+    kernel; `progress` is how the `Run` draws itself (as `launch(progress=...)`); `trackers` and
+    `profile` are launch's, writing under the run directory. With `max_restarts=N`, a failed attempt starts all ranks again, up to N times;
+    `ctx.run_dir` is where the training code keeps the checkpoints it resumes from. With
+    `cluster=nbtrain.Slurm(...)` (or Ray), the supervisor on this machine runs the cluster job,
+    so the job outlives the kernel (not this machine)."""
+    if not callable(fn):
+        raise TypeError(f"submit(fn=...) needs a callable training function, got {type(fn).__name__}.")
+    check_restarts(max_restarts)
+    check_timeout(timeout)
+    check_progress(progress)
+    if cluster is None:  # bad settings fail here, before anything starts
+        resolve_strategy(strategy, plan_devices(devices, accelerator, backend, num_nodes))
+    else:
+        check_cluster(cluster).plan(devices, accelerator, backend, num_nodes)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    where = _new_run_dir(name) if run_dir is None else _given_run_dir(run_dir)
+    try:
+        runlog.write_whole(where / runlog.JOB, pack_job(fn, args, kwargs))
+        # The supervisor runs launch(..., cluster=...): the job survives the kernel. Trackers and
+        # profiles write under the run directory.
+        runlog.write_whole(where / runlog.OBJECTS, ship_bytes({"cluster": cluster, "trackers": check_trackers(trackers),
+                                                               "profile": Profile.check(profile)}))
+    except BaseException:
+        for leftover in where.iterdir():
+            leftover.unlink()
+        where.rmdir()
+        raise
+    options = {"strategy": strategy, "devices": devices, "accelerator": accelerator, "num_nodes": num_nodes,
+               "backend": backend, "timeout": timeout, "launcher_options": launcher_options}
+    runlog.write_json(where / runlog.SPEC, {"function": name, "started": time.time(), "max_restarts": max_restarts,
+                                            "launch": options})
+    runlog.write_json(where / runlog.STATUS, {"status": "queued", "restarts": [], "max_restarts": max_restarts})
+    os.close(os.open(where / runlog.SUPERVISOR_LOG, os.O_WRONLY | os.O_CREAT, 0o600))  # private, as the rest
+    detach = subprocess.run([sys.executable, "-c", _DETACH, str(where / runlog.SUPERVISOR_LOG), sys.executable,
+                             "-P", "-c", _SUPERVISE, str(where)], capture_output=True, text=True, check=True,
+                            # The kernel's import path, as the warm template gets it: the job's functions may come from
+                            # modules that only it can import (its directory, a sys.path.append).
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
+    runlog.write_json(where / runlog.SUPERVISOR, session.identity(int(detach.stdout)))
+    return Run(where, progress)
+
+
+def _new_run_dir(name: str) -> Path:
+    base = Path(RUNS).absolute()
+    base.mkdir(exist_ok=True)
+    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
+    for n in range(1, 1000):
+        path = base / (stem if n == 1 else f"{stem}-{n}")
+        try:
+            path.mkdir(mode=0o700)  # atomic: a directory another run made first is not taken
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free run directory named {stem}-N under {base}")
+
+
+def _given_run_dir(run_dir) -> Path:
+    if not isinstance(run_dir, (str, os.PathLike)):
+        raise TypeError(f"run_dir={run_dir!r}: give a directory path (str or Path), or None for a new one "
+                        "under ./nbtrain-runs/.")
+    path = Path(run_dir).absolute()
+    runlog.make_private_dir(path)
+    return path

@@ -1,0 +1,33 @@
+"""The rank side of an exported run (`nbtrain.export`): its script calls `main` on every rank
+that torchrun (or srun under sbatch) starts. No notebook, no channel: the Context comes from
+torchrun's environment, and rank 0 prints its return value and writes it, pickled, to the run directory's value.pkl."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dill
+
+from ..common import runlog
+from ..common.pickling import ship_bytes
+from .context import Context, set_current
+
+ARGUMENTS = "arguments.pkl"  # the call's arguments, pickled at export
+VALUE = "value.pkl"  # rank 0's return value, in the run directory
+
+
+def main(fn, here: str) -> None:
+    here = Path(here)
+    args, kwargs = dill.loads((here / ARGUMENTS).read_bytes())
+    run_dir = Path(os.environ.setdefault("NBTRAIN_RUN_DIR", str(here / "run")))
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # ctx.run_dir, where the code keeps checkpoints
+    ctx = Context.from_environ(os.environ)
+    set_current(ctx)
+    try:
+        value = ctx.prepare_return(fn(*args, **kwargs))
+    finally:
+        ctx.close()
+        set_current(None)
+    if ctx.rank == 0:
+        runlog.write_whole(run_dir / VALUE, ship_bytes(value))
+        print(f"rank 0 returned: {value!r}", flush=True)

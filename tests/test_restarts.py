@@ -1,0 +1,59 @@
+"""launch(..., max_restarts=N): a failed run starts all ranks again; the code resumes from its checkpoint."""
+import os
+
+import pytest
+import torch
+
+import nbtrain
+
+
+def resumable(steps, where, die_at=None):
+    """DDP on seeded batches, resuming from the checkpoint in `where`; rank 1 exits once at `die_at`."""
+    ctx = nbtrain.context()
+    torch.manual_seed(0)
+    model = ctx.setup(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpoint, start = os.path.join(where, "checkpoint"), 0
+    if os.path.exists(checkpoint):
+        start = ctx.load_checkpoint(checkpoint, model=model, optimizer=opt, step=0)["step"]
+    for step in range(start, steps):
+        if step == die_at and ctx.rank == 1 and not os.path.exists(os.path.join(where, "died")):
+            open(os.path.join(where, "died"), "w").close()
+            os._exit(1)
+        g = torch.Generator().manual_seed(100 * step + ctx.rank)
+        loss = torch.nn.functional.mse_loss(model(torch.randn(8, 4, generator=g)), torch.randn(8, 2, generator=g))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.save_checkpoint(checkpoint, model=model, optimizer=opt, step=step + 1)
+    return model.module.weight.detach().clone()
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_once_is_restarted_and_ends_with_the_uninterrupted_weights(tmp_path, no_leftovers):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    restarted = nbtrain.launch(resumable, 5, str(tmp_path / "a"), 2, devices=2, accelerator="cpu", progress=False,
+                               max_restarts=1)
+    assert (tmp_path / "a" / "died").exists()
+    [why] = restarted.restarts
+    assert why.startswith("rank 1 failed: exited with code 1")
+    plain = nbtrain.launch(resumable, 5, str(tmp_path / "b"), devices=2, accelerator="cpu", progress=False)
+    assert plain.restarts == [] and torch.equal(restarted.value, plain.value)
+
+
+@pytest.mark.slow
+def test_a_failure_beyond_the_restarts_raises_the_last_error(tmp_path, no_leftovers):
+    def always_fails():
+        if nbtrain.context().rank == 0:
+            raise ValueError("again")
+
+    with pytest.raises(nbtrain.WorkerError, match="rank 0 failed: ValueError: again"):
+        nbtrain.launch(always_fails, devices=2, accelerator="cpu", progress=False, max_restarts=1)
+
+
+def test_bad_max_restarts_are_refused():
+    with pytest.raises(ValueError, match="max_restarts=-1: give a whole number of restarts, 0 or more."):
+        nbtrain.launch(print, max_restarts=-1)
+    with pytest.raises(ValueError, match="max_restarts=1 with cluster="):
+        nbtrain.launch(print, max_restarts=1, cluster=nbtrain.Slurm())

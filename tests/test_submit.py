@@ -1,0 +1,318 @@
+"""submit / attach: runs that outlive the kernel, restarts from the last checkpoint, cancel."""
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import dill
+
+import pytest
+import torch
+
+import nbtrain
+from nbtrain.common import runlog, session
+
+from conftest import Kernel
+
+# Defined in the kernel as a notebook would, and here for the plain launch it is compared with.
+TRAIN = '''
+import os, time, torch, nbtrain
+
+def train(steps, pause=0.0, die_at=None, key_to=None):
+    """DDP on a seeded model and seeded batches, resuming from ctx.run_dir's checkpoint if any.
+    die_at: rank 1 exits (code 1) at that step, once per run directory. key_to: a file where
+    rank 0 writes the channel's authkey (to look for it in the run directory)."""
+    ctx = nbtrain.context()
+    if key_to and ctx.rank == 0:
+        open(key_to, "w").write(os.environ["NBTRAIN_AUTHKEY"])
+    torch.manual_seed(0)
+    model = ctx.setup(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = 0
+    checkpoint = ctx.run_dir / "checkpoint" if ctx.run_dir else None
+    if checkpoint is not None and checkpoint.exists():
+        start = ctx.load_checkpoint(checkpoint, model=model, optimizer=opt, step=0)["step"]
+    for step in ctx.progress(range(start, steps), total=steps):
+        marker = ctx.run_dir / "died" if ctx.run_dir else None
+        if step == die_at and ctx.rank == 1 and not marker.exists():
+            marker.touch()
+            os._exit(1)
+        g = torch.Generator().manual_seed(100 * step + ctx.rank)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.log("loss", loss.item())
+        print("step", step)
+        if checkpoint is not None:
+            ctx.save_checkpoint(checkpoint, model=model, optimizer=opt, step=step + 1)
+        time.sleep(pause)
+    return {k: v.detach().clone() for k, v in getattr(model, "module", model).state_dict().items()}
+'''
+exec(TRAIN)  # noqa: S102 - the same code as the kernel's
+
+
+def _fails_once():
+    marker = nbtrain.context().run_dir / "tried"
+    if not marker.exists():
+        marker.touch()
+        raise ValueError("first try")
+    return "second try"
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _ended_cleanly(run) -> None:
+    """Nothing of the run's session or tree is left, a little after it ended."""
+    pid = json.loads((run.dir / runlog.SUPERVISOR).read_text())["pid"]
+    _wait_for(lambda: not session.members(pid), 20, f"the run's processes to exit: {session.members(pid)}")
+
+
+def _rank_pids(run) -> list[int]:
+    return [e[3] for r in (0, 1) for e in runlog.Tail(run.dir / runlog.rank_events(r)).read() if e[1] == "hello"]
+
+
+def test_a_directory_that_is_not_a_run_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="does not exist: give a directory made by nbtrain.submit"):
+        nbtrain.attach(tmp_path / "nothing")
+    with pytest.raises(ValueError, match=r"is not a run directory \(no run.json, status.json\)"):
+        nbtrain.attach(tmp_path)
+    assert nbtrain.runs(tmp_path) == []
+
+
+def test_bad_submit_settings_are_refused_before_anything_starts(tmp_path):
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "file").touch()
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        nbtrain.submit(train, 1, devices=2, accelerator="cpu", run_dir=tmp_path / "used")
+    with pytest.raises(ValueError, match="max_restarts=-1: give a whole number"):
+        nbtrain.submit(train, 1, devices=2, accelerator="cpu", run_dir=tmp_path / "new", max_restarts=-1)
+    with pytest.raises(ValueError, match="strategy='nope' is not known"):
+        nbtrain.submit(train, 1, strategy="nope", run_dir=tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
+def test_event_log_lines_are_whole_or_absent(tmp_path):
+    log = runlog.EventLog(tmp_path / "e.jsonl")
+    tail = runlog.Tail(tmp_path / "e.jsonl")
+    log.write(0, "metric", 0, 1, "loss", 0.5, False)
+    with open(tmp_path / "e.jsonl", "ab") as file:
+        file.write(b'[0, "metric", 0, 2, "lo')  # a writer killed mid-line
+    assert tail.read() == [[0, "metric", 0, 1, "loss", 0.5, False]]
+    with open(tmp_path / "e.jsonl", "ab") as file:
+        file.write(b'ss", 0.25, false]\n')
+    assert tail.read() == [[0, "metric", 0, 2, "loss", 0.25, False]]
+    log.close()
+
+
+@pytest.mark.slow
+def test_a_run_outlives_a_killed_kernel_and_attach_gets_the_launch_values(tmp_path):
+    kernel = Kernel()
+    try:
+        _, _, error, _ = kernel.run(f"{TRAIN}\nos.chdir({str(tmp_path)!r})\n"
+                                    "run = nbtrain.submit(train, 12, 0.2, devices=2, accelerator='cpu')")
+        assert error is None, error
+        path = kernel.value("str(run.dir)")
+        run = nbtrain.attach(path)
+        _wait_for(lambda: "step 2" in run.logs(0), 60, "the run to take steps")
+        os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
+        kernel.manager.provisioner.process.wait()
+    finally:
+        kernel.client.stop_channels()
+        kernel.manager.cleanup_resources()
+    assert run.status == "running"  # the kernel is gone, the run is not
+    result = nbtrain.attach(path).result(timeout=120)
+    assert run.status == "finished" and result.restarts == []
+    assert os.stat(path).st_mode & 0o777 == 0o700
+    assert [f"step {i}" for i in range(12)] == run.logs(1).split("\n")[:-1]
+    plain = nbtrain.launch(train, 12, devices=2, accelerator="cpu", progress=False)
+    assert _same(result.value, plain.value)
+    assert result.metrics("loss") == plain.metrics("loss")
+    _ended_cleanly(run)
+    [row] = nbtrain.runs(tmp_path / "nbtrain-runs")
+    assert (row["function"], row["status"], row["devices"]) == ("train", "finished", "2 CPU ranks, gloo")
+    assert row["metrics"].startswith("loss=")
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_once_is_restarted_from_the_checkpoint(tmp_path, no_leftovers):
+    run = nbtrain.submit(train, 6, die_at=3, devices=2, accelerator="cpu", run_dir=tmp_path / "run",
+                         max_restarts=1)
+    result = run.result(timeout=180)
+    assert (tmp_path / "run" / "died").exists()  # it did die once
+    [why] = result.restarts
+    assert re.fullmatch(r"rank 1 failed: exited with code 1 \(PID \d+\)", why), why
+    assert run.restarts == result.restarts and run.status == "finished"
+    plain = nbtrain.launch(train, 6, devices=2, accelerator="cpu", progress=False)
+    assert _same(result.value, plain.value)
+    assert f"restarting (1 of 1): {why}" in (tmp_path / "run" / "events.jsonl").read_text()
+    _ended_cleanly(run)
+
+
+@pytest.mark.slow
+def test_a_failure_beyond_the_restarts_is_the_launch_error(tmp_path, no_leftovers):
+    run = nbtrain.submit(train, 6, die_at=1, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
+    with pytest.raises(nbtrain.WorkerError, match="rank 1 failed: exited with code 1") as caught:
+        run.result(timeout=120)
+    assert caught.value.rank == 1 and run.status == "failed"
+    _ended_cleanly(run)
+
+
+@pytest.mark.slow
+def test_cancel_leaves_no_process(tmp_path, no_leftovers):
+    run = nbtrain.submit(train, 1000, 0.1, devices=2, accelerator="cpu", run_dir=tmp_path / "run",
+                         key_to=str(tmp_path / "key"))
+    _wait_for(lambda: "step 1" in run.logs(1), 60, "the run to take steps")
+    ranks = _rank_pids(run)
+    assert len(ranks) == 2
+    run.cancel()
+    assert run.status == "cancelled"
+    with pytest.raises(RuntimeError, match="was cancelled; it has no result"):
+        run.result(timeout=5)
+    _ended_cleanly(run)
+    assert not any(session.alive(session.identity(p)) for p in ranks)
+    key = (tmp_path / "key").read_text()
+    files = [f for f in run.dir.rglob("*") if f.is_file()]
+    assert len(key) >= 32 and not [f.name for f in files if key.encode() in f.read_bytes()]
+    assert all(f.stat().st_mode & 0o077 == 0 for f in run.dir.iterdir() if f.is_file()), "nbtrain's files are private"
+
+
+@pytest.mark.slow
+def test_a_run_whose_supervisor_was_killed_is_failed_not_running(tmp_path, no_leftovers):
+    run = nbtrain.submit(train, 1000, 0.1, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
+    _wait_for(lambda: "step 1" in run.logs(1), 60, "the run to take steps")
+    ranks = _rank_pids(run)
+    os.kill(json.loads((run.dir / runlog.SUPERVISOR).read_text())["pid"], signal.SIGKILL)
+    _wait_for(lambda: run.status == "failed", 10, "the run to read as failed")
+    assert "the run's supervisor (pid " in run.reason and "ended without finishing it" in run.reason
+    with pytest.raises(RuntimeError, match="ended without finishing it"):
+        run.result(timeout=5)
+    _ended_cleanly(run)  # its ranks die with it
+    assert not any(session.alive(session.identity(p)) for p in ranks)
+
+
+@pytest.mark.slow
+def test_a_one_device_run_in_the_supervisor_keeps_rank_0_output(tmp_path, no_leftovers):
+    run = nbtrain.submit(train, 3, devices=1, accelerator="cpu", run_dir=tmp_path / "run")
+    result = run.result(timeout=60)
+    assert result.strategy == "single" and run.logs(0) == "step 0\nstep 1\nstep 2\n"
+    assert len(result.metrics("loss")) == 3
+    # The code's own exception, raised in the supervisor: restarted as a rank's failure would be.
+    run = nbtrain.submit(_fails_once, devices=1, accelerator="cpu", run_dir=tmp_path / "again", max_restarts=1)
+    assert run.result(timeout=60).value == "second try" and run.restarts == ["ValueError: first try"]
+
+
+@pytest.mark.slow
+def test_a_submitted_cell_and_attach_magic_in_a_kernel(kernel, tmp_path):
+    # The module's kernel lives to the module's end: the tests that check for leftovers come before.
+    assert kernel.run(f"import os; os.chdir({str(tmp_path)!r})\n%load_ext nbtrain\nscale = 10")[2] is None
+    _, _, error, shown = kernel.run("%%nbtrain --submit --devices 2 --accelerator cpu\n"
+                                    "import nbtrain\nctx = nbtrain.context()\nprint('rank', ctx.rank)\n"
+                                    "scale * (ctx.rank + 1)")
+    assert error is None, error
+    assert any("nbtrain: ddp on 2 CPU ranks" in s.get("text/plain", "") for s in shown), shown  # the live view
+    assert kernel.value("_nbtrain_run.result(timeout=120).values") == [10, 20]
+    assert kernel.value("_nbtrain_run.logs(1)") == "rank 1\n"
+    assert kernel.run("again = %nbtrain attach {_nbtrain_run.dir}")[2] is None
+    assert kernel.value("(again.status, again.dir == _nbtrain_run.dir)") == ("finished", True)
+    _, _, error, _ = kernel.run("%nbtrain attach nowhere")
+    assert error["ename"] == "ValueError" and "'nowhere' does not exist" in error["evalue"]
+    out, _, error, _ = kernel.run(f"%nbtrain export {tmp_path / 'job'}")
+    assert error is None and "the last %%nbtrain cell is a job in" in out, (out, error)
+    assert "print('rank', ctx.rank)\nscale * (ctx.rank + 1)" in (tmp_path / "job" / "job.py").read_text()
+    ran = subprocess.run(["bash", str(tmp_path / "job" / "run.sh")], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "rank 0 returned: 10" in ran.stdout and "rank 1" in ran.stdout, ran.stdout
+
+
+@pytest.mark.slow
+def test_an_export_runs_with_bash_and_gives_the_launch_weights(kernel, tmp_path):
+    code = f"{TRAIN}\nimport torch.nn.functional as F\nSCALE = torch.ones(1)\n" \
+           "def scaled(x):\n    return F.relu(x) * SCALE\n" \
+           "def uses_helpers(steps):\n    return {k: scaled(v) for k, v in train(steps).items()}\n" \
+           f"nbtrain.export(uses_helpers, 4, to={str(tmp_path / 'job')!r}, devices=2, accelerator='cpu')"
+    assert kernel.run(code)[2] is None
+    script = (tmp_path / "job" / "job.py").read_text()
+    assert "def train(steps, pause=0.0, die_at=None, key_to=None):" in script and "def scaled(x):" in script
+    assert "import torch.nn.functional as F" in script and "SCALE" not in script.split("def scaled")[0].split("dill")[0]
+    ran = subprocess.run(["bash", str(tmp_path / "job" / "run.sh")], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "rank 0 returned: {'weight': tensor(" in ran.stdout
+    value = dill.loads((tmp_path / "job" / "run" / "value.pkl").read_bytes())
+    plain = nbtrain.launch(train, 4, devices=2, accelerator="cpu", progress=False)
+    assert _same(value, {k: torch.relu(v) for k, v in plain.value.items()})
+    with pytest.raises(ValueError, match="the source of 'train' cannot be read"):
+        nbtrain.export(train, 4, to=tmp_path / "again")  # exec'd here: no source to write
+    assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.slow
+def test_a_slurm_run_outlives_the_kernel_and_attach_collects_it(slurm, tmp_path):
+    kernel = Kernel()  # started after the fixture exported SLURM_CONF: it submits to the local cluster
+    try:
+        _, _, error, _ = kernel.run(f"{TRAIN}\nrun = nbtrain.submit(train, 8, 0.3, devices=2, accelerator='cpu', "
+                                    f"cluster=nbtrain.Slurm(), run_dir={str(tmp_path / 'run')!r})")
+        assert error is None, error
+        run = nbtrain.attach(tmp_path / "run")
+        _wait_for(lambda: "step 1" in run.logs(1), 120, "the job's ranks to take steps")
+        os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
+        kernel.manager.provisioner.process.wait()
+    finally:
+        kernel.client.stop_channels()
+        kernel.manager.cleanup_resources()
+    result = run.result(timeout=180)
+    assert result.devices.endswith("on SLURM") and run.status == "finished"
+    plain = nbtrain.launch(train, 8, devices=2, accelerator="cpu", progress=False)
+    assert _same(result.value, plain.value)
+    _ended_cleanly(run)
+    _wait_for(lambda: not slurm.jobs(), 30, "the job to leave the queue")
+
+
+def test_bar_updates_are_logged_at_most_once_a_second_and_none_is_lost_at_the_end(tmp_path):
+    from nbtrain.display.recorder import RunRecorder
+    from nbtrain.display.runstate import RunState
+
+    recorder, state = RunRecorder(tmp_path, 0), RunState("ddp on 1 CPU rank", [0])
+    recorder.start(state)
+    for n in range(50):  # as a fast loop reports them: all within a second
+        state.handle(("progress", 0, 0, "epoch", n, 50, False))
+    state.handle(("metric", 0, 3, "loss", 0.5, False))
+    state.handle(("progress", 0, 0, "epoch", 50, 50, True))
+    recorder.finish(state, True)
+    recorder.close()
+    logged = [e[3:] for e in runlog.Tail(tmp_path / runlog.rank_events(0)).read() if e[1] == "progress"]
+    assert logged == [[0, "epoch", 0, 50, False], [0, "epoch", 49, 50, False], [0, "epoch", 50, 50, True]]
+
+
+@pytest.mark.slow
+def test_an_export_runs_as_a_slurm_batch_job(slurm, tmp_path):
+    # Written as a module file, so the source can be read (a notebook's cells work the same way).
+    (tmp_path / "train_module.py").write_text(TRAIN)
+    import sys
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import train_module
+        job = nbtrain.export(train_module.train, 3, to=tmp_path / "job", devices=2, accelerator="cpu")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("train_module", None)
+    submitted = subprocess.run(["sbatch", "--parsable", str(job / "sbatch.sh")], cwd=tmp_path, capture_output=True,
+                               text=True, check=True, env=slurm.env)
+    job_id = submitted.stdout.strip().split(";")[0]
+    _wait_for(lambda: job_id not in slurm.jobs(), 120, "the batch job to end")
+    output = (job / "run" / f"slurm-{job_id}.out").read_text()
+    assert "rank 0 returned: {'weight': tensor(" in output, output[-2000:]
+    value = dill.loads((job / "run" / "value.pkl").read_bytes())
+    assert _same(value, nbtrain.launch(train, 3, devices=2, accelerator="cpu", progress=False).value)
