@@ -327,3 +327,51 @@ def waits_saying_where(flag_dir):
     os.rename(os.path.join(flag_dir, f".rank{ctx.rank}"), os.path.join(flag_dir, f"rank{ctx.rank}"))
     ctx.barrier()
     time.sleep(120)
+
+
+def test_ray_live_ranks_on_two_nodes_keep_state_across_commands(ray_cluster):
+    with nbtrain.Ranks(devices=1, cluster=nbtrain.Ray(address=ray_cluster.address), num_nodes=2,
+                       progress=False) as ranks:
+        ranks.exec("import socket, torch, torch.distributed as dist\nweight = torch.tensor([ctx.rank + 1.0])\n"
+                   "ctx.barrier()")
+        ranks.exec("dist.all_reduce(weight)")
+        found = ranks.eval("(socket.gethostname(), weight.item())")
+    assert sorted(found) == [(n, 3.0) for n in ray_cluster.network.nodes], found
+    assert wait_until(lambda: not any(ray_cluster.actors_on(n) for n in ray_cluster.network.nodes))
+
+
+def test_ray_fsdp_saves_a_checkpoint_on_two_nodes_that_one_node_loads(ray_cluster, tmp_path):
+    path = str(tmp_path / "ckpt")  # a file system the nodes share
+    cluster = nbtrain.Ray(address=ray_cluster.address)
+    saved = nbtrain.launch(save_sharded, path, devices=1, num_nodes=2, strategy="fsdp", cluster=cluster,
+                           progress=False)
+    assert sorted(host for _, host in saved.values) == list(ray_cluster.network.nodes)
+    assert "FSDP" in saved.values[0][0], saved.values
+    loaded = nbtrain.launch(load_whole, path, devices=1, cluster=cluster, progress=False).values[0]
+    expected = {k: v + 1.0 for k, v in model().state_dict().items()}
+    assert loaded[0] == 7
+    assert all(loaded[1][k].equal(expected[k]) for k in expected), "the loaded weights are not the saved ones"
+
+
+def test_ray_a_cell_runs_on_two_nodes(ray_cluster):
+    from conftest import Kernel
+
+    kernel = Kernel()
+    try:
+        _, _, error, _ = kernel.run("%load_ext nbtrain\nscale = 10")
+        assert error is None, error
+        out, err, error, _ = kernel.run(
+            f"%%nbtrain --cluster ray --address {ray_cluster.address} --nnodes 2 --devices 1 --no-progress\n"
+            "import socket, torch, torch.distributed as dist, nbtrain\n"
+            "ctx = nbtrain.context()\n"
+            "model = ctx.setup(torch.nn.Linear(2, 1))\n"
+            "total = torch.tensor([scale * (ctx.rank + 1.0)])\n"
+            "dist.all_reduce(total)\n"
+            "print(type(model).__name__, 'on', socket.gethostname(), total.item())\n", timeout=300)
+        assert error is None, (error, err)
+        nodes = {n for n in ray_cluster.network.nodes if f"DistributedDataParallel on {n} 30.0" in out}
+        assert nodes == set(ray_cluster.network.nodes), out
+        kernel.run("import ray; ray.shutdown()")
+    finally:
+        kernel.close()
+    assert wait_until(lambda: not any(ray_cluster.actors_on(n) for n in ray_cluster.network.nodes))
