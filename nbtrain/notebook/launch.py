@@ -189,6 +189,7 @@ def run_once(launcher, job: Job, display) -> Result:
         finally:
             if waiting is not None:
                 waiting.cancel()
+                waiting.join()  # gone when launch returns: a launch leaves no thread behind
         if pool.state is not None:  # None: it failed in its checks, before anything was shown
             display.finish(pool.state, ok)
     return Result.from_state(pool.state, job.strategy, job.plan.describe())
