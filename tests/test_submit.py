@@ -252,8 +252,12 @@ def test_an_export_runs_with_bash_and_gives_the_launch_weights(kernel, tmp_path)
     script = (tmp_path / "job" / "job.py").read_text()
     assert "def train(steps, pause=0.0, die_at=None, key_to=None):" in script and "def scaled(x):" in script
     assert "import torch.nn.functional as F" in script and "SCALE" not in script.split("def scaled")[0].split("dill")[0]
-    ran = subprocess.run(["bash", str(tmp_path / "job" / "run.sh")], capture_output=True, text=True, timeout=120)
+    scratch = tmp_path / "tmp"  # the job's TMPDIR: torchrun left a torchelastic_* directory in it per run
+    scratch.mkdir()
+    ran = subprocess.run(["bash", str(tmp_path / "job" / "run.sh")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TMPDIR": str(scratch)})
     assert ran.returncode == 0, ran.stderr[-2000:]
+    assert not list(scratch.glob("torchelastic_*")), list(scratch.iterdir())
     assert "rank 0 returned: {'weight': tensor(" in ran.stdout
     value = dill.loads((tmp_path / "job" / "run" / "value.pkl").read_bytes())
     plain = nbtrain.launch(train, 4, devices=2, accelerator="cpu", progress=False)
