@@ -75,8 +75,13 @@ def _wait_for(predicate, timeout: float, what: str):
 
 
 def _ended_cleanly(run) -> None:
-    """Nothing of the run's session or tree is left, a little after it ended."""
-    pid = json.loads((run.dir / runlog.SUPERVISOR).read_text())["pid"]
+    """Nothing of the run's session or tree is left, a little after it ended (a supervisor that
+    was a SLURM job: the job has left the queue)."""
+    who = json.loads((run.dir / runlog.SUPERVISOR).read_text())
+    if "slurm_job" in who:
+        _wait_for(lambda: not session.alive(who), 60, f"the supervisor's job {who['slurm_job']} to leave the queue")
+        return
+    pid = who["pid"]
     _wait_for(lambda: not session.members(pid), 20, f"the run's processes to exit: {session.members(pid)}")
 
 
@@ -247,8 +252,12 @@ def test_an_export_runs_with_bash_and_gives_the_launch_weights(kernel, tmp_path)
     script = (tmp_path / "job" / "job.py").read_text()
     assert "def train(steps, pause=0.0, die_at=None, key_to=None):" in script and "def scaled(x):" in script
     assert "import torch.nn.functional as F" in script and "SCALE" not in script.split("def scaled")[0].split("dill")[0]
-    ran = subprocess.run(["bash", str(tmp_path / "job" / "run.sh")], capture_output=True, text=True, timeout=120)
+    scratch = tmp_path / "tmp"  # the job's TMPDIR: torchrun left a torchelastic_* directory in it per run
+    scratch.mkdir()
+    ran = subprocess.run(["bash", str(tmp_path / "job" / "run.sh")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TMPDIR": str(scratch)})
     assert ran.returncode == 0, ran.stderr[-2000:]
+    assert not list(scratch.glob("torchelastic_*")), list(scratch.iterdir())
     assert "rank 0 returned: {'weight': tensor(" in ran.stdout
     value = dill.loads((tmp_path / "job" / "run" / "value.pkl").read_bytes())
     plain = nbtrain.launch(train, 4, devices=2, accelerator="cpu", progress=False)
@@ -266,6 +275,10 @@ def test_a_slurm_run_outlives_the_kernel_and_attach_collects_it(slurm, tmp_path)
                                     f"cluster=nbtrain.Slurm(), run_dir={str(tmp_path / 'run')!r})")
         assert error is None, error
         run = nbtrain.attach(tmp_path / "run")
+        # The supervisor is a batch job of its own: nothing of the run runs on this machine
+        # outside SLURM, so the run outlives the notebook server's session, not just the kernel.
+        who = json.loads((run.dir / runlog.SUPERVISOR).read_text())
+        assert "slurm_job" in who and who["slurm_job"] in slurm.jobs(), (who, slurm.jobs())
         _wait_for(lambda: "step 1" in run.logs(1), 120, "the job's ranks to take steps")
         os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
         kernel.manager.provisioner.process.wait()
@@ -294,6 +307,23 @@ def test_bar_updates_are_logged_at_most_once_a_second_and_none_is_lost_at_the_en
     recorder.close()
     logged = [e[3:] for e in runlog.Tail(tmp_path / runlog.rank_events(0)).read() if e[1] == "progress"]
     assert logged == [[0, "epoch", 0, 50, False], [0, "epoch", 49, 50, False], [0, "epoch", 50, 50, True]]
+
+
+@pytest.mark.slow
+def test_a_submitted_slurm_run_cancelled_leaves_no_job(slurm, tmp_path):
+    kernel = Kernel()  # the function as a notebook defines it (this module is not importable on the nodes)
+    try:
+        _, _, error, _ = kernel.run(f"{TRAIN}\nrun = nbtrain.submit(train, 400, 0.2, devices=2, accelerator='cpu', "
+                                    f"cluster=nbtrain.Slurm(), run_dir={str(tmp_path / 'run')!r}, progress=False)")
+        assert error is None, error
+    finally:
+        kernel.close()
+    run = nbtrain.attach(tmp_path / "run")
+    _wait_for(lambda: "step 1" in run.logs(0), 120, "the job's ranks to take steps")
+    assert len(slurm.jobs()) == 2  # the supervisor's job and the ranks' job
+    run.cancel()
+    assert run.status == "cancelled"
+    _wait_for(lambda: not slurm.jobs(), 60, f"both jobs to leave the queue: {slurm.jobs()}")
 
 
 @pytest.mark.slow

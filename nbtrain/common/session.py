@@ -29,9 +29,37 @@ def identity(pid: int) -> dict:
 
 
 def alive(who: dict) -> bool:
-    """Whether the process `identity` named still runs (a zombie does not)."""
+    """Whether the process `identity` named still runs (a zombie does not); for a supervisor that
+    is a SLURM batch job (`{"slurm_job": ID}`), whether the job is still in the queue."""
+    if "slurm_job" in who:
+        return slurm_state(who["slurm_job"]) in SLURM_ACTIVE
     fields = _stat(who["pid"])
     return fields is not None and fields[19] == who.get("start") and fields[0] not in ("Z", "X")
+
+
+SLURM_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+
+
+def slurm_state(job: str) -> str:
+    """The job's state as squeue says it; "" once it has left the queue (or squeue cannot say)."""
+    import subprocess
+
+    try:
+        shown = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return shown.stdout.strip() if shown.returncode == 0 else ""
+
+
+def stop_slurm_job(job: str, grace: float = 60.0) -> None:
+    """scancel: SLURM sends the supervisor SIGTERM (it stops its ranks' job as a Ctrl-C would),
+    then SIGKILL after the cluster's KillWait; wait until the job has left the queue."""
+    import subprocess
+
+    subprocess.run(["scancel", str(job)], capture_output=True, timeout=30)
+    deadline = time.monotonic() + grace
+    while slurm_state(job) in SLURM_ACTIVE and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def members(pid: int) -> list[int]:

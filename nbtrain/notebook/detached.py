@@ -82,6 +82,11 @@ def main(run_dir: str) -> int:
 def _supervise(run_dir: Path) -> int:
     # cancel() sends SIGTERM: the running launch takes it as a Ctrl-C, stops its ranks and cleans up.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if os.environ.pop("NBTRAIN_SUPERVISOR_JOB", None):
+        # A SLURM batch job of its own: the ranks' job it submits must not inherit this one's
+        # settings (srun reads SLURM_CPUS_PER_TASK, SLURM_NTASKS... from its environment).
+        for name in [n for n in os.environ if n.startswith(("SLURM_", "SBATCH_", "SRUN_")) and n != "SLURM_CONF"]:
+            del os.environ[name]
     spec = runlog.read_json(run_dir / runlog.SPEC)
     status = Status(run_dir, spec["max_restarts"])
     os.environ["NBTRAIN_RUN_DIR"] = str(run_dir)  # ctx.run_dir, in every rank (their environment starts from ours)

@@ -162,7 +162,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 export NBTRAIN_RUN_DIR="${{NBTRAIN_RUN_DIR:-$PWD/run}}" NBTRAIN_ACCELERATOR={accelerator}
 export PYTHONPATH={path}"${{PYTHONPATH:+:$PYTHONPATH}}"
-exec {python} -m torch.distributed.run --standalone --nproc-per-node {nproc} job.py
+# --log-dir: torchrun's logs stay in run/ (without it, each run leaves a /tmp/torchelastic_* behind)
+exec {python} -m torch.distributed.run --standalone --nproc-per-node {nproc} --log-dir run/torchrun job.py
 """
 
 SBATCH_SH = """#!/bin/bash
@@ -178,7 +179,8 @@ export PYTHONPATH={path}"${{PYTHONPATH:+:$PYTHONPATH}}"
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 port=$((20000 + SLURM_JOB_ID % 20000))  # one per job: two jobs on one node do not collide
 srun {python} -m torch.distributed.run --nnodes "$SLURM_NNODES" --nproc-per-node {nproc} \\
-    --rdzv-backend c10d --rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID" job.py
+    --rdzv-backend c10d --rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID" \\
+    --log-dir "run/torchrun-$SLURM_NODEID" job.py
 """
 
 

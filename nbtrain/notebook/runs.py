@@ -48,7 +48,8 @@ class Run:
             if not session.alive(who):  # read again: it may have written its end just before exiting
                 value = runlog.read_json(self.dir / runlog.STATUS)
             if not session.alive(who) and value["status"] in runlog.ACTIVE:
-                value.update(status="failed", reason=f"the run's supervisor (pid {who['pid']}) ended without "
+                whom = f"SLURM job {who['slurm_job']}" if "slurm_job" in who else f"pid {who['pid']}"
+                value.update(status="failed", reason=f"the run's supervisor ({whom}) ended without "
                                                      f"finishing it; see {self.dir / runlog.SUPERVISOR_LOG}")
         return value
 
@@ -99,7 +100,9 @@ class Run:
         if self.status in runlog.ENDED or not supervisor.is_file():
             return
         who = runlog.read_json(supervisor)
-        if session.alive(who):
+        if "slurm_job" in who:
+            session.stop_slurm_job(who["slurm_job"])
+        elif session.alive(who):
             session.stop(who["pid"])
         if runlog.read_json(self.dir / runlog.STATUS)["status"] not in runlog.ENDED:  # it died before saying so
             status = runlog.read_json(self.dir / runlog.STATUS)

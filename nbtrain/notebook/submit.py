@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from ..common.devices import plan_devices
 from ..common.pickling import ship_bytes
 from ..common.transfer import pack_job
 from ..display import check_progress
-from ..placements.clusters import check_cluster
+from ..placements.clusters import Slurm, check_cluster
 from ..rank.profiling import Profile
 from ..rank.trackers import check_trackers
 from .launch import check_timeout, resolve_strategy
@@ -44,8 +45,9 @@ def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     kernel; `progress` is how the `Run` draws itself (as `launch(progress=...)`); `trackers` and
     `profile` are launch's, writing under the run directory. With `max_restarts=N`, a failed attempt starts all ranks again, up to N times;
     `ctx.run_dir` is where the training code keeps the checkpoints it resumes from. With
-    `cluster=nbtrain.Slurm(...)` (or Ray), the supervisor on this machine runs the cluster job,
-    so the job outlives the kernel (not this machine)."""
+    `cluster=nbtrain.Slurm(...)` the supervisor is a SLURM batch job itself, which submits the
+    ranks' job: the run outlives this machine's session too. With Ray, the supervisor runs on
+    this machine and the run outlives the kernel (not this machine)."""
     if not callable(fn):
         raise TypeError(f"submit(fn=...) needs a callable training function, got {type(fn).__name__}.")
     check_restarts(max_restarts)
@@ -74,13 +76,35 @@ def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
                                             "launch": options})
     runlog.write_json(where / runlog.STATUS, {"status": "queued", "restarts": [], "max_restarts": max_restarts})
     os.close(os.open(where / runlog.SUPERVISOR_LOG, os.O_WRONLY | os.O_CREAT, 0o600))  # private, as the rest
-    detach = subprocess.run([sys.executable, "-c", _DETACH, str(where / runlog.SUPERVISOR_LOG), sys.executable,
-                             "-P", "-c", _SUPERVISE, str(where)], capture_output=True, text=True, check=True,
-                            # The kernel's import path, as the warm template gets it: the job's functions may come from
-                            # modules that only it can import (its directory, a sys.path.append).
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
-    runlog.write_json(where / runlog.SUPERVISOR, session.identity(int(detach.stdout)))
+    # The kernel's import path, as the warm template gets it: the job's functions may come from
+    # modules that only it can import (its directory, a sys.path.append).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+    supervise = [sys.executable, "-P", "-c", _SUPERVISE, str(where)]
+    if isinstance(cluster, Slurm):
+        who = _supervisor_job(where, cluster, supervise, env, max_restarts)
+    else:
+        detach = subprocess.run([sys.executable, "-c", _DETACH, str(where / runlog.SUPERVISOR_LOG), *supervise],
+                                capture_output=True, text=True, check=True, env=env)
+        who = session.identity(int(detach.stdout))
+    runlog.write_json(where / runlog.SUPERVISOR, who)
     return Run(where, progress)
+
+
+def _supervisor_job(where: Path, cluster, supervise: list[str], env: dict, max_restarts: int) -> dict:
+    """With SLURM the supervisor is a batch job of its own (one CPU, the cluster's partition and
+    account): nothing of the run is left on this machine, so it outlives the login node's or
+    the notebook server's session too. It submits the ranks' job from there."""
+    command = ["sbatch", "--parsable", f"--job-name=nbtrain-run-{where.name}", "--ntasks=1", "--cpus-per-task=1",
+               f"--output={where / runlog.SUPERVISOR_LOG}", f"--chdir={os.getcwd()}", "--export=ALL"]
+    command += [f"--partition={cluster.partition}"] if cluster.partition else []
+    command += [f"--account={cluster.account}"] if cluster.account else []
+    if type(cluster.time) is int:  # minutes per attempt, and time to wait for each attempt's job: twice
+        command.append(f"--time={2 * cluster.time * (max_restarts + 1)}")
+    submitted = subprocess.run([*command, "--wrap", shlex.join(supervise)], capture_output=True, text=True,
+                               env={**env, "NBTRAIN_SUPERVISOR_JOB": "1"})
+    if submitted.returncode != 0:
+        raise RuntimeError(f"sbatch refused the run's supervisor job: {submitted.stderr.strip() or submitted.stdout}")
+    return {"slurm_job": submitted.stdout.strip().split(";")[0]}
 
 
 def _new_run_dir(name: str) -> Path:
