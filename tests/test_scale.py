@@ -15,7 +15,11 @@ from nbtrain.common.channel import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable,
 
 pytestmark = pytest.mark.slow
 
-REPEATS = 3
+REPEATS = 3  # launches in one kernel: 8 ranks failed 2 runs in 3 before the fix
+# Fewer of the larger ones, which cost the most on CI's 2 cores (32 spawned interpreters each
+# import torch); each size still runs, and 8 ranks, where users hit the defect, three times.
+TIMES = {8: 3, 16: 2, 32: 1}
+CLUSTER_TIMES = 2  # SLURM and Ray, 8 ranks: one job, or one set of actors, per launch
 
 SETUP = '''
 import os, time
@@ -28,9 +32,9 @@ def meet():
     ctx.barrier()  # every rank joined the group
     return ctx.rank, ctx.world_size
 
-def launch_times(n, strategy, **options):
+def launch_times(n, strategy, repeats=REPEATS, **options):
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         began = time.monotonic()
         result = nbtrain.launch(meet, devices=n, accelerator="cpu", strategy=strategy, progress=False,
                                 timeout=150, **options)
@@ -51,7 +55,8 @@ def big(kernel):
 
 
 def _launch(kernel, n, strategy, options=""):
-    _, err, error, _ = kernel.run(f"times = launch_times({n}, {strategy!r}{options})", timeout=REPEATS * 200)
+    _, err, error, _ = kernel.run(f"times = launch_times({n}, {strategy!r}, {TIMES.get(n, REPEATS)}{options})",
+                                  timeout=REPEATS * 200)
     assert error is None, f"{strategy} with {n} ranks: {error['ename']}: {error['evalue']}\n{err[-3000:]}"
     print(f"{strategy}{options} x{n}: {kernel.value('times')} s")
     assert kernel.value("children()") == [], "ranks left behind"
@@ -84,7 +89,7 @@ ranks = nbtrain.Ranks(devices=16, accelerator="cpu", timeout=150)
 assert ranks.eval("dist.get_world_size()") == [16] * 16, ranks
 ranks.exec("import time")
 '''
-    for _ in range(REPEATS):
+    for _ in range(TIMES[16]):
         _, err, error, _ = big.run(code, timeout=200)
         assert error is None, f"{error['ename']}: {error['evalue']}\n{err[-3000:]}"
         timer = threading.Timer(3.0, big.manager.interrupt_kernel)
@@ -180,13 +185,13 @@ def test_slurm_8_tasks(slurm):
     """One job of 8 tasks on the test node (declared with 8 CPUs, see conftest.LocalSlurm)."""
     from test_slurm import job_processes, wait_until
 
-    jobs = set()
-    for _ in range(REPEATS):
+    jobs, times = set(), CLUSTER_TIMES
+    for _ in range(times):
         result = nbtrain.launch(meet_on_a_cluster, devices=8, accelerator="cpu", cluster=nbtrain.Slurm(),
                                 progress=False, timeout=150)
         assert sorted(v[:2] for v in result.values) == [(r, 8) for r in range(8)]
         jobs |= {v[2] for v in result.values}
-    assert len(jobs) == REPEATS, "one job per launch"
+    assert len(jobs) == times, "one job per launch"
     assert wait_until(lambda: not slurm.jobs()), "the jobs left the queue"
     assert wait_until(lambda: not any(job_processes(job) for job in jobs)), "the jobs' tasks are gone"
 
@@ -204,7 +209,8 @@ def test_ray_8_actors():
         _, _, error, _ = kernel.run(SETUP + CHILDREN + "import ray\nray.init(num_cpus=8, include_dashboard=False)\n",
                                     timeout=300)
         assert error is None, error
-        _, err, error, _ = kernel.run("times = launch_times(8, 'auto', cluster=nbtrain.Ray(num_workers=8))",
+        _, err, error, _ = kernel.run(f"times = launch_times(8, 'auto', {CLUSTER_TIMES}, "
+                                      "cluster=nbtrain.Ray(num_workers=8))",
                                       timeout=REPEATS * 200)
         assert error is None, f"{error['ename']}: {error['evalue']}\n{err[-3000:]}"
         print(f"ray x8: {kernel.value('times')} s")
