@@ -25,13 +25,18 @@ def _cell_namer(shell):
     return None
 
 
-def name_cells(traceback: str, shell=None) -> str:
-    """`traceback` with every file name the kernel knows as a cell replaced by `Cell In[N]`;
-    unchanged outside IPython or for files that are not cells."""
+def _kernel_namer(shell=None):
+    """The running kernel's (or `shell`'s) cell namer; None outside IPython."""
     if shell is None:
         ipython = sys.modules.get("IPython")
         shell = ipython.get_ipython() if ipython is not None else None
-    namer = _cell_namer(shell) if shell is not None else None
+    return _cell_namer(shell) if shell is not None else None
+
+
+def name_cells(traceback: str, shell=None) -> str:
+    """`traceback` with every file name the kernel knows as a cell replaced by `Cell In[N]`;
+    unchanged outside IPython or for files that are not cells."""
+    namer = _kernel_namer(shell)
     if namer is None:
         return traceback
 
@@ -50,10 +55,7 @@ _PDB_WHERE = re.compile(rf"^(?P<lead>(?:> |-> )?){_C}(?P<file>/[^()\s\x1b]+\.py)
 def name_cells_in_pdb(text: str, shell=None) -> str:
     """pdb's `> /tmp/ipykernel_1/2.py(19)forward()` as IPython's debugger says it:
     `> Cell In[2], line 19, forward()`; other files as they are."""
-    if shell is None:
-        ipython = sys.modules.get("IPython")
-        shell = ipython.get_ipython() if ipython is not None else None
-    namer = _cell_namer(shell) if shell is not None else None
+    namer = _kernel_namer(shell)
     if namer is None:
         return text
 

@@ -35,7 +35,7 @@ from .launch import check_timeout
 from ..display.lazy import LazyDisplay
 from .result import Result
 from ..common.pickling import explain_pickling
-from ..common.tensor_files import ENABLE_VAR, RankFiles
+from ..common.tensor_files import RankFiles
 from ..common.transfer import PUSH_FILES, pack_push
 from ..display import check_progress, make_display
 from ..common.source import parse_cell
@@ -203,14 +203,11 @@ class Ranks:
                                  "push the object under another name.")
         files = self._push_files()
         try:
-            payload = pack_push(objects, files)
-        except Exception as exc:
-            raise UnpicklableError(f"the objects pushed to the ranks ({', '.join(objects)})",
-                                   explain_pickling(objects, "dill", "objects"), detail=str(exc)) from exc
-        finally:
-            if files is not None and sys.exc_info()[0] is not None:
-                files.discard()
-        try:
+            try:
+                payload = pack_push(objects, files)
+            except Exception as exc:
+                raise UnpicklableError(f"the objects pushed to the ranks ({', '.join(objects)})",
+                                       explain_pickling(objects, "dill", "objects"), detail=str(exc)) from exc
             self._command("push", payload, ranks=ranks)
         finally:
             if files is not None:
@@ -221,8 +218,7 @@ class Ranks:
         pool = self._pool
         if pool is None or pool.launcher.remote or not pool.files or not pool.files.prefixes:
             return None
-        return RankFiles.from_environ(PUSH_FILES, pool.files.environ | {k: v for k, v in os.environ.items()
-                                                                       if k == ENABLE_VAR})
+        return RankFiles.from_environ(PUSH_FILES, {**os.environ, **pool.files.environ})  # NBTRAIN_SHARED_MEMORY=0 too
 
     def pull(self, name: str, *, ranks: list[int] | None = None) -> list:
         """`name`'s value from every rank, in rank order (modules come back on CPU, unwrapped)."""
