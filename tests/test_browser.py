@@ -164,6 +164,13 @@ def _cell(page, i: int):
     return _notebook(page).locator(".jp-Cell").nth(i)
 
 
+def _widgets_gone(cell) -> None:
+    """The cell's widgets were all replaced (summary, then plot: two messages, drawn one by one)."""
+    from playwright.sync_api import expect
+
+    expect(cell.locator(".jupyter-widgets")).to_have_count(0, timeout=30_000)
+
+
 def _bar_widths(cell) -> list[tuple[float, ...]]:
     """Per rank row: the width (%) of each of its progress bars, outermost first."""
     return cell.locator(".nbtrain-rank").evaluate_all(
@@ -204,7 +211,7 @@ def test_live_dashboard_then_static_summary_picker_and_failure(page, lab, shots,
     _snap(page, shots, "2-after-run-all")
 
     # The finished run: only the static summary, its table and its picture.
-    assert run.locator(".jupyter-widgets").count() == 0
+    _widgets_gone(run)
     assert run.locator(".nbtrain-summary table tr").count() == 3
     assert "finished" in run.locator(".nbtrain-summary").inner_text()
     image = run.locator(".jp-RenderedImage img")
@@ -217,7 +224,7 @@ def test_live_dashboard_then_static_summary_picker_and_failure(page, lab, shots,
     assert "failed" in rows["1"] and "rank 1 gives up" in rows["1"]
     assert "stopped (rank 1 failed)" in rows["0"] and "failed\t" not in rows["0"]
     assert "rank 1 failed: ValueError: rank 1 gives up" in fail.locator(".jp-OutputArea-output").last.inner_text()
-    assert fail.locator(".jupyter-widgets").count() == 0
+    _widgets_gone(fail)
     fail.scroll_into_view_if_needed()
     _snap(page, shots, "3-failed-run")
 
@@ -307,7 +314,7 @@ def test_live_ranks_cells_their_output_a_dashboard_and_the_interrupt_button(page
 
     # The cell that reports progress got a dashboard, replaced by its summary when it ended.
     train.locator(".nbtrain-summary").wait_for(timeout=60_000)
-    assert train.locator(".jupyter-widgets").count() == 0
+    _widgets_gone(train)
     assert "finished" in train.locator(".nbtrain-summary").inner_text()
 
     # The toolbar's interrupt reaches the ranks; their state is kept for the next cell.
