@@ -1,11 +1,17 @@
-"""Step rates are told by the ranks' own clocks, never by when their events reach the notebook."""
+"""Step rates are told by the ranks' own clocks, never by when their events reach the notebook.
+A loop resumed at `initial` reads initial..total, and its rate counts only the steps done now."""
+import io
 import time
 
 import pytest
 
 import nbtrain
+from nbtrain.common import runlog
 from nbtrain.display import widgets
+from nbtrain.display.recorder import RunRecorder
 from nbtrain.display.runstate import RunState
+from nbtrain.display.text import LineDisplay, rank_line
+from nbtrain.rank.context import Context
 from nbtrain.display.vitals import latest, slowest
 
 CPU2 = {"devices": 2, "accelerator": "cpu", "strategy": "ddp_fork", "timeout": 120}
@@ -94,3 +100,141 @@ def test_a_straggler_is_still_marked_slowest(no_leftovers):
     rows = display.snapshot()["ranks"]
     assert "slowest" in rows[1]["vitals"] and "slowest" not in rows[0]["vitals"]
     assert set(latest(display.state)) == {0, 1}
+
+
+# -- resumed loops: ctx.progress(..., initial=) ---------------------------------------------
+
+class _Into:
+    """A Context's sink that hands its events to a RunState, as an in-process run's does."""
+
+    def __init__(self, state: RunState, rank: int = 0):
+        self.state, self.rank, self.events = state, rank, []
+
+    def emit(self, kind, *payload):
+        self.events.append((kind, *payload))
+        self.state.handle((kind, self.rank, *payload))
+
+
+def test_a_resumed_loop_reads_from_initial_to_total_and_its_rate_counts_only_new_steps():
+    state = RunState("x", [0])
+    # 100 steps done before; 50 more over 1 s of the rank's clock: 50 steps/s, not 150.
+    for n in range(100, 151, 5):
+        state.handle(("progress", 0, 0, "step", n, 150, n == 150, 7.0 + (n - 100) / 50, 100))
+    view = state.ranks[0]
+    bar = view.bars[0]
+    assert (bar.n, bar.total, bar.initial) == (150, 150, 100)
+    assert bar.rate == pytest.approx(50.0) and view.step_rate == pytest.approx(50.0) and view.steps == 50
+    assert rank_line(view, state, final=True) == "rank 0  stopped (interrupted)  step 150/150  50 it/s"
+    # The same loop begun again, resumed at 120 while its bar reads 150: a new bar, from 120.
+    for n in (120, 130):
+        state.handle(("progress", 0, 0, "step", n, 150, False, 20.0 + (n - 120) / 50, 120))
+    bar = view.bars[0]
+    assert (bar.n, bar.initial, bar.started, bar.rate) == (130, 120, 20.0, pytest.approx(50.0))
+    assert view.steps == 50 + 10
+    midway = RunState("x", [0])
+    for n in (100, 110, 125):
+        midway.handle(("progress", 0, 0, "step", n, 150, False, (n - 100) / 50, 100))
+    assert midway.ranks[0].bars[0].eta == pytest.approx(0.5)  # 25 left at 50/s
+
+
+def test_events_logged_before_initial_existed_still_begin_at_0():
+    state = RunState("x", [0])  # a run directory written by an older nbtrain: six fields
+    for n in range(0, 51, 10):
+        state.handle(("progress", 0, 0, "epoch", n, 50, n == 50, n / 50))
+    bar = state.ranks[0].bars[0]
+    assert (bar.n, bar.total, bar.initial) == (50, 50, 0) and bar.rate == pytest.approx(50.0)
+
+
+def test_progress_takes_initial_and_refuses_what_is_not_a_count():
+    state = RunState("x", [0])
+    ctx = Context(sink=_Into(state))
+    assert list(ctx.progress(range(7, 10), desc="step", initial=7)) == [7, 8, 9]
+    bar = state.ranks[0].bars[0]
+    assert (bar.n, bar.total, bar.initial, bar.done) == (10, 10, 7, True)  # total: initial + len
+    list(ctx.progress(iter(range(3)), initial=2))  # no len: no total, as before
+    assert (state.ranks[0].bars[0].n, state.ranks[0].bars[0].total) == (5, None)
+    list(ctx.progress(range(3), total=20, initial=2))  # a total given is kept
+    assert (state.ranks[0].bars[0].n, state.ranks[0].bars[0].total) == (5, 20)
+    for bad in (-1, 1.5, True, "3", None):
+        with pytest.raises(ValueError, match=r"^ctx.progress\(initial=.*\): initial must be an int >= 0 "):
+            ctx.progress(range(3), initial=bad)  # at the call, not at the first step
+
+
+def test_nested_resumed_loops_still_nest():
+    state = RunState("x", [0])
+    sink = _Into(state)
+    ctx, seen = Context(sink=sink), []
+    for epoch in ctx.progress(range(1, 3), desc="epoch", initial=1):
+        start = 4 if epoch == 1 else 0  # resumed mid-epoch, then whole epochs
+        for _ in ctx.progress(range(start, 6), desc="batch", initial=start):
+            bars = state.ranks[0].bars
+            seen.append((bars[0].n, bars[1].n, bars[1].total))
+    view = state.ranks[0]
+    assert seen[0] == (1, 4, 6) and seen[2][1:] == (0, 6)  # each loop starts where it resumed
+    assert [(b.desc, b.n, b.total) for _, b in sorted(view.bars.items())] == [("epoch", 3, 3), ("batch", 6, 6)]
+    assert view.step_level == 1 and view.steps == 2 + 6  # the batches done now, not the 4 before
+    assert [e[1] for e in sink.events if e[0] == "progress"][:2] == [0, 1]
+
+
+def test_a_recorded_resumed_loop_replays_as_it_ran(tmp_path):
+    """A submitted run's recorder writes a loop's first event at once (it says where the loop
+    starts) and `attach` replays the log into the same bar."""
+    recorder, state = RunRecorder(tmp_path, 0), RunState("x", [0])
+    recorder.start(state)
+    for n in range(4):  # a first loop here, then the same loop resumed at 30, all within a second:
+        state.handle(("progress", 0, 0, "step", n, 3, n == 3, float(n), 0))
+    for n in range(30, 41):  # each loop's first event and its end are written, no other
+        state.handle(("progress", 0, 0, "step", n, 40, n == 40, float(n), 30))
+    recorder.finish(state, True)
+    recorder.close()
+    logged = [e[3:] for e in runlog.Tail(tmp_path / runlog.rank_events(0)).read() if e[1] == "progress"]
+    assert [e[2] for e in logged] == [0, 3, 30, 40]
+    replayed = RunState("x", [0])
+    for event in logged:
+        replayed.handle(("progress", 0, *event))
+    assert replayed.ranks[0].bars[0] == state.ranks[0].bars[0]
+    assert replayed.ranks[0].steps == state.ranks[0].steps == 3 + 10
+
+
+def _resumed(pause: float):
+    """Epoch 1 of 3 and batch 10 of 40 were done before: 30 + 40 batches are done now."""
+    ctx = nbtrain.context()
+    for epoch in ctx.progress(range(1, 3), desc="epoch", initial=1):
+        start = 10 if epoch == 1 else 0
+        for _ in ctx.progress(range(start, 40), desc="batch", initial=start):
+            time.sleep(pause)
+
+
+class _Watched(LineDisplay):
+    """The text display, keeping the state and every position a rank's bars held."""
+
+    def start(self, state):
+        self.state, self.seen = state, []
+        handle = state.handle
+
+        def handled(message):
+            handle(message)
+            if message[0] == "progress" and message[1] == 0:
+                self.seen.append({lv: (b.n, b.total) for lv, b in state.ranks[0].bars.items()})
+
+        state.handle = handled
+        super().start(state)
+
+
+@pytest.mark.slow
+def test_a_resumed_launch_reads_initial_to_total_and_counts_only_new_steps(no_leftovers):
+    pause, out = 0.02, io.StringIO()
+    display = _Watched(file=out, interval=3600)
+    result = nbtrain.launch(_resumed, pause, progress=display, **CPU2)
+    assert display.seen[0] == {0: (1, 3)}  # the epoch bar begins at 1 of 3, never at 0
+    assert display.seen[1] == {0: (1, 3), 1: (10, 40)}
+    assert {b[1] for s in display.seen for b in s.values()} == {3, 40}
+    summary = out.getvalue()
+    for rank, view in display.state.ranks.items():
+        assert view.steps == 30 + 40, view
+        assert f"rank {rank}  finished  epoch 3/3 batch 40/40" in summary
+    # Each batch sleeps `pause`: no rate of steps done now can exceed 1/pause (counting the 10
+    # batches done before would).
+    rates = [v.step_rate for v in display.state.ranks.values()]
+    rates += [v.step_rate for v in result.vitals if v.step_rate is not None]
+    assert rates and all(0 < r <= 1 / pause for r in rates if r is not None), rates

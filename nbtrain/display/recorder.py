@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from ..common import runlog
-from .runstate import RunState
+from .runstate import RunState, starts_loop
 from .vitals import VitalsSampler
 
 # RunState messages kept as they are; "result" carries the pickled value, which goes to
@@ -72,11 +72,12 @@ class RunRecorder:
         state.handle, state.fail, state.stop = handled, failed, stopped
 
     def _progress(self, rank: int, payload: list) -> None:
-        level, n, done = payload[0], payload[2], payload[4]  # (level, desc, n, total, done, the rank's clock)
+        level, n, done = payload[0], payload[2], payload[4]  # (level, desc, n, total, done, the rank's clock, initial)
         key, now = (rank, level), time.monotonic()
         if key in self._held and self._held[key][1] != payload[1]:  # a new bar here: the old one's end first
             self._flush(rank)
-        if n and not done and now - self._written.get(key, float("-inf")) < PROGRESS_INTERVAL:
+        begins = starts_loop(n, done, *payload[6:7])  # a loop's first event is never held back
+        if not begins and not done and now - self._written.get(key, float("-inf")) < PROGRESS_INTERVAL:
             self._held[key] = payload
             return
         self._held.pop(key, None)  # this one says where the bar is now

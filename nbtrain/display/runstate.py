@@ -41,18 +41,20 @@ class Vital(NamedTuple):
 
 @dataclass
 class Bar:
-    """One progress level of a rank; `started` and `updated` are by the rank's clock."""
+    """One progress level of a rank; `started` and `updated` are by the rank's clock. A loop
+    resumed at `initial` reads initial..total; its rate counts only the steps after `initial`."""
     desc: str
     n: int = 0
     total: int | None = None
     done: bool = False
     started: float = field(default_factory=time.monotonic)
     updated: float = field(default_factory=time.monotonic)
+    initial: int = 0
 
     @property
     def rate(self) -> float | None:
-        elapsed = self.updated - self.started
-        return self.n / elapsed if elapsed > 0 and self.n else None
+        elapsed, steps = self.updated - self.started, self.n - self.initial
+        return steps / elapsed if elapsed > 0 and steps > 0 else None
 
     @property
     def eta(self) -> float | None:
@@ -60,6 +62,12 @@ class Bar:
         if rate is None or self.total is None or self.done:
             return None
         return max(0.0, (self.total - self.n) / rate)
+
+
+def starts_loop(n: int, done: bool, initial: int = 0) -> bool:
+    """A progress event (level, desc, n, total, done, at, initial) that begins a loop: a loop's later
+    events are sent only after a step, and its last is `done`."""
+    return n == initial and not done
 
 
 # An error that only says a peer went away (gloo, NCCL, the TCP store): a consequence of
@@ -188,12 +196,13 @@ class RunState:
         view.status = "running"
 
     def _on_progress(self, view: RankView, level: int, desc: str, n: int, total, done: bool,
-                     at: float | None = None) -> None:
+                     at: float | None = None, initial: int = 0) -> None:
+        # `initial` (where the loop began) came later: events logged before it, with six fields, began at 0.
         arrived = time.monotonic()
         at = arrived if at is None else at  # the rank's own clock (an in-process run shares the kernel's)
         bar = view.bars.get(level)
-        if bar is None or (n == 0 and not done) or bar.desc != desc:
-            bar = view.bars[level] = Bar(desc, total=total, started=at, updated=at)
+        if bar is None or starts_loop(n, done, initial) or bar.desc != desc:
+            bar = view.bars[level] = Bar(desc, n=initial, total=total, started=at, updated=at, initial=initial)
             for deeper in [lv for lv in view.bars if lv > level]:
                 del view.bars[deeper]
         view.count_steps(level, n, bar.n, at, arrived)

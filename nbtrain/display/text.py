@@ -249,6 +249,7 @@ class TqdmDisplay(LineDisplay):
             outer = " ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in levels[:-1])
             bar.total = inner.total if inner else None
             bar.n = inner.n if inner else 0
+            bar.initial = inner.initial if inner else 0  # tqdm's rate counts from it: a resumed loop's earlier steps were not done now
             bar.set_description_str(" ".join(p for p in (f"rank {rank}", outer, inner.desc if inner else view.status) if p),
                                     refresh=False)
             bar.set_postfix_str(_metric_text(view.metrics), refresh=False)

@@ -243,22 +243,37 @@ class Context:
             builtins.print(*args, **{"flush": True, **kwargs})
 
     # -- progress ------------------------------------------------------------------------
-    def progress(self, iterable: Iterable, desc: str | None = None, total: int | None = None) -> Iterator:
-        """Iterate, reporting this rank's progress to the notebook (nested calls nest)."""
+    def progress(self, iterable: Iterable, desc: str | None = None, total: int | None = None,
+                 initial: int = 0) -> Iterator:
+        """Iterate, reporting this rank's progress to the notebook (nested calls nest).
+
+        `initial`: the iterations done before this loop, as in tqdm: a loop resumed from a
+        checkpoint, `ctx.progress(range(start, steps), initial=start)`, reads start..steps, and its
+        rate and ETA count only the iterations done now. Unlike tqdm, a `total` not given is
+        `initial + len(iterable)`, not `len(iterable)`: the iterable of a resumed loop is what is
+        left, so its length alone would end the bar short of its last step.
+        """
+        if isinstance(initial, bool) or not isinstance(initial, int) or initial < 0:
+            raise ValueError(f"ctx.progress(initial={initial!r}): initial must be an int >= 0 (the iterations "
+                             f"done before this loop, e.g. the step a checkpoint resumed from)")
         if total is None:
             try:
-                total = len(iterable)  # type: ignore[arg-type]
+                total = initial + len(iterable)  # type: ignore[arg-type]
             except TypeError:
                 total = None
+        return self._progress(iterable, desc, total, initial)
+
+    def _progress(self, iterable: Iterable, desc: str | None, total: int | None, initial: int) -> Iterator:
         level = self._depth
         desc = desc or ("epoch" if level == 0 else "batch")
         self._depth += 1
         self._deepest = max(self._deepest, level)
         emit = self._sink.emit
         # Each event carries this rank's own clock: rates are told from when the steps happened
-        # here, not from when batches of events reached the notebook.
-        n, last = 0, time.monotonic()
-        emit("progress", level, desc, 0, total, False, last)
+        # here, not from when batches of events reached the notebook. Each also carries `initial`,
+        # where this loop began: the notebook tells a new loop by it, and counts only the steps after it.
+        n, last = initial, time.monotonic()
+        emit("progress", level, desc, n, total, False, last, initial)
         try:
             for item in iterable:
                 yield item
@@ -267,11 +282,11 @@ class Context:
                     self._recorder.step()
                 now = time.monotonic()
                 if now - last >= PROGRESS_INTERVAL:
-                    emit("progress", level, desc, n, total, False, now)
+                    emit("progress", level, desc, n, total, False, now, initial)
                     last = now
         finally:
             self._depth -= 1
-            emit("progress", level, desc, n, total, True, time.monotonic())
+            emit("progress", level, desc, n, total, True, time.monotonic(), initial)
 
 
 class EpochLoader:
