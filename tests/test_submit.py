@@ -1,4 +1,5 @@
 """submit / attach: runs that outlive the kernel, restarts from the last checkpoint, cancel."""
+import io
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import torch
 
 import nbtrain
 from nbtrain.common import runlog, session
+from nbtrain.display.text import LineDisplay
 
 from conftest import Kernel
 
@@ -34,7 +36,7 @@ def train(steps, pause=0.0, die_at=None, key_to=None):
     checkpoint = ctx.run_dir / "checkpoint" if ctx.run_dir else None
     if checkpoint is not None and checkpoint.exists():
         start = ctx.load_checkpoint(checkpoint, model=model, optimizer=opt, step=0)["step"]
-    for step in ctx.progress(range(start, steps), total=steps):
+    for step in ctx.progress(range(start, steps), initial=start):
         marker = ctx.run_dir / "died" if ctx.run_dir else None
         if step == die_at and ctx.rank == 1 and not marker.exists():
             marker.touch()
@@ -61,6 +63,14 @@ def _fails_once():
         marker.touch()
         raise ValueError("first try")
     return "second try"
+
+
+class _Kept(LineDisplay):
+    """The text display, keeping the state it drew."""
+
+    def finish(self, state, ok):
+        self.state = state
+        super().finish(state, ok)
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -163,6 +173,12 @@ def test_a_rank_that_dies_once_is_restarted_from_the_checkpoint(tmp_path, no_lef
     plain = nbtrain.launch(train, 6, devices=2, accelerator="cpu", progress=False)
     assert _same(result.value, plain.value)
     assert f"restarting (1 of 1): {why}" in (tmp_path / "run" / "events.jsonl").read_text()
+    # Replayed from the logs, the resumed attempt's bar reads 3..6 and counts its 3 steps only.
+    out = io.StringIO()
+    display = _Kept(file=out, interval=3600)
+    assert run.watch(progress=display) == "finished"
+    for rank, view in display.state.ranks.items():
+        assert f"rank {rank}  finished  epoch 6/6" in out.getvalue() and view.steps == 3
     _ended_cleanly(run)
 
 
