@@ -4,6 +4,7 @@ Fast tests drive the widgets headless (ipywidgets works without a front end); th
 launch real ranks from a real Jupyter kernel and inspect the widget tree left behind.
 """
 import base64
+import os
 import subprocess
 import sys
 import textwrap
@@ -306,6 +307,22 @@ def test_step_rate_counts_the_innermost_loop_across_epochs():
     assert view.step_rate == pytest.approx(300 / 3.0)
     state = two_rank_run()
     assert state.ranks[0].steps == 8  # through the messages: 2 epochs x 4 batches
+
+
+def test_a_resumed_loop_draws_from_initial_and_its_eta_counts_only_new_steps():
+    state = RunState("x", [0])
+    state.handle(("hello", 0, os.getpid()))
+    t0 = time.monotonic() - 2.0
+    for n in range(1000, 1101, 10):  # resumed at 1000 of 2025; 100 steps over the last 2 s: 50/s
+        state.handle(("progress", 0, 0, "step", n, 2025, False, t0 + (n - 1000) / 50, 1000))
+    display = widgets.WidgetDisplay()
+    display.vitals.maybe_sample(state, now=t0 + 2.0 + state.ranks[0].lag)  # sampled as the last event came
+    display.start(state)
+    bar = display.snapshot()["ranks"][0]["bars"][0]
+    # 925 steps left at 50/s; counting the 1000 done before would make it 550/s and 0:01.
+    assert (bar["value"], bar["max"], bar["info"]) == (1100, 2025, "1100/2025  eta 0:18")
+    display.finish(state, True)
+    assert "step 1100/2025" in display.summary
 
 
 def test_vitals_find_each_ranks_gpu_by_pid_and_memory_otherwise(monkeypatch):

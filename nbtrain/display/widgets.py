@@ -220,7 +220,8 @@ class _RankRow:
         return {
             "status": self.status.value,
             "bars": {lv: {"desc": b.label.value, "value": b.progress.value, "max": b.progress.max,
-                          "bar_style": b.progress.bar_style, "bar_color": b.progress.style.bar_color}
+                          "bar_style": b.progress.bar_style, "bar_color": b.progress.style.bar_color,
+                          "info": b.info.value}
                      for lv, b in sorted(self.bars.items()) if lv in self._levels},
             "vitals": self.vitals.value,
             "metrics": self.metrics.value,
