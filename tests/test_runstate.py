@@ -3,7 +3,9 @@ A loop resumed at `initial` reads initial..total, and its rate counts only the s
 import io
 import time
 
+import numpy as np
 import pytest
+import torch
 
 import nbtrain
 from nbtrain.common import runlog
@@ -155,7 +157,9 @@ def test_progress_takes_initial_and_refuses_what_is_not_a_count():
     assert (state.ranks[0].bars[0].n, state.ranks[0].bars[0].total) == (5, None)
     list(ctx.progress(range(3), total=20, initial=2))  # a total given is kept
     assert (state.ranks[0].bars[0].n, state.ranks[0].bars[0].total) == (5, 20)
-    for bad in (-1, 1.5, True, "3", None):
+    list(ctx.progress(range(3), initial=np.int64(2)))  # a step read back from a checkpoint
+    assert state.ranks[0].bars[0].n == 5 and type(state.ranks[0].bars[0].n) is int
+    for bad in (-1, 1.5, True, "3", None, torch.tensor(-2)):
         with pytest.raises(ValueError, match=r"^ctx.progress\(initial=.*\): initial must be an int >= 0 "):
             ctx.progress(range(3), initial=bad)  # at the call, not at the first step
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import operator
 import os
 import time
 from collections import defaultdict
@@ -253,9 +254,14 @@ class Context:
         `initial + len(iterable)`, not `len(iterable)`: the iterable of a resumed loop is what is
         left, so its length alone would end the bar short of its last step.
         """
-        if isinstance(initial, bool) or not isinstance(initial, int) or initial < 0:
+        try:  # numpy's integers and a 0-d integer tensor (a step read back from a checkpoint) are ints too
+            count = None if isinstance(initial, bool) else operator.index(initial)
+        except TypeError:
+            count = None
+        if count is None or count < 0:
             raise ValueError(f"ctx.progress(initial={initial!r}): initial must be an int >= 0 (the iterations "
                              f"done before this loop, e.g. the step a checkpoint resumed from)")
+        initial = count
         if total is None:
             try:
                 total = initial + len(iterable)  # type: ignore[arg-type]
