@@ -414,7 +414,8 @@ def dial(address, authkey: bytes, rank: int, seconds: float = CONNECT_SECONDS) -
         attempts += 1
         limit = max(0.0, min(HANDSHAKE_SECONDS, deadline - time.monotonic()))
         try:
-            return first_to_answer(candidates, lambda sock, left: _handshake(sock, authkey, left), limit)[1]
+            return first_to_answer(candidates, lambda sock, left: _handshake(sock, authkey, left), limit,
+                                   until=deadline)[1]
         except NoneAnswered as failed:
             reasons = {candidate: _reason(exc) for candidate, exc in failed.reasons.items()}
         if all(reason.startswith("refused this rank's authkey") for reason in reasons.values()):

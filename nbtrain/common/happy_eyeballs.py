@@ -9,6 +9,7 @@ others are ended and joined before `first_to_answer` returns.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import queue
 import selectors
@@ -36,20 +37,22 @@ class NoneAnswered(ConnectionError):
 
 
 def first_to_answer(addresses: Sequence[Address], handshake: Callable[[socket.socket, float], object],
-                    seconds: float, stagger: float = STAGGER_SECONDS):
+                    seconds: float, stagger: float = STAGGER_SECONDS, until: float = math.inf):
     """(index, result) of the first address to connect and pass `handshake(sock, seconds_left)`.
 
     `handshake` gets a connected, blocking socket and the seconds its attempt has left; it
     returns a result of its own (closed with `.close()` if it loses) or raises. Each attempt
-    has `seconds` from its start, and the whole race ends `seconds` after the last attempt
-    could have started. When several pass within SETTLE_SECONDS, the one given first wins. Raises `NoneAnswered` with every address's reason when none passed.
+    has `seconds` from its start; the whole race ends `seconds` after the last attempt could
+    have started, or at `until` (a `time.monotonic()`) if sooner. When several pass within
+    SETTLE_SECONDS, the one given first wins. Raises `NoneAnswered` with every address's reason
+    when none passed.
     """
     stop_read, stop_write = socket.socketpair()  # one byte written ends every attempt's wait
     done: queue.Queue = queue.Queue()
     attempts: list[_Attempt] = []
     reasons: dict[int, BaseException] = {}
     winner, settle, heard = None, 0.0, set()
-    deadline = time.monotonic() + seconds + stagger * (len(addresses) - 1)
+    deadline = min(time.monotonic() + seconds + stagger * (len(addresses) - 1), until)
     try:
         while len(reasons) < len(addresses):
             now = time.monotonic()
@@ -59,7 +62,7 @@ def first_to_answer(addresses: Sequence[Address], handshake: Callable[[socket.so
                 later = settle
             elif now >= deadline:
                 break
-            elif len(attempts) < len(addresses) and (not attempts or len(reasons) == len(attempts)
+            elif len(attempts) < len(addresses) and (not attempts or attempts[-1].index in reasons
                                                      or now >= attempts[-1].started + stagger):
                 attempts.append(_Attempt(len(attempts), addresses[len(attempts)], handshake, seconds, stop_read, done))
                 continue
@@ -85,17 +88,21 @@ def first_to_answer(addresses: Sequence[Address], handshake: Callable[[socket.so
             attempt.cancel()
         for attempt in attempts:
             attempt.join()
-        while not done.empty():  # answered after the race was decided
+        while not done.empty():  # answered as the race ended
             index, result, error = done.get_nowait()
-            if error is None:
+            if error is not None:
+                reasons.setdefault(index, error)
+            elif winner is None:
+                winner = (index, result)
+            else:
                 _discard(result)
-            reasons.setdefault(index, error)
         stop_read.close()
         stop_write.close()
     if winner is not None:
         return winner
     for index in range(len(addresses)):
-        reasons.setdefault(index, TimeoutError(f"no answer within {seconds:.3g} s"))
+        reasons.setdefault(index, TimeoutError(f"no answer within {seconds:.3g} s" if index < len(attempts)
+                                               else "not tried: out of time"))
     raise NoneAnswered({addresses[i]: reasons[i] for i in range(len(addresses))})
 
 
