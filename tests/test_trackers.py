@@ -121,3 +121,26 @@ def test_a_tracker_that_cannot_write_fails_the_run_with_its_reason(tmp_path, no_
     with pytest.raises(nbtrain.WorkerError) as caught:
         nbtrain.launch(train, 2, trackers=tracker, run_dir=tmp_path / "run", **CPU2)
     assert caught.value.rank == 0 and "NotADirectoryError" in str(caught.value), str(caught.value)
+
+
+@pytest.mark.slow
+def test_tensorboard_on_slurm_ranks_reads_back_with_every_step(slurm, tmp_path, no_leftovers):
+    """Ranks that SLURM started write the run directory's event files themselves, as local ranks do."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = nbtrain.launch(train, STEPS, devices=2, accelerator="cpu", cluster=nbtrain.Slurm(), trackers="tensorboard",
+                            run_dir=tmp_path, progress=False, timeout=150)
+    assert result.values == [0, 1]
+    rank0 = EventAccumulator(str(tmp_path / "tensorboard"))
+    rank0.Reload()
+    rank1 = EventAccumulator(str(tmp_path / "tensorboard" / "rank1"))
+    rank1.Reload()
+    assert [e.step for e in rank0.Scalars("loss/rank0")] == list(range(STEPS))
+    assert [e.value for e in rank1.Scalars("loss/rank1")] == pytest.approx([0.5 / (i + 1) + 1 for i in range(STEPS)])
+    assert [e.value for e in rank0.Scalars("score")] == [0.5]  # synced: written once, by rank 0
+    assert "score" not in rank1.Tags()["scalars"] and "loss/rank0" not in rank1.Tags()["scalars"]
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    start = HParamsPluginData.FromString(rank0.PluginTagToContent("hparams")["_hparams_/session_start_info"])
+    hparams = start.session_start_info.hparams
+    assert (hparams["steps"].number_value, hparams["world_size"].number_value) == (STEPS, 2)

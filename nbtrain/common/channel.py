@@ -25,6 +25,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from multiprocessing.reduction import ForkingPickler
 
+from .happy_eyeballs import NoneAnswered, first_to_answer
 from .lines import Screen
 
 log = logging.getLogger(__name__)
@@ -397,11 +398,13 @@ def addresses(value: str) -> list[tuple[str, int]]:
 def dial(address, authkey: bytes, rank: int, seconds: float = CONNECT_SECONDS) -> Connection:
     """Connect to the Hub and pass the authkey challenge both ways, retrying with back-off.
 
-    `address`: a (host, port), or a list of them tried in order, each round, until one passes
-    the challenge (a notebook's machine may have several addresses, not all reachable from
-    every node; one may even reach another notebook's channel, whose key is not this one).
-    Each attempt is bounded: a handshake the notebook lost (its accept queue was full) or a
-    notebook too busy to answer is retried, never waited on forever.
+    `address`: a (host, port), or a list of them, best first (a notebook's machine may have
+    several addresses, not all reachable from every node; one may even reach another
+    notebook's channel, whose key is not this one). Each round tries them all at once,
+    staggered (`happy_eyeballs`): an address that drops packets silently costs a quarter of
+    a second, not its whole timeout. Each attempt is bounded: a handshake the notebook lost
+    (its accept queue was full) or a notebook too busy to answer is retried, never waited on
+    forever.
     """
     candidates = [address] if isinstance(address, tuple) else list(address)
     deadline = time.monotonic() + seconds
@@ -409,13 +412,12 @@ def dial(address, authkey: bytes, rank: int, seconds: float = CONNECT_SECONDS) -
     reasons: dict[tuple[str, int], str] = {}
     while True:
         attempts += 1
-        for candidate in candidates:
-            try:
-                return _handshake(candidate, authkey)
-            except AuthenticationError as exc:
-                reasons[candidate] = f"refused this rank's authkey ({exc})"
-            except (OSError, EOFError) as exc:
-                reasons[candidate] = _reason(exc)
+        limit = max(0.0, min(HANDSHAKE_SECONDS, deadline - time.monotonic()))
+        try:
+            return first_to_answer(candidates, lambda sock, left: _handshake(sock, authkey, left), limit,
+                                   until=deadline)[1]
+        except NoneAnswered as failed:
+            reasons = {candidate: _reason(exc) for candidate, exc in failed.reasons.items()}
         if all(reason.startswith("refused this rank's authkey") for reason in reasons.values()):
             # A wrong key will not become right: say so now.
             raise ChannelUnreachable(f"rank {rank}: {_tried(reasons)}; NBTRAIN_AUTHKEY is not this launch's")
@@ -440,14 +442,17 @@ def _tried(reasons: dict[tuple[str, int], str], attempts: str = "") -> str:
     return f"at any of its addresses ({attempts}; tried {each})" if attempts else f"tried {each}"
 
 
-def _handshake(address: tuple[str, int], authkey: bytes) -> Connection:
-    sock = socket.create_connection(address, timeout=HANDSHAKE_SECONDS)
-    sock.settimeout(None)  # blocking again; the challenge's reads are bounded below instead
-    conn = Connection(sock.detach())
+def _handshake(sock: socket.socket, authkey: bytes, seconds: float) -> Connection:
+    """The authkey challenge both ways on a connected socket, each read bounded by `seconds`.
+    The connection has a descriptor of its own, so the race may still shut `sock` down."""
+    conn = Connection(os.dup(sock.fileno()))
     try:
-        _receive_timeout(conn, HANDSHAKE_SECONDS)
-        answer_challenge(conn, authkey)
-        deliver_challenge(conn, authkey)
+        _receive_timeout(conn, max(seconds, 0.001))  # 0 would mean no limit
+        try:
+            answer_challenge(conn, authkey)
+            deliver_challenge(conn, authkey)
+        except BlockingIOError:  # SO_RCVTIMEO ran out
+            raise TimeoutError(f"no answer within {seconds:.3g} s") from None
         _receive_timeout(conn, 0.0)
         no_delay(conn)
     except BaseException:
@@ -457,11 +462,13 @@ def _handshake(address: tuple[str, int], authkey: bytes) -> Connection:
 
 
 def _reason(exc: BaseException) -> str:
-    if isinstance(exc, (BlockingIOError, TimeoutError, socket.timeout)):
-        return f"no answer within {HANDSHAKE_SECONDS:g} s"
+    if isinstance(exc, AuthenticationError):
+        return f"refused this rank's authkey ({exc})"
     if isinstance(exc, EOFError):
         return "the notebook closed the connection during the handshake"
-    return exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
 
 
 def no_delay(conn) -> None:

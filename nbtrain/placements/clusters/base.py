@@ -19,6 +19,7 @@ from ..base import Job, ProcessLauncher, RankProcess, rank_environ
 from ...common.tensor_files import ENABLE_VAR as SHARED_MEMORY_VAR  # "0": a rank returns tensors as bytes
 from ...common.transfer import pack_job
 from ...common.channel import ADDRESS_VAR, CONNECT_SECONDS, HANDSHAKE_SECONDS, addresses
+from ...common.happy_eyeballs import NoneAnswered, first_to_answer
 from ...rank.loop import NOTICE_VAR, remote_main
 
 MACHINE_VAR = "NBTRAIN_KERNEL_MACHINE"  # the notebook's machine, so a rank can tell whether it shares it
@@ -252,17 +253,17 @@ def _as_in_the_notebook(path: str, cwd: str) -> str | None:
 
 
 def check_reachable(environ: dict[str, str], rank: int) -> None:
-    """Put the notebook's first address this machine can connect to first (the rank dials them
-    in order), or fail with a message that says what was tried and what to do (a firewall, an
-    address that only resolves on the notebook's side, a loopback-only host name)."""
-    candidates, tried = addresses(environ[ADDRESS_VAR]), []
+    """Put the notebook's address this machine connects to first at the front (all are tried at
+    once, staggered: one that drops packets silently does not hold up the rest), or fail with a
+    message that says what was tried and what to do (a firewall, an address that only resolves
+    on the notebook's side, a loopback-only host name)."""
+    candidates = addresses(environ[ADDRESS_VAR])
     seconds = max(HANDSHAKE_SECONDS, CONNECT_SECONDS / len(candidates))
-    for i, (host, port) in enumerate(candidates):
-        try:
-            socket.create_connection((host, port), timeout=seconds).close()
-        except OSError as exc:
-            tried.append(f"{host}:{port} ({type(exc).__name__}: {exc})")
-            continue
+    try:
+        i, _ = first_to_answer(candidates, lambda sock, left: None, seconds)  # connected is enough here
+    except NoneAnswered as failed:
+        tried = [f"{host}:{port} ({type(exc).__name__}: {exc})" for (host, port), exc in failed.reasons.items()]
+    else:
         environ[ADDRESS_VAR] = ",".join(f"{h}:{p}" for h, p in [candidates[i], *candidates[:i], *candidates[i + 1:]])
         return
     where = f"at {tried[0]}" if len(tried) == 1 else f"at any of {', '.join(tried)}"

@@ -1,0 +1,122 @@
+"""A rank tries the notebook's addresses at once, staggered: an address that drops packets
+silently (a network namespace that never answers, made here) does not hold up the one that
+works; the best of several that answer wins; nothing is left open."""
+import os
+import queue
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from nbtrain.common.channel import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable, Hub, dial
+from nbtrain.common.happy_eyeballs import first_to_answer
+from nbtrain.placements.clusters import base
+
+
+def _dial_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("nbtrain-dial")]
+
+
+@contextmanager
+def silent_address():
+    """An address whose packets go out and are never answered (no refusal, no ICMP): a network
+    namespace reached over a veth pair, whose replies to this machine go to a blackhole route."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("a silently dropping address needs root and `ip` (a network namespace)")
+    pid = os.getpid()
+    ns, outside, inside = f"nbt{pid % 100000}drop", f"nbt{pid % 100000}do", f"nbt{pid % 100000}di"
+    subnet = f"10.233.{pid % 100 + 100}"
+
+    def ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    try:
+        try:
+            ip("netns", "add", ns)
+            ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+            ip("link", "set", inside, "netns", ns)
+            ip("addr", "add", f"{subnet}.1/30", "dev", outside)
+            ip("link", "set", outside, "up")
+            ip("-n", ns, "addr", "add", f"{subnet}.2/30", "dev", inside)
+            ip("-n", ns, "link", "set", inside, "up")
+            ip("-n", ns, "route", "add", "blackhole", f"{subnet}.1/32")  # no SYN-ACK, no RST comes back
+        except subprocess.CalledProcessError as exc:
+            pytest.skip(f"could not make a silent address: `{' '.join(exc.cmd)}`: {exc.stderr.strip()}")
+        yield f"{subnet}.2"
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # the veth pair goes with it
+        subprocess.run(["ip", "link", "del", outside], capture_output=True)
+
+
+@pytest.fixture
+def hub():
+    hub = Hub(queue.Queue())
+    hub.start()
+    yield hub
+    hub.close()
+
+
+@pytest.mark.slow
+def test_a_silent_address_listed_first_does_not_hold_up_the_one_that_answers(hub, no_leftovers):
+    host, port = hub.environ[ADDRESS_VAR].rsplit(":", 1)
+    key = bytes.fromhex(hub.environ[AUTHKEY_VAR])
+    with silent_address() as silent:
+        with pytest.raises(OSError, match="timed out"):  # it is silent: the kernel's own connect times out
+            socket.create_connection((silent, int(port)), timeout=0.5).close()
+        began = time.monotonic()
+        conn = dial([(silent, int(port)), (host, int(port))], key, rank=4)
+        took = time.monotonic() - began
+        conn.close()
+        assert took < 1.5, f"connected in {took:.2f} s: the silent address held it up"
+
+        environ = {ADDRESS_VAR: f"{silent}:{port},{host}:{port}"}
+        began = time.monotonic()
+        base.check_reachable(environ, 0)
+        assert time.monotonic() - began < 1.5
+        assert environ[ADDRESS_VAR] == f"{host}:{port},{silent}:{port}"  # the one that answered, first
+
+        with socket.socket() as refused:
+            refused.bind(("127.0.0.1", 0))  # bound, not listening
+            refused_port = refused.getsockname()[1]
+            with pytest.raises(ChannelUnreachable) as caught:
+                dial([(silent, int(port)), ("127.0.0.1", refused_port)], key, rank=2, seconds=1.0)
+        message = str(caught.value)  # none answered: each address with its reason
+        assert f"{silent}:{port} (no answer within 1 s)" in message, message
+        assert f"127.0.0.1:{refused_port} (Connection refused)" in message, message
+    assert not _dial_threads()
+
+
+def test_the_address_given_first_wins_when_several_answer():
+    """Both answer before the race looks: the better one (given first) is kept, the other closed."""
+    with socket.create_server(("127.0.0.1", 0)) as first, socket.create_server(("127.0.0.1", 0)) as second:
+        answered = threading.Barrier(2)
+
+        def handshake(sock, left):
+            answered.wait(5)  # both connected and answered in the same moment
+            return socket.socket(fileno=os.dup(sock.fileno()))
+
+        index, sock = first_to_answer([first.getsockname(), second.getsockname()], handshake, 5.0, stagger=0.0)
+        try:
+            assert index == 0 and sock.getpeername() == first.getsockname()
+            loser, _ = second.accept()
+            with loser:
+                loser.settimeout(5)
+                assert loser.recv(1) == b""  # closed by the race
+        finally:
+            sock.close()
+    assert not _dial_threads()
+
+
+def test_an_address_that_fails_starts_the_next_at_once():
+    """A refusal does not wait out the stagger: the next address is tried straight away."""
+    with socket.socket() as refused, socket.create_server(("127.0.0.1", 0)) as live:
+        refused.bind(("127.0.0.1", 0))
+        began = time.monotonic()
+        index, _ = first_to_answer([refused.getsockname(), live.getsockname()], lambda sock, left: None, 5.0,
+                                   stagger=3.0)
+        assert index == 1 and time.monotonic() - began < 1.0
+    assert not _dial_threads()
