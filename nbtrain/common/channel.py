@@ -444,7 +444,8 @@ def _tried(reasons: dict[tuple[str, int], str], attempts: str = "") -> str:
 
 def _handshake(sock: socket.socket, authkey: bytes, seconds: float) -> Connection:
     """The authkey challenge both ways on a connected socket, each read bounded by `seconds`.
-    The connection has a descriptor of its own, so the race may still shut `sock` down."""
+    The connection has a descriptor of its own, so the race may close `sock` (a race that shuts
+    `sock` down first ends this connection too: happy_eyeballs then discards it)."""
     conn = Connection(os.dup(sock.fileno()))
     try:
         _receive_timeout(conn, max(seconds, 0.001))  # 0 would mean no limit

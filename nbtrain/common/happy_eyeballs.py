@@ -92,7 +92,8 @@ def first_to_answer(addresses: Sequence[Address], handshake: Callable[[socket.so
             index, result, error = done.get_nowait()
             if error is not None:
                 reasons.setdefault(index, error)
-            elif winner is None:
+            elif winner is None or index < winner[0]:  # whole (see _Attempt.run), and better
+                _discard(winner and winner[1])
                 winner = (index, result)
             else:
                 _discard(result)
@@ -147,8 +148,11 @@ class _Attempt(threading.Thread):
                 result = self.handshake(sock, max(0.0, deadline - time.monotonic()))
             finally:
                 with self._lock:
-                    self._sock = None
+                    self._sock, shut = None, self._cancelled  # cancelled by now: the connection was shut down
                 sock.close()
+            if shut:  # its result shares the shut-down connection (a dup'd descriptor is the same socket)
+                _discard(result)
+                result, error = None, TimeoutError(f"no answer within {self.seconds:.3g} s")
         except Exception as exc:  # the reason this address failed, reported to the race
             # Ended by the race: out of time (had another won, no reason of this one is read).
             error = TimeoutError(f"no answer within {self.seconds:.3g} s") if self._cancelled else exc
