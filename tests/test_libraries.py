@@ -65,10 +65,11 @@ class Tokens(Dataset):
 def transformers_trainer(progress=False):
     config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37,
                         vocab_size=100)
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, per_device_train_batch_size=2,
-                             max_steps=3, report_to=[], save_strategy="no", disable_tqdm=not progress)
-    trainer = Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=Tokens())
-    trainer.train()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, use_cpu=True, per_device_train_batch_size=2,
+                                 max_steps=3, report_to=[], save_strategy="no", disable_tqdm=not progress)
+        trainer = Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=Tokens())
+        trainer.train()
     return args.world_size, str(args.parallel_mode), type(trainer.model_wrapped).__name__, trainer.state.epoch
 
 # The PyTorch DDP tutorial's basic example, as written (CPU: gloo, no device ids).
