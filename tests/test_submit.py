@@ -1,4 +1,5 @@
 """submit / attach: runs that outlive the kernel, restarts from the last checkpoint, cancel."""
+import functools
 import json
 import os
 import re
@@ -346,3 +347,22 @@ def test_an_export_runs_as_a_slurm_batch_job(slurm, tmp_path):
     assert "rank 0 returned: {'weight': tensor(" in output, output[-2000:]
     value = dill.loads((job / "run" / "value.pkl").read_bytes())
     assert _same(value, nbtrain.launch(train, 3, devices=2, accelerator="cpu", progress=False).value)
+
+
+@pytest.mark.slow
+def test_a_slurm_run_reads_queued_until_its_ranks_job_runs(slurm, tmp_path):
+    # sbatch --hold: the ranks' job waits in the queue (JobHeldUser) until it is released.
+    run = nbtrain.submit(functools.partial(time.sleep, 2), devices=2, accelerator="cpu",
+                         cluster=nbtrain.Slurm(hold=True), run_dir=tmp_path / "run", progress=False)
+    supervisor = json.loads((run.dir / runlog.SUPERVISOR).read_text())["slurm_job"]
+    _wait_for(lambda: "JobHeldUser" in run.reason, 120, f"the ranks' job to be held: {run.reason!r}")
+    [ranks] = [job for job in slurm.jobs() if job != supervisor]
+    assert run.status == "queued"
+    assert run.reason == f"waiting for the ranks to start: SLURM job {ranks} waits in the queue: PENDING (JobHeldUser)"
+    time.sleep(2)  # still held, still queued: the supervisor's job runs, the ranks' does not
+    assert run.status == "queued" and session.slurm_state(supervisor) == "RUNNING"
+    subprocess.run(["scontrol", "release", ranks], env=slurm.env, check=True, capture_output=True)
+    _wait_for(lambda: run.status != "queued", 60, "the ranks' job to start")
+    assert run.status == "running" and run.reason == ""
+    assert run.result(timeout=120).values == [None, None] and run.status == "finished"
+    _wait_for(lambda: not slurm.jobs(), 60, f"both jobs to leave the queue: {slurm.jobs()}")

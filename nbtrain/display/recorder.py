@@ -21,8 +21,11 @@ PROGRESS_INTERVAL = 1.0  # seconds between the logged updates of one bar
 
 
 class RunRecorder:
-    def __init__(self, run_dir: Path, attempt: int):
+    def __init__(self, run_dir: Path, attempt: int, queued=None):
         self.dir, self.attempt = Path(run_dir), attempt
+        # Called with the state's `queued` (where a cluster holds the ranks; None once they run)
+        # each time it changes: the supervisor's status says "queued" until then.
+        self.queued, self._queued_seen = queued, ...
         self.run_events = runlog.EventLog(self.dir / runlog.EVENTS)
         self.logs: dict[int, runlog.EventLog] = {}
         self.vitals = VitalsSampler()
@@ -99,6 +102,9 @@ class RunRecorder:
         self._write(rank, "output", stream, text)
 
     def update(self, state: RunState) -> None:
+        if self.queued is not None and state.queued != self._queued_seen:
+            self._queued_seen = state.queued
+            self.queued(state.queued)
         self._flush(due=PROGRESS_INTERVAL)
         self.vitals.maybe_sample(state)
         for vital in state.vitals[self._vitals_written:]:

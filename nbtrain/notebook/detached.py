@@ -96,9 +96,19 @@ def _supervise(run_dir: Path) -> int:
         in_process = _in_process(spec["launch"], objects["cluster"])
     except BaseException as exc:
         return _failed(run_dir, status, exc, "the job could not be loaded")
+    cluster = objects["cluster"]
+
+    def queued(where: str | None) -> None:  # where the cluster holds the ranks; None once they run
+        if where is None:
+            status.set("running", reason="")
+        else:
+            status.set("queued", reason=f"waiting for the ranks to start: {where}")
+
     for attempt in range(spec["max_restarts"] + 1):
-        status.set("running", attempt=attempt)
-        recorder = RunRecorder(run_dir, attempt)
+        # On a cluster the run is queued until its ranks run (a SLURM job may wait for hours).
+        status.set("running" if cluster is None else "queued", attempt=attempt,
+                   reason="" if cluster is None else f"starting the ranks on {cluster.where()}")
+        recorder = RunRecorder(run_dir, attempt, queued=None if cluster is None else queued)
         streams = sys.stdout, sys.stderr
         if in_process:
             sys.stdout, sys.stderr = (_RankZeroOutput(name, stream, recorder)
