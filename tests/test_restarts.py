@@ -1,5 +1,7 @@
 """launch(..., max_restarts=N): a failed run starts all ranks again; the code resumes from its checkpoint."""
 import os
+import re
+import subprocess
 
 import pytest
 import torch
@@ -55,5 +57,24 @@ def test_a_failure_beyond_the_restarts_raises_the_last_error(tmp_path, no_leftov
 def test_bad_max_restarts_are_refused():
     with pytest.raises(ValueError, match="max_restarts=-1: give a whole number of restarts, 0 or more."):
         nbtrain.launch(print, max_restarts=-1)
-    with pytest.raises(ValueError, match="max_restarts=1 with cluster="):
-        nbtrain.launch(print, max_restarts=1, cluster=nbtrain.Slurm())
+    with pytest.raises(ValueError, match="max_restarts=True: give a whole number of restarts, 0 or more."):
+        nbtrain.launch(print, max_restarts=True, cluster=nbtrain.Slurm())
+
+
+@pytest.mark.slow
+def test_a_slurm_launch_restarts_as_a_new_job_and_leaves_none(slurm, tmp_path, no_leftovers):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    result = nbtrain.launch(resumable, 4, str(tmp_path / "a"), 2, devices=2, accelerator="cpu", progress=False,
+                            cluster=nbtrain.Slurm(), max_restarts=1)
+    assert (tmp_path / "a" / "died").exists()
+    [why] = result.restarts
+    failed = re.search(r"^rank 1 failed: .*SLURM job (\d+), task 1 on \S+: exited with code 1$", why)
+    assert failed, why
+    plain = nbtrain.launch(resumable, 4, str(tmp_path / "b"), devices=2, accelerator="cpu", progress=False)
+    assert torch.equal(result.value, plain.value)
+    assert slurm.jobs() == []  # run_once returns once each attempt's job left the queue
+    # The retry was a job of its own, submitted after the failed one (SLURM numbers jobs in order).
+    shown = subprocess.run(["scontrol", "show", "job"], env=slurm.env, capture_output=True, text=True).stdout
+    later = [int(n) for n in re.findall(r"JobId=(\d+) JobName=nbtrain\b", shown) if int(n) > int(failed[1])]
+    assert later, shown[-2000:]
