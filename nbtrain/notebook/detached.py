@@ -69,17 +69,25 @@ def _in_process(options: dict, cluster) -> bool:
     return resolve_strategy(options["strategy"], plan)[0] in ("single", "dp")
 
 
-def main(run_dir: str) -> int:
+def main(run_dir: str, load=None, echo=None) -> int:
+    """Run the job in `run_dir` (run.json written there) to its end; 0 if it finished. `load()`
+    gives (fn, args, kwargs, objects) where the job is not job.pkl (an exported job's job.py);
+    `echo` is a display that draws the run as well (an exported job's terminal)."""
     # What the run's processes leave behind (orphans, a session of their own) comes to us, and
     # is ended with the run, however it ends.
     become_subreaper()
     try:
-        return _supervise(Path(run_dir))
+        return _supervise(Path(run_dir), load or (lambda: _load(Path(run_dir))), echo)
     finally:
         end_descendants()
 
 
-def _supervise(run_dir: Path) -> int:
+def _load(run_dir: Path) -> tuple:
+    fn, args, kwargs = unpack_job((run_dir / runlog.JOB).read_bytes())
+    return fn, args, kwargs, dill.loads((run_dir / runlog.OBJECTS).read_bytes())  # cluster, trackers, profile
+
+
+def _supervise(run_dir: Path, load, echo) -> int:
     # cancel() sends SIGTERM: the running launch takes it as a Ctrl-C, stops its ranks and cleans up.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     if os.environ.pop("NBTRAIN_SUPERVISOR_JOB", None):
@@ -91,8 +99,7 @@ def _supervise(run_dir: Path) -> int:
     status = Status(run_dir, spec["max_restarts"])
     os.environ["NBTRAIN_RUN_DIR"] = str(run_dir)  # ctx.run_dir, in every rank (their environment starts from ours)
     try:
-        fn, args, kwargs = unpack_job((run_dir / runlog.JOB).read_bytes())
-        objects = dill.loads((run_dir / runlog.OBJECTS).read_bytes())  # cluster, trackers, profile
+        fn, args, kwargs, objects = load()
         in_process = _in_process(spec["launch"], objects["cluster"])
     except BaseException as exc:
         return _failed(run_dir, status, exc, "the job could not be loaded")
@@ -108,7 +115,7 @@ def _supervise(run_dir: Path) -> int:
         # On a cluster the run is queued until its ranks run (a SLURM job may wait for hours).
         status.set("running" if cluster is None else "queued", attempt=attempt,
                    reason="" if cluster is None else f"starting the ranks on {cluster.where()}")
-        recorder = RunRecorder(run_dir, attempt, queued=None if cluster is None else queued)
+        recorder = RunRecorder(run_dir, attempt, queued=None if cluster is None else queued, echo=echo)
         streams = sys.stdout, sys.stderr
         if in_process:
             sys.stdout, sys.stderr = (_RankZeroOutput(name, stream, recorder)
