@@ -121,3 +121,21 @@ def test_a_tracker_that_cannot_write_fails_the_run_with_its_reason(tmp_path, no_
     with pytest.raises(nbtrain.WorkerError) as caught:
         nbtrain.launch(train, 2, trackers=tracker, run_dir=tmp_path / "run", **CPU2)
     assert caught.value.rank == 0 and "NotADirectoryError" in str(caught.value), str(caught.value)
+
+
+def test_a_tracked_launch_takes_a_directory_of_its_own_never_a_submits(tmp_path, monkeypatch, no_leftovers):
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    # What submits of a function of the same name made (this second and the next ones): the
+    # launch's default name is the same pattern, so it must take the next free one.
+    base, now = tmp_path / "nbtrain-runs", time.time()
+    taken = [base / f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(now + s))}-train" for s in range(30)]
+    for path in taken:
+        path.mkdir(parents=True)
+        (path / "status.json").write_text("{}")
+    result = nbtrain.launch(train, 2, trackers="tensorboard", devices=1, accelerator="cpu", progress=False)
+    assert result.values == [0]
+    assert all(sorted(os.listdir(path)) == ["status.json"] for path in taken), "a submit's directory was used"
+    [own] = set(base.iterdir()) - set(taken)
+    assert re.fullmatch(r"\d{8}-\d{6}-train-2", own.name) and (own / "tensorboard").is_dir(), own
