@@ -2,6 +2,7 @@
 import os
 import re
 import subprocess
+import time
 
 import pytest
 import torch
@@ -78,3 +79,23 @@ def test_a_slurm_launch_restarts_as_a_new_job_and_leaves_none(slurm, tmp_path, n
     shown = subprocess.run(["scontrol", "show", "job"], env=slurm.env, capture_output=True, text=True).stdout
     later = [int(n) for n in re.findall(r"JobId=(\d+) JobName=nbtrain\b", shown) if int(n) > int(failed[1])]
     assert later, shown[-2000:]
+
+
+@pytest.mark.slow
+def test_a_slurm_job_that_can_never_start_is_not_restarted(slurm, tmp_path, capsys):
+    from nbtrain.placements.clusters.slurm import SlurmJobError
+
+    never = nbtrain.Slurm(cpus_per_task=64)  # more than the node has: PENDING (PartitionConfig), cancelled at once
+    with pytest.raises(SlurmJobError, match=r"can never start"):
+        nbtrain.launch(print, devices=2, cluster=never, max_restarts=2, progress="text")
+    shown = capsys.readouterr().out
+    assert shown.count("interrupted in") == 1 and "restarting" not in shown, shown  # one attempt
+    run = nbtrain.submit(print, devices=2, cluster=never, max_restarts=2, run_dir=tmp_path / "run", progress=False)
+    with pytest.raises(SlurmJobError, match=r"can never start"):
+        run.result(timeout=120)
+    assert run.status == "failed" and run.restarts == []
+    assert "restarting" not in (tmp_path / "run" / "events.jsonl").read_text()
+    deadline = time.monotonic() + 60
+    while slurm.jobs() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert slurm.jobs() == []

@@ -22,6 +22,7 @@ import dill
 from ..common import runlog
 from ..common.pickling import ship_bytes
 from ..common.devices import plan_devices
+from ..common.errors import WorkerError
 from ..common.process_tree import become_subreaper, end_descendants
 from ..common.transfer import unpack_job
 from ..display.recorder import RunRecorder
@@ -129,7 +130,8 @@ def _supervise(run_dir: Path, load, echo) -> int:
             return 1
         except Exception as error:  # a WorkerError; in the supervisor itself (single, dp), the code's own
             reason = why(error)
-            if attempt == spec["max_restarts"]:
+            # On a cluster only the ranks' failures restart (as in launch): a job SLURM refuses would only repeat.
+            if attempt == spec["max_restarts"] or cluster is not None and not isinstance(error, WorkerError):
                 return _failed(run_dir, status, error, reason)
             said = restarting(attempt, spec["max_restarts"], reason)
             recorder.note(said)
