@@ -272,3 +272,27 @@ plain = nbtrain.launch(seeded, 4, devices=2, cluster=nbtrain.Ray(), progress=Fal
     assert rank_actors() == [], "actor processes are left"
     assert not psutil.pid_exists(supervisor) or psutil.Process(supervisor).status() == psutil.STATUS_ZOMBIE
     assert rk.value("settled(ray_is_empty)"), rk.value("ray.available_resources(), ray.util.placement_group_table()")
+
+
+def test_a_launch_on_ray_restarts_with_new_actors_and_leaves_none(rk, tmp_path):
+    run(rk, f'''
+def fails_once(marker):
+    ctx = nbtrain.context()
+    if ctx.rank == 1 and not os.path.exists(marker):
+        open(marker, "w").write(str(os.getpid()))
+        os._exit(3)
+    return ctx.rank, os.getpid()
+
+again = nbtrain.launch(fails_once, {str(tmp_path / "failed")!r}, cluster=nbtrain.Ray(num_workers=2), max_restarts=1,
+                       progress=False)
+''')
+    [why] = rk.value("again.restarts")
+    assert why == "rank 1 failed: Ray actor of rank 1 ended before it reported: The actor died unexpectedly before " \
+                  "finishing this task.", why
+    (_, _), (rank, pid) = rk.value("again.values")
+    assert rank == 1 and pid != int((tmp_path / "failed").read_text()), "the retry ran in a new actor"
+    deadline = time.monotonic() + SETTLE
+    while rank_actors() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rank_actors() == [], "actor processes are left"
+    assert rk.value("settled(ray_is_empty)")
