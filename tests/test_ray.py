@@ -229,3 +229,70 @@ ranks.close()
     assert rk.value("after") == [12, 22], "the interrupted ranks kept their state"
     assert rk.value("settled(ray_is_empty)")
 
+
+
+def test_a_submitted_run_on_ray_gives_the_launch_values_and_cancel_leaves_no_actor(rk, tmp_path):
+    run(rk, f'''
+def seeded(steps):
+    ctx = nbtrain.context()
+    torch.manual_seed(0)
+    model = ctx.setup(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + ctx.rank)
+        loss = torch.nn.functional.mse_loss(model(torch.randn(8, 4, generator=g)), torch.randn(8, 2, generator=g))
+        opt.zero_grad(); loss.backward(); opt.step()
+        ctx.log("loss", loss.item())
+    return [float(p.sum()) for p in model.parameters()]
+
+submitted = nbtrain.submit(seeded, 4, devices=2, cluster=nbtrain.Ray(), progress=False, run_dir={str(tmp_path / "a")!r})
+done = submitted.result(timeout=240)
+plain = nbtrain.launch(seeded, 4, devices=2, cluster=nbtrain.Ray(), progress=False)
+''', timeout=400)
+    assert rk.value("done.values == plain.values and done.metrics('loss') == plain.metrics('loss')")
+    assert rk.value("(submitted.status, done.devices)") == ("finished", "2 CPU ranks, gloo, on Ray")
+    assert rk.value("settled(ray_is_empty)")
+    run(rk, f"endless = nbtrain.submit(lambda: time.sleep(600), cluster=nbtrain.Ray(num_workers=2), progress=False, "
+            f"run_dir={str(tmp_path / 'b')!r})")
+    try:
+        deadline = time.monotonic() + 120
+        while (len(rank_actors()) < 2 or rk.value("endless.status") != "running") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(rank_actors()) == 2 and rk.value("endless.status") == "running", rk.value("endless.reason")
+        # The supervisor joined this kernel's Ray (its own ray.init would start a second one):
+        # the kernel sees its actors hold the CPUs.
+        assert rk.value("ray.available_resources().get('CPU', 0)") == 0
+        supervisor = rk.value("__import__('json').loads((endless.dir / 'supervisor.json').read_text())['pid']")
+    finally:
+        run(rk, "endless.cancel()")
+    assert rk.value("endless.status") == "cancelled"
+    deadline = time.monotonic() + SETTLE
+    while rank_actors() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rank_actors() == [], "actor processes are left"
+    assert not psutil.pid_exists(supervisor) or psutil.Process(supervisor).status() == psutil.STATUS_ZOMBIE
+    assert rk.value("settled(ray_is_empty)"), rk.value("ray.available_resources(), ray.util.placement_group_table()")
+
+
+def test_a_launch_on_ray_restarts_with_new_actors_and_leaves_none(rk, tmp_path):
+    run(rk, f'''
+def fails_once(marker):
+    ctx = nbtrain.context()
+    if ctx.rank == 1 and not os.path.exists(marker):
+        open(marker, "w").write(str(os.getpid()))
+        os._exit(3)
+    return ctx.rank, os.getpid()
+
+again = nbtrain.launch(fails_once, {str(tmp_path / "failed")!r}, cluster=nbtrain.Ray(num_workers=2), max_restarts=1,
+                       progress=False)
+''')
+    [why] = rk.value("again.restarts")
+    assert why == "rank 1 failed: Ray actor of rank 1 ended before it reported: The actor died unexpectedly before " \
+                  "finishing this task.", why
+    (_, _), (rank, pid) = rk.value("again.values")
+    assert rank == 1 and pid != int((tmp_path / "failed").read_text()), "the retry ran in a new actor"
+    deadline = time.monotonic() + SETTLE
+    while rank_actors() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rank_actors() == [], "actor processes are left"
+    assert rk.value("settled(ray_is_empty)")

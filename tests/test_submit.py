@@ -1,4 +1,5 @@
 """submit / attach: runs that outlive the kernel, restarts from the last checkpoint, cancel."""
+import functools
 import io
 import json
 import os
@@ -235,6 +236,56 @@ def test_a_one_device_run_in_the_supervisor_keeps_rank_0_output(tmp_path, no_lef
     assert run.result(timeout=60).value == "second try" and run.restarts == ["ValueError: first try"]
 
 
+EXPORTED = '''
+import nbtrain
+
+def work(n, fail=False):
+    ctx = nbtrain.context()
+    print("rank", ctx.rank, "works")
+    ctx.log("loss", 1.0 / (ctx.rank + 1))
+    if fail and ctx.rank == 1:
+        raise ValueError("rank 1 is broken")
+    return n * (ctx.rank + 1)
+'''
+
+ATTACH = '''
+import sys, nbtrain
+run = nbtrain.attach(sys.argv[1])
+try:
+    print(run.status, run.result(timeout=5).values, repr(run.logs(1)))
+except nbtrain.WorkerError as error:
+    print(run.status, "WorkerError", error.rank, str(error).splitlines()[0])
+'''
+
+
+@pytest.mark.slow
+def test_an_exported_run_is_a_run_directory_that_attach_reads(tmp_path, no_leftovers):
+    (tmp_path / "exported_work.py").write_text(EXPORTED)
+    import sys
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import exported_work
+        jobs = [nbtrain.export(exported_work.work, 21, fail=fail, to=tmp_path / name, devices=2, accelerator="cpu")
+                for name, fail in (("good", False), ("bad", True))]
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("exported_work", None)
+    (tmp_path / "exported_work.py").unlink()  # job.py carries the function's source: the module is not needed
+    env = {k: v for k, v in os.environ.items() if k != "NBTRAIN_RUN_DIR"}
+    ran = [subprocess.run(["bash", str(job / "run.sh")], capture_output=True, text=True, timeout=120, env=env)
+           for job in jobs]
+    assert ran[0].returncode == 0 and "rank 0 returned: 21" in ran[0].stdout, ran[0].stderr[-2000:]
+    assert "[rank 1] rank 1 works" in ran[0].stdout  # the terminal shows the run as launch does
+    assert ran[1].returncode == 1 and "ValueError: rank 1 is broken" in ran[1].stderr, ran[1].stderr[-2000:]
+    attached = [subprocess.run([sys.executable, "-c", ATTACH, str(job / "run")], capture_output=True, text=True,
+                               timeout=60).stdout.strip() for job in jobs]  # a fresh process, as a later kernel
+    assert attached[0] == "finished [21, 42] 'rank 1 works\\n'"
+    assert attached[1].startswith("failed WorkerError 1 "), attached[1]
+    [good] = nbtrain.runs(jobs[0])
+    assert (good["function"], good["status"], good["metrics"]) == ("work", "finished", "loss=1")
+    assert dill.loads((jobs[0] / "run" / "value.pkl").read_bytes()) == 21
+
+
 @pytest.mark.slow
 def test_a_submitted_cell_and_attach_magic_in_a_kernel(kernel, tmp_path):
     # The module's kernel lives to the module's end: the tests that check for leftovers come before.
@@ -362,3 +413,23 @@ def test_an_export_runs_as_a_slurm_batch_job(slurm, tmp_path):
     assert "rank 0 returned: {'weight': tensor(" in output, output[-2000:]
     value = dill.loads((job / "run" / "value.pkl").read_bytes())
     assert _same(value, nbtrain.launch(train, 3, devices=2, accelerator="cpu", progress=False).value)
+
+
+@pytest.mark.slow
+def test_a_slurm_run_reads_queued_until_its_ranks_job_runs(slurm, tmp_path):
+    # sbatch --hold: the ranks' job waits in the queue (JobHeldUser) until it is released.
+    run = nbtrain.submit(functools.partial(time.sleep, 2), devices=2, accelerator="cpu",
+                         cluster=nbtrain.Slurm(hold=True), run_dir=tmp_path / "run", progress=False)
+    supervisor = json.loads((run.dir / runlog.SUPERVISOR).read_text())["slurm_job"]
+    _wait_for(lambda: "JobHeldUser" in run.reason, 120, f"the ranks' job to be held: {run.reason!r}")
+    [ranks] = [job for job in slurm.jobs() if job != supervisor]
+    assert run.status == "queued"
+    assert run.reason == f"waiting for the ranks to start: SLURM job {ranks} waits in the queue: PENDING (JobHeldUser)"
+    time.sleep(2)  # still held, still queued: the supervisor's job runs, the ranks' does not
+    assert run.status == "queued" and session.slurm_state(supervisor) == "RUNNING"
+    subprocess.run(["scontrol", "release", ranks], env=slurm.env, check=True, capture_output=True)
+    _wait_for(lambda: run.status != "queued", 60, "the ranks' job to start")
+    assert run.status == "running" and run.reason == ""
+    assert run.result(timeout=120).values == [None, None] and run.status == "finished"
+    _wait_for(lambda: not slurm.jobs(), 60, f"both jobs to leave the queue: {slurm.jobs()}")
+

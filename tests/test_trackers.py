@@ -144,3 +144,21 @@ def test_tensorboard_on_slurm_ranks_reads_back_with_every_step(slurm, tmp_path, 
     start = HParamsPluginData.FromString(rank0.PluginTagToContent("hparams")["_hparams_/session_start_info"])
     hparams = start.session_start_info.hparams
     assert (hparams["steps"].number_value, hparams["world_size"].number_value) == (STEPS, 2)
+
+
+def test_a_tracked_launch_takes_a_directory_of_its_own_never_a_submits(tmp_path, monkeypatch, no_leftovers):
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    # What submits of a function of the same name made (this second and the next ones): the
+    # launch's default name is the same pattern, so it must take the next free one.
+    base, now = tmp_path / "nbtrain-runs", time.time()
+    taken = [base / f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(now + s))}-train" for s in range(30)]
+    for path in taken:
+        path.mkdir(parents=True)
+        (path / "status.json").write_text("{}")
+    result = nbtrain.launch(train, 2, trackers="tensorboard", devices=1, accelerator="cpu", progress=False)
+    assert result.values == [0]
+    assert all(sorted(os.listdir(path)) == ["status.json"] for path in taken), "a submit's directory was used"
+    [own] = set(base.iterdir()) - set(taken)
+    assert re.fullmatch(r"\d{8}-\d{6}-train-2", own.name) and (own / "tensorboard").is_dir(), own

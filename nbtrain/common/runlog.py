@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import time
 from pathlib import Path
 
 JOB = "job.pkl"  # the function and its arguments, pickled as launch ships them
@@ -38,6 +40,21 @@ def make_private_dir(path: Path) -> None:
                               "(or leave run_dir unset for a new one under ./nbtrain-runs/).")
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path, 0o700)
+
+
+def new_run_dir(base: Path, name: str, mode: int = 0o700) -> Path:
+    """A new directory `base/<time>-<name>` (then -2, -3... for one made in the same second),
+    each taken by an atomic mkdir: a submit and a tracked launch never share one."""
+    base.mkdir(parents=True, exist_ok=True)
+    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
+    for n in range(1, 1000):
+        path = base / (stem if n == 1 else f"{stem}-{n}")
+        try:
+            path.mkdir(mode=mode)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free run directory named {stem}-N under {base}")
 
 
 def write_whole(path: Path, data: bytes) -> None:

@@ -21,8 +21,12 @@ PROGRESS_INTERVAL = 1.0  # seconds between the logged updates of one bar
 
 
 class RunRecorder:
-    def __init__(self, run_dir: Path, attempt: int):
+    def __init__(self, run_dir: Path, attempt: int, queued=None, echo=None):
         self.dir, self.attempt = Path(run_dir), attempt
+        self.echo = echo  # a display that draws the run too (an exported job's terminal), or None
+        # Called with the state's `queued` (where a cluster holds the ranks; None once they run)
+        # each time it changes: the supervisor's status says "queued" until then.
+        self.queued, self._queued_seen = queued, ...
         self.run_events = runlog.EventLog(self.dir / runlog.EVENTS)
         self.logs: dict[int, runlog.EventLog] = {}
         self.vitals = VitalsSampler()
@@ -45,6 +49,8 @@ class RunRecorder:
 
     def start(self, state: RunState) -> None:
         self._write(None, "start", state.title, sorted(state.ranks), time.time())
+        if self.echo is not None:
+            self.echo.start(state)
         handle, fail, stop = state.handle, state.fail, state.stop
 
         # The state's own methods, recorded as they are called: every change the pool makes.
@@ -95,21 +101,32 @@ class RunRecorder:
 
     def note(self, text: str) -> None:
         self._write(None, "note", text)
+        if self.echo is not None:
+            self.echo.note(text)
 
     def output(self, rank, stream: str, text: str) -> None:
         self._write(rank, "output", stream, text)
+        if self.echo is not None:
+            self.echo.output(rank, stream, text)
 
     def update(self, state: RunState) -> None:
+        if self.queued is not None and state.queued != self._queued_seen:
+            self._queued_seen = state.queued
+            self.queued(state.queued)
         self._flush(due=PROGRESS_INTERVAL)
         self.vitals.maybe_sample(state)
         for vital in state.vitals[self._vitals_written:]:
             self._write(vital.rank, "vital", *vital[:1], *vital[2:])
         self._vitals_written = len(state.vitals)
+        if self.echo is not None:
+            self.echo.update(state)
 
     def finish(self, state: RunState, ok: bool) -> None:
         self._flush()
         self.update(state)
         self._write(None, "end", ok, time.time())
+        if self.echo is not None:
+            self.echo.finish(state, ok)
 
     def close(self) -> None:
         for log in (self.run_events, *self.logs.values()):

@@ -175,6 +175,7 @@ class RunState:
         self.version = 0  # bumped on every change, so a display redraws only when needed
         self.ended: float | None = None
         self.interrupted: set[int] = set()  # ranks interrupted by nbtrain (live ranks), not by their own fault
+        self.queued: str | None = None  # while an engine holds the ranks in its queue: where and why
 
     @property
     def elapsed(self) -> float:

@@ -22,6 +22,7 @@ import dill
 from ..common import runlog
 from ..common.pickling import ship_bytes
 from ..common.devices import plan_devices
+from ..common.errors import WorkerError
 from ..common.process_tree import become_subreaper, end_descendants
 from ..common.transfer import unpack_job
 from ..display.recorder import RunRecorder
@@ -69,17 +70,25 @@ def _in_process(options: dict, cluster) -> bool:
     return resolve_strategy(options["strategy"], plan)[0] in ("single", "dp")
 
 
-def main(run_dir: str) -> int:
+def main(run_dir: str, load=None, echo=None) -> int:
+    """Run the job in `run_dir` (run.json written there) to its end; 0 if it finished. `load()`
+    gives (fn, args, kwargs, objects) where the job is not job.pkl (an exported job's job.py);
+    `echo` is a display that draws the run as well (an exported job's terminal)."""
     # What the run's processes leave behind (orphans, a session of their own) comes to us, and
     # is ended with the run, however it ends.
     become_subreaper()
     try:
-        return _supervise(Path(run_dir))
+        return _supervise(Path(run_dir), load or (lambda: _load(Path(run_dir))), echo)
     finally:
         end_descendants()
 
 
-def _supervise(run_dir: Path) -> int:
+def _load(run_dir: Path) -> tuple:
+    fn, args, kwargs = unpack_job((run_dir / runlog.JOB).read_bytes())
+    return fn, args, kwargs, dill.loads((run_dir / runlog.OBJECTS).read_bytes())  # cluster, trackers, profile
+
+
+def _supervise(run_dir: Path, load, echo) -> int:
     # cancel() sends SIGTERM: the running launch takes it as a Ctrl-C, stops its ranks and cleans up.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     if os.environ.pop("NBTRAIN_SUPERVISOR_JOB", None):
@@ -91,14 +100,23 @@ def _supervise(run_dir: Path) -> int:
     status = Status(run_dir, spec["max_restarts"])
     os.environ["NBTRAIN_RUN_DIR"] = str(run_dir)  # ctx.run_dir, in every rank (their environment starts from ours)
     try:
-        fn, args, kwargs = unpack_job((run_dir / runlog.JOB).read_bytes())
-        objects = dill.loads((run_dir / runlog.OBJECTS).read_bytes())  # cluster, trackers, profile
+        fn, args, kwargs, objects = load()
         in_process = _in_process(spec["launch"], objects["cluster"])
     except BaseException as exc:
         return _failed(run_dir, status, exc, "the job could not be loaded")
+    cluster = objects["cluster"]
+
+    def queued(where: str | None) -> None:  # where the cluster holds the ranks; None once they run
+        if where is None:
+            status.set("running", reason="")
+        else:
+            status.set("queued", reason=f"waiting for the ranks to start: {where}")
+
     for attempt in range(spec["max_restarts"] + 1):
-        status.set("running", attempt=attempt)
-        recorder = RunRecorder(run_dir, attempt)
+        # On a cluster the run is queued until its ranks run (a SLURM job may wait for hours).
+        status.set("running" if cluster is None else "queued", attempt=attempt,
+                   reason="" if cluster is None else f"starting the ranks on {cluster.where()}")
+        recorder = RunRecorder(run_dir, attempt, queued=None if cluster is None else queued, echo=echo)
         streams = sys.stdout, sys.stderr
         if in_process:
             sys.stdout, sys.stderr = (_RankZeroOutput(name, stream, recorder)
@@ -112,7 +130,8 @@ def _supervise(run_dir: Path) -> int:
             return 1
         except Exception as error:  # a WorkerError; in the supervisor itself (single, dp), the code's own
             reason = why(error)
-            if attempt == spec["max_restarts"]:
+            # On a cluster only the ranks' failures restart (as in launch): a job SLURM refuses would only repeat.
+            if attempt == spec["max_restarts"] or cluster is not None and not isinstance(error, WorkerError):
                 return _failed(run_dir, status, error, reason)
             said = restarting(attempt, spec["max_restarts"], reason)
             recorder.note(said)

@@ -1,6 +1,6 @@
 """`export()`: a training function and the notebook code it needs, written as a directory that
-runs with no notebook: a readable `job.py`, `run.sh` (torchrun on this machine), `sbatch.sh`
-(SLURM) and `requirements.txt` (the versions in use).
+runs with no notebook: a readable `job.py`, `run.sh` (torchrun on this machine, under a
+submitted run's supervisor: `exported_job.py`), `sbatch.sh` (SLURM) and `requirements.txt`.
 
 The function, and the notebook's functions and classes it reads, are written as their source
 wherever the kernel still has it (IPython keeps each cell's); modules it reads become imports;
@@ -9,6 +9,7 @@ anything else (data, objects without source) is pickled next to the script, as `
 from __future__ import annotations
 
 import inspect
+import json
 import linecache
 import os
 import shlex
@@ -28,12 +29,14 @@ from ..rank.cell import CellJob
 from ..rank.exported import ARGUMENTS, VALUE
 
 NAMES = "names.pkl"  # what the code reads that has no source: pickled
+EXPORT = "export.json"  # for run.sh (`exported_job.py`): the function's name (None: a cell) and launch's settings
 ALWAYS = ("torch", "nbtrain", "dill")  # in requirements.txt whatever the code imports
 
 
 def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: int = 1, **kwargs) -> Path:
     """Write `fn(*args, **kwargs)` as a job directory at `to`: `bash run.sh` runs it with torchrun
-    on this machine (as many ranks as `devices` plans), `sbatch sbatch.sh` on SLURM; rank 0's
+    on this machine (as many ranks as `devices` plans), watched as a submitted run is, so
+    `nbtrain.attach(to / "run")` follows it; `sbatch sbatch.sh` runs it on SLURM. Rank 0's
     return value is printed and written to `run/value.pkl`. Returns the directory."""
     if not isinstance(fn, CellJob) and (not callable(fn) or not hasattr(fn, "__code__")):
         raise TypeError(f"export(fn=...) needs a Python function, got {type(fn).__name__}.")
@@ -50,12 +53,15 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
     if pickled:
         write_whole(where / NAMES, pickled)
     write_whole(where / ARGUMENTS, ship_bytes((args, kwargs)))
+    launch = {"strategy": "ddp", "devices": plan.nprocs, "accelerator": plan.accelerator, "num_nodes": 1,
+              "backend": None, "timeout": None, "launcher_options": None}  # run.sh: torchrun on this machine
+    write_whole(where / EXPORT, json.dumps({"function": None if isinstance(fn, CellJob) else fn.__name__,
+                                            "launch": launch}, indent=1).encode())
     _write(where / "job.py", script)
     nproc = plan.nprocs
     # The kernel's import path: modules the code imports from its directory (or a sys.path entry) are found.
     path = shlex.quote(os.pathsep.join(p or os.getcwd() for p in sys.path))
-    _write(where / "run.sh", RUN_SH.format(python=shlex.quote(sys.executable), nproc=nproc, path=path,
-                                           accelerator=plan.accelerator), executable=True)
+    _write(where / "run.sh", RUN_SH.format(python=shlex.quote(sys.executable), path=path), executable=True)
     _write(where / "sbatch.sh", SBATCH_SH.format(name=getattr(fn, "__name__", "cell"), nodes=plan.num_nodes, nproc=nproc,
                                                  path=path, python=shlex.quote(sys.executable), where=where,
                                                  gpus=f"#SBATCH --gpus-per-node={nproc}\n" if plan.accelerator == "gpu"
@@ -157,13 +163,14 @@ def _cell_script(job: CellJob, plan) -> str:
 
 
 RUN_SH = """#!/bin/bash
-# Runs job.py with torchrun on this machine; rank 0's return value is printed and written to run/.
+# Runs job.py with torchrun on this machine, watched as nbtrain.submit's runs are: run/ is its run
+# directory (nbtrain.attach("run") follows it from a notebook); rank 0's return value is printed
+# and written to run/value.pkl.
 set -euo pipefail
 cd "$(dirname "$0")"
-export NBTRAIN_RUN_DIR="${{NBTRAIN_RUN_DIR:-$PWD/run}}" NBTRAIN_ACCELERATOR={accelerator}
+export NBTRAIN_RUN_DIR="${{NBTRAIN_RUN_DIR:-$PWD/run}}"
 export PYTHONPATH={path}"${{PYTHONPATH:+:$PYTHONPATH}}"
-# --log-dir: torchrun's logs stay in run/ (without it, each run leaves a /tmp/torchelastic_* behind)
-exec {python} -m torch.distributed.run --standalone --nproc-per-node {nproc} --log-dir run/torchrun job.py
+exec {python} -P -c 'import sys; from nbtrain.notebook.exported_job import main; sys.exit(main(sys.argv[1]))' "$PWD"
 """
 
 SBATCH_SH = """#!/bin/bash

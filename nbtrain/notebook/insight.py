@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import inspect
 import os
-import time
+from pathlib import Path
 
+from ..common.runlog import new_run_dir
 from ..rank.instrument import Instrumented
 from ..rank.profiling import Profile
 from ..rank.trackers import MLflow, check_trackers
@@ -25,9 +26,11 @@ def instrument(fn, args: tuple, kwargs: dict, *, trackers, profile, run_dir, pla
             check_run_dir(run_dir)
         return fn
     name = _name(fn)
-    run_dir = os.path.abspath(check_run_dir(run_dir) if run_dir is not None
-                              else os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"))
-    os.makedirs(run_dir, exist_ok=True)
+    if run_dir is None:  # a new one, never another run's (a submit's, or a launch's in the same second)
+        run_dir = str(new_run_dir(Path(RUNS).absolute(), name, mode=0o777))
+    else:
+        run_dir = os.path.abspath(check_run_dir(run_dir))
+        os.makedirs(run_dir, exist_ok=True)
     # The URI as this notebook has it: ranks elsewhere (a cluster) may not share its environment.
     trackers = tuple(MLflow(os.environ.get("MLFLOW_TRACKING_URI"), t.experiment, t.run_name)
                      if isinstance(t, MLflow) and t.tracking_uri is None and os.environ.get("MLFLOW_TRACKING_URI")

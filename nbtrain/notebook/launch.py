@@ -5,6 +5,7 @@ import threading
 from typing import Callable
 
 from ..common.devices import DevicePlan, plan_devices
+from ..common.errors import WorkerError
 from ..common.preflight import fork_blocker
 from ..display import make_display
 from ..placements.base import Job
@@ -131,14 +132,11 @@ def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
         raise TypeError(f"launch(fn=...) needs a callable training function, got {type(fn).__name__}.")
     check_timeout(timeout)
     check_restarts(max_restarts)
-    if cluster is not None and max_restarts:
-        raise ValueError(f"max_restarts={max_restarts} with cluster={cluster!r}: restarts are for ranks on this "
-                         "machine here; nbtrain.submit(..., cluster=..., max_restarts=N) restarts a cluster run.")
     insight = {"trackers": trackers, "profile": profile, "run_dir": run_dir}
     if cluster is not None:
         return launch_on(cluster, fn, args, kwargs, strategy=strategy, devices=devices, accelerator=accelerator,
                          num_nodes=num_nodes, backend=backend, timeout=timeout, progress=progress,
-                         launcher_options=launcher_options, **insight)
+                         launcher_options=launcher_options, max_restarts=max_restarts, **insight)
     plan = plan_devices(devices, accelerator, backend, num_nodes)
     name, note = resolve_strategy(strategy, plan)
     fn = instrument(fn, args, kwargs, plan=plan, strategy=name, **insight)
@@ -197,8 +195,9 @@ def run_once(launcher, job: Job, display) -> Result:
 
 def launch_on(cluster, fn, args: tuple, kwargs: dict, *, strategy: str, devices, accelerator: str, num_nodes: int,
               backend: str | None, timeout: float | None, progress, launcher_options: dict | None,
-              trackers=None, profile=None, run_dir=None):
-    """`launch(..., cluster=...)`: the same run, its ranks placed by the cluster's engine."""
+              trackers=None, profile=None, run_dir=None, max_restarts: int = 0):
+    """`launch(..., cluster=...)`: the same run, its ranks placed by the cluster's engine. A restart
+    is a new placement (a new SLURM job, new Ray actors); the failed one is gone before it starts."""
     cluster = check_cluster(cluster)
     if strategy not in CLUSTER_STRATEGIES:
         raise ValueError(f"strategy={strategy!r} with cluster={cluster!r}: the engine starts the ranks, each a process "
@@ -211,5 +210,9 @@ def launch_on(cluster, fn, args: tuple, kwargs: dict, *, strategy: str, devices,
     strategy = "ddp" if strategy == "auto" else strategy
     fn = instrument(fn, args, kwargs, trackers=trackers, profile=profile, run_dir=run_dir, plan=plan, strategy=strategy)
     display = make_display(progress)
-    job = ClusterJob(fn, args, kwargs, plan, strategy, timeout)
-    return run_once(cluster.placement(), job, display)
+
+    def attempt() -> Result:  # run_once returns once the engine let go of the ranks (the job left the queue)
+        return run_once(cluster.placement(), ClusterJob(fn, args, kwargs, plan, strategy, timeout), display)
+
+    # Only the ranks' failures restart: the engine's refusals (a job that can never start) would only repeat.
+    return with_restarts(attempt, max_restarts, display, only=WorkerError)

@@ -1,7 +1,8 @@
 """Restarts (`max_restarts=N`): when an attempt fails, all ranks start again, up to N times
 (torch elastic's model). The code resumes from its own last checkpoint; a submitted run keeps
-it in `ctx.run_dir`. `launch` restarts here; a submitted run's supervisor (`detached.py`) too,
-attempt by attempt, with its status written in between."""
+it in `ctx.run_dir`. `launch` restarts here (on a cluster, each attempt is a new job or new
+actors); a submitted run's supervisor (`detached.py`) too, attempt by attempt, with its status
+written in between."""
 from __future__ import annotations
 
 from typing import Callable
@@ -28,14 +29,15 @@ def restarting(attempt: int, max_restarts: int, reason: str) -> str:
     return f"restarting ({attempt + 1} of {max_restarts}): {reason}"
 
 
-def with_restarts(run: Callable[[], Result], max_restarts: int, display) -> Result:
-    """`run()` until it returns, at most 1 + `max_restarts` times; the Result says why each restart."""
+def with_restarts(run: Callable[[], Result], max_restarts: int, display, only=Exception) -> Result:
+    """`run()` until it returns, at most 1 + `max_restarts` times; the Result says why each restart.
+    Errors that are not `only` end it at once (a cluster job that can never start)."""
     reasons: list[str] = []
     for attempt in range(max_restarts + 1):
         try:
             result = run()
         except Exception as error:  # a WorkerError; the code's own exception where it ran in this process
-            if attempt == max_restarts:
+            if attempt == max_restarts or not isinstance(error, only):
                 raise
             reasons.append(why(error))
             display.note(restarting(attempt, max_restarts, reasons[-1]))

@@ -3,7 +3,6 @@ supervisor in its own session (`detached.py`) runs it; the returned `Run` follow
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -78,7 +77,8 @@ def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     os.close(os.open(where / runlog.SUPERVISOR_LOG, os.O_WRONLY | os.O_CREAT, 0o600))  # private, as the rest
     # The kernel's import path, as the warm template gets it: the job's functions may come from
     # modules that only it can import (its directory, a sys.path.append).
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
+           **(cluster.supervisor_environ() if cluster is not None else {})}
     supervise = [sys.executable, "-P", "-c", _SUPERVISE, str(where)]
     if isinstance(cluster, Slurm):
         who = _supervisor_job(where, cluster, supervise, env, max_restarts)
@@ -108,17 +108,7 @@ def _supervisor_job(where: Path, cluster, supervise: list[str], env: dict, max_r
 
 
 def _new_run_dir(name: str) -> Path:
-    base = Path(RUNS).absolute()
-    base.mkdir(exist_ok=True)
-    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
-    for n in range(1, 1000):
-        path = base / (stem if n == 1 else f"{stem}-{n}")
-        try:
-            path.mkdir(mode=0o700)  # atomic: a directory another run made first is not taken
-            return path
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no free run directory named {stem}-N under {base}")
+    return runlog.new_run_dir(Path(RUNS).absolute(), name)
 
 
 def _given_run_dir(run_dir) -> Path:

@@ -106,6 +106,7 @@ class Supervisor:
         self._closed_at: dict[int, float] = {}  # remote ranks whose connection closed without a reply
         self._queued = 0.0  # seconds the ranks waited in an engine's queue (not counted by timeouts)
         self._queued_since: float | None = None
+        self._placement_line = ""  # the engine's latest word on where the ranks are (a SLURM job's state)
         self._interrupted_at: dict[int, str] = {}  # rank: its traceback when our interrupt reached it
 
     @property
@@ -266,6 +267,11 @@ class Supervisor:
             waiting = waiting or queued
             if line:  # a new line only: the process says each once
                 self.display.note(line)
+                self._placement_line = line
+        held = (self._placement_line or "the cluster places the ranks") if waiting else None
+        if held != self.state.queued:  # a submitted run's status reads "queued" while this is set
+            self.state.queued = held
+            self.state.version += 1
         now = time.monotonic()
         if waiting and self._queued_since is None:
             self._queued_since = now

@@ -55,6 +55,11 @@ class Cluster:
         """The engine and its settings, in words (shown in the run's title)."""
         return self.engine
 
+    def supervisor_environ(self) -> dict[str, str]:
+        """What a submitted run's supervisor (another process) needs in its environment to reach
+        the cluster this kernel uses."""
+        return {}
+
 
 @dataclass(frozen=True)
 class ClusterPlan(DevicePlan):

@@ -13,6 +13,7 @@ resolved arguments, so all ranks agree on the master and on who shares a node.
 from __future__ import annotations
 
 import socket
+import sys
 import time
 import uuid
 
@@ -85,6 +86,15 @@ class Ray(Cluster):
 
     def placement(self) -> "RayPlacement":
         return RayPlacement(self)
+
+    def supervisor_environ(self) -> dict[str, str]:
+        # address=None is this kernel's Ray: the supervisor joins it by address, where its own
+        # ray.init() would start a second Ray on this machine, competing for its CPUs and GPUs.
+        ray = sys.modules.get("ray")  # not imported: this kernel has no Ray to share
+        if self.address is not None or ray is None or not ray.is_initialized():
+            return {}
+        address = getattr(ray.get_runtime_context(), "gcs_address", None)
+        return {"RAY_ADDRESS": address} if address else {}
 
     def __repr__(self) -> str:
         given = {"address": self.address, "num_workers": self.num_workers, "use_gpu": self.use_gpu or None,

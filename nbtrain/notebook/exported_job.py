@@ -1,0 +1,57 @@
+"""`bash run.sh` of an exported job (`export.py`): the job run by a submitted run's supervisor
+(`detached.py`) in this process, so its `run/` directory is a run directory as `submit` writes
+it (status, events, result or error) and `nbtrain.attach(run_dir)` follows it. The ranks run
+under torchrun (`launch`'s strategy 'ddp'); the terminal shows the run as `launch` prints it.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import time
+from pathlib import Path
+
+import dill
+
+from ..common import runlog, session
+from ..common.pickling import ship_bytes
+from ..display import make_display
+from ..rank.cell import CellJob
+from ..rank.exported import ARGUMENTS, VALUE
+from . import detached
+from .export import EXPORT, NAMES
+
+# What a run of the job writes in its run directory; an earlier run's are removed first (the
+# code's own files there, its checkpoints, are kept: it resumes from them).
+OWN = (runlog.SPEC, runlog.STATUS, runlog.EVENTS, runlog.RESULT, runlog.ERROR, runlog.SUPERVISOR, VALUE)
+
+
+def main(here: str) -> int:
+    here = Path(here).absolute()
+    plan = runlog.read_json(here / EXPORT)
+    run_dir = Path(os.environ.get("NBTRAIN_RUN_DIR") or here / "run").absolute()
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for old in [*(run_dir / name for name in OWN), *run_dir.glob(runlog.rank_events("*"))]:
+        old.unlink(missing_ok=True)
+    runlog.write_json(run_dir / runlog.SPEC, {"function": plan["function"] or "cell", "started": time.time(),
+                                              "max_restarts": 0, "launch": plan["launch"]})
+    runlog.write_json(run_dir / runlog.STATUS, {"status": "queued", "restarts": [], "max_restarts": 0})
+    runlog.write_json(run_dir / runlog.SUPERVISOR, session.identity(os.getpid()))  # for Run.cancel, and "alive"
+    code = detached.main(str(run_dir), lambda: _load(here, plan["function"]), echo=make_display(True))
+    if code == 0:
+        value = dill.loads((run_dir / runlog.RESULT).read_bytes()).value
+        runlog.write_whole(run_dir / VALUE, ship_bytes(value))
+        print(f"rank 0 returned: {value!r}", flush=True)
+    return code
+
+
+def _load(here: Path, name: str | None) -> tuple:
+    """(fn, args, kwargs, objects) from job.py, run as a module of no importable name: its
+    functions travel to the ranks by value, as a notebook's do."""
+    script = runpy.run_path(str(here / "job.py"), run_name="__nbtrain_job__")
+    if name is None:  # a cell: its source, the imports it needs, the names it read (pickled)
+        names = here / NAMES
+        fn = CellJob(script["CELL"], script["IMPORTS"], names.read_bytes() if names.exists() else None)
+    else:
+        fn = script[name]
+    args, kwargs = dill.loads((here / ARGUMENTS).read_bytes())
+    return fn, args, kwargs, {"cluster": None, "trackers": None, "profile": None}
