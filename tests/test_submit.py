@@ -237,11 +237,13 @@ def test_a_one_device_run_in_the_supervisor_keeps_rank_0_output(tmp_path, no_lef
 
 
 EXPORTED = '''
+import time
 import nbtrain
 
-def work(n, fail=False):
+def work(n, fail=False, wait=0):
     ctx = nbtrain.context()
-    print("rank", ctx.rank, "works")
+    print("rank", ctx.rank, "works", flush=True)
+    time.sleep(wait)
     ctx.log("loss", 1.0 / (ctx.rank + 1))
     if fail and ctx.rank == 1:
         raise ValueError("rank 1 is broken")
@@ -265,25 +267,43 @@ def test_an_exported_run_is_a_run_directory_that_attach_reads(tmp_path, no_lefto
     sys.path.insert(0, str(tmp_path))
     try:
         import exported_work
-        jobs = [nbtrain.export(exported_work.work, 21, fail=fail, to=tmp_path / name, devices=2, accelerator="cpu")
-                for name, fail in (("good", False), ("bad", True))]
+        jobs = [nbtrain.export(exported_work.work, 21, fail=fail, wait=wait, to=tmp_path / name, devices=2,
+                               accelerator="cpu") for name, fail, wait in (("good", False, 0), ("bad", True, 0),
+                                                                           ("stopped", False, 120))]
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("exported_work", None)
     (tmp_path / "exported_work.py").unlink()  # job.py carries the function's source: the module is not needed
     env = {k: v for k, v in os.environ.items() if k != "NBTRAIN_RUN_DIR"}
     ran = [subprocess.run(["bash", str(job / "run.sh")], capture_output=True, text=True, timeout=120, env=env)
-           for job in jobs]
+           for job in jobs[:2]]
     assert ran[0].returncode == 0 and "rank 0 returned: 21" in ran[0].stdout, ran[0].stderr[-2000:]
     assert "[rank 1] rank 1 works" in ran[0].stdout  # the terminal shows the run as launch does
     assert ran[1].returncode == 1 and "ValueError: rank 1 is broken" in ran[1].stderr, ran[1].stderr[-2000:]
     attached = [subprocess.run([sys.executable, "-c", ATTACH, str(job / "run")], capture_output=True, text=True,
                                timeout=60).stdout.strip() for job in jobs]  # a fresh process, as a later kernel
     assert attached[0] == "finished [21, 42] 'rank 1 works\\n'"
+    with pytest.raises(ValueError, match=r"was run by an exported job's run.sh.*the exported directory \(.*good\) is the job"):
+        nbtrain.attach(jobs[0] / "run").export(tmp_path / "again")
     assert attached[1].startswith("failed WorkerError 1 "), attached[1]
     [good] = nbtrain.runs(jobs[0])
     assert (good["function"], good["status"], good["metrics"]) == ("work", "finished", "loss=1")
     assert dill.loads((jobs[0] / "run" / "value.pkl").read_bytes()) == 21
+
+    # Ctrl-C in the terminal that runs run.sh: the run reads cancelled, saying so, and nothing is left.
+    stopped = subprocess.Popen(["bash", str(jobs[2] / "run.sh")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=env, start_new_session=True)
+    try:
+        for line in stopped.stdout:
+            if "rank 1 works" in line:
+                break
+        os.killpg(stopped.pid, signal.SIGINT)  # the terminal's Ctrl-C: its whole process group
+        stopped.communicate(timeout=60)
+    finally:
+        if stopped.poll() is None:
+            os.killpg(stopped.pid, signal.SIGKILL)
+    run = nbtrain.attach(jobs[2] / "run")
+    assert (run.status, run.reason) == ("cancelled", "interrupted (Ctrl-C)")
 
 
 @pytest.mark.slow

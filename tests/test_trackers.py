@@ -34,24 +34,29 @@ def train(steps, lr=0.5):
     return ctx.rank
 
 
-@pytest.mark.slow
-def test_tensorboard_files_read_back_with_every_step(tmp_path, no_leftovers):
+def _tensorboard_of_train(run_dir):
+    """What `train` wrote, read back by TensorBoard's own reader: every step, the synced value
+    once; the hyper-parameters returned."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
-    result = nbtrain.launch(train, STEPS, trackers="tensorboard", run_dir=tmp_path, **CPU2)
-    assert result.values == [0, 1]
-    rank0 = EventAccumulator(str(tmp_path / "tensorboard"))
+    rank0 = EventAccumulator(str(run_dir / "tensorboard"))
     rank0.Reload()
-    rank1 = EventAccumulator(str(tmp_path / "tensorboard" / "rank1"))
+    rank1 = EventAccumulator(str(run_dir / "tensorboard" / "rank1"))
     rank1.Reload()
     assert [e.step for e in rank0.Scalars("loss/rank0")] == list(range(STEPS))
     assert [e.value for e in rank1.Scalars("loss/rank1")] == pytest.approx([0.5 / (i + 1) + 1 for i in range(STEPS)])
     assert [e.value for e in rank0.Scalars("score")] == [0.5]  # synced: written once, by rank 0
     assert "score" not in rank1.Tags()["scalars"] and "loss/rank0" not in rank1.Tags()["scalars"]
-    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
-
     start = HParamsPluginData.FromString(rank0.PluginTagToContent("hparams")["_hparams_/session_start_info"])
-    hparams = start.session_start_info.hparams
+    return start.session_start_info.hparams
+
+
+@pytest.mark.slow
+def test_tensorboard_files_read_back_with_every_step(tmp_path, no_leftovers):
+    result = nbtrain.launch(train, STEPS, trackers="tensorboard", run_dir=tmp_path, **CPU2)
+    assert result.values == [0, 1]
+    hparams = _tensorboard_of_train(tmp_path)
     assert (hparams["steps"].number_value, hparams["lr"].number_value) == (STEPS, 0.5)
     assert (hparams["strategy"].string_value, hparams["world_size"].number_value) == ("ddp_fork", 2)
 
@@ -126,23 +131,10 @@ def test_a_tracker_that_cannot_write_fails_the_run_with_its_reason(tmp_path, no_
 @pytest.mark.slow
 def test_tensorboard_on_slurm_ranks_reads_back_with_every_step(slurm, tmp_path, no_leftovers):
     """Ranks that SLURM started write the run directory's event files themselves, as local ranks do."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     result = nbtrain.launch(train, STEPS, devices=2, accelerator="cpu", cluster=nbtrain.Slurm(), trackers="tensorboard",
                             run_dir=tmp_path, progress=False, timeout=150)
     assert result.values == [0, 1]
-    rank0 = EventAccumulator(str(tmp_path / "tensorboard"))
-    rank0.Reload()
-    rank1 = EventAccumulator(str(tmp_path / "tensorboard" / "rank1"))
-    rank1.Reload()
-    assert [e.step for e in rank0.Scalars("loss/rank0")] == list(range(STEPS))
-    assert [e.value for e in rank1.Scalars("loss/rank1")] == pytest.approx([0.5 / (i + 1) + 1 for i in range(STEPS)])
-    assert [e.value for e in rank0.Scalars("score")] == [0.5]  # synced: written once, by rank 0
-    assert "score" not in rank1.Tags()["scalars"] and "loss/rank0" not in rank1.Tags()["scalars"]
-    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
-
-    start = HParamsPluginData.FromString(rank0.PluginTagToContent("hparams")["_hparams_/session_start_info"])
-    hparams = start.session_start_info.hparams
+    hparams = _tensorboard_of_train(tmp_path)
     assert (hparams["steps"].number_value, hparams["world_size"].number_value) == (STEPS, 2)
 
 

@@ -89,8 +89,16 @@ def _load(run_dir: Path) -> tuple:
 
 
 def _supervise(run_dir: Path, load, echo) -> int:
-    # cancel() sends SIGTERM: the running launch takes it as a Ctrl-C, stops its ranks and cleans up.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # cancel() sends SIGTERM (scancel too): the running launch takes it as a Ctrl-C, stops its
+    # ranks and cleans up. Which of the two it was is kept, for the status's reason.
+    signals: list[int] = []
+
+    def interrupted(signum, frame):
+        signals.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
     if os.environ.pop("NBTRAIN_SUPERVISOR_JOB", None):
         # A SLURM batch job of its own: the ranks' job it submits must not inherit this one's
         # settings (srun reads SLURM_CPUS_PER_TASK, SLURM_NTASKS... from its environment).
@@ -126,7 +134,8 @@ def _supervise(run_dir: Path, load, echo) -> int:
                             **kwargs)
         except KeyboardInterrupt:
             recorder.note("cancelled")
-            status.set("cancelled", reason="cancelled by Run.cancel()")
+            status.set("cancelled", reason="interrupted (Ctrl-C)" if signals[:1] == [signal.SIGINT]
+                       else "cancelled by Run.cancel() (SIGTERM)")
             return 1
         except Exception as error:  # a WorkerError; in the supervisor itself (single, dp), the code's own
             reason = why(error)

@@ -21,7 +21,9 @@ def why(error: Exception) -> str:
     """One line: "rank 1 failed: exited with code 1", or, for code that ran in this process, the
     exception's first line."""
     if isinstance(error, WorkerError):
-        return f"rank {error.rank} failed: {error.summary.splitlines()[0] if error.summary else ''}"
+        said = error.summary.splitlines()[0] if error.summary else ""
+        # "rank 1 ended without a reply: ..." names its rank already
+        return said if said.startswith(f"rank {error.rank} ") else f"rank {error.rank} failed: {said}"
     return f"{type(error).__name__}: {error}".splitlines()[0]
 
 

@@ -116,6 +116,9 @@ class Run:
 
     def export(self, path) -> Path:
         """This run's job as a directory that runs with no notebook (see `nbtrain.export`)."""
+        if not (self.dir / runlog.JOB).is_file():
+            raise ValueError(f"{self.dir} was run by an exported job's run.sh, which keeps no job of its own: "
+                             f"the exported directory ({self.dir.parent}) is the job; copy it instead.")
         fn, args, kwargs = load_job((self.dir / runlog.JOB).read_bytes())
         options = self.spec["launch"]
         return export(fn, *args, to=path, devices=options["devices"], accelerator=options["accelerator"],
