@@ -162,7 +162,8 @@ def save(ctx, path, objects: dict) -> None:
     _barrier(group)
     try:
         with _single_process_is_meant():
-            dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=group is None)
+            dcp.save(state, checkpoint_id=partial, storage_writer=_writer(partial), process_group=group,
+                     no_dist=group is None)
     except _FAILURES as exc:  # every rank hears of every rank's failure: each cleans up and says it
         error = _explain(exc, "save", path, partial, ctx.rank)
         shutil.rmtree(partial, ignore_errors=True)  # a partial save only fills the disk
@@ -233,6 +234,34 @@ def _explain(exc: BaseException, verb: str, path: str, written: str, rank: int) 
     else:
         message = f"save_checkpoint: writing {path} failed ({who}): {_brief(first)}"
     return CheckpointError(message, code, path, {r: _brief(e) for r, e in failures.items()})
+
+
+def _writer(partial: str):
+    """DCP's file writer, saying ENOSPC where torch's zip writer loses it ("file write failed"):
+    judged by the rank that failed, while its disk is still full. The other ranks hear of the
+    failure only after DCP gathers it, by when a rank may have removed the partial save."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        def write_data(self, plan, planner):
+            with _full_disk_named(partial):
+                return super().write_data(plan, planner)
+
+        def finish(self, metadata, results):
+            with _full_disk_named(partial):
+                return super().finish(metadata, results)
+
+    return Writer(partial)
+
+
+@contextlib.contextmanager
+def _full_disk_named(path: str):
+    try:
+        yield
+    except Exception as exc:
+        if not (isinstance(exc, OSError) and exc.strerror) and _nearly_full(path):
+            raise OSError(errnos.ENOSPC, os.strerror(errnos.ENOSPC), path) from exc
+        raise
 
 
 def _nearly_full(path: str) -> bool:
