@@ -15,6 +15,8 @@ import re
 import time
 from pathlib import Path
 
+from .private import write_private
+
 JOB = "job.pkl"  # the function and its arguments, pickled as launch ships them
 OBJECTS = "launch.pkl"  # launch's settings that are objects: cluster, trackers, profile
 SPEC = "run.json"  # what was asked: function, devices, strategy, max_restarts, when
@@ -58,21 +60,8 @@ def new_run_dir(base: Path, name: str, mode: int = 0o700) -> Path:
 
 
 def write_whole(path: Path, data: bytes) -> None:
-    """Write `data` to `path` as a whole: to a temporary name first, then renamed over it."""
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data) if len(data) < (1 << 20) else _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temp, path)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    """Write `data` to `path` as a whole, 0600 (`private.write_private`): IncompleteWrite if not."""
+    write_private(path, data)
 
 
 def write_json(path: Path, value: dict) -> None:

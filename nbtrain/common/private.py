@@ -1,0 +1,151 @@
+"""Files nbtrain writes, and reads back, on a machine shared with other people.
+
+Written: whole or not at all (a temporary name beside the target, every byte checked, fsync,
+rename), 0600 in a 0700 directory whatever the umask. Read back: only from a file this user
+owns, reached through no symbolic link, since a pickle read from someone else's file runs their
+code as you. Every file of a run directory, a job directory and a tracked launch's directory
+goes through here.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from pathlib import Path
+
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+class IncompleteWrite(OSError):
+    """A file could not be written whole; the target was left as it was."""
+
+    def __init__(self, path: Path, error: OSError, wrote: int, size: int):
+        reason = (error.strerror or str(error)).lower()
+        super().__init__(error.errno, f"{path.name}: {reason} (wrote {wrote:,} of {size:,} bytes)")
+        self.path, self.wrote, self.size = path, wrote, size
+
+    def __reduce__(self):  # crosses processes: rebuilt from its parts
+        return _rebuild, (self.path, self.errno, self.strerror, self.wrote, self.size)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _rebuild(path, code, text, wrote, size):
+    error = IncompleteWrite.__new__(IncompleteWrite)
+    OSError.__init__(error, code, text)
+    error.path, error.wrote, error.size = path, wrote, size
+    return error
+
+
+class NotYours(PermissionError):
+    """A path that is not this user's own, or is reached through a symbolic link."""
+
+
+def check_own(path: Path, what: str = "") -> os.stat_result:
+    """lstat `path`: refuse a symbolic link and anything another user owns (NotYours)."""
+    info = os.lstat(path)
+    name = f"{what} {str(path)!r}" if what else repr(str(path))
+    if stat.S_ISLNK(info.st_mode):
+        raise NotYours(errno.EPERM, f"{name} is a symbolic link; nbtrain reads and writes run files only in "
+                                    "directories it made, never through a link: give the real path")
+    if info.st_uid != os.geteuid():
+        raise NotYours(errno.EPERM, f"{name} belongs to {_user(info.st_uid)}, not to you; nbtrain reads "
+                                    "back only its own files (one made by another user could run code as you)")
+    return info
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"user {pwd.getpwuid(uid).pw_name!r} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def private_dir(path: Path, *, exist_ok: bool = True) -> Path:
+    """`path` as a directory only this user can enter: made 0700 (missing parents too, with
+    their usual mode), or, if it exists, checked as ours and no link, then set to 0700."""
+    path = Path(path)
+    try:
+        path.mkdir(mode=DIR_MODE, parents=True)
+    except FileExistsError:
+        if not exist_ok:
+            raise
+        if not stat.S_ISDIR(check_own(path, "directory").st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, f"{str(path)!r} exists and is not a directory") from None
+    os.chmod(path, DIR_MODE)  # mkdir's mode passes through the umask; an old directory may be wider
+    return path
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write `data` to `path` (0600) whole: to a temporary name first, every byte checked,
+    fsynced, then renamed over `path`. If any of it fails, `path` is as it was, the temporary
+    file is gone, and IncompleteWrite says how far it got and why."""
+    path = Path(path)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    view, wrote = memoryview(data), 0
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+    except OSError as error:
+        raise IncompleteWrite(path, error, 0, len(data)) from error
+    try:
+        os.fchmod(fd, FILE_MODE)  # a leftover temporary file of ours may have another mode
+        while wrote < len(data):
+            wrote += os.write(fd, view[wrote:])
+        os.fsync(fd)
+    except OSError as error:
+        os.close(fd)
+        _unlink(temp)
+        raise IncompleteWrite(path, error, wrote, len(data)) from error
+    os.close(fd)
+    try:
+        os.replace(temp, path)
+    except OSError as error:
+        _unlink(temp)
+        raise IncompleteWrite(path, error, wrote, len(data)) from error
+
+
+def write_private_json(path: Path, value) -> None:
+    write_private(path, json.dumps(value, indent=1).encode())
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def read_own(path: Path) -> bytes:
+    """The bytes of `path`, a file this user owns and reached through no link (NotYours else)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as error:
+        if error.errno == errno.ELOOP:  # O_NOFOLLOW met a link: say so as check_own does
+            check_own(path)
+        raise
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            check_own(path)  # raises, naming the owner
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_own_json(path: Path):
+    """`path`'s JSON, read as `read_own` reads; a damaged file is a ValueError naming it."""
+    data = read_own(path)
+    try:
+        return json.loads(data)
+    except ValueError as error:
+        raise ValueError(f"{str(path)!r} is damaged (not JSON: {error}); "
+                         f"{len(data):,} bytes, {'empty' if not data else 'cut or overwritten'}") from None
