@@ -53,7 +53,7 @@ def make_private_dir(path: Path, what: str) -> None:
     """Create `path` (0700); refuse a link, another user's directory, and one with anything in
     it (two runs never share), before anything is written there."""
     if os.path.lexists(path):
-        check_own(path, f"{what}=")
+        check_own(path, what)
         if not path.is_dir() or any(path.iterdir()):
             raise FileExistsError(f"{what}={str(path)!r} exists and is not empty; give a new or empty directory.")
     private_dir(path)

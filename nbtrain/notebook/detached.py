@@ -121,6 +121,9 @@ def main(run_dir: str, load=None, echo=None) -> int:
     except (OSError, ValueError) as error:
         _say(f"nbtrain: the run cannot start: {error}")
         return 3
+    # Its first line (on most file systems this also takes the block the later ones go to, so a
+    # disk that fills during the run still has room for why the run ended).
+    _say(f"nbtrain: the supervisor ({f'SLURM job {job}' if job else f'pid {os.getpid()}'}) runs the job in {run_dir}")
     # What the run's processes leave behind (orphans, a session of their own) comes to us, and
     # is ended with the run, however it ends.
     become_subreaper()

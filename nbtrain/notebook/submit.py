@@ -153,7 +153,7 @@ def _given_run_dir(run_dir) -> Path:
                         "under ./nbtrain-runs/.")
     path = Path(run_dir).absolute()
     if os.path.lexists(path):
-        check_own(path, "run_dir=")
+        check_own(path, "run_dir")
         if not path.is_dir() or any(path.iterdir()):
             raise FileExistsError(f"run_dir={str(run_dir)!r} exists and is not empty; give a new or empty directory "
                                   "(or leave run_dir unset for a new one under ./nbtrain-runs/).")
