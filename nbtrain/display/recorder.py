@@ -61,8 +61,9 @@ class RunRecorder:
         try:
             self._log(rank).write(self.attempt, kind, rank, *payload)
         except OSError as error:  # the run goes on without its logs: never the training's failure
+            name = runlog.EVENTS if rank is None else runlog.rank_events(rank)
             self.stopped = str(error) if isinstance(error, runlog.IncompleteWrite) else \
-                f"{runlog.rank_events(rank) if rank is not None else runlog.EVENTS}: {error.strerror or error}"
+                f"{name}: {(error.strerror or str(error)).lower()}"
             if self.on_stop is not None:
                 self.on_stop(self.stopped)
             if self.echo is not None:

@@ -60,7 +60,7 @@ class Status:
         """The recorder's logs stopped: said in status.json now if it can be written (else with
         its next change), and in supervisor.log; never an error, the training goes on."""
         self.value["events_stopped"] = reason
-        _say(f"nbtrain: event logging stopped ({reason}); the run goes on")
+        _say(f"nbtrain note: event logging stopped ({reason}); the run goes on")
         try:
             runlog.write_json(self.path, self.value)
         except OSError:
@@ -68,7 +68,9 @@ class Status:
 
 
 def _say(line: str) -> None:
-    """A line in supervisor.log (our stderr), if the disk takes it."""
+    """A line in supervisor.log (our stderr), if the disk takes it. Lines that say why the run
+    ended begin "nbtrain: " (`Run` quotes the last one when the supervisor has gone); others
+    "nbtrain note: "."""
     try:
         os.write(2, (line + "\n").encode())
     except OSError:
@@ -123,7 +125,8 @@ def main(run_dir: str, load=None, echo=None) -> int:
         return 3
     # Its first line (on most file systems this also takes the block the later ones go to, so a
     # disk that fills during the run still has room for why the run ended).
-    _say(f"nbtrain: the supervisor ({f'SLURM job {job}' if job else f'pid {os.getpid()}'}) runs the job in {run_dir}")
+    _say(f"nbtrain note: the supervisor ({f'SLURM job {job}' if job else f'pid {os.getpid()}'}) runs the job in "
+         f"{run_dir}")
     # What the run's processes leave behind (orphans, a session of their own) comes to us, and
     # is ended with the run, however it ends.
     become_subreaper()

@@ -315,7 +315,11 @@ class Run:
         self._watcher.start()
 
     def __repr__(self) -> str:
-        return f"Run({str(self.dir)!r}, function={self.function!r}, status={self.status!r})"
+        try:
+            status = self.status
+        except (ValueError, OSError):  # said by .status itself; a repr stays a repr
+            status = "damaged"
+        return f"Run({str(self.dir)!r}, function={self.function!r}, status={status!r})"
 
 
 def attach(run_dir, progress=True) -> Run:
