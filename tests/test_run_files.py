@@ -176,7 +176,7 @@ def train_nothing():
     return None
 
 
-def test_submit_into_a_link_is_refused_and_writes_nothing(tmp_path):
+def test_submit_or_export_into_a_link_is_refused_and_writes_nothing(tmp_path):
     target = tmp_path / "target"
     target.mkdir()
     os.chmod(target, 0o755)
@@ -185,6 +185,9 @@ def test_submit_into_a_link_is_refused_and_writes_nothing(tmp_path):
         nbtrain.submit(train_nothing, devices=1, accelerator="cpu", run_dir=tmp_path / "link")
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o755 and not os.listdir(target)
     assert sorted(os.listdir(tmp_path)) == ["link", "target"]  # no partial directory either
+    with pytest.raises(NotYours, match="to '.*link' is a symbolic link"):
+        nbtrain.export(train_nothing, to=tmp_path / "link", devices=1, accelerator="cpu")
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o755 and not os.listdir(target)
 
 
 def test_what_an_interrupted_submit_left_is_removed_once_its_writer_is_gone(tmp_path):
@@ -587,6 +590,8 @@ def test_another_users_run_is_refused_and_never_unpickled(tmp_path, other_user):
     os.chown(empty, other_user.pw_uid, other_user.pw_gid)
     with pytest.raises(NotYours, match="run_dir '.*their-empty' belongs to user"):
         nbtrain.submit(train_nothing, devices=1, accelerator="cpu", run_dir=empty)
+    with pytest.raises(NotYours, match="to '.*their-empty' belongs to user"):
+        nbtrain.export(train_nothing, to=empty, devices=1, accelerator="cpu")
     assert stat.S_IMODE(os.stat(empty).st_mode) == 0o777 and not os.listdir(empty)
 
 
