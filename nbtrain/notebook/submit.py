@@ -78,6 +78,7 @@ def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     # ./nbtrain-runs is ours and no link (made 0700), as each run directory in it.
     base = private_dir(Path(RUNS).absolute()) if given is None else given.parent
     partial = runlog.partial_dir(base, name if given is None else given.name)
+    made = None  # the empty directory new_run_dir took for the name, until the rename fills it
     try:
         runlog.write_whole(partial / runlog.JOB, job)
         runlog.write_whole(partial / runlog.OBJECTS, objects)
@@ -87,10 +88,12 @@ def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
         runlog.write_json(partial / runlog.STATUS, {"status": "queued", "restarts": [], "max_restarts": max_restarts,
                                                     "submitter": session.identity(os.getpid())})
         os.close(os.open(partial / runlog.SUPERVISOR_LOG, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        where = given or runlog.new_run_dir(base, name)  # made empty at once, filled by the rename
+        where = given or (made := runlog.new_run_dir(base, name))  # made empty at once, filled by the rename
         runlog.place(partial, where)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
+        if made is not None and made.is_dir() and not any(made.iterdir()):
+            made.rmdir()
         raise
     try:
         _start_supervisor(where, cluster, max_restarts)
