@@ -79,3 +79,11 @@ def test_a_file_of_another_user_is_refused(tmp_path):
         read_own(tmp_path / "result.pkl")
     with pytest.raises(NotYours):
         check_own(tmp_path / "result.pkl")
+
+
+def test_a_file_is_read_from_an_offset_or_its_last_bytes(tmp_path):
+    write_private(tmp_path / "events.jsonl", b"0123456789")
+    assert read_own(tmp_path / "events.jsonl", 4) == b"456789"
+    assert read_own(tmp_path / "events.jsonl", -3) == b"789"
+    assert read_own(tmp_path / "events.jsonl", -30) == b"0123456789"
+    assert read_own(tmp_path / "events.jsonl", 30) == b""

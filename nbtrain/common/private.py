@@ -120,8 +120,9 @@ def _unlink(path: Path) -> None:
         pass
 
 
-def read_own(path: Path) -> bytes:
-    """The bytes of `path`, a file this user owns and reached through no link (NotYours else)."""
+def read_own(path: Path, offset: int = 0) -> bytes:
+    """The bytes of `path` from `offset` on (a negative one counts from the end: a log's last
+    lines), a file this user owns and reached through no link (NotYours else)."""
     path = Path(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -133,6 +134,8 @@ def read_own(path: Path) -> bytes:
         info = os.fstat(fd)
         if info.st_uid != os.geteuid():
             check_own(path)  # raises, naming the owner
+        if offset:
+            os.lseek(fd, offset if offset > 0 else max(0, info.st_size + offset), os.SEEK_SET)
         chunks = []
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)

@@ -3,29 +3,43 @@ to any notebook.
 
 An event is one JSON line written by a single `os.write` on an `O_APPEND` descriptor, so a line
 is either whole or absent: a writer killed mid-run leaves at most a trailing partial line, which
-`Tail` leaves unread until its newline arrives. Whole files (the status, the result) are written
-to a temporary name and renamed, so a reader sees the old file or the new one, never half.
-The directory is 0700 and its files 0600: nothing secret is written, and nothing is shared.
+`Tail` leaves unread until its newline arrives. Whole files (the status, the result) go through
+`private.write_private`: a reader sees the old file or the new one, never half, and a write that
+cannot finish says how far it got. The directory is 0700 and its files 0600: nothing secret is
+written, and nothing is shared. Everything is read back through `private.read_own`: a file of
+another user, or one reached through a link, is refused before a byte of it is read.
+
+A run directory is written whole too: `submit` fills a `.partial-PID-START-NAME` directory and
+renames it into place once every file is in it; a writer killed half-way leaves only that
+partial directory, which names its writer, and `remove_stale_partials` removes it once its
+writer is gone.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
-from .private import write_private
+import dill
+
+from . import session
+from .private import IncompleteWrite, check_own, private_dir, read_own, read_own_json, write_private
 
 JOB = "job.pkl"  # the function and its arguments, pickled as launch ships them
 OBJECTS = "launch.pkl"  # launch's settings that are objects: cluster, trackers, profile
 SPEC = "run.json"  # what was asked: function, devices, strategy, max_restarts, when
-STATUS = "status.json"  # queued, running, restarting, finished, failed, cancelled; the supervisor's pid
+STATUS = "status.json"  # queued, running, restarting, finished, failed, cancelled; who submitted it
 EVENTS = "events.jsonl"  # run-level events: each attempt's start, notes, restarts, the end
 RESULT = "result.pkl"  # the Result, pickled (a finished run)
 ERROR = "error.pkl"  # the WorkerError, pickled (a failed run)
 SUPERVISOR_LOG = "supervisor.log"  # the supervisor's own stdout and stderr
-SUPERVISOR = "supervisor.json"  # the supervisor's pid and start time (common/session.py)
+SUPERVISOR = "supervisor.json"  # the supervisor's pid and start time (common/session.py), or its SLURM job
+SUMMARY = "summary.json"  # what `runs()` shows: devices, ranks, rank 0's last metrics (display/recorder.py)
+PARTIAL = ".partial-"  # a run directory being written: .partial-PID-START-NAME, renamed into place when whole
 
 ACTIVE = ("queued", "running", "restarting")
 ENDED = ("finished", "failed", "cancelled")
@@ -35,13 +49,14 @@ def rank_events(rank: int) -> str:
     return f"rank-{rank}.jsonl"
 
 
-def make_private_dir(path: Path) -> None:
-    """Create `path` (0700); refuse one that exists with anything in it: two runs never share."""
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise FileExistsError(f"run_dir={str(path)!r} exists and is not empty; give a new or empty directory "
-                              "(or leave run_dir unset for a new one under ./nbtrain-runs/).")
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
+def make_private_dir(path: Path, what: str) -> None:
+    """Create `path` (0700); refuse a link, another user's directory, and one with anything in
+    it (two runs never share), before anything is written there."""
+    if os.path.lexists(path):
+        check_own(path, what)
+        if not path.is_dir() or any(path.iterdir()):
+            raise FileExistsError(f"{what}={str(path)!r} exists and is not empty; give a new or empty directory.")
+    private_dir(path)
 
 
 def new_run_dir(base: Path, name: str, mode: int = 0o700) -> Path:
@@ -59,6 +74,56 @@ def new_run_dir(base: Path, name: str, mode: int = 0o700) -> Path:
     raise FileExistsError(f"no free run directory named {stem}-N under {base}")
 
 
+def partial_dir(parent: Path, name: str) -> Path:
+    """A new private directory in `parent`, where a run directory is written before it is
+    renamed into place: its name says whose it is, so one its writer left is known as stale."""
+    me = session.identity(os.getpid())
+    parent.mkdir(parents=True, exist_ok=True)
+    path = parent / f"{PARTIAL}{me['pid']}-{me['start']}-{name}"
+    shutil.rmtree(path, ignore_errors=True)  # our own pid's, from before a reboot
+    return private_dir(path, exist_ok=False)
+
+
+def place(partial: Path, final: Path) -> None:
+    """Rename the whole run directory `partial` to `final`: a new name, or an empty directory
+    of ours (`new_run_dir`'s, or one the user gave), which it replaces."""
+    try:
+        os.rename(partial, final)
+    except OSError as error:
+        if error.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            raise FileExistsError(f"run_dir={str(final)!r} was filled while the run was written; give a new or "
+                                  "empty directory.") from None
+        raise
+
+
+def writer_gone(partial: Path) -> bool:
+    """Whether the writer a `.partial-PID-START-NAME` directory names has ended."""
+    pid, start, *_ = partial.name[len(PARTIAL):].split("-", 2) + ["", ""]
+    return not (pid.isdigit() and session.alive({"pid": int(pid), "start": start}))
+
+
+def remove_stale_partials(parent: Path, name: str | None = None) -> list[str]:
+    """Remove what interrupted submits left in `parent` (this user's partial directories whose
+    writer has ended; of run directory `name` only, if given); the names removed."""
+    removed = []
+    try:
+        entries = [e for e in os.scandir(parent) if e.name.startswith(PARTIAL)]
+    except OSError:
+        return removed
+    for entry in entries:
+        path = Path(entry.path)
+        if name is not None and not entry.name.endswith(f"-{name}"):
+            continue
+        try:
+            check_own(path)
+        except OSError:  # another user's, or a link: not ours to remove
+            continue
+        if entry.is_dir(follow_symlinks=False) and writer_gone(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
 def write_whole(path: Path, data: bytes) -> None:
     """Write `data` to `path` as a whole, 0600 (`private.write_private`): IncompleteWrite if not."""
     write_private(path, data)
@@ -68,19 +133,60 @@ def write_json(path: Path, value: dict) -> None:
     write_whole(path, json.dumps(value, indent=1).encode())
 
 
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text())
+def read_json(path: Path, *keys: str) -> dict:
+    """A run file's JSON object, read as `private.read_own` reads; one that is damaged, or lacks
+    one of `keys`, is a ValueError naming the file."""
+    value = read_own_json(path)
+    if not isinstance(value, dict):
+        raise ValueError(f"{str(path)!r} is damaged: it holds {type(value).__name__} {_short(value)}, not an object")
+    missing = [k for k in keys if k not in value]
+    if missing:
+        raise ValueError(f"{str(path)!r} is damaged: it has no {', '.join(map(repr, missing))}")
+    return value
+
+
+def read_pickle(path: Path):
+    """A run file's pickle, read only from a file this user owns (`private.read_own`); one that
+    cannot be unpickled is a ValueError naming the file, and why."""
+    data = read_own(path)
+    try:
+        return dill.loads(data)
+    except Exception as error:  # truncated, overwritten, or a class this kernel cannot import
+        raise ValueError(f"{str(path)!r} cannot be read back ({type(error).__name__}: {error}; "
+                         f"{len(data):,} bytes)") from error
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def metric_name(name) -> str:
+    """A metric's name as a table shows it: a name that is not a string (a tuple, written to the
+    log as a JSON list) by its repr as a tuple."""
+    if isinstance(name, str):
+        return name
+    return repr(tuple(name)) if isinstance(name, (list, tuple)) else repr(name)
 
 
 class EventLog:
     """Appends events (JSON-able lists) to one file, each as one whole line."""
 
     def __init__(self, path: Path):
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self.path = Path(path)
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
 
     def write(self, *event) -> None:
+        """One line; IncompleteWrite if the disk takes only part of it (the line stays cut and
+        unread: `Tail` skips it)."""
         # One write call per line: O_APPEND puts it at the end whole, even with other writers.
-        os.write(self.fd, (json.dumps(event, default=repr) + "\n").encode())
+        data = (json.dumps(event, default=repr) + "\n").encode()
+        wrote = 0
+        try:
+            while wrote < len(data):  # a full disk takes part of a write, then fails the rest
+                wrote += os.write(self.fd, data[wrote:])
+        except OSError as error:
+            raise IncompleteWrite(self.path, error, wrote, len(data)) from error
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -89,16 +195,15 @@ class EventLog:
 
 
 class Tail:
-    """Reads the whole lines appended to a file since the last read; a partial last line waits."""
+    """Reads the whole lines appended to a file since the last read; a partial last line waits.
+    Only a file this user owns, reached through no link, is read (`private.read_own`)."""
 
     def __init__(self, path: Path):
         self.path, self.offset = path, 0
 
     def read(self) -> list[list]:
         try:
-            with open(self.path, "rb") as file:
-                file.seek(self.offset)
-                data = file.read()
+            data = read_own(self.path, self.offset)
         except FileNotFoundError:
             return []
         end = data.rfind(b"\n") + 1
@@ -106,7 +211,9 @@ class Tail:
         events = []
         for line in data[:end].splitlines():
             try:
-                events.append(json.loads(line))
+                event = json.loads(line)
             except ValueError:  # a line cut by a full disk: skip it, keep the rest
                 continue
+            if isinstance(event, list) and len(event) >= 3:  # (attempt, kind, rank, ...): anything else is not ours
+                events.append(event)
         return events

@@ -4,6 +4,12 @@ A submitted run's supervisor runs `launch` with this as its display: what the ra
 (progress, metrics, output, failures, vitals) goes to one file per rank, the run's notes to the
 run's own file, and a notebook that attaches later feeds them to a `RunState` of its own
 (`notebook/runs.py`). It has no `live` or `rich`: a redrawn bar arrives as its last lines.
+
+The logs are best effort: a write that fails (a full disk) stops them, says so once (`stopped`,
+which the supervisor puts in status.json) and never reaches the training. It also keeps
+summary.json, what `runs()` lists (devices, ranks, rank 0's last metrics), written at the start
+and end of each attempt and at most every SUMMARY_INTERVAL seconds between: a listing reads it
+instead of the logs.
 """
 from __future__ import annotations
 
@@ -18,17 +24,24 @@ from .vitals import VitalsSampler
 # result.pkl whole, so only that the rank finished (and where) is logged.
 PLAIN = ("hello", "metric", "batch_size")
 PROGRESS_INTERVAL = 1.0  # seconds between the logged updates of one bar
+SUMMARY_INTERVAL = 5.0  # seconds between the rewrites of summary.json while the run goes on
 
 
 class RunRecorder:
-    def __init__(self, run_dir: Path, attempt: int, queued=None, echo=None):
+    def __init__(self, run_dir: Path, attempt: int, queued=None, echo=None, summary: dict | None = None,
+                 stopped=None):
         self.dir, self.attempt = Path(run_dir), attempt
         self.echo = echo  # a display that draws the run too (an exported job's terminal), or None
+        # summary.json's content, kept by the supervisor across attempts (rank 0's metrics of
+        # earlier attempts stay until this one logs its own).
+        self.summary = {"devices": "", "ranks": [], "metrics": {}} if summary is None else summary
+        self._summarised = float("-inf")
+        # Called once with the reason, when the logs stop (a full disk); None: stop silently.
+        self.on_stop, self.stopped = stopped, ""
         # Called with the state's `queued` (where a cluster holds the ranks; None once they run)
         # each time it changes: the supervisor's status says "queued" until then.
         self.queued, self._queued_seen = queued, ...
-        self.run_events = runlog.EventLog(self.dir / runlog.EVENTS)
-        self.logs: dict[int, runlog.EventLog] = {}
+        self.logs: dict[int | None, runlog.EventLog] = {}  # rank -> its log; None -> the run's own
         self.vitals = VitalsSampler()
         self._vitals_written = 0
         # A bar's updates, at most one a second each: a ranks' bar reports up to ten a second, and a
@@ -38,17 +51,40 @@ class RunRecorder:
         self._written: dict[tuple[int, int], float] = {}  # (rank, level): when one was last written
 
     def _log(self, rank) -> runlog.EventLog:
-        if rank is None:
-            return self.run_events
         if rank not in self.logs:
-            self.logs[rank] = runlog.EventLog(self.dir / runlog.rank_events(rank))
+            self.logs[rank] = runlog.EventLog(self.dir / (runlog.EVENTS if rank is None else runlog.rank_events(rank)))
         return self.logs[rank]
 
     def _write(self, rank, kind: str, *payload) -> None:
-        self._log(rank).write(self.attempt, kind, rank, *payload)
+        if self.stopped:
+            return
+        try:
+            self._log(rank).write(self.attempt, kind, rank, *payload)
+        except OSError as error:  # the run goes on without its logs: never the training's failure
+            name = runlog.EVENTS if rank is None else runlog.rank_events(rank)
+            self.stopped = str(error) if isinstance(error, runlog.IncompleteWrite) else \
+                f"{name}: {(error.strerror or str(error)).lower()}"
+            if self.on_stop is not None:
+                self.on_stop(self.stopped)
+            if self.echo is not None:
+                self.echo.note(f"event logging stopped ({self.stopped}); the run goes on")
+
+    def _summarise(self, due: float | None = None) -> None:
+        """Rewrite summary.json (if `due` seconds have passed since the last time); best effort,
+        as the logs: a listing falls back on the logs."""
+        now = time.monotonic()
+        if due is not None and now - self._summarised < due:
+            return
+        self._summarised = now
+        try:
+            runlog.write_json(self.dir / runlog.SUMMARY, self.summary)
+        except OSError:
+            pass
 
     def start(self, state: RunState) -> None:
         self._write(None, "start", state.title, sorted(state.ranks), time.time())
+        self.summary.update(devices=state.title.split(" on ", 1)[-1], ranks=sorted(state.ranks))
+        self._summarise()
         if self.echo is not None:
             self.echo.start(state)
         handle, fail, stop = state.handle, state.fail, state.stop
@@ -61,6 +97,10 @@ class RunRecorder:
             elif kind in PLAIN:
                 self._flush(rank)
                 self._write(rank, kind, *payload)
+                if kind == "metric" and rank == 0:  # (step, name, value, ...)
+                    value = payload[2]
+                    self.summary["metrics"][runlog.metric_name(payload[1])] = \
+                        value if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
             elif kind == "result":
                 self._flush(rank)
                 self._write(rank, "finished", payload[1] if len(payload) > 1 else "")
@@ -118,6 +158,7 @@ class RunRecorder:
         for vital in state.vitals[self._vitals_written:]:
             self._write(vital.rank, "vital", *vital[:1], *vital[2:])
         self._vitals_written = len(state.vitals)
+        self._summarise(due=SUMMARY_INTERVAL)
         if self.echo is not None:
             self.echo.update(state)
 
@@ -125,9 +166,11 @@ class RunRecorder:
         self._flush()
         self.update(state)
         self._write(None, "end", ok, time.time())
+        self._summarise()
         if self.echo is not None:
             self.echo.finish(state, ok)
 
     def close(self) -> None:
-        for log in (self.run_events, *self.logs.values()):
+        self._summarise()
+        for log in self.logs.values():
             log.close()

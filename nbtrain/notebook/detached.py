@@ -6,6 +6,13 @@ watches them and names failures exactly as `launch` does (every placement, the s
 directory instead of drawing it. With `max_restarts`, a failed attempt starts all ranks again.
 `submit.py` starts it: `python -c "from nbtrain.notebook.detached import main; main(RUN_DIR)"`,
 so the job's `__main__` is a blank module, as in a spawned rank.
+
+Nothing of the run is written in part: a result or error that cannot be written whole makes the
+run `failed`, its reason the file and how far the write got. If even status.json cannot be
+written, the supervisor says so in supervisor.log and exits non-zero, and the run reads failed
+(a supervisor that ended with the run still active). It records its own identity
+(supervisor.json) before anything else, so a run is never out of `cancel()`'s reach, whatever
+moment the kernel that submitted it was killed at.
 """
 from __future__ import annotations
 
@@ -17,9 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-import dill
-
-from ..common import runlog
+from ..common import runlog, session
 from ..common.pickling import ship_bytes
 from ..common.devices import plan_devices
 from ..common.errors import WorkerError
@@ -28,6 +33,10 @@ from ..common.transfer import unpack_job
 from ..display.recorder import RunRecorder
 from .launch import launch, resolve_strategy
 from .restarts import restarting, why
+
+
+class StatusLost(Exception):
+    """status.json could not be written: the run cannot say where it stands, so it ends."""
 
 
 class Status:
@@ -42,7 +51,30 @@ class Status:
         self.value.update(status=status, **more)
         if status in runlog.ENDED:
             self.value["ended"] = time.time()
-        runlog.write_json(self.path, self.value)
+        try:
+            runlog.write_json(self.path, self.value)
+        except OSError as error:
+            raise StatusLost(str(error)) from error
+
+    def events_stopped(self, reason: str) -> None:
+        """The recorder's logs stopped: said in status.json now if it can be written (else with
+        its next change), and in supervisor.log; never an error, the training goes on."""
+        self.value["events_stopped"] = reason
+        _say(f"nbtrain note: event logging stopped ({reason}); the run goes on")
+        try:
+            runlog.write_json(self.path, self.value)
+        except OSError:
+            pass
+
+
+def _say(line: str) -> None:
+    """A line in supervisor.log (our stderr), if the disk takes it. Lines that say why the run
+    ended begin "nbtrain: " (`Run` quotes the last one when the supervisor has gone); others
+    "nbtrain note: "."""
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
 
 
 class _RankZeroOutput(io.TextIOBase):
@@ -53,14 +85,20 @@ class _RankZeroOutput(io.TextIOBase):
         self.stream, self.original, self.recorder, self.partial = stream, original, recorder, ""
 
     def write(self, text: str) -> int:
-        self.original.write(text)
+        try:
+            self.original.write(text)
+        except OSError:  # supervisor.log on a full disk: the line is still in the event log, if that has room
+            pass
         *lines, self.partial = (self.partial + text).split("\n")
         for line in lines:
             self.recorder.output(0, self.stream, line)
         return len(text)
 
     def flush(self) -> None:
-        self.original.flush()
+        try:
+            self.original.flush()
+        except OSError:
+            pass
 
 
 def _in_process(options: dict, cluster) -> bool:
@@ -74,18 +112,37 @@ def main(run_dir: str, load=None, echo=None) -> int:
     """Run the job in `run_dir` (run.json written there) to its end; 0 if it finished. `load()`
     gives (fn, args, kwargs, objects) where the job is not job.pkl (an exported job's job.py);
     `echo` is a display that draws the run as well (an exported job's terminal)."""
+    run_dir = Path(run_dir)
+    # Who we are, first: a kernel killed before it recorded us leaves a run cancel() still finds.
+    job = os.environ.get("SLURM_JOB_ID") if os.environ.get("NBTRAIN_SUPERVISOR_JOB") else None
+    try:
+        runlog.write_json(run_dir / runlog.SUPERVISOR, {"slurm_job": job} if job else session.identity(os.getpid()))
+        if runlog.read_json(run_dir / runlog.STATUS, "status")["status"] in runlog.ENDED:
+            _say("nbtrain: the run was cancelled before its supervisor started")  # cancel() found no supervisor
+            return 1
+    except (OSError, ValueError) as error:
+        _say(f"nbtrain: the run cannot start: {error}")
+        return 3
+    # Its first line (on most file systems this also takes the block the later ones go to, so a
+    # disk that fills during the run still has room for why the run ended).
+    _say(f"nbtrain note: the supervisor ({f'SLURM job {job}' if job else f'pid {os.getpid()}'}) runs the job in "
+         f"{run_dir}")
     # What the run's processes leave behind (orphans, a session of their own) comes to us, and
     # is ended with the run, however it ends.
     become_subreaper()
     try:
-        return _supervise(Path(run_dir), load or (lambda: _load(Path(run_dir))), echo)
+        return _supervise(run_dir, load or (lambda: _load(run_dir)), echo)
+    except StatusLost as error:
+        _say(f"nbtrain: the run's status cannot be written ({error}); the supervisor ends here and the run "
+             "reads failed")
+        return 3
     finally:
         end_descendants()
 
 
 def _load(run_dir: Path) -> tuple:
-    fn, args, kwargs = unpack_job((run_dir / runlog.JOB).read_bytes())
-    return fn, args, kwargs, dill.loads((run_dir / runlog.OBJECTS).read_bytes())  # cluster, trackers, profile
+    fn, args, kwargs = unpack_job(runlog.read_own(run_dir / runlog.JOB))
+    return fn, args, kwargs, runlog.read_pickle(run_dir / runlog.OBJECTS)  # cluster, trackers, profile
 
 
 def _supervise(run_dir: Path, load, echo) -> int:
@@ -104,7 +161,7 @@ def _supervise(run_dir: Path, load, echo) -> int:
         # settings (srun reads SLURM_CPUS_PER_TASK, SLURM_NTASKS... from its environment).
         for name in [n for n in os.environ if n.startswith(("SLURM_", "SBATCH_", "SRUN_")) and n != "SLURM_CONF"]:
             del os.environ[name]
-    spec = runlog.read_json(run_dir / runlog.SPEC)
+    spec = runlog.read_json(run_dir / runlog.SPEC, "max_restarts", "launch")
     status = Status(run_dir, spec["max_restarts"])
     os.environ["NBTRAIN_RUN_DIR"] = str(run_dir)  # ctx.run_dir, in every rank (their environment starts from ours)
     try:
@@ -120,11 +177,16 @@ def _supervise(run_dir: Path, load, echo) -> int:
         else:
             status.set("queued", reason=f"waiting for the ranks to start: {where}")
 
+    summary = {"devices": "", "ranks": [], "metrics": {}}  # summary.json, kept across attempts
     for attempt in range(spec["max_restarts"] + 1):
         # On a cluster the run is queued until its ranks run (a SLURM job may wait for hours).
         status.set("running" if cluster is None else "queued", attempt=attempt,
                    reason="" if cluster is None else f"starting the ranks on {cluster.where()}")
-        recorder = RunRecorder(run_dir, attempt, queued=None if cluster is None else queued, echo=echo)
+        recorder = RunRecorder(run_dir, attempt, queued=None if cluster is None else queued, echo=echo,
+                               summary=summary, stopped=None if status.value.get("events_stopped")
+                               else status.events_stopped)
+        if status.value.get("events_stopped"):  # stopped in an earlier attempt: the disk is still suspect
+            recorder.stopped = status.value["events_stopped"]
         streams = sys.stdout, sys.stderr
         if in_process:
             sys.stdout, sys.stderr = (_RankZeroOutput(name, stream, recorder)
@@ -150,18 +212,33 @@ def _supervise(run_dir: Path, load, echo) -> int:
             sys.stdout, sys.stderr = streams
             recorder.close()
         result.restarts = list(status.value["restarts"])
-        runlog.write_whole(run_dir / runlog.RESULT, ship_bytes(result))
+        try:
+            runlog.write_whole(run_dir / runlog.RESULT, ship_bytes(result))
+        except Exception as error:  # a full disk, a file-size limit: the result is lost, and the run says how
+            reason = str(error) if isinstance(error, runlog.IncompleteWrite) else f"{runlog.RESULT}: {error}"
+            return _failed(run_dir, status, None, reason)
         status.set("finished", reason="")
         return 0
     return 1  # not reached: the last attempt returns
 
 
-def _failed(run_dir: Path, status: Status, error: BaseException, reason: str) -> int:
-    traceback.print_exception(error, file=sys.stderr)
-    try:
-        payload = ship_bytes(error)
-    except Exception:  # an exception that does not pickle: its text still reaches the notebook
-        payload = ship_bytes(RuntimeError("".join(traceback.format_exception(error))))
-    runlog.write_whole(run_dir / runlog.ERROR, payload)
+def _failed(run_dir: Path, status: Status, error: BaseException | None, reason: str) -> int:
+    """The run failed: `error` (the exception to raise in the notebook; None: the reason says it
+    all) to error.pkl, if it can be written whole, and the reason to status.json."""
+    if error is None:
+        _say(f"nbtrain: the run failed: {reason}")
+    else:
+        try:
+            traceback.print_exception(error, file=sys.stderr)
+        except OSError:
+            pass
+        try:
+            payload = ship_bytes(error)
+        except Exception:  # an exception that does not pickle: its text still reaches the notebook
+            payload = ship_bytes(RuntimeError("".join(traceback.format_exception(error))))
+        try:
+            runlog.write_whole(run_dir / runlog.ERROR, payload)
+        except OSError as lost:  # the reason in status.json still says what failed
+            reason = f"{reason} (the error itself was not kept: {lost})"
     status.set("failed", reason=reason)
     return 1

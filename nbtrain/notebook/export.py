@@ -8,6 +8,7 @@ anything else (data, objects without source) is pickled next to the script, as `
 """
 from __future__ import annotations
 
+import ast
 import inspect
 import json
 import linecache
@@ -38,8 +39,9 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
     on this machine (as many ranks as `devices` plans), watched as a submitted run is, so
     `nbtrain.attach(to / "run")` follows it; `sbatch sbatch.sh` runs it on SLURM. Rank 0's
     return value is printed and written to `run/value.pkl`. Returns the directory."""
-    if not isinstance(fn, CellJob) and (not callable(fn) or not hasattr(fn, "__code__")):
-        raise TypeError(f"export(fn=...) needs a Python function, got {type(fn).__name__}.")
+    if not isinstance(fn, CellJob) and (not isinstance(fn, types.FunctionType)):
+        raise TypeError(f"export(fn=...) needs a Python function defined with def, got {type(fn).__name__}.")
+    where = _check_to(to)
     plan = plan_devices(devices, accelerator, None, num_nodes)
     if isinstance(fn, CellJob):  # a %%nbtrain cell: its source as it is, its names as they travel
         imports, script = {n: _import_line(n, m) for n, m in fn.imports}, _cell_script(fn, plan)
@@ -48,8 +50,7 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
         imports, sources, names = _gather(fn)
         script = _script(fn, imports, sources, bool(names), plan)
         pickled = ship_bytes(names) if names else None
-    where = Path(to).absolute()
-    make_private_dir(where)
+    make_private_dir(where, "to")
     if pickled:
         write_whole(where / NAMES, pickled)
     write_whole(where / ARGUMENTS, ship_bytes((args, kwargs)))
@@ -69,6 +70,40 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
     _write(where / "requirements.txt", _requirements(imports))
     (where / "run").mkdir(mode=0o700)  # sbatch writes the job's output there before the script starts
     return where
+
+
+def _check_to(to) -> Path:
+    """`to` as an absolute path that run.sh and sbatch.sh can name: sbatch reads its #SBATCH lines
+    itself (no shell quoting there), so what it would split or cut is refused, not written."""
+    if not isinstance(to, (str, os.PathLike)) or not os.fspath(to):
+        raise TypeError(f"export(to={to!r}): give the path of a new or empty directory (str or Path).")
+    where = Path(to).absolute()
+    odd = sorted({c for c in str(where) if not c.isprintable() or c.isspace() or c in "\"'\\#%"})
+    if odd:
+        raise ValueError(f"export(to={str(to)!r}): sbatch.sh names this directory in an #SBATCH line, which cannot "
+                         f"hold {', '.join(map(repr, odd))}; give a path without whitespace, control characters, "
+                         "quotes, backslashes, '#' or '%'.")
+    return where
+
+
+def _check_function(fn, source: str | None) -> None:
+    """Refuse what job.py cannot define as `def NAME(...)` at its top level and call by that name."""
+    name = fn.__name__
+    if name == "<lambda>":
+        raise ValueError("export(fn=<lambda>): a lambda has no name job.py could call it by; define the function "
+                         "with def at the top of a cell or a file.")
+    if fn.__code__.co_freevars:
+        raise ValueError(f"export(fn={name}): it reads {', '.join(fn.__code__.co_freevars)} from the function it was "
+                         "defined in (a closure), which job.py cannot hold; define it at the top of a cell or a file.")
+    if source is None:
+        return
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        body = []
+    if len(body) != 1 or not isinstance(body[0], ast.FunctionDef) or body[0].name != name or body[0].decorator_list:
+        raise ValueError(f"export(fn={name}): its source is not one plain `def {name}(...)` (a decorated function, "
+                         "or one made by other code), which job.py needs; export the undecorated function.")
 
 
 def _gather(fn):
@@ -104,8 +139,9 @@ def _gather(fn):
             else:
                 pickled[name] = value
 
-    visit(fn)
     own = _source(fn)
+    _check_function(fn, own)
+    visit(fn)
     if own is None:
         raise ValueError(f"export: the source of {fn.__name__!r} cannot be read (a function defined with exec, or "
                          "in a cell the kernel no longer has); define it in a cell or a file, then export again.")
@@ -136,9 +172,10 @@ def _script(fn, imports: dict, sources: dict, has_names: bool, plan) -> str:
              f'{plan.describe()},', '`sbatch sbatch.sh` on SLURM. Rank 0 prints its return value and writes it to '
              'run/value.pkl."""', "import os", "", *sorted(set(imports.values()))]
     if has_names:
-        lines += ["", "import dill", "", f"# What the code reads that has no source in the notebook ({NAMES}).",
-                  f"with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), {NAMES!r}), 'rb') as _file:",
-                  "    globals().update(dill.load(_file))"]
+        lines += ["", "import dill", "from nbtrain.common.private import read_own", "",
+                  f"# What the code reads that has no source in the notebook ({NAMES}), read only if it is yours.",
+                  f"globals().update(dill.loads(read_own(os.path.join(os.path.dirname(os.path.abspath(__file__)), "
+                  f"{NAMES!r}))))"]
     for source in sources.values():
         lines += ["", "", source.rstrip()]
     lines += ["", "", 'if __name__ == "__main__":', "    from nbtrain.rank.exported import main", "",
@@ -154,11 +191,12 @@ def _cell_script(job: CellJob, plan) -> str:
         f'"""A notebook cell, exported by nbtrain: `bash run.sh` runs it with torchrun on {plan.describe()},',
         "`sbatch sbatch.sh` on SLURM. Rank 0 prints the value of its last expression and writes it to run/value.pkl.",
         f"The names it reads from earlier cells are imports, or pickled in {NAMES}.\"\"\"",
-        "import os", "", "from nbtrain.rank.cell import CellJob", "from nbtrain.rank.exported import main", "",
+        "import os", "", "from nbtrain.common.private import read_own", "from nbtrain.rank.cell import CellJob",
+        "from nbtrain.rank.exported import main", "",
         f"CELL = {quoted}", f"IMPORTS = {job.imports!r}", "", 'if __name__ == "__main__":',
         "    here = os.path.dirname(os.path.abspath(__file__))",
         f"    names = os.path.join(here, {NAMES!r})",
-        "    payload = open(names, 'rb').read() if os.path.exists(names) else None",
+        "    payload = read_own(names) if os.path.exists(names) else None",
         "    main(CellJob(CELL, IMPORTS, payload), here)", ""])
 
 

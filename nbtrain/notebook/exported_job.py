@@ -10,9 +10,8 @@ import runpy
 import time
 from pathlib import Path
 
-import dill
-
 from ..common import runlog, session
+from ..common.private import private_dir, read_own, read_own_json
 from ..common.pickling import ship_bytes
 from ..display import make_display
 from ..rank.cell import CellJob
@@ -27,18 +26,19 @@ OWN = (runlog.SPEC, runlog.STATUS, runlog.EVENTS, runlog.RESULT, runlog.ERROR, r
 
 def main(here: str) -> int:
     here = Path(here).absolute()
-    plan = runlog.read_json(here / EXPORT)
-    run_dir = Path(os.environ.get("NBTRAIN_RUN_DIR") or here / "run").absolute()
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for old in [*(run_dir / name for name in OWN), *run_dir.glob(runlog.rank_events("*"))]:
+    plan = read_own_json(here / EXPORT)  # the job's files are ours, as the run's: nothing else is read
+    run_dir = private_dir(Path(os.environ.get("NBTRAIN_RUN_DIR") or here / "run").absolute())
+    for old in [*(run_dir / name for name in (*OWN, runlog.SUMMARY)), *run_dir.glob(runlog.rank_events("*"))]:
         old.unlink(missing_ok=True)
+    me = session.identity(os.getpid())  # the supervisor is this process: for Run.cancel, and "alive"
+    runlog.write_json(run_dir / runlog.SUPERVISOR, me)
     runlog.write_json(run_dir / runlog.SPEC, {"function": plan["function"] or "cell", "started": time.time(),
                                               "max_restarts": 0, "launch": plan["launch"]})
-    runlog.write_json(run_dir / runlog.STATUS, {"status": "queued", "restarts": [], "max_restarts": 0})
-    runlog.write_json(run_dir / runlog.SUPERVISOR, session.identity(os.getpid()))  # for Run.cancel, and "alive"
+    runlog.write_json(run_dir / runlog.STATUS, {"status": "queued", "restarts": [], "max_restarts": 0,
+                                                "submitter": me})
     code = detached.main(str(run_dir), lambda: _load(here, plan["function"]), echo=make_display(True))
     if code == 0:
-        value = dill.loads((run_dir / runlog.RESULT).read_bytes()).value
+        value = runlog.read_pickle(run_dir / runlog.RESULT).value
         runlog.write_whole(run_dir / VALUE, ship_bytes(value))
         print(f"rank 0 returned: {value!r}", flush=True)
     return code
@@ -50,8 +50,8 @@ def _load(here: Path, name: str | None) -> tuple:
     script = runpy.run_path(str(here / "job.py"), run_name="__nbtrain_job__")
     if name is None:  # a cell: its source, the imports it needs, the names it read (pickled)
         names = here / NAMES
-        fn = CellJob(script["CELL"], script["IMPORTS"], names.read_bytes() if names.exists() else None)
+        fn = CellJob(script["CELL"], script["IMPORTS"], read_own(names) if names.exists() else None)
     else:
         fn = script[name]
-    args, kwargs = dill.loads((here / ARGUMENTS).read_bytes())
+    args, kwargs = runlog.read_pickle(here / ARGUMENTS)
     return fn, args, kwargs, {"cluster": None, "trackers": None, "profile": None}

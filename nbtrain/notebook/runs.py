@@ -4,18 +4,23 @@
 Everything here reads the run directory (`common/runlog.py`); nothing talks to the run's
 processes except `cancel`, which stops its session. The live view feeds the events to a
 `RunState`, so it is the same view `launch` draws.
+
+What is read back is this user's own: a run directory of another user, or one reached through a
+symbolic link, is refused before any of it is read, and each file is read only if it is ours
+(`common/private.py`): a pickle in someone else's file would run their code as you. A damaged
+or impossible file is an error naming the file and the run, at once, never a wait.
 """
 from __future__ import annotations
 
 import html
+import os
 import threading
 import time
 from datetime import datetime
 from pathlib import Path
 
-import dill
-
 from ..common import runlog, session
+from ..common.private import NotYours, check_own
 from ..display import check_progress, in_jupyter, make_display
 from ..display.widgets import WidgetDisplay
 from ..display.runstate import RunState, Vital
@@ -24,34 +29,118 @@ from .result import Result
 
 POLL = 0.2  # seconds between looks at the run directory
 START_WAIT = 60.0  # seconds a Run shown in a cell waits for its ranks to start (the supervisor imports torch)
+SUBMIT_WAIT = 10.0  # seconds cancel() waits for the supervisor of a run still being submitted to be recorded
+STATUSES = (*runlog.ACTIVE, *runlog.ENDED)
+
+
+def _run_dir(run_dir) -> Path:
+    """`run_dir` as a run directory of ours: refused if it is not a path, does not exist, is a
+    link or another user's (before anything in it is read), or is not a run directory."""
+    if not isinstance(run_dir, (str, os.PathLike)) or not os.fspath(run_dir):
+        raise TypeError(f"run_dir={run_dir!r}: give the path of a run directory (str or Path), one made by "
+                        "nbtrain.submit (nbtrain.runs() lists them).")
+    path = Path(run_dir).absolute()
+    if not os.path.lexists(path):
+        gone = runlog.remove_stale_partials(path.parent, path.name)
+        said = " (its submit was interrupted; the partial directory it left was removed)" if gone else ""
+        raise ValueError(f"{str(run_dir)!r} does not exist{said}: give a directory made by nbtrain.submit (by "
+                         "default under ./nbtrain-runs/; nbtrain.runs() lists them).")
+    check_own(path, "run directory")
+    missing = [name for name in (runlog.SPEC, runlog.STATUS) if not (path / name).is_file()]
+    if not path.is_dir() or missing:
+        what = "is not a directory" if not path.is_dir() else f"is not a run directory (no {', '.join(missing)})"
+        raise ValueError(f"{str(run_dir)!r} {what}: give a directory made by nbtrain.submit (by default under "
+                         "./nbtrain-runs/; nbtrain.runs() lists them).")
+    return path
+
+
+def _check_timeout(timeout, call: str):
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout >= 0):  # nan too
+        raise ValueError(f"{call}(timeout={timeout!r}): give the seconds to wait (a number, 0 or more), or None "
+                         "to wait until the run ends.")
 
 
 class Run:
     """A run started by `nbtrain.submit`, or found again with `nbtrain.attach(run_dir)`."""
 
     def __init__(self, run_dir, progress=True):
-        self.dir, self.progress = Path(run_dir).absolute(), progress
-        missing = [name for name in (runlog.SPEC, runlog.STATUS) if not (self.dir / name).is_file()]
-        if not self.dir.is_dir() or missing:
-            what = "does not exist" if not self.dir.exists() else f"is not a run directory (no {', '.join(missing)})"
-            raise ValueError(f"{str(run_dir)!r} {what}: give a directory made by nbtrain.submit (by default under "
-                             "./nbtrain-runs/; nbtrain.runs() lists them).")
-        self.spec = runlog.read_json(self.dir / runlog.SPEC)
+        self.dir, self.progress = _run_dir(run_dir), progress
+        path = self.dir / runlog.SPEC
+        self.spec = runlog.read_json(path, "function", "started", "max_restarts", "launch")
+        if not isinstance(self.spec["started"], (int, float)) or not isinstance(self.spec["launch"], dict):
+            raise ValueError(f"{str(path)!r} is damaged: its 'started' is not a time or its 'launch' not an object")
         self._watcher: threading.Thread | None = None
 
     # -- where it stands -----------------------------------------------------------------
+    def _read_status(self) -> dict:
+        path = self.dir / runlog.STATUS
+        try:
+            value = runlog.read_json(path, "status")
+        except FileNotFoundError:
+            raise ValueError(f"{str(path)!r} is gone: the run directory was changed by something else than "
+                             "nbtrain") from None
+        if value["status"] not in STATUSES:
+            raise ValueError(f"{str(path)!r} is damaged: its status {value['status']!r} is none of "
+                             f"{', '.join(STATUSES)}")
+        return value
+
+    def _supervisor(self) -> dict | None:
+        """Who supervises the run (supervisor.json); None if it was never recorded."""
+        return self._identity(self.dir / runlog.SUPERVISOR, None)
+
+    @staticmethod
+    def _identity(path: Path, value) -> dict | None:
+        """A process (`session.identity`) or SLURM job named in `path` (None: no such file), or in
+        `value` when one is given (a status's submitter)."""
+        if value is None:
+            try:
+                value = runlog.read_json(path)
+            except FileNotFoundError:
+                return None
+        if not isinstance(value, dict) or ("slurm_job" not in value and not isinstance(value.get("pid"), int)):
+            raise ValueError(f"{str(path)!r} is damaged: it names no process (a pid and start time) or SLURM job")
+        return value
+
     def _status(self) -> dict:
-        value = runlog.read_json(self.dir / runlog.STATUS)
-        supervisor = self.dir / runlog.SUPERVISOR
-        if value["status"] in runlog.ACTIVE and supervisor.is_file():
-            who = runlog.read_json(supervisor)
-            if not session.alive(who):  # read again: it may have written its end just before exiting
-                value = runlog.read_json(self.dir / runlog.STATUS)
+        value = self._read_status()
+        if value["status"] not in runlog.ACTIVE:
+            return value
+        who = self._supervisor()
+        if who is None:
+            if value["status"] != "queued":  # the supervisor records itself before it says anything else
+                raise ValueError(f"{str(self.dir / runlog.STATUS)!r} says the run is {value['status']}, but there is "
+                                 f"no {runlog.SUPERVISOR}: its supervisor cannot be found (the run directory is "
+                                 "damaged)")
+            submitter = value.get("submitter")
+            if submitter is not None and session.alive(self._identity(self.dir / runlog.STATUS, submitter)):
+                return value  # still being submitted
+            who = self._supervisor()  # read again: it may have been recorded just now
+            if who is None:
+                value = self._read_status()  # submit may have said why
+                if value["status"] in runlog.ACTIVE:
+                    whom = f"(pid {submitter['pid']}) " if submitter else ""
+                    value.update(status="failed", reason=f"the run never started: the kernel that submitted it "
+                                                         f"{whom}ended before the run's supervisor started")
+                return value
+        if not session.alive(who):  # read again: it may have written its end just before exiting
+            value = self._read_status()
             if not session.alive(who) and value["status"] in runlog.ACTIVE:
                 whom = f"SLURM job {who['slurm_job']}" if "slurm_job" in who else f"pid {who['pid']}"
-                value.update(status="failed", reason=f"the run's supervisor ({whom}) ended without "
-                                                     f"finishing it; see {self.dir / runlog.SUPERVISOR_LOG}")
+                said = self._last_words()
+                value.update(status="failed", reason=f"the run's supervisor ({whom}) ended without finishing it"
+                                                     f"{': ' + said if said else ''}; see "
+                                                     f"{self.dir / runlog.SUPERVISOR_LOG}")
         return value
+
+    def _last_words(self) -> str:
+        """The supervisor's last line of its own in supervisor.log (why it ended, if it could say)."""
+        try:
+            tail = runlog.read_own(self.dir / runlog.SUPERVISOR_LOG, -4096).decode(errors="replace")
+        except OSError:
+            return ""
+        said = [line[len("nbtrain: "):] for line in tail.splitlines() if line.startswith("nbtrain: ")]
+        return said[-1] if said else ""
 
     @property
     def status(self) -> str:
@@ -74,6 +163,10 @@ class Run:
 
     def wait(self, timeout: float | None = None) -> str:
         """Wait until the run ends (or `timeout` seconds pass); its status."""
+        _check_timeout(timeout, "wait")
+        return self._wait(timeout)
+
+    def _wait(self, timeout: float | None) -> str:
         deadline = None if timeout is None else time.monotonic() + timeout
         while (status := self.status) not in runlog.ENDED:
             if deadline is not None and time.monotonic() >= deadline:
@@ -83,43 +176,103 @@ class Run:
 
     def result(self, timeout: float | None = None) -> Result:
         """Wait for the end; the `Result` (as `launch` returns it), or raise its `WorkerError`."""
-        status = self.wait(timeout)
+        _check_timeout(timeout, "result")
+        status = self._wait(timeout)
         if status == "finished":
-            return dill.loads((self.dir / runlog.RESULT).read_bytes())
+            if not os.path.lexists(self.dir / runlog.RESULT):
+                raise ValueError(f"the run in {self.dir} finished but has no {runlog.RESULT}: it was removed")
+            return runlog.read_pickle(self.dir / runlog.RESULT)
         if status == "cancelled":
             raise RuntimeError(f"the run in {self.dir} was cancelled; it has no result.")
-        error = self.dir / runlog.ERROR
-        if error.is_file():
-            raise dill.loads(error.read_bytes())
-        raise RuntimeError(self.reason)
+        if os.path.lexists(self.dir / runlog.ERROR):
+            raise runlog.read_pickle(self.dir / runlog.ERROR)
+        raise RuntimeError(f"the run in {self.dir} failed: {self.reason}")
 
     def cancel(self) -> None:
         """Stop the run: its ranks are stopped as a Ctrl-C stops a launch, and nothing of its
         processes is left. A run that has ended stays as it is."""
-        supervisor = self.dir / runlog.SUPERVISOR
-        if self.status in runlog.ENDED or not supervisor.is_file():
-            return
-        who = runlog.read_json(supervisor)
-        if "slurm_job" in who:
+        try:
+            if self._status()["status"] in runlog.ENDED:
+                return
+        except ValueError:  # a damaged status: what it names is stopped all the same
+            pass
+        who = self._supervisor()
+        if who is None:
+            # Being submitted: said cancelled first, so a supervisor that starts from now on
+            # leaves at once; then one recorded meanwhile is stopped.
+            self._cancelled()
+            deadline = time.monotonic() + SUBMIT_WAIT
+            while (who := self._supervisor()) is None and time.monotonic() < deadline and self._submitting():
+                time.sleep(POLL)
+        if who is not None and "slurm_job" in who:
             session.stop_slurm_job(who["slurm_job"])
-        elif session.alive(who):
+        elif who is not None and session.alive(who):
             session.stop(who["pid"])
-        if runlog.read_json(self.dir / runlog.STATUS)["status"] not in runlog.ENDED:  # it died before saying so
-            status = runlog.read_json(self.dir / runlog.STATUS)
-            status.update(status="cancelled", reason="cancelled by Run.cancel()", ended=time.time())
-            runlog.write_json(self.dir / runlog.STATUS, status)
+        try:
+            ended = self._read_status()["status"] in runlog.ENDED
+        except ValueError:
+            ended = False
+        if not ended:  # it died before saying so
+            self._cancelled()
+
+    def _submitting(self) -> bool:
+        submitter = self._read_status().get("submitter")
+        return submitter is not None and session.alive(self._identity(self.dir / runlog.STATUS, submitter))
+
+    def _cancelled(self) -> None:
+        try:
+            value = self._read_status()
+        except ValueError:  # damaged: written anew
+            value = {"restarts": [], "max_restarts": self.spec["max_restarts"]}
+        value.update(status="cancelled", reason="cancelled by Run.cancel()", ended=time.time())
+        runlog.write_json(self.dir / runlog.STATUS, value)
+
+    def _summary(self) -> dict:
+        """devices, ranks and rank 0's last metrics: summary.json (the supervisor's recorder
+        keeps it), or for a run written before it was (or before its first), the logs."""
+        path = self.dir / runlog.SUMMARY
+        try:
+            summary = runlog.read_json(path, "devices", "ranks", "metrics")
+        except FileNotFoundError:
+            return self._summary_from_logs()
+        if not isinstance(summary["metrics"], dict) or not isinstance(summary["ranks"], list):
+            raise ValueError(f"{str(path)!r} is damaged: its metrics or ranks are not what the recorder writes")
+        return summary
+
+    def _summary_from_logs(self) -> dict:
+        summary = {"devices": "", "ranks": [], "metrics": {}}
+        for event in runlog.Tail(self.dir / runlog.EVENTS).read():
+            if event[1] == "start" and len(event) >= 5 and isinstance(event[3], str) and isinstance(event[4], list):
+                summary.update(devices=event[3].split(" on ", 1)[-1], ranks=event[4])
+        for event in runlog.Tail(self.dir / runlog.rank_events(0)).read():
+            if event[1] == "metric" and len(event) >= 6:
+                summary["metrics"][runlog.metric_name(event[4])] = event[5]
+        return summary
 
     def logs(self, rank: int = 0) -> str:
         """What `rank` printed, every attempt's, as text."""
-        lines = [e[4] for e in runlog.Tail(self.dir / runlog.rank_events(rank)).read() if e[1] == "output"]
-        return "".join(line + "\n" for line in lines)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"logs(rank={rank!r}): give a rank number (0 is the first).")
+        ranks = self._summary()["ranks"]
+        if ranks and rank not in ranks:
+            raise ValueError(f"logs(rank={rank}): the run has rank{'s' if len(ranks) > 1 else ''} "
+                             f"{', '.join(map(str, ranks))}.")
+        lines = [e[4] for e in runlog.Tail(self.dir / runlog.rank_events(rank)).read()
+                 if e[1] == "output" and len(e) >= 5]
+        return "".join(f"{line}\n" for line in lines)
 
     def export(self, path) -> Path:
         """This run's job as a directory that runs with no notebook (see `nbtrain.export`)."""
-        if not (self.dir / runlog.JOB).is_file():
+        job = self.dir / runlog.JOB
+        if not os.path.lexists(job):
             raise ValueError(f"{self.dir} was run by an exported job's run.sh, which keeps no job of its own: "
                              f"the exported directory ({self.dir.parent}) is the job; copy it instead.")
-        fn, args, kwargs = load_job((self.dir / runlog.JOB).read_bytes())
+        data = runlog.read_own(job)
+        try:
+            fn, args, kwargs = load_job(data)
+        except Exception as error:
+            raise ValueError(f"{str(job)!r} cannot be read back ({type(error).__name__}: {error}; "
+                             f"{len(data):,} bytes)") from error
         options = self.spec["launch"]
         return export(fn, *args, to=path, devices=options["devices"], accelerator=options["accelerator"],
                       num_nodes=options["num_nodes"], **kwargs)
@@ -152,19 +305,27 @@ class Run:
             return
 
         def follow() -> None:
-            while not follower.poll(self._status()):
-                time.sleep(POLL)
+            try:
+                while not follower.poll(self._status()):
+                    time.sleep(POLL)
+            except (ValueError, OSError) as error:  # a damaged run directory: said in the view, not in a later cell
+                display.note(f"stopped following the run: {error}")
 
         self._watcher = threading.Thread(target=follow, name="nbtrain-run-view", daemon=True)
         self._watcher.start()
 
     def __repr__(self) -> str:
-        return f"Run({str(self.dir)!r}, function={self.function!r}, status={self.status!r})"
+        try:
+            status = self.status
+        except (ValueError, OSError):  # said by .status itself; a repr stays a repr
+            status = "damaged"
+        return f"Run({str(self.dir)!r}, function={self.function!r}, status={status!r})"
 
 
 def attach(run_dir, progress=True) -> Run:
     """The run in `run_dir`, from any kernel: its status, live view, result, logs and cancel;
-    `progress` is how it draws itself (as `launch(progress=...)`)."""
+    `progress` is how it draws itself (as `launch(progress=...)`). Only a run directory of your
+    own, not reached through a symbolic link, is read."""
     check_progress(progress)
     return Run(run_dir, progress)
 
@@ -181,12 +342,17 @@ class Follower:
         self.t0 = 0.0  # the attempt's start, wall clock
         self.done = False
         self.restart = ""  # the latest "restarting (k of N): why"
+        self.stopped = ""  # why the run's event logs stopped, once said
 
     def poll(self, status: dict) -> bool:
         """Take in what was written since the last poll; True once the run has ended and is drawn."""
         if self.done:
             return True
         ended = status["status"] in runlog.ENDED  # read first: every event before the end is in the files now
+        if status.get("events_stopped") and not self.stopped:
+            self.stopped = status["events_stopped"]
+            self.display.note(f"the run's event logging stopped ({self.stopped}): the run goes on, this view no "
+                              "longer follows it; its status and result still come")
         for event in self.run_events.read():
             self._run_event(*event)
         if self.state is not None:
@@ -247,44 +413,77 @@ class Follower:
 
 
 class RunTable(list):
-    """`runs()`: one dict per run; shown as a table."""
+    """`runs()`: one dict per run; shown as a table (with each run's reason when one of them is
+    damaged or refused)."""
 
     COLUMNS = ("run", "function", "started", "devices", "status", "metrics")
 
+    def _columns(self) -> tuple:
+        return self.COLUMNS + (("reason",) if any(r["status"] in PROBLEMS for r in self) else ())
+
     def __repr__(self) -> str:
-        rows = [self.COLUMNS, *([str(r[c]) for c in self.COLUMNS] for r in self)]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(self.COLUMNS))]
+        columns = self._columns()
+        rows = [columns, *([str(r[c]) for c in columns] for r in self)]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
         return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th style='text-align:left'>{c}</th>" for c in self.COLUMNS)
+        columns = self._columns()
+        head = "".join(f"<th style='text-align:left'>{c}</th>" for c in columns)
         body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(str(r[c]))}</td>"
-                                        for c in self.COLUMNS) + "</tr>" for r in self)
+                                        for c in columns) + "</tr>" for r in self)
         return f"<table><tr>{head}</tr>{body}</table>"
 
 
+PROBLEMS = ("damaged", "refused")  # a row's status when the run cannot be read, or is not ours to read
+
+
 def runs(path="nbtrain-runs") -> RunTable:
-    """The runs under `path`, oldest first: function, started, devices, status, last metrics."""
+    """The runs under `path`, oldest first: function, started, devices, status, last metrics
+    (each read from the run's summary.json, not its logs). A run that cannot be read is listed as
+    damaged, one of another user or behind a symbolic link as refused, each with its reason;
+    what an interrupted submit left is removed."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise TypeError(f"runs(path={path!r}): give the folder that holds run directories (str or Path; by "
+                        "default 'nbtrain-runs').")
     base = Path(path)
     table = RunTable()
-    if not base.is_dir():
+    if not os.path.lexists(base):
         return table
-    for entry in sorted(base.iterdir()):
-        try:
-            run = Run(entry)
-        except ValueError:  # not a run (yet): a directory submit is still filling, or anything else
-            continue
-        options = run.spec["launch"]
-        starts = [e for e in runlog.Tail(entry / runlog.EVENTS).read() if e[1] == "start"]
-        # As the run planned them ("2 CPU ranks, gloo"); before it started, as they were asked for.
-        devices = starts[-1][3].split(" on ", 1)[-1] if starts else f"{options['devices']} ({options['accelerator']})"
-        metrics = {}
-        for event in runlog.Tail(entry / runlog.rank_events(0)).read():
-            if event[1] == "metric":
-                metrics[event[4]] = event[5]
-        table.append({"run": entry.name, "function": run.function,
-                      "started": datetime.fromtimestamp(run.spec["started"]).strftime("%Y-%m-%d %H:%M:%S"),
-                      "devices": devices, "status": run.status,
-                      "metrics": ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()),
-                      "dir": str(entry.absolute())})
+    check_own(base, "folder")
+    if not base.is_dir():
+        raise ValueError(f"runs(path={str(path)!r}): it is a file; give the folder that holds run directories.")
+    runlog.remove_stale_partials(base)
+    for entry in sorted(os.scandir(base), key=lambda e: e.name):
+        if not entry.name.startswith(runlog.PARTIAL):  # a run being submitted: not a run yet
+            row = _row(Path(entry.path).absolute())
+            if row is not None:
+                table.append(row)
     return table
+
+
+def _row(entry: Path) -> dict | None:
+    """The table's row for `entry`; None for what is not a run at all."""
+    if not any(os.path.lexists(entry / name) for name in (runlog.SPEC, runlog.STATUS)):
+        return None
+    row = {"run": entry.name, "function": "", "started": "", "devices": "", "status": "", "metrics": "",
+           "reason": "", "dir": str(entry)}
+    try:
+        run = Run(entry)
+        row.update(function=run.function,
+                   started=datetime.fromtimestamp(run.spec["started"]).strftime("%Y-%m-%d %H:%M:%S"))
+        status, summary = run._status(), run._summary()
+    except NotYours as error:
+        return {**row, "status": "refused", "reason": str(error)}
+    except (ValueError, OSError) as error:
+        return {**row, "status": "damaged", "reason": str(error)}
+    options = run.spec["launch"]
+    # As the run planned them ("2 CPU ranks, gloo"); before it started, as they were asked for.
+    devices = summary["devices"] or f"{options.get('devices')} ({options.get('accelerator')})"
+    metrics = ", ".join(f"{name}={_shown(value)}" for name, value in summary["metrics"].items())
+    return {**row, "devices": devices, "status": status["status"], "metrics": metrics,
+            "reason": status.get("reason", "")}
+
+
+def _shown(value) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)

@@ -1,9 +1,15 @@
 """`submit()`: a run that outlives the kernel. Its job goes to a new run directory and a
-supervisor in its own session (`detached.py`) runs it; the returned `Run` follows it there."""
+supervisor in its own session (`detached.py`) runs it; the returned `Run` follows it there.
+
+The run directory is written whole: its files go to a partial directory that is renamed into
+place once they are all there (`runlog.partial_dir`), so a kernel killed half-way leaves no
+half-run that `runs()` or `attach` would meet, only a partial directory that names its writer.
+"""
 from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -11,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..common import runlog, session
+from ..common.private import check_own, private_dir
 from ..common.devices import plan_devices
 from ..common.pickling import ship_bytes
 from ..common.transfer import pack_job
@@ -26,10 +33,13 @@ RUNS = "nbtrain-runs"
 
 # Started by a short-lived intermediate process, so the supervisor is not the kernel's child:
 # it is re-parented away at once, and no zombie of it waits in the kernel for a wait() that a
-# dropped Run would never make.
-_DETACH = ("import subprocess, sys; log = open(sys.argv[1], 'ab'); "
-           "print(subprocess.Popen(sys.argv[2:], start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, "
-           "stderr=log, close_fds=True).pid)")
+# dropped Run would never make. It records the supervisor at once (the supervisor does too, when
+# it starts): a kernel killed now leaves a run that cancel() finds.
+_DETACH = ("import subprocess, sys; from pathlib import Path; from nbtrain.common import runlog, session; "
+           "log = open(sys.argv[1], 'ab'); "
+           "p = subprocess.Popen(sys.argv[3:], start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, "
+           "stderr=log, close_fds=True); "
+           "runlog.write_json(Path(sys.argv[2]), session.identity(p.pid)); print(p.pid)")
 # -P: the import path is the kernel's alone (PYTHONPATH below), not this directory first.
 _SUPERVISE = "import sys; from nbtrain.notebook.detached import main; sys.exit(main(sys.argv[1]))"
 
@@ -57,37 +67,68 @@ def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     else:
         check_cluster(cluster).plan(devices, accelerator, backend, num_nodes)
     name = getattr(fn, "__name__", type(fn).__name__)
-    where = _new_run_dir(name) if run_dir is None else _given_run_dir(run_dir)
-    try:
-        runlog.write_whole(where / runlog.JOB, pack_job(fn, args, kwargs))
-        # The supervisor runs launch(..., cluster=...): the job survives the kernel. Trackers and
-        # profiles write under the run directory.
-        runlog.write_whole(where / runlog.OBJECTS, ship_bytes({"cluster": cluster, "trackers": check_trackers(trackers),
-                                                               "profile": Profile.check(profile)}))
-    except BaseException:
-        for leftover in where.iterdir():
-            leftover.unlink()
-        where.rmdir()
-        raise
+    given = None if run_dir is None else _given_run_dir(run_dir)
+    # Pickled before any directory is made: a job that does not pickle leaves nothing behind.
+    # The supervisor runs launch(..., cluster=...): the job survives the kernel. Trackers and
+    # profiles write under the run directory.
+    job = pack_job(fn, args, kwargs)
+    objects = ship_bytes({"cluster": cluster, "trackers": check_trackers(trackers), "profile": Profile.check(profile)})
     options = {"strategy": strategy, "devices": devices, "accelerator": accelerator, "num_nodes": num_nodes,
                "backend": backend, "timeout": timeout, "launcher_options": launcher_options}
-    runlog.write_json(where / runlog.SPEC, {"function": name, "started": time.time(), "max_restarts": max_restarts,
-                                            "launch": options})
-    runlog.write_json(where / runlog.STATUS, {"status": "queued", "restarts": [], "max_restarts": max_restarts})
-    os.close(os.open(where / runlog.SUPERVISOR_LOG, os.O_WRONLY | os.O_CREAT, 0o600))  # private, as the rest
+    # ./nbtrain-runs is ours and no link (made 0700), as each run directory in it.
+    base = private_dir(Path(RUNS).absolute()) if given is None else given.parent
+    partial = runlog.partial_dir(base, name if given is None else given.name)
+    made = None  # the empty directory new_run_dir took for the name, until the rename fills it
+    try:
+        runlog.write_whole(partial / runlog.JOB, job)
+        runlog.write_whole(partial / runlog.OBJECTS, objects)
+        runlog.write_json(partial / runlog.SPEC, {"function": name, "started": time.time(),
+                                                  "max_restarts": max_restarts, "launch": options})
+        # Who submitted it: a run whose submitter died before its supervisor started reads failed.
+        runlog.write_json(partial / runlog.STATUS, {"status": "queued", "restarts": [], "max_restarts": max_restarts,
+                                                    "submitter": session.identity(os.getpid())})
+        os.close(os.open(partial / runlog.SUPERVISOR_LOG, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        where = given or (made := runlog.new_run_dir(base, name))  # made empty at once, filled by the rename
+        runlog.place(partial, where)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        if made is not None and made.is_dir() and not any(made.iterdir()):
+            made.rmdir()
+        raise
+    try:
+        _start_supervisor(where, cluster, max_restarts)
+    except BaseException as error:
+        if not (where / runlog.SUPERVISOR).exists():  # a supervisor that never started: the run says why
+            _never_started(where, error)
+        raise
+    return Run(where, progress)
+
+
+def _start_supervisor(where: Path, cluster, max_restarts: int) -> None:
     # The kernel's import path, as the warm template gets it: the job's functions may come from
     # modules that only it can import (its directory, a sys.path.append).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
            **(cluster.supervisor_environ() if cluster is not None else {})}
     supervise = [sys.executable, "-P", "-c", _SUPERVISE, str(where)]
     if isinstance(cluster, Slurm):
-        who = _supervisor_job(where, cluster, supervise, env, max_restarts)
+        runlog.write_json(where / runlog.SUPERVISOR, _supervisor_job(where, cluster, supervise, env, max_restarts))
     else:
-        detach = subprocess.run([sys.executable, "-c", _DETACH, str(where / runlog.SUPERVISOR_LOG), *supervise],
-                                capture_output=True, text=True, check=True, env=env)
-        who = session.identity(int(detach.stdout))
-    runlog.write_json(where / runlog.SUPERVISOR, who)
-    return Run(where, progress)
+        subprocess.run([sys.executable, "-c", _DETACH, str(where / runlog.SUPERVISOR_LOG),
+                        str(where / runlog.SUPERVISOR), *supervise], capture_output=True, text=True, check=True,
+                       env=env)
+
+
+def _never_started(where: Path, error: BaseException) -> None:
+    """submit stopped before the supervisor started: status.json says so (a supervisor that
+    starts after all finds the run ended, and leaves it)."""
+    reason = "submit was interrupted before the run's supervisor started" if isinstance(error, KeyboardInterrupt) \
+        else f"the run's supervisor could not be started: {error}"
+    try:
+        status = runlog.read_json(where / runlog.STATUS)
+        status.update(status="failed", reason=reason, ended=time.time())
+        runlog.write_json(where / runlog.STATUS, status)
+    except (OSError, ValueError):
+        pass
 
 
 def _supervisor_job(where: Path, cluster, supervise: list[str], env: dict, max_restarts: int) -> dict:
@@ -107,14 +148,16 @@ def _supervisor_job(where: Path, cluster, supervise: list[str], env: dict, max_r
     return {"slurm_job": submitted.stdout.strip().split(";")[0]}
 
 
-def _new_run_dir(name: str) -> Path:
-    return runlog.new_run_dir(Path(RUNS).absolute(), name)
-
-
 def _given_run_dir(run_dir) -> Path:
-    if not isinstance(run_dir, (str, os.PathLike)):
+    """`run_dir` as an absolute path that is new, or an empty directory of ours; a link or
+    another user's directory is refused before anything is written (its mode included)."""
+    if not isinstance(run_dir, (str, os.PathLike)) or not os.fspath(run_dir):
         raise TypeError(f"run_dir={run_dir!r}: give a directory path (str or Path), or None for a new one "
                         "under ./nbtrain-runs/.")
     path = Path(run_dir).absolute()
-    runlog.make_private_dir(path)
+    if os.path.lexists(path):
+        check_own(path, "run_dir")
+        if not path.is_dir() or any(path.iterdir()):
+            raise FileExistsError(f"run_dir={str(run_dir)!r} exists and is not empty; give a new or empty directory "
+                                  "(or leave run_dir unset for a new one under ./nbtrain-runs/).")
     return path

@@ -7,10 +7,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import dill
-
 from ..common import runlog
 from ..common.pickling import ship_bytes
+from ..common.private import private_dir
 from .context import Context, set_current
 
 ARGUMENTS = "arguments.pkl"  # the call's arguments, pickled at export
@@ -19,9 +18,9 @@ VALUE = "value.pkl"  # rank 0's return value, in the run directory
 
 def main(fn, here: str) -> None:
     here = Path(here)
-    args, kwargs = dill.loads((here / ARGUMENTS).read_bytes())
+    args, kwargs = runlog.read_pickle(here / ARGUMENTS)  # only from a file of ours, no link
     run_dir = Path(os.environ.setdefault("NBTRAIN_RUN_DIR", str(here / "run")))
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # ctx.run_dir, where the code keeps checkpoints
+    private_dir(run_dir)  # ctx.run_dir, where the code keeps checkpoints
     ctx = Context.from_environ(os.environ)
     set_current(ctx)
     try:
