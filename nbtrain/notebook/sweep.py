@@ -121,9 +121,9 @@ def check_space(space, optuna) -> dict:
 
 
 def check_catch(catch) -> tuple:
-    catch = catch if isinstance(catch, tuple) else (catch,)
+    given, catch = catch, catch if isinstance(catch, tuple) else (catch,)
     if not all(isinstance(c, type) and issubclass(c, BaseException) for c in catch):
-        raise ValueError(f"catch={catch!r}: give an exception class or a tuple of them (a trial raising one is recorded "
+        raise ValueError(f"catch={given!r}: give an exception class or a tuple of them (a trial raising one is recorded "
                          "as failed and the sweep goes on), or () to stop at the first failure.")
     return catch
 
@@ -139,7 +139,7 @@ def open_study(optuna, study, fn, *, direction, sampler, pruner, metric: str, ru
                 raise ValueError(f"{name}={given!r} with study=: a study keeps its own {name}; give it to "
                                  f"optuna.create_study(..., {name}=...) instead.")
     else:
-        storage, run_dir = (study, None) if isinstance(study, str) else _study_file(fn, run_dir)
+        storage, run_dir = (study, None) if isinstance(study, str) else _study_file(optuna, fn, run_dir)
         try:
             study = optuna.create_study(storage=storage, study_name=_name(fn), direction=direction or "minimize",
                                         sampler=sampler, pruner=pruner, load_if_exists=True)
@@ -160,9 +160,11 @@ def open_study(optuna, study, fn, *, direction, sampler, pruner, metric: str, ru
     return study, run_dir
 
 
-def _study_file(fn, run_dir) -> tuple[str, str]:
-    """SQLite in the run directory (0700; the database 0600): the default sweep of `fn` is always the same
-    directory, nbtrain-runs/sweep-<fn>, so running the cell again resumes it."""
+def _study_file(optuna, fn, run_dir):
+    """(Optuna's storage, the run directory): SQLite in the run directory (0700; the database 0600).
+    The default sweep of `fn` is always the same directory, nbtrain-runs/sweep-<fn>, so running the
+    cell again resumes it. No connection is kept open between uses (a kernel holds no file of a
+    finished sweep), and a busy database is waited for, not an error: slots write to it at once."""
     directory = Path(check_run_dir(run_dir) if run_dir is not None else Path(RUNS) / f"sweep-{_name(fn)}").absolute()
     private_dir(directory)
     path = directory / STUDY_FILE
@@ -170,7 +172,11 @@ def _study_file(fn, run_dir) -> tuple[str, str]:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     except FileExistsError:
         check_own(path, "study database")
-    return f"sqlite:///{path}", str(directory)
+    from sqlalchemy.pool import NullPool
+
+    storage = optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={
+        "poolclass": NullPool, "connect_args": {"timeout": 60}})
+    return storage, str(directory)
 
 
 def _running_elsewhere(trial) -> bool:
