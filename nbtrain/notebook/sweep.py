@@ -339,8 +339,11 @@ class _SweepRun:
             raise ValueError(f"trial {trial.number} logged no {self.metric!r} (ctx.log({self.metric!r}, value)) and "
                              f"returned no number: the sweep needs one of them as the trial's value.")
         with self._lock:
-            self.study.tell(trial, value)
+            told = self.study.tell(trial, value)
             row.value = value
+            if told.state != TrialState.COMPLETE:  # Optuna refuses nan: the trial failed
+                self._finish_row(row, "failed", f"its value, {value!r}, is not one Optuna accepts")
+                return True
             self._finish_row(row, "complete", "")
             best = self._best()
             if best is not None and best[0] == trial.number:
