@@ -5,12 +5,14 @@
 - Ray Tune, 2 trials at once (1 CPU each), `tune.Tuner(...).fit()`.
 
 Each trial trains a small MLP for a fixed number of steps on one thread (torch.set_num_threads(1)
-in the trial, the same code for all three) and reports its loss every 10 steps. The same N
+in the trial, the same code for all three) and reports its loss every 10 steps. With `--wait S`,
+each step also waits S seconds (as a trial whose step runs on its own GPU leaves the CPU free):
+the slots' overlap is measured apart from a shared machine's contention for its 2 cores. The same N
 parameter sets (lr) are given to all three (Optuna: enqueued; Ray: a grid over them), no pruning,
 so all three do the same work. Rounds are interleaved; the median round is reported. Start-up
 that happens once per session (nbtrain's template, `ray.init`) is measured apart.
 
-    pip install -e ".[bench]" && python benchmarks/sweep_throughput.py [--trials 16] [--steps 300] [--rounds 3]
+    pip install -e ".[bench]" && python benchmarks/sweep_throughput.py [--trials 16] [--steps 1500] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, record, table  # noqa: E402
+
+
+WAIT = [0.0]  # seconds each step waits (--wait)
 
 
 def train(lr: float, steps: int, report) -> float:
@@ -40,6 +45,8 @@ def train(lr: float, steps: int, report) -> float:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if WAIT[0]:
+            time.sleep(WAIT[0])
         if step % 10 == 9:
             report(step, loss.item())
     return loss.item()
@@ -90,7 +97,7 @@ def run_ray(lrs: list[float], steps: int, storage: str) -> float:
         train(config["lr"], steps, lambda step, value: tune.report({"loss": value, "step": step}))
 
     tuner = tune.Tuner(tune.with_resources(trainable, {"cpu": 1}), param_space={"lr": tune.grid_search(lrs)},
-                       tune_config=tune.TuneConfig(metric="loss", mode="min", max_concurrent_trials=2),
+                       tune_config=tune.TuneConfig(metric="loss", mode="min", max_concurrent_trials=2, reuse_actors=True),
                        run_config=tune.RunConfig(storage_path=storage, verbose=0))
     started = time.perf_counter()
     results = tuner.fit()
@@ -101,10 +108,12 @@ def run_ray(lrs: list[float], steps: int, storage: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--wait", type=float, default=0.0, help="seconds each step waits (0: CPU-bound)")
     parser.add_argument("--note", default="")
     args = parser.parse_args()
+    WAIT[0] = args.wait
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import optuna
 
@@ -143,11 +152,13 @@ def main() -> None:
                      ", ".join(f"{v:.2f}" for v in values)])
     body = table(["sweep of the same trials", "wall s (median)", "trials/min", "speed vs optuna n_jobs=1",
                   "rounds (s)"], rows)
-    text = (f"{args.trials} trials, each {args.steps} SGD steps of a 32-128-1 MLP on one thread ({one:.2f} s alone), "
+    waits = f", each step then waiting {args.wait:g} s" if args.wait else ""
+    text = (f"{args.trials} trials, each {args.steps} SGD steps of a 32-128-1 MLP on one thread{waits} ({one:.2f} s alone), "
             f"loss reported every 10 steps; same lr values for all, no pruning; {args.rounds} interleaved rounds. "
             f"Once per session, not in the table: nbtrain's warm template {warm:.2f} s, ray.init {ray_start:.2f} s. "
             f"The machine is shared with other jobs: rounds vary.")
-    record("Sweep throughput (sweep_throughput.py)", body + "\n\n" + text + (f"\n\n{args.note}" if args.note else ""))
+    kind = f"trials that wait (--wait {args.wait:g})" if args.wait else "CPU-bound trials"
+    record(f"Sweep throughput, {kind} (sweep_throughput.py)", body + "\n\n" + text + (f"\n\n{args.note}" if args.note else ""))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,12 @@ class SweepState:
     ended: float | None = None
     version: int = 0
 
+    def add(self, row: TrialRow) -> None:
+        """A new trial's row. The dict is replaced, not changed: a view reading the old one, on
+        another thread, is not disturbed."""
+        self.rows = {**self.rows, row.number: row}
+        self.version += 1
+
     def counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for row in self.rows.values():

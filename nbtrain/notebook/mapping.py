@@ -288,12 +288,13 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
     state = MapState(f"map of {getattr(fn, '__name__', 'fn')} on {len(slots)} {kind} slot{'s' if len(slots) > 1 else ''}",
                      len(items), work.resumed, len(work.results))
     failures: list[BaseException] = []
+    lines: deque = deque()  # the workers' output, shown by the main thread
 
     def serve(slot) -> bool:
         if work.finished or work.failure is not None:
             return False
-        say = lambda rank, stream, text: view.output(f"[{slot}] {text}", stream)  # noqa: E731
-        display = runner.display(on_output=say, on_note=lambda text: view.output(f"nbtrain: {slot}: {text}"))
+        display = runner.display(on_output=lambda rank, stream, text: lines.append((f"[{slot}] {text}", stream)),
+                                 on_note=lambda text: lines.append((f"nbtrain: {slot}: {text}", "stdout")))
         try:
             launch(functools.partial(serve_items, work.spec(fn, bind=False, worker=slot.index)),
                    devices=slot.launch_devices, accelerator=slot.accelerator, strategy=strategy,
@@ -301,12 +302,14 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
         except WorkerError as error:
             if not work.lost(slot.index, error):  # it held no item: the others go on
                 failures.append(error)
-                view.output(f"nbtrain: the worker on {slot} failed: {why(error)}", "stderr")
+                lines.append((f"nbtrain: the worker on {slot} failed: {why(error)}", "stderr"))
         finally:
             display.release()
         return False  # a worker serves until the queue is empty: its slot has nothing more to do
 
     def tick() -> None:
+        while lines:
+            view.output(*lines.popleft())
         state.done, state.busy = len(work.results), work.busy
         view.update(state)
         if work.failure is not None:
@@ -329,6 +332,8 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
         raise
     finally:
         work.close()
+        while lines:
+            view.output(*lines.popleft())
         state.done, state.busy, state.ended = len(work.results), 0, time.monotonic()
         if verdict == "finished" and not work.finished:
             verdict = "failed"

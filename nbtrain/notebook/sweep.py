@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 from ..common.errors import WorkerError
@@ -270,7 +271,7 @@ class _SweepRun:
         self.state, self.view = state, view
         self.started = 0
         self.best: tuple[int, Result] | None = None
-        self.lines: list[tuple[str, str]] = []  # the trials' output, for the main thread to show
+        self.lines: deque[tuple[str, str]] = deque()  # (text, stream): the trials' output, for the main thread
         self.runner: SlotRunner | None = None
         self._lock = threading.Lock()
         self.failure: BaseException | None = None
@@ -279,16 +280,16 @@ class _SweepRun:
         self.state.version += 1
 
     def tick(self) -> None:
-        lines, self.lines = self.lines, []
-        for stream, text in lines:
-            self.view.output(text, stream)
+        """On the main thread: what the trials printed, then the view (drawn from here only)."""
+        while self.lines:
+            self.view.output(*self.lines.popleft())
         self.view.update(self.state)
 
     def _say(self, number: int, rank, stream: str, text: str) -> None:
-        self.lines.append((stream, f"[trial {number}] {text}" if not rank else f"[trial {number} rank {rank}] {text}"))
+        self.lines.append((f"[trial {number}] {text}" if not rank else f"[trial {number} rank {rank}] {text}", stream))
 
     def _note(self, number: int, text: str) -> None:
-        self.lines.append(("stdout", f"nbtrain: trial {number}: {text}"))
+        self.lines.append((f"nbtrain: trial {number}: {text}", "stdout"))
 
     def _next(self):
         with self._lock:
@@ -304,8 +305,8 @@ class _SweepRun:
         TrialState = self.optuna.trial.TrialState
         trial.set_user_attr(KERNEL, this_kernel())
         trial.set_user_attr(SLOT, str(slot))
-        row = self.state.rows[trial.number] = TrialRow(trial.number, dict(trial.params), str(slot))
-        self.changed()
+        row = TrialRow(trial.number, dict(trial.params), str(slot))
+        self.state.add(row)
         reporter = _Reporter(self, trial, row)
         display = self.runner.display(on_update=reporter.update,
                                       on_output=functools.partial(self._say, trial.number),
