@@ -364,5 +364,12 @@ def test_trials_as_ray_actors(kernel):
     assert error is None, error
     assert kernel.value("sorted(t.value for t in study.trials)") == [0.1, 0.4, 0.7]
     assert kernel.value("swept.best_result.value") == (0.1, True)
-    assert kernel.value("ray.available_resources().get('CPU') == ray.cluster_resources()['CPU']")
+    kernel.run("def settled(timeout=30.0):\n"  # Ray frees an ended actor's CPU a moment later
+               "    deadline = time.monotonic() + timeout\n"
+               "    while ray.available_resources().get('CPU') != ray.cluster_resources()['CPU']:\n"
+               "        if time.monotonic() > deadline:\n"
+               "            return False\n"
+               "        time.sleep(0.2)\n"
+               "    return True\n")
+    assert kernel.value("settled()")  # every trial's actors gone
     kernel.run("ray.shutdown()")
