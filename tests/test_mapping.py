@@ -112,8 +112,9 @@ def batch_of_squares(xs):
 def test_batches(no_leftovers):
     assert nbtrain.map(batch_of_squares, range(11), devices=2, accelerator="cpu", batch_size=4,
                        progress=False) == [x * x for x in range(11)]
-    with pytest.raises(nbtrain.MapError, match="returns one result per item: it returned 1 for 4 items"):
+    with pytest.raises(nbtrain.MapError, match="returns one result per item: it returned 1 for 4 items") as caught:
         nbtrain.map(lambda xs: [0], range(8), devices=1, accelerator="cpu", batch_size=4, progress=False)
+    assert caught.value.batch == (0, 1, 2, 3) and str(caught.value).startswith("the batch of items 0, 1, 2, 3 failed")
 
 
 def counted(marks: str, fail: str, x: int):

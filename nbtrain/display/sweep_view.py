@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import check_progress, in_jupyter
-from .chart import _Line, line_colour, panel_svg, use_log_scale
+from .chart import _Line, panel_svg, use_log_scale
 from .figure import MISSING_MATPLOTLIB, have_matplotlib, png
 from .widgets import _duration, replace, show
 
@@ -30,6 +30,7 @@ REDRAW_INTERVAL = 0.5  # seconds between redraws of the live table, at most
 STATE_COLOURS = {"running": "#1565c0", "complete": "#2e7d32", "pruned": "#757575", "failed": "#c62828",
                  "interrupted": "#757575", "waiting": "#757575"}
 MAX_ROWS = 200  # live: the latest trials beyond this are shown, the rest counted
+BEST_COLOUR = "#1565c0"
 
 
 @dataclass
@@ -171,7 +172,7 @@ def curves_figure(state: SweepState):
             continue
         values += [v for v in ys if math.isfinite(v)]
         is_best = number_ == best
-        ax.plot(steps, ys, color=line_colour(number_) if is_best else "#9e9e9e", linewidth=2.2 if is_best else 1.0,
+        ax.plot(steps, ys, color=BEST_COLOUR if is_best else "#9e9e9e", linewidth=2.2 if is_best else 1.0,
                 linestyle="--" if row.state == "pruned" else "-", label=f"trial {number_} (best)" if is_best else None,
                 zorder=3 if is_best else 2)
     if use_log_scale(state.metric, values):

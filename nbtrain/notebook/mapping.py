@@ -41,27 +41,36 @@ log = logging.getLogger(__name__)
 class MapError(RuntimeError):
     """An item of a map failed, or the worker running it died.
 
-    `index`: the item's position in the input; `summary`: its first line; `traceback`: the
-    worker's own; `results`: {index: result} of the items finished before the map stopped (all of
-    them saved in `run_dir`, when one was given: running the map again starts where it stopped).
+    `index`: the item's position in the input (with batch_size > 1, the first of its batch;
+    `batch` lists them all); `summary`: its first line; `traceback`: the worker's own; `results`:
+    {index: result} of the items finished before the map stopped (all of them saved in `run_dir`,
+    when one was given: running the map again starts where it stopped).
     """
 
-    def __init__(self, index: int, summary: str, traceback: str = "", results: dict | None = None, total: int = 0):
+    def __init__(self, index: int, summary: str, traceback: str = "", results: dict | None = None, total: int = 0,
+                 batch: tuple = ()):
         self.index, self.summary, self.traceback = index, summary, traceback
         self.results = dict(results or {})
         self.total = total
+        self.batch = tuple(batch) or (index,)
         super().__init__(self._message())
 
+    @property
+    def _which(self) -> str:
+        if len(self.batch) == 1:
+            return f"item {self.index}"
+        return f"the batch of items {', '.join(str(i) for i in self.batch)}"  # `map` here is nbtrain's
+
     def _message(self) -> str:
-        text = f"item {self.index} failed: {self.summary}"
+        text = f"{self._which} failed: {self.summary}"
         if self.total:
             text += f" ({len(self.results)} of {self.total} items done; their results are in .results)"
         if self.traceback:
-            text += f"\n\n--- item {self.index} ---\n{readable(self.traceback).rstrip()}"
+            text += f"\n\n--- {self._which} ---\n{readable(self.traceback).rstrip()}"
         return text
 
     def __reduce__(self):
-        return (type(self), (self.index, self.summary, self.traceback, self.results, self.total))
+        return (type(self), (self.index, self.summary, self.traceback, self.results, self.total, self.batch))
 
     def _render_traceback_(self) -> list[str]:
         return [f"MapError: {line}" if i == 0 else line for i, line in enumerate(self._message().splitlines())]
@@ -180,7 +189,7 @@ class WorkQueue:
                 log.debug("map queue", exc_info=True)
                 with self._lock:
                     indices = message[2] if message[0] == "result" else [-1]
-                    self._fail(indices[0], f"its result cannot be read in the notebook: {type(exc).__name__}: {exc}")
+                    self._fail(indices, f"its result cannot be read in the notebook: {type(exc).__name__}: {exc}")
 
     def _handle(self, message: tuple) -> None:
         kind, worker = message[0], message[1]
@@ -200,7 +209,7 @@ class WorkQueue:
             indices, summary, traceback = message[2], message[3], message[4]
             with self._lock:
                 self.in_flight.pop(worker, None)
-                self._fail(indices[0], summary, traceback)
+                self._fail(indices, summary, traceback)
 
     def _hand_out(self, worker: int, count: int) -> tuple:
         import dill
@@ -213,7 +222,7 @@ class WorkQueue:
                 try:
                     payload = dill.dumps(self.items[index], recurse=True)
                 except Exception as exc:
-                    self._fail(index, f"the item cannot be sent to the workers: {type(exc).__name__}: {exc}")
+                    self._fail([index], f"the item cannot be sent to the workers: {type(exc).__name__}: {exc}")
                     break
                 self.pending.popleft()
                 batch.append((index, payload))
@@ -222,16 +231,16 @@ class WorkQueue:
             self.in_flight[worker] = [index for index, _ in batch]
             return ("items", batch)
 
-    def _fail(self, index: int, summary: str, traceback: str = "") -> None:
+    def _fail(self, indices: list[int], summary: str, traceback: str = "") -> None:
         if self.failure is None:
-            self.failure = MapError(index, summary, traceback, total=len(self.items))
+            self.failure = MapError(indices[0], summary, traceback, total=len(self.items), batch=indices)
 
     def lost(self, worker: int, error: BaseException) -> bool:
         """A worker's run ended in failure; True when it held items (the map then fails, naming the first)."""
         with self._lock:
             indices = self.in_flight.pop(worker, None)
             if indices:
-                self._fail(indices[0], f"its worker failed: {why(error)}", getattr(error, "traceback", ""))
+                self._fail(indices, f"its worker failed: {why(error)}", getattr(error, "traceback", ""))
             return bool(indices)
 
     def error(self) -> MapError | None:
