@@ -373,3 +373,36 @@ def test_trials_as_ray_actors(kernel):
                "    return True\n")
     assert kernel.value("settled()")  # every trial's actors gone
     kernel.run("ray.shutdown()")
+
+
+@pytest.mark.slow
+def test_in_jupyter_the_live_table_is_replaced_in_place_by_the_summary(kernel):
+    _, _, error, _ = kernel.run(SETUP)
+    assert error is None, error
+    shown, updates = {}, []
+
+    def hook(msg):
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "display_data" and "display_id" in content.get("transient", {}):
+            shown[content["transient"]["display_id"]] = content["data"]
+        elif kind == "update_display_data":
+            updates.append((content["transient"]["display_id"], content["data"]))
+
+    kernel.client.execute_interactive(
+        "def quick(x):\n"
+        "    ctx = nbtrain.context()\n"
+        "    for step in range(5):\n"
+        "        ctx.log('loss', x + 1 / (step + 1), step=step)\n"
+        "        time.sleep(0.2)\n"
+        "    return x\n"
+        "study = optuna.create_study()\n"
+        "swept = nbtrain.sweep(quick, {'x': optuna.distributions.FloatDistribution(0, 1)}, trials=3, metric='loss',\n"
+        "                      devices=2, accelerator='cpu', study=study, progress=True)\n",
+        timeout=300, output_hook=hook)
+    table, curves = list(shown)  # two outputs, each then updated in place: no new output per redraw
+    assert "(live; replaced by a summary when the sweep ends)" in shown[table]["text/plain"]
+    final = [data for key, data in updates if key == table][-1]
+    assert "finished in" in final["text/plain"] and "3 trials here (3 complete)" in final["text/plain"]
+    assert '<div class="nbtrain-sweep">' in final["text/html"] and "(live;" not in final["text/plain"]
+    assert "image/png" in [data for key, data in updates if key == curves][-1]
+    assert kernel.value("children()") == []
