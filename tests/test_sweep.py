@@ -264,6 +264,25 @@ def test_the_sqlite_study_in_run_dir_resumes(tmp_path, no_leftovers):
         nbtrain.sweep(constant, SPACE, trials=5, metric="accuracy", devices=1, accelerator="cpu", run_dir=run_dir)
 
 
+def two_ranks(x: float):
+    ctx = nbtrain.context()
+    mean = ctx.log("loss", x + ctx.rank, sync_dist=True)  # a collective: both ranks are one world
+    return ctx.world_size, mean, os.environ["MASTER_PORT"]
+
+
+@pytest.mark.slow
+def test_a_slot_of_two_devices_is_a_ddp_launch_of_its_own(no_leftovers):
+    study = quiet_study()
+    for x in (0.2, 0.6):
+        study.enqueue_trial({"x": x})
+    result = nbtrain.sweep(two_ranks, SPACE, trials=2, metric="loss", devices=2, devices_per_trial=2,
+                           accelerator="cpu", study=study, progress=False)
+    assert sorted(t.value for t in study.get_trials()) == pytest.approx([0.7, 1.1])  # the mean over the two ranks
+    values = result.best_result.values
+    assert [v[0] for v in values] == [2, 2] and [v[1] for v in values] == pytest.approx([0.7, 0.7])
+    assert values[0][2] == values[1][2]  # one rendezvous for the trial's two ranks
+
+
 @pytest.mark.slow
 def test_trials_on_slurm(slurm, tmp_path, no_leftovers):
     study = quiet_study()
