@@ -104,6 +104,20 @@ def test_a_failing_item_is_named_with_its_traceback_and_the_results_so_far(no_le
     assert str(error).startswith("item 5 failed: KeyError: 'no item 5' (5 of 8 items done")
 
 
+def dies_at(bad: int, x: int):
+    if x == bad:
+        os._exit(3)  # the worker's process ends: no exception to report
+    return x
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_names_the_item_it_held(no_leftovers):
+    with pytest.raises(nbtrain.MapError) as caught:
+        nbtrain.map(functools.partial(dies_at, 4), range(8), devices=1, accelerator="cpu", progress=False)
+    assert caught.value.index == 4 and caught.value.summary.startswith("its worker failed: rank 0 failed: exited with code 3")
+    assert caught.value.results == {i: i for i in range(4)}
+
+
 def batch_of_squares(xs):
     return [x * x for x in xs]
 

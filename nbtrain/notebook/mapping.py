@@ -302,9 +302,10 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
     def serve(slot) -> bool:
         if work.finished or work.failure is not None:
             return False
-        display = runner.display(on_output=lambda rank, stream, text: lines.append((f"[{slot}] {text}", stream)),
-                                 on_note=lambda text: lines.append((f"nbtrain: {slot}: {text}", "stdout")))
+        display = None
         try:
+            display = runner.display(on_output=lambda rank, stream, text: lines.append((f"[{slot}] {text}", stream)),
+                                     on_note=lambda text: lines.append((f"nbtrain: {slot}: {text}", "stdout")))
             launch(functools.partial(serve_items, work.spec(fn, bind=False, worker=slot.index)),
                    devices=slot.launch_devices, accelerator=slot.accelerator, strategy=strategy,
                    launcher_options=options, progress=display)
@@ -313,7 +314,8 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
                 failures.append(error)
                 lines.append((f"nbtrain: the worker on {slot} failed: {why(error)}", "stderr"))
         finally:
-            display.release()
+            if display is not None:
+                display.release()
         return False  # a worker serves until the queue is empty: its slot has nothing more to do
 
     def tick() -> None:

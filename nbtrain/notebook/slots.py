@@ -174,6 +174,9 @@ class SlotDisplay:
         self.state = None
         runner._turn.acquire()
         self._holding = True
+        if runner.stopping.is_set():  # stopped while waiting for its turn: start nothing
+            self.release()
+            raise KeyboardInterrupt
 
     def release(self) -> None:
         """End this launch's start turn (once its ranks are started and watched)."""

@@ -274,7 +274,6 @@ class _SweepRun:
         self.lines: deque[tuple[str, str]] = deque()  # (text, stream): the trials' output, for the main thread
         self.runner: SlotRunner | None = None
         self._lock = threading.Lock()
-        self.failure: BaseException | None = None
 
     def changed(self) -> None:
         self.state.version += 1
@@ -307,11 +306,11 @@ class _SweepRun:
         trial.set_user_attr(SLOT, str(slot))
         row = TrialRow(trial.number, dict(trial.params), str(slot))
         self.state.add(row)
-        reporter = _Reporter(self, trial, row)
-        display = self.runner.display(on_update=reporter.update,
-                                      on_output=functools.partial(self._say, trial.number),
-                                      on_note=functools.partial(self._note, trial.number))
+        reporter, display = _Reporter(self, trial, row), None
         try:
+            display = self.runner.display(on_update=reporter.update,
+                                          on_output=functools.partial(self._say, trial.number),
+                                          on_note=functools.partial(self._note, trial.number))
             result = launch(functools.partial(self.fn, **trial.params), devices=slot.launch_devices,
                             accelerator=slot.accelerator, strategy=self.strategy, launcher_options=self.options,
                             cluster=self.cluster, progress=display)
@@ -333,7 +332,8 @@ class _SweepRun:
             self._end(trial, row, "failed", f"{type(error).__name__}: {error}".splitlines()[0], TrialState.FAIL)
             raise
         finally:
-            display.release()
+            if display is not None:
+                display.release()
         value = objective(result, self.metric)
         if value is None:
             self._end(trial, row, "failed", f"logged no {self.metric!r}", TrialState.FAIL)
