@@ -12,7 +12,7 @@ import pytest
 from conftest import CHILDREN
 
 import nbtrain
-from nbtrain.notebook.mapping import SavedResults
+from nbtrain.notebook.work_queue import SavedResults
 
 
 # -- bad input and the saved results: no process ---------------------------------------------
