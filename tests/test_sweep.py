@@ -15,7 +15,8 @@ import nbtrain
 from nbtrain.common.inventory import Gpu, StaticInventory, use_inventory
 from nbtrain.display.sweep_view import SweepState, TrialRow, summary_html, summary_text
 from nbtrain.notebook.slots import plan_slots
-from nbtrain.notebook.sweep import INTERRUPTED, KERNEL, RETRY_OF, TRACEBACK, objective, resume
+from nbtrain.notebook.sweep import objective
+from nbtrain.notebook.sweep_study import INTERRUPTED, KERNEL, RETRY_OF, TRACEBACK, resume
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
