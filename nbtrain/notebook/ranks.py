@@ -32,6 +32,7 @@ from ..placements.processes import ForkLauncher, SpawnLauncher
 from ..display.text import QuietDisplay
 from .insight import instrument
 from .launch import check_timeout
+from .mapping import map_on_ranks
 from ..display.lazy import LazyDisplay
 from .result import Result
 from ..common.pickling import explain_pickling
@@ -258,6 +259,14 @@ class Ranks:
         state = self._command("call", payload, ranks=ranks, timeout=timeout, namespace=fn.__globals__,
                               display=display, title=f"{fn.__qualname__} on live ranks")
         return Result.from_state(state, f"live ({self.placement})", self.plan.describe())
+
+    def map(self, fn, items, *, batch_size: int = 1, run_dir=None, progress=None, timeout: float | None = None) -> list:
+        """`[fn(item) for item in items]` on these ranks, in input order: each rank takes the next
+        items whenever it is free, and `fn` runs with the rank's namespace as its globals (a model
+        loaded or trained there is used as it is). `batch_size`, `run_dir` and the `MapError` of
+        a failing item as for `nbtrain.map`; the ranks keep their state."""
+        return map_on_ranks(self, fn, items, batch_size=batch_size, run_dir=run_dir, timeout=timeout,
+                            progress=self.progress if progress is None else progress)
 
     def profile(self, fn, *args, profile=True, **kwargs):
         """`run(fn, ...)` with torch.profiler on every rank: the `Result`'s `profile` is the table."""

@@ -1,0 +1,360 @@
+"""`nbtrain.sweep`: hyper-parameter trials packed onto the devices, on Optuna.
+
+    space = {"lr": optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)}
+    best = nbtrain.sweep(train, space, trials=20, metric="loss", devices=2)   # a Sweep
+    best.best_params, best.best_value, best.best_result.value
+
+Optuna decides everything a sweep decides: which parameters a trial gets (its sampler, enqueued
+trials first), whether a trial is pruned (its pruner, asked each time the trial logs the metric),
+where the study is kept (its storage: by default SQLite in the sweep's run directory, so running
+the same cell again after an interruption resumes: `sweep_study.py`). nbtrain runs each trial as a launch of
+`fn(**params)` on a free slot (`slots.py`), reports `ctx.log(metric, ...)` to the trial, and ends
+a pruned trial's launch at once, freeing its slot for the next.
+"""
+from __future__ import annotations
+
+import functools
+import numbers
+import threading
+import time
+from collections import deque
+
+from ..common.errors import WorkerError
+from ..display.sweep_view import SweepState, TrialRow, make_view, summary_html, summary_text
+from .insight import _name
+from .launch import check_timeout, launch
+from .restarts import why
+from .result import Result
+from .slots import Slot, SlotRunner, check_count, plan_slots, slot_strategy
+from .sweep_study import ERROR, INTERRUPTED, KERNEL, SLOT, TRACEBACK, TRACEBACK_CHARS, open_study, resume, this_kernel
+
+OPTUNA_MISSING = "nbtrain.sweep runs on Optuna, which is not installed: pip install 'nbtrain[sweep]' (or optuna)."
+DIRECTIONS = ("minimize", "maximize")
+
+
+def _optuna():
+    try:
+        import optuna
+    except ImportError as exc:
+        raise ImportError(OPTUNA_MISSING) from exc
+    return optuna
+
+
+class _Pruned(Exception):
+    """Raised in a trial's display when Optuna's pruner says stop: its launch ends at once."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
+class Sweep:
+    """What `nbtrain.sweep` returns: the Optuna study, its best trial, and the best trial's Result.
+
+    `best_result` is the `Result` of the best trial, kept in this kernel when that trial ran here
+    (its `value` is what `fn` returned: the trained model); None when the best trial ran in an
+    earlier session. `dataframe()` is Optuna's table of every trial (needs pandas).
+    """
+
+    def __init__(self, study, state: SweepState, best: tuple[int, Result] | None, run_dir: str | None):
+        self.study, self.state, self.run_dir = study, state, run_dir
+        self._best = best  # (trial number, its Result)
+
+    @property
+    def metric(self) -> str:
+        return self.state.metric
+
+    @property
+    def best_trial(self):
+        return self.study.best_trial
+
+    @property
+    def best_params(self) -> dict:
+        return self.study.best_params
+
+    @property
+    def best_value(self) -> float:
+        return self.study.best_value
+
+    @property
+    def best_result(self) -> Result | None:
+        if self._best is None or self._best[0] != self.study.best_trial.number:
+            return None
+        return self._best[1]
+
+    def dataframe(self, **kwargs):
+        """Every trial as a pandas DataFrame (Optuna's `trials_dataframe`)."""
+        return self.study.trials_dataframe(**kwargs)
+
+    def _repr_html_(self) -> str:
+        return summary_html(self.state, "finished")
+
+    def __repr__(self) -> str:
+        return summary_text(self.state, "finished")
+
+
+def check_space(space, optuna) -> dict:
+    example = "e.g. {'lr': optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)}"
+    if not isinstance(space, dict) or not space:
+        raise ValueError(f"space={space!r}: give a dict mapping parameter names to Optuna distributions, {example}.")
+    for name, distribution in space.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"space key {name!r}: a parameter name is passed as fn's keyword, so it must be an identifier.")
+        if not isinstance(distribution, optuna.distributions.BaseDistribution):
+            raise ValueError(f"space[{name!r}]={distribution!r}: give an Optuna distribution (FloatDistribution, "
+                             f"IntDistribution, CategoricalDistribution), {example}.")
+    return dict(space)
+
+
+def check_catch(catch) -> tuple:
+    given, catch = catch, catch if isinstance(catch, tuple) else (catch,)
+    if not all(isinstance(c, type) and issubclass(c, BaseException) for c in catch):
+        raise ValueError(f"catch={given!r}: give an exception class or a tuple of them (a trial raising one is recorded "
+                         "as failed and the sweep goes on), or () to stop at the first failure.")
+    return catch
+
+
+def objective(result: Result, metric: str) -> float | None:
+    """The trial's value: the last `metric` rank 0 logged, else what fn returned if it is a number."""
+    logged = result.metrics(metric, rank=0)
+    if logged:
+        return logged[-1]
+    value = result.value
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
+        value = value.item()
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+
+
+def bar_text(view) -> str:
+    levels = sorted(view.bars.items())
+    return " ".join(f"{b.desc} {b.n}/{b.total}" if b.total is not None else f"{b.desc} {b.n}" for _, b in levels)
+
+
+class _Reporter:
+    """One trial's metric, as its launch reports it: to the row, to Optuna, and Optuna's pruner asked."""
+
+    def __init__(self, run: "_SweepRun", trial, row: TrialRow):
+        self.run, self.trial, self.row = run, trial, row
+        self.read = 0
+        self.reported: set[int] = set()
+
+    def update(self, state, final: bool) -> None:
+        new, self.read = state.history[self.read:], len(state.history)
+        first = min(state.ranks)
+        fresh = [m for m in new if m.name == self.run.metric and m.rank == first]
+        for m in fresh:
+            self.row.curve.add(m.step, m.value)
+            self.row.value, self.row.step = m.value, m.step
+        view = state.ranks.get(first)
+        progress = bar_text(view) if view is not None else ""
+        if fresh or progress != self.row.progress:
+            self.row.progress = progress
+            self.run.changed()
+        for m in fresh:
+            if m.step not in self.reported:
+                self.reported.add(m.step)
+                self.trial.report(m.value, m.step)
+        if fresh and not final and self.trial.should_prune():
+            raise _Pruned(fresh[-1].step)
+
+
+class _SweepRun:
+    """One call of `sweep`: the study, the slots' work, the state the view draws."""
+
+    def __init__(self, optuna, study, fn, space, metric, catch, remaining: int, deadline, strategy, options,
+                 cluster, state: SweepState, view):
+        self.optuna, self.study, self.fn, self.space, self.metric = optuna, study, fn, space, metric
+        self.catch, self.remaining, self.deadline = catch, remaining, deadline
+        self.strategy, self.options, self.cluster = strategy, options, cluster
+        self.state, self.view = state, view
+        self.started = 0
+        self.best: tuple[int, Result] | None = None
+        self.lines: deque[tuple[str, str]] = deque()  # (text, stream): the trials' output, for the main thread
+        self.runner: SlotRunner | None = None
+        self._lock = threading.Lock()
+
+    def changed(self) -> None:
+        self.state.version += 1
+
+    def tick(self) -> None:
+        """On the main thread: what the trials printed, then the view (drawn from here only)."""
+        while self.lines:
+            self.view.output(*self.lines.popleft())
+        self.view.update(self.state)
+
+    def _say(self, number: int, rank, stream: str, text: str) -> None:
+        self.lines.append((f"[trial {number}] {text}" if not rank else f"[trial {number} rank {rank}] {text}", stream))
+
+    def _note(self, number: int, text: str) -> None:
+        self.lines.append((f"nbtrain: trial {number}: {text}", "stdout"))
+
+    def _next(self):
+        with self._lock:
+            if self.started >= self.remaining or (self.deadline is not None and time.monotonic() > self.deadline):
+                return None
+            self.started += 1
+            return self.study.ask(self.space)
+
+    def work(self, slot: Slot) -> bool:
+        trial = self._next()
+        if trial is None:
+            return False
+        TrialState = self.optuna.trial.TrialState
+        trial.set_user_attr(KERNEL, this_kernel())
+        trial.set_user_attr(SLOT, str(slot))
+        row = TrialRow(trial.number, dict(trial.params), str(slot))
+        self.state.add(row)
+        reporter, display = _Reporter(self, trial, row), None
+        try:
+            display = self.runner.display(on_update=reporter.update,
+                                          on_output=functools.partial(self._say, trial.number),
+                                          on_note=functools.partial(self._note, trial.number))
+            result = launch(functools.partial(self.fn, **trial.params), devices=slot.launch_devices,
+                            accelerator=slot.accelerator, strategy=self.strategy, launcher_options=self.options,
+                            cluster=self.cluster, progress=display)
+        except _Pruned as pruned:
+            self._end(trial, row, "pruned", f"pruned at step {pruned.step}", TrialState.PRUNED)
+            return True
+        except KeyboardInterrupt:
+            trial.set_user_attr(INTERRUPTED, True)
+            self._end(trial, row, "interrupted", "stopped by Ctrl-C (resumed: run again)", TrialState.FAIL)
+            raise
+        except WorkerError as error:
+            trial.set_user_attr(ERROR, why(error))
+            trial.set_user_attr(TRACEBACK, error.traceback[-TRACEBACK_CHARS:])
+            self._end(trial, row, "failed", why(error), TrialState.FAIL)
+            if not isinstance(error, self.catch):
+                raise
+            return True
+        except BaseException as error:  # refused in the notebook (cannot be sent, bad settings): so would the rest be
+            self._end(trial, row, "failed", f"{type(error).__name__}: {error}".splitlines()[0], TrialState.FAIL)
+            raise
+        finally:
+            if display is not None:
+                display.release()
+        value = objective(result, self.metric)
+        if value is None:
+            self._end(trial, row, "failed", f"logged no {self.metric!r}", TrialState.FAIL)
+            raise ValueError(f"trial {trial.number} logged no {self.metric!r} (ctx.log({self.metric!r}, value)) and "
+                             f"returned no number: the sweep needs one of them as the trial's value.")
+        with self._lock:
+            told = self.study.tell(trial, value)
+            row.value = value
+            if told.state != TrialState.COMPLETE:  # Optuna refuses nan: the trial failed
+                self._finish_row(row, "failed", f"its value, {value!r}, is not one Optuna accepts")
+                return True
+            self._finish_row(row, "complete", "")
+            best = self._best()
+            if best is not None and best[0] == trial.number:
+                self.best = (trial.number, result)  # the model of the best trial so far; earlier ones are let go
+        return True
+
+    def _end(self, trial, row: TrialRow, state: str, detail: str, optuna_state) -> None:
+        with self._lock:
+            self.study.tell(trial, state=optuna_state, skip_if_finished=True)
+            self._finish_row(row, state, detail)
+
+    def _finish_row(self, row: TrialRow, state: str, detail: str) -> None:
+        row.state, row.detail, row.ended = state, detail, time.monotonic()
+        self._best()
+        self.changed()
+
+    def _best(self):
+        try:
+            best = self.study.best_trial
+        except ValueError:  # no trial complete yet
+            return None
+        self.state.best = (best.number, best.value, dict(best.params))
+        return self.state.best
+
+
+def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_per_trial: int = 1,
+          direction: str | None = None, sampler=None, pruner=None, study=None, timeout: float | None = None,
+          catch=(Exception,), run_dir=None, progress=True, accelerator: str = "auto", strategy: str = "auto",
+          cluster=None) -> Sweep:
+    """Run Optuna trials of `fn(**params)` on slots of `devices_per_trial` devices, packed onto `devices`.
+
+    `space` maps parameter names to Optuna distributions. Each trial is a launch on a free slot
+    (one process on one device, or a normal launch on several: DDP, or strategy='fsdp'); inside
+    `fn`, `ctx.log(metric, value, step=)` reports to the trial and Optuna's `pruner` (default:
+    the study's, MedianPruner) may stop it, freeing the slot at once. The trial's value is the
+    last `metric` it logged (or what `fn` returned, if a number). A trial that raises is recorded
+    as failed, with its traceback in the trial's user attributes, and the sweep goes on while
+    the error is one of `catch` (Exception by default; `()` stops at the first failure).
+
+    `trials`: how many finished trials the study should hold when the sweep ends; those it holds
+    already count, so running the cell again after an interruption resumes (interrupted trials run
+    again first). `study`: an `optuna.Study` to continue (its enqueued trials first) or a storage
+    URL; by default a SQLite study in `run_dir` (default ./nbtrain-runs/sweep-<fn>/, private to
+    you). `devices`: launch's grammar ("auto": every visible GPU; on CPU, a number of CPU
+    processes). `timeout`: seconds after which no new trial starts. `cluster`
+    (`nbtrain.Slurm`/`nbtrain.Ray`): each trial a job or actors there; `devices` is then how many
+    devices the sweep holds at once. Returns a `Sweep`; Ctrl-C stops every trial, leaving nothing.
+    """
+    optuna = _optuna()
+    if not callable(fn):
+        raise TypeError(f"sweep(fn=...) needs a callable trial function, got {type(fn).__name__}.")
+    space = check_space(space, optuna)
+    check_count(trials, "trials")
+    if not isinstance(metric, str) or not metric:
+        raise ValueError(f"metric={metric!r}: give the name fn logs with ctx.log(name, value), e.g. metric='loss'.")
+    if direction is not None and direction not in DIRECTIONS:
+        raise ValueError(f"direction={direction!r}: give 'minimize' or 'maximize'.")
+    if sampler is not None and not isinstance(sampler, optuna.samplers.BaseSampler):
+        raise ValueError(f"sampler={sampler!r}: give an Optuna sampler (optuna.samplers.TPESampler(), ...) or None.")
+    if pruner is not None and not isinstance(pruner, optuna.pruners.BasePruner):
+        raise ValueError(f"pruner={pruner!r}: give an Optuna pruner (optuna.pruners.MedianPruner(), ...) or None.")
+    check_timeout(timeout)
+    catch = check_catch(catch)
+    view = make_view(progress)
+    if cluster is None:
+        slots, idle = plan_slots(devices, devices_per_trial, accelerator)
+        strategy, options = slot_strategy(strategy, devices_per_trial)
+    else:
+        slots, idle = cluster_slots(devices, devices_per_trial, accelerator), None
+        options = None
+    study, run_dir = open_study(optuna, study, fn, direction=direction, sampler=sampler, pruner=pruner, metric=metric,
+                                run_dir=run_dir)
+    done = resume(optuna, study)
+    kind = "GPU" if slots[0].accelerator == "gpu" else "CPU" if cluster is None else cluster.engine
+    where = f"{len(slots)} {kind} slot{'s' if len(slots) > 1 else ''}" + (
+        f" of {devices_per_trial}" if devices_per_trial > 1 else "")
+    state = SweepState(f"sweep of {_name(fn)}", metric, study.direction.name.lower(), where, trials, done)
+    run = _SweepRun(optuna, study, fn, space, metric, catch, trials - done,
+                    None if timeout is None else time.monotonic() + timeout, strategy, options, cluster, state, view)
+    run._best()
+    view.start(state)
+    if idle:
+        view.output(f"nbtrain: {idle}")
+    if done >= trials:
+        view.output(f"nbtrain: the study already holds {done} finished trials (trials={trials}): nothing to run. "
+                    "Raise trials= to run more" + (f", or give another run_dir for a new sweep ({run_dir})." if run_dir else "."))
+    run.runner = SlotRunner(slots, run.work, warm=cluster is None)
+    verdict = "finished"
+    try:
+        if done < trials:
+            run.runner.run(run.tick)
+    except KeyboardInterrupt as interrupt:
+        verdict = "interrupted"
+        kept = f" in {run_dir}" if run_dir else ""
+        interrupt._render_traceback_ = lambda: [
+            f"KeyboardInterrupt: the sweep was interrupted; nbtrain stopped every running trial. The finished trials are "
+            f"kept in the study{kept}: run the cell again to resume."]
+        raise
+    except BaseException:
+        verdict = "failed"
+        raise
+    finally:
+        state.ended = time.monotonic()
+        run.tick()
+        view.finish(state, verdict)
+    return Sweep(study, state, run.best, run_dir)
+
+
+def cluster_slots(devices, per_slot: int, accelerator: str) -> list[Slot]:
+    """On a cluster, `devices` is how many devices the sweep may hold at once: slots of `per_slot`."""
+    check_count(per_slot, "devices_per_trial")
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < per_slot:
+        raise ValueError(f"devices={devices!r} with cluster=: give how many devices the sweep may hold at once on the "
+                         f"cluster, an int >= devices_per_trial ({per_slot}).")
+    return [Slot(i, accelerator, (), per_slot) for i in range(devices // per_slot)]

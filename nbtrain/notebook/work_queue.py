@@ -1,0 +1,255 @@
+"""A map's work queue: items handed to workers as they ask, results kept in order and saved.
+
+`WorkQueue` is the notebook's side of the map's own channel (a `Hub`; the workers are
+`rank/work.py`): a worker asks for items when it is free and sends each result back at once; the
+queue knows which items each worker holds, so a failure (an item that raised, a worker that
+died) names its item. `SavedResults` keeps the results in `run_dir` as they come, so a map run
+again starts where it stopped.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from ..common.channel import Hub
+from ..common.private import check_own, private_dir, read_own, read_own_json, write_private_json
+from ..common.tracebacks import readable
+from ..rank.work import WorkSpec
+from .insight import check_run_dir
+from .restarts import why
+
+log = logging.getLogger(__name__)
+
+
+class MapError(RuntimeError):
+    """An item of a map failed, or the worker running it died.
+
+    `index`: the item's position in the input (with batch_size > 1, the first of its batch;
+    `batch` lists them all); `summary`: its first line; `traceback`: the worker's own; `results`:
+    {index: result} of the items finished before the map stopped (all of them saved in `run_dir`,
+    when one was given: running the map again starts where it stopped).
+    """
+
+    def __init__(self, index: int, summary: str, traceback: str = "", results: dict | None = None, total: int = 0,
+                 batch: tuple = ()):
+        self.index, self.summary, self.traceback = index, summary, traceback
+        self.results = dict(results or {})
+        self.total = total
+        self.batch = tuple(batch) or (index,)
+        super().__init__(self._message())
+
+    @property
+    def _which(self) -> str:
+        if len(self.batch) == 1:
+            return f"item {self.index}"
+        return f"the batch of items {', '.join(str(i) for i in self.batch)}"  # `map` here is nbtrain's
+
+    def _message(self) -> str:
+        text = f"{self._which} failed: {self.summary}"
+        if self.total:
+            text += f" ({len(self.results)} of {self.total} items done; their results are in .results)"
+        if self.traceback:
+            text += f"\n\n--- {self._which} ---\n{readable(self.traceback).rstrip()}"
+        return text
+
+    def __reduce__(self):
+        return (type(self), (self.index, self.summary, self.traceback, self.results, self.total, self.batch))
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"MapError: {line}" if i == 0 else line for i, line in enumerate(self._message().splitlines())]
+
+
+class SavedResults:
+    """A map's results in its run directory, as they come: `map.json` (how many items) and
+    `results.bin`, a record appended per batch of results (its indices, then the pickled values),
+    each written whole. A record cut short by a crash is dropped when read back (and cut off)."""
+
+    HEADER = struct.Struct("!QI")  # payload bytes, number of indices
+
+    def __init__(self, run_dir, total: int):
+        self.directory = private_dir(Path(check_run_dir(run_dir)))
+        meta = self.directory / "map.json"
+        if meta.exists():
+            held = read_own_json(meta).get("items")
+            if held != total:
+                raise ValueError(f"run_dir={str(run_dir)!r} holds a map of {held} items; this map has {total}. Give "
+                                 "another run_dir for a new map (the same run_dir resumes the same map).")
+        else:
+            write_private_json(meta, {"items": total})
+        self.path = self.directory / "results.bin"
+        self.payloads: dict[int, tuple[list[int], bytes]] = {}
+        if self.path.exists():
+            self._read()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        check_own(self.path, "map results")
+        self._synced = time.monotonic()
+
+    def _read(self) -> None:
+        data, at = read_own(self.path), 0
+        while at + self.HEADER.size <= len(data):
+            size, count = self.HEADER.unpack_from(data, at)
+            end = at + self.HEADER.size + 8 * count + size
+            if end > len(data):
+                break  # cut short: the kernel died while writing it
+            indices = list(struct.unpack_from(f"!{count}Q", data, at + self.HEADER.size))
+            payload = data[end - size:end]
+            for index in indices:
+                self.payloads[index] = (indices, payload)
+            at = end
+        if at < len(data):
+            os.truncate(self.path, at)
+
+    def values(self) -> dict[int, object]:
+        import dill
+
+        values, loaded = {}, {}
+        for index, (indices, payload) in self.payloads.items():
+            key = id(payload)
+            if key not in loaded:
+                loaded[key] = dict(zip(indices, dill.loads(payload)))
+            values[index] = loaded[key][index]
+        return values
+
+    def add(self, indices: list[int], payload: bytes) -> None:
+        record = self.HEADER.pack(len(payload), len(indices)) + struct.pack(f"!{len(indices)}Q", *indices) + payload
+        view, wrote = memoryview(record), 0
+        while wrote < len(record):
+            wrote += os.write(self._fd, view[wrote:])
+        if time.monotonic() - self._synced > 1.0:
+            os.fsync(self._fd)
+            self._synced = time.monotonic()
+
+    def close(self) -> None:
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+
+
+class WorkQueue:
+    """The notebook's side of a map: hands out items as workers ask, keeps the results (and saves
+    them), and knows which items each worker holds, so a failure names its item."""
+
+    def __init__(self, items: list, batch_size: int, saved: SavedResults | None, channel: dict):
+        self.items, self.batch_size, self.saved = items, batch_size, saved
+        self.results: dict[int, object] = saved.values() if saved is not None else {}
+        self.resumed = len(self.results)
+        self.pending = deque(i for i in range(len(items)) if i not in self.results)
+        self.in_flight: dict[int, list[int]] = {}
+        self.failure: MapError | None = None
+        self.stopped = False
+        self._lock = threading.Lock()
+        self.inbox: queue.Queue = queue.Queue()
+        self.hub = Hub(self.inbox, **channel)
+        self.hub.start()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="nbtrain-map-queue", daemon=True)
+        self._thread.start()
+
+    @property
+    def busy(self) -> int:
+        return len(self.in_flight)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.results) == len(self.items)
+
+    def spec(self, fn, bind: bool, worker: int | None = None) -> WorkSpec:
+        return WorkSpec(self.hub.environ, fn, bind, self.batch_size, worker)
+
+    def ordered(self) -> list:
+        return [self.results[i] for i in range(len(self.items))]
+
+    def _serve(self) -> None:
+        while not self._closing.is_set():
+            try:
+                message = self.inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                self._handle(message)
+            except Exception as exc:  # a result that does not unpickle here: the map cannot go on
+                log.debug("map queue", exc_info=True)
+                with self._lock:
+                    indices = message[2] if message[0] == "result" else [-1]
+                    self._fail(indices, f"its result cannot be read in the notebook: {type(exc).__name__}: {exc}")
+
+    def _handle(self, message: tuple) -> None:
+        kind, worker = message[0], message[1]
+        if kind == "need":
+            self.hub.send(worker, self._hand_out(worker, message[2]))
+        elif kind == "result":
+            import dill
+
+            indices, payload = message[2], message[3]
+            values = dill.loads(payload)
+            with self._lock:
+                if self.saved is not None:
+                    self.saved.add(indices, payload)
+                self.results.update(zip(indices, values))
+                self.in_flight.pop(worker, None)
+        elif kind == "error":
+            indices, summary, traceback = message[2], message[3], message[4]
+            with self._lock:
+                self.in_flight.pop(worker, None)
+                self._fail(indices, summary, traceback)
+
+    def _hand_out(self, worker: int, count: int) -> tuple:
+        import dill
+
+        with self._lock:
+            self.in_flight.pop(worker, None)
+            batch = []
+            while self.pending and len(batch) < count and self.failure is None and not self.stopped:
+                index = self.pending[0]
+                try:
+                    payload = dill.dumps(self.items[index], recurse=True)
+                except Exception as exc:
+                    self._fail([index], f"the item cannot be sent to the workers: {type(exc).__name__}: {exc}")
+                    break
+                self.pending.popleft()
+                batch.append((index, payload))
+            if not batch:
+                return ("done",)
+            self.in_flight[worker] = [index for index, _ in batch]
+            return ("items", batch)
+
+    def _fail(self, indices: list[int], summary: str, traceback: str = "") -> None:
+        if self.failure is None:
+            self.failure = MapError(indices[0], summary, traceback, total=len(self.items), batch=indices)
+
+    def lost(self, worker: int, error: BaseException) -> bool:
+        """A worker's run ended in failure; True when it held items (the map then fails, naming the first)."""
+        with self._lock:
+            indices = self.in_flight.pop(worker, None)
+            if indices:
+                self._fail(indices, f"its worker failed: {why(error)}", getattr(error, "traceback", ""))
+            return bool(indices)
+
+    def error(self) -> MapError | None:
+        """The failure, with the results so far."""
+        if self.failure is not None:
+            self.failure.results = dict(self.results)
+            self.failure.args = (self.failure._message(),)
+        return self.failure
+
+    def close(self) -> None:
+        self.stopped = True
+        self._closing.set()
+        self._thread.join(timeout=5.0)
+        try:
+            while True:  # results that came while the queue was closing are still results
+                message = self.inbox.get_nowait()
+                if message[0] == "result":
+                    self._handle(message)
+        except queue.Empty:
+            pass
+        self.hub.close()
+        if self.saved is not None:
+            self.saved.close()

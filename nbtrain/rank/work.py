@@ -1,0 +1,118 @@
+"""The rank side of `map`: take items from the notebook's work queue whenever this rank is free,
+call the user's function on them, send each result back at once.
+
+The queue has a channel of its own (`common/channel.py`: a Hub in the notebook, a Link here, the
+same authkey rule), beside the run's: the run's command (a slot launch's function, or a live
+rank's `call`) is this loop, and items come and results go on the side. A rank asks for the next
+items only once it has sent its last result, so a fast rank takes more than a slow one.
+"""
+from __future__ import annotations
+
+import copy
+import queue
+import traceback
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+from ..common.channel import Link
+from ..common.transfer import pack_exception
+from .context import context
+
+
+@dataclass
+class WorkSpec:
+    environ: dict[str, str]  # the queue's address and authkey, as a rank's channel variables
+    fn: Callable
+    bind: bool  # live ranks: `fn` travels bare and runs with this rank's namespace as its globals
+    batch_size: int
+    worker: int | None = None  # this worker's name on the queue; None: the rank's number
+
+
+def bind(fn, namespace: dict):
+    """`fn` with the rank's namespace as its globals: it sees the model loaded there."""
+    bound = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    bound.__kwdefaults__, bound.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    return bound
+
+
+def serve_items(spec: WorkSpec, namespace: dict | None = None) -> int:
+    """Run items until the queue says done; the number of items this worker ran."""
+    import dill
+
+    fn = bind(spec.fn, namespace) if spec.bind else spec.fn
+    worker = spec.worker if spec.worker is not None else context().rank
+    answers: queue.Queue = queue.Queue()
+    link = Link(worker, spec.environ, on_command=answers.put, on_lost=lambda: answers.put(None))
+    count = 0
+    try:
+        while True:
+            link.emit("need", spec.batch_size)
+            answer = answers.get()
+            if answer is None:
+                raise ConnectionError("the notebook's work queue closed its connection (the map was stopped)")
+            if answer[0] == "done":
+                return count
+            indices = [index for index, _ in answer[1]]
+            try:
+                items = [dill.loads(payload) for _, payload in answer[1]]
+                payload = pack_values(call(fn, items, spec.batch_size))
+            except Exception as exc:
+                link.emit("error", indices, f"{type(exc).__name__}: {exc}", own_traceback(exc), pack_exception(exc))
+                return count
+            link.emit("result", indices, payload)
+            count += len(indices)
+    finally:
+        link.close()
+
+
+def call(fn, items: list, batch_size: int) -> list:
+    """One result per item: `fn(item)`, or with batch_size > 1 `fn(items)`, a list of as many."""
+    if batch_size == 1:
+        return [fn(items[0])]
+    values = fn(items)
+    try:
+        values = list(values)
+    except TypeError:
+        raise TypeError(f"with batch_size={batch_size}, fn takes a list of items and returns one result per item "
+                        f"(a list, or a tensor with a row per item); it returned a {type(values).__name__}") from None
+    if len(values) != len(items):
+        raise ValueError(f"with batch_size={batch_size}, fn returns one result per item: it returned {len(values)} "
+                         f"for {len(items)} items")
+    return values
+
+
+def pack_values(values: list) -> bytes:
+    """Results for the notebook: tensors on CPU; classes by reference first (the notebook's own
+    come back as themselves), else by value, as a launch's return value travels."""
+    import dill
+
+    values = on_cpu(values)
+    try:
+        return dill.dumps(values, byref=True)
+    except Exception:
+        return dill.dumps(values, recurse=True)
+
+
+def on_cpu(value):
+    """Tensors copied to the CPU (a module on a GPU too, copied: the rank keeps its own), through lists,
+    tuples and dicts."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, torch.nn.Module) and any(p.device.type != "cpu" for p in value.parameters()):
+        return copy.deepcopy(value).to("cpu")
+    if type(value) in (list, tuple):
+        return type(value)(on_cpu(v) for v in value)
+    if type(value) is dict:
+        return {k: on_cpu(v) for k, v in value.items()}
+    return value
+
+
+def own_traceback(exc: BaseException) -> str:
+    """The traceback from the user's first frame on (this loop's frames left out)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))

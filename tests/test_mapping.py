@@ -1,0 +1,220 @@
+"""nbtrain.map and Ranks.map with real processes: input order, a work queue rather than a static
+split (skewed items), MapError naming the failing item, resume from run_dir, the live ranks' own
+names, Ctrl-C in a real kernel; and the one-line refusals of bad input."""
+import functools
+import os
+import stat
+import struct
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CHILDREN
+
+import nbtrain
+from nbtrain.notebook.work_queue import SavedResults
+
+
+# -- bad input and the saved results: no process ---------------------------------------------
+
+@pytest.mark.parametrize("call, expected", [
+    (lambda: nbtrain.map(len, 5), "items=5: give the items to map over as a list"),
+    (lambda: nbtrain.map(len, "abc"), "items='abc'"),
+    (lambda: nbtrain.map(len, [1], batch_size=0), "batch_size=0: give a whole number, 1 or more."),
+    (lambda: nbtrain.map(3, [1]), "map(fn=...) needs a callable"),
+    (lambda: nbtrain.map(len, [1], devices=0, accelerator="cpu"), "devices=0"),
+    (lambda: nbtrain.map(len, [1], progress=2), "progress=2"),
+])
+def test_bad_input_is_refused_in_one_line(call, expected):
+    with pytest.raises((ValueError, TypeError)) as caught:
+        call()
+    assert expected in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_saved_results_are_private_and_a_cut_record_is_dropped(tmp_path):
+    import dill
+
+    saved = SavedResults(tmp_path / "run", 4)
+    saved.add([0, 1], dill.dumps(["a", "b"]))
+    saved.add([3], dill.dumps(["d"]))
+    saved.close()
+    with open(tmp_path / "run" / "results.bin", "ab") as f:  # a record the kernel died writing
+        f.write(struct.pack("!QI", 1000, 1) + b"\x00" * 20)
+    assert stat.S_IMODE(os.stat(tmp_path / "run").st_mode) == 0o700
+    assert {stat.S_IMODE(os.stat(p).st_mode) for p in (tmp_path / "run").iterdir()} == {0o600}
+    again = SavedResults(tmp_path / "run", 4)
+    assert again.values() == {0: "a", 1: "b", 3: "d"}
+    again.add([2], dill.dumps(["c"]))  # appended after the last whole record
+    again.close()
+    assert SavedResults(tmp_path / "run", 4).values() == {0: "a", 1: "b", 2: "c", 3: "d"}
+    with pytest.raises(ValueError, match="holds a map of 4 items; this map has 5"):
+        SavedResults(tmp_path / "run", 5)
+
+
+# -- real workers ---------------------------------------------------------------------------
+
+def square(x):
+    return x * x, os.getpid()
+
+
+@pytest.mark.slow
+def test_results_come_back_in_input_order_from_several_workers(no_leftovers):
+    results = nbtrain.map(square, range(30), devices=2, accelerator="cpu", progress=False)
+    assert [r[0] for r in results] == [x * x for x in range(30)]
+    assert os.getpid() not in {r[1] for r in results}
+
+
+def wait_for_the_others(marks: str, total: int, x: int):
+    """Item 0 waits until every other item is done: with a static split its worker would hold
+    half of them, and wait forever (here: a minute, then fail)."""
+    if x == 0:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(marks)) < total - 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(os.listdir(marks))} of the other items were done")
+            time.sleep(0.05)
+    else:
+        Path(marks, str(x)).touch()
+    return x, os.getpid()
+
+
+@pytest.mark.slow
+def test_items_go_to_whichever_worker_is_free(tmp_path, no_leftovers):
+    results = nbtrain.map(functools.partial(wait_for_the_others, str(tmp_path), 12), range(12), devices=2,
+                          accelerator="cpu", progress=False)
+    assert [r[0] for r in results] == list(range(12))
+    slow_worker = results[0][1]
+    assert all(pid != slow_worker for _, pid in results[1:])  # the other worker did all the rest
+
+
+def fails_at(bad: int, x: int):
+    if x == bad:
+        raise KeyError(f"no item {x}")
+    return -x
+
+
+@pytest.mark.slow
+def test_a_failing_item_is_named_with_its_traceback_and_the_results_so_far(no_leftovers):
+    with pytest.raises(nbtrain.MapError) as caught:
+        nbtrain.map(functools.partial(fails_at, 5), range(8), devices=1, accelerator="cpu", progress=False)
+    error = caught.value
+    assert error.index == 5 and error.summary == "KeyError: 'no item 5'"
+    assert 'raise KeyError(f"no item {x}")' in error.traceback
+    assert error.results == {i: -i for i in range(5)}  # one worker: every item before it, in order
+    assert str(error).startswith("item 5 failed: KeyError: 'no item 5' (5 of 8 items done")
+
+
+def dies_at(bad: int, x: int):
+    if x == bad:
+        os._exit(3)  # the worker's process ends: no exception to report
+    return x
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_names_the_item_it_held(no_leftovers):
+    with pytest.raises(nbtrain.MapError) as caught:
+        nbtrain.map(functools.partial(dies_at, 4), range(8), devices=1, accelerator="cpu", progress=False)
+    assert caught.value.index == 4 and caught.value.summary.startswith("its worker failed: rank 0 failed: exited with code 3")
+    assert caught.value.results == {i: i for i in range(4)}
+
+
+def batch_of_squares(xs):
+    return [x * x for x in xs]
+
+
+@pytest.mark.slow
+def test_batches(no_leftovers):
+    assert nbtrain.map(batch_of_squares, range(11), devices=2, accelerator="cpu", batch_size=4,
+                       progress=False) == [x * x for x in range(11)]
+    with pytest.raises(nbtrain.MapError, match="returns one result per item: it returned 1 for 4 items") as caught:
+        nbtrain.map(lambda xs: [0], range(8), devices=1, accelerator="cpu", batch_size=4, progress=False)
+    assert caught.value.batch == (0, 1, 2, 3) and str(caught.value).startswith("the batch of items 0, 1, 2, 3 failed")
+
+
+def counted(marks: str, fail: str, x: int):
+    Path(marks, f"{x}.{time.monotonic_ns()}").touch()  # every call, kept
+    if x == 6 and os.path.exists(fail):
+        raise RuntimeError("not yet")
+    return x * 10
+
+
+@pytest.mark.slow
+def test_run_dir_resumes_where_the_map_stopped(tmp_path, no_leftovers):
+    marks, fail, run_dir = tmp_path / "marks", tmp_path / "fail", tmp_path / "run"
+    marks.mkdir()
+    fail.touch()
+    fn = functools.partial(counted, str(marks), str(fail))
+    with pytest.raises(nbtrain.MapError) as caught:
+        nbtrain.map(fn, range(10), devices=1, accelerator="cpu", run_dir=run_dir, progress=False)
+    assert caught.value.index == 6
+    fail.unlink()
+    assert nbtrain.map(fn, range(10), devices=1, accelerator="cpu", run_dir=run_dir, progress=False) == [
+        x * 10 for x in range(10)]
+    calls = sorted(int(p.name.split(".")[0]) for p in marks.iterdir())
+    assert calls == [0, 1, 2, 3, 4, 5, 6, 6, 7, 8, 9]  # items done before are not run again
+
+
+model = "the notebook's model: never sent to the ranks"  # they have their own
+OFFSET = 1000  # the ranks lack it: it comes from here, as a notebook's name would
+MARKS = ""
+
+
+def predict(x):
+    if ctx.rank == 0:  # noqa: F821 (`ctx` is the rank's)
+        Path(MARKS, str(x)).touch()
+    else:  # rank 1 is slow: its first item waits for ten of rank 0's (a static split would give it half)
+        deadline = time.monotonic() + 60
+        while len(os.listdir(MARKS)) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return model["scale"] * x + OFFSET, ctx.rank  # noqa: F821
+
+
+@pytest.mark.slow
+def test_live_ranks_map_with_their_own_names(tmp_path, no_leftovers):
+    global MARKS
+    MARKS = str(tmp_path)
+    with nbtrain.Ranks(devices=2, accelerator="cpu", progress=False) as ranks:
+        ranks.exec("model = {'scale': 10}")
+        results = ranks.map(predict, range(20))
+        assert [r[0] for r in results] == [10 * x + 1000 for x in range(20)]
+        done_by = [r[1] for r in results]
+        assert done_by.count(0) > done_by.count(1)  # rank 1 is slow: rank 0 takes more
+        with pytest.raises(nbtrain.MapError) as caught:
+            ranks.map(lambda x: 1 / (x - 3), range(6))
+        assert caught.value.index == 3 and "ZeroDivisionError" in caught.value.summary
+        assert ranks.eval("model") == [{"scale": 10}] * 2  # the ranks were interrupted, not restarted
+
+
+SETUP = '''
+import os, time, nbtrain
+
+def slow(x):
+    time.sleep(0.5)
+    return x
+''' + CHILDREN
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_kernel_stops_every_worker_and_keeps_the_results(kernel, tmp_path):
+    _, _, error, _ = kernel.run(SETUP)
+    assert error is None, error
+    run_dir = tmp_path / "map"
+    kernel.client.execute(f"nbtrain.map(slow, range(400), devices=2, accelerator='cpu', run_dir={str(run_dir)!r}, "
+                          "progress=False)")
+    results = run_dir / "results.bin"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (results.exists() and results.stat().st_size > 0):
+        time.sleep(0.2)
+    kernel.manager.interrupt_kernel()
+    while True:
+        reply = kernel.client.get_shell_msg(timeout=60)
+        if reply["msg_type"] == "execute_reply":
+            break
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    said = reply["content"]["traceback"][0]
+    assert "nbtrain stopped every worker" in said and f"saved in {run_dir}" in said
+    assert kernel.value("children()") == []
+    saved = SavedResults(run_dir, 400)
+    done = len(saved.values())
+    saved.close()
+    assert 0 < done < 400

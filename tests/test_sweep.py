@@ -1,0 +1,428 @@
+"""nbtrain.sweep on real Optuna (TPE, MedianPruner, enqueued trials, SQLite) and real processes:
+slots never over-filled, pruned trials stopped at once, failures recorded, resume, Ctrl-C in a
+real kernel, a SLURM placement; and its one-line refusals of bad input."""
+import functools
+import os
+import stat
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from conftest import CHILDREN
+
+import nbtrain
+from nbtrain.common.inventory import Gpu, StaticInventory, use_inventory
+from nbtrain.display.sweep_view import SweepState, TrialRow, summary_html, summary_text
+from nbtrain.notebook.slots import plan_slots
+from nbtrain.notebook.sweep import objective
+from nbtrain.notebook.sweep_study import INTERRUPTED, KERNEL, RETRY_OF, TRACEBACK, resume
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+FLOAT = optuna.distributions.FloatDistribution(0.0, 1.0)
+SPACE = {"x": FLOAT}
+
+
+def quiet_study(**kwargs):
+    return optuna.create_study(**kwargs)
+
+
+# -- bad input: one line, naming the argument and what is accepted; nothing started or written --
+
+def refused(tmp_path, **given) -> str:
+    args = {"fn": lambda x: x, "space": SPACE, "trials": 2, "metric": "loss", "devices": 1, "accelerator": "cpu",
+            "run_dir": tmp_path / "run", **given}
+    with pytest.raises((ValueError, TypeError)) as caught:
+        nbtrain.sweep(args.pop("fn"), args.pop("space"), **args)
+    message = str(caught.value)
+    assert "\n" not in message, message
+    assert not (tmp_path / "run").exists()  # refused before the study was made
+    return message
+
+
+@pytest.mark.parametrize("given, expected", [
+    ({"space": [FLOAT]}, "space=[FloatDistribution"),
+    ({"space": {}}, "give a dict mapping parameter names to Optuna distributions"),
+    ({"space": {"x": [0.1, 0.2]}}, "space['x']=[0.1, 0.2]: give an Optuna distribution"),
+    ({"space": {"not a name": FLOAT}}, "space key 'not a name'"),
+    ({"trials": 0}, "trials=0: give a whole number, 1 or more."),
+    ({"trials": 2.5}, "trials=2.5"),
+    ({"metric": ""}, "metric='': give the name fn logs with ctx.log"),
+    ({"direction": "down"}, "direction='down': give 'minimize' or 'maximize'."),
+    ({"devices": 2, "devices_per_trial": 3}, "devices_per_trial=3: more than the 2 CPU processes that devices=2 gives"),
+    ({"devices_per_trial": 0}, "devices_per_trial=0: give a whole number"),
+    ({"catch": "ValueError"}, "catch='ValueError': give an exception class"),
+    ({"sampler": "tpe"}, "sampler='tpe': give an Optuna sampler"),
+    ({"pruner": 3}, "pruner=3: give an Optuna pruner"),
+    ({"study": 42}, "study=42: give an optuna.Study, a storage URL"),
+    ({"timeout": -1}, "timeout=-1"),
+    ({"progress": "loud"}, "progress='loud'"),
+    ({"strategy": "dp"}, "strategy='dp': runs in slots take 'auto'"),
+    ({"fn": 3}, "sweep(fn=...) needs a callable"),
+])
+def test_bad_input_is_refused_in_one_line(tmp_path, given, expected):
+    assert expected in refused(tmp_path, **given)
+
+
+def test_metric_is_required():
+    with pytest.raises(TypeError, match="metric"):
+        nbtrain.sweep(lambda x: x, SPACE, trials=1)
+
+
+def test_a_given_study_keeps_its_own_sampler_and_direction(tmp_path):
+    study = quiet_study(direction="maximize")
+    assert "sampler=" in refused(tmp_path, study=study, sampler=optuna.samplers.RandomSampler())
+    assert "direction='minimize', but the study" in refused(tmp_path, study=study, direction="minimize")
+
+
+def test_slots_pack_onto_the_gpus_given():
+    use_inventory(StaticInventory([Gpu(i, "H100", f"GPU-{i}", f"0000:{i:02x}:00.0") for i in range(8)]))
+    try:
+        ones, _ = plan_slots("auto", 1, "gpu")
+        twos, _ = plan_slots("auto", 2, "gpu")
+        odd, note = plan_slots([1, 2, 5], 2, "gpu")
+    finally:
+        use_inventory(None)
+    assert [s.devices for s in ones] == [(i,) for i in range(8)]
+    assert [s.devices for s in twos] == [(0, 1), (2, 3), (4, 5), (6, 7)] and str(twos[1]) == "GPUs 2,3"
+    assert [s.devices for s in odd] == [(1, 2)] and note.startswith("GPU [5] left idle")
+
+
+def test_cpu_slots():
+    slots, note = plan_slots(4, 2, "cpu")
+    assert [(s.launch_devices, str(s)) for s in slots] == [(2, "CPU slot 0 (2 ranks)"), (2, "CPU slot 1 (2 ranks)")]
+    assert note is None
+
+
+def test_a_trials_value_is_its_last_logged_metric_else_a_returned_number():
+    from nbtrain.display.runstate import Metric
+    from nbtrain.notebook.result import Result
+
+    logged = Result(None, [None], [Metric(0, 0, "loss", 2.0, False), Metric(1, 1, "loss", 9.0, False),
+                                   Metric(1, 0, "loss", 1.5, False)], 0.0)
+    assert objective(logged, "loss") == 1.5
+    assert objective(Result(0.25, [0.25], [], 0.0), "loss") == 0.25
+    assert objective(Result({"model": 1}, [], [], 0.0), "loss") is None
+
+
+def test_resume_fails_a_dead_kernels_trials_and_runs_them_again_once():
+    study = quiet_study()
+    done = study.ask({"x": FLOAT})
+    study.tell(done, 0.5)
+    dead = study.ask({"x": FLOAT})
+    dead.set_user_attr(KERNEL, f"{os.uname().nodename}:{2**22 + 12345}")  # no such pid
+    alive = study.ask({"x": FLOAT})
+    alive.set_user_attr(KERNEL, f"{os.uname().nodename}:1")  # init: a live kernel elsewhere
+    assert resume(optuna, study) == 1
+    assert resume(optuna, study) == 1  # enqueued once, however often resumed
+    states = {t.number: (t.state.name, t.user_attrs) for t in study.get_trials()}
+    assert states[dead.number][0] == "FAIL" and states[dead.number][1][INTERRUPTED] is True
+    assert states[alive.number][0] == "RUNNING"
+    waiting = [t for t in study.get_trials() if t.state.name == "WAITING"]
+    assert [(t.system_attrs["fixed_params"], t.user_attrs[RETRY_OF]) for t in waiting] == [(dead.params, dead.number)]
+
+
+def test_summary_names_the_best_and_every_trial():
+    state = SweepState("sweep of train", "loss", "minimize", "2 CPU slots", target=3)
+    state.rows = {0: TrialRow(0, {"lr": 0.1}, "CPU slot 0", "complete", 0.5, 9),
+                  1: TrialRow(1, {"lr": 0.3}, "CPU slot 1", "pruned", 2.0, 1, detail="pruned at step 1"),
+                  2: TrialRow(2, {"lr": 0.9}, "CPU slot 0", "failed", None, None, detail="rank 0 failed: ValueError: x")}
+    state.best = (0, 0.5, {"lr": 0.1})
+    text = summary_text(state, "finished")
+    assert text.splitlines()[0].endswith("3 trials here (1 complete, 1 failed, 1 pruned) of 3; best: trial 0, loss=0.5 (lr=0.1)")
+    assert "trial 1  pruned  lr=0.3  loss=2 @ step 1" in text and "rank 0 failed: ValueError: x" in text
+    html = summary_html(state, "finished")
+    assert "<b>nbtrain</b>" in html and "<th style='text-align:left'>lr</th>" in html and "font-weight:bold" in html
+
+
+# -- real trials ------------------------------------------------------------------------------
+
+def mark(directory: str, name: str) -> None:
+    Path(directory, name).write_text(f"{time.time()!r}")
+
+
+def timed(marks: str, x: float, seconds: float = 0.4):
+    """A trial that says when it ran, by files the test reads (a pruned trial leaves no end)."""
+    number = f"{x:.6f}"
+    mark(marks, f"{number}.start")
+    ctx = nbtrain.context()
+    for step in range(4):
+        time.sleep(seconds / 4)
+        ctx.log("loss", x + 1.0 / (step + 1), step=step)
+    mark(marks, f"{number}.end")
+    return {"x": x, "pid": os.getpid()}
+
+
+def spans(marks: Path) -> list[tuple[float, float]]:
+    found = []
+    for start in marks.glob("*.start"):
+        end = start.with_suffix(".end")
+        found.append((float(start.read_text()), float(end.read_text()) if end.exists() else float("inf")))
+    return found
+
+
+def most_at_once(found: list[tuple[float, float]]) -> int:
+    events = sorted([(s, 1) for s, _ in found] + [(e, -1) for _, e in found], key=lambda e: (e[0], e[1]))
+    running = peak = 0
+    for _, change in events:
+        running += change
+        peak = max(peak, running)
+    return peak
+
+
+@pytest.mark.slow
+def test_trials_never_outnumber_the_slots_and_the_best_result_comes_back(tmp_path, no_leftovers):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    study = quiet_study(sampler=optuna.samplers.TPESampler(seed=1, n_startup_trials=3), pruner=optuna.pruners.NopPruner())
+    result = nbtrain.sweep(functools.partial(timed, str(marks)), SPACE, trials=7, metric="loss", devices=2,
+                           accelerator="cpu", study=study, progress=False)
+    found = spans(marks)
+    assert len(found) == 7 and all(e < float("inf") for _, e in found)
+    assert most_at_once(found) <= 2
+    trials = study.get_trials()
+    assert {t.state.name for t in trials} == {"COMPLETE"} and len(trials) == 7
+    assert {t.user_attrs["nbtrain_slot"] for t in trials} == {"CPU slot 0", "CPU slot 1"}
+    assert result.best_value == min(t.value for t in trials)
+    assert result.best_result.value["x"] == result.best_params["x"]  # fn's return value, in the notebook
+    assert result.best_result.value["pid"] != os.getpid()  # ran in a process of its own
+    assert len(result.best_result.metrics("loss")) == 4
+    assert len(result.dataframe()) == 7
+
+
+def pruned_unless_first(marks: str, x: float):
+    """Enqueued x=0.1 and 0.2 finish; worse ones are pruned by the median of those, at step 1."""
+    mark(marks, f"{x:.6f}.start")
+    ctx = nbtrain.context()
+    for step in range(60):  # 30 s unless pruned
+        ctx.log("loss", x, step=step)
+        time.sleep(0.5 if x > 0.5 else 0.01)
+    mark(marks, f"{x:.6f}.end")
+    return x
+
+
+@pytest.mark.slow
+def test_a_pruned_trial_ends_at_once_and_frees_its_slot(tmp_path, no_leftovers):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    study = quiet_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1))
+    for x in (0.1, 0.2, 0.9, 0.8, 0.7):
+        study.enqueue_trial({"x": x})
+    nbtrain.sweep(functools.partial(pruned_unless_first, str(marks)), SPACE, trials=5, metric="loss", devices=1,
+                  accelerator="cpu", study=study, progress=False)
+    states = {round(t.params["x"], 1): t.state.name for t in study.get_trials()}
+    assert states == {0.1: "COMPLETE", 0.2: "COMPLETE", 0.9: "PRUNED", 0.8: "PRUNED", 0.7: "PRUNED"}
+    # One slot: each pruned trial's successor started, and none of the pruned reached its end.
+    assert sorted(p.name for p in marks.iterdir()) == sorted(
+        [f"{x:.6f}.start" for x in (0.1, 0.2, 0.9, 0.8, 0.7)] + [f"{x:.6f}.end" for x in (0.1, 0.2)])
+
+
+def fails_on_big(x: float):
+    ctx = nbtrain.context()
+    ctx.log("loss", x)
+    if x > 0.5:
+        raise ValueError(f"x={x} is too big")
+    return x
+
+
+@pytest.mark.slow
+def test_a_failing_trial_is_recorded_with_its_traceback_and_the_sweep_goes_on(tmp_path, no_leftovers):
+    study = quiet_study()
+    for x in (0.9, 0.1, 0.8, 0.2):
+        study.enqueue_trial({"x": x})
+    result = nbtrain.sweep(fails_on_big, SPACE, trials=4, metric="loss", devices=2, accelerator="cpu", study=study,
+                           progress="text")
+    failed = [t for t in study.get_trials() if t.state.name == "FAIL"]
+    assert sorted(t.params["x"] for t in failed) == [0.8, 0.9]
+    assert all('raise ValueError(f"x={x} is too big")' in t.user_attrs[TRACEBACK] for t in failed)
+    assert result.best_params == {"x": 0.1}
+    with pytest.raises(nbtrain.WorkerError, match="too big") as caught:  # catch=(): the first failure stops it
+        nbtrain.sweep(fails_on_big, SPACE, trials=1, metric="loss", devices=1, accelerator="cpu", progress=False,
+                      study=quiet_study(sampler=optuna.samplers.RandomSampler(seed=0)), catch=())
+    assert isinstance(caught.value, ValueError)  # the rank's own exception class, as launch gives it
+
+
+def constant(x: float):
+    nbtrain.context().log("loss", x)
+    return x
+
+
+@pytest.mark.slow
+def test_the_sqlite_study_in_run_dir_resumes(tmp_path, no_leftovers):
+    run_dir = tmp_path / "sweep"
+    first = nbtrain.sweep(constant, SPACE, trials=3, metric="loss", devices=2, accelerator="cpu", run_dir=run_dir,
+                          sampler=optuna.samplers.RandomSampler(seed=0), progress=False)
+    assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(run_dir / "study.db").st_mode) == 0o600
+    before = [(t.number, t.params) for t in first.study.get_trials()]
+    again = nbtrain.sweep(constant, SPACE, trials=5, metric="loss", devices=2, accelerator="cpu", run_dir=run_dir,
+                          progress=False)
+    trials = again.study.get_trials()
+    assert [(t.number, t.params) for t in trials][:3] == before and len(trials) == 5
+    assert all(t.state.name == "COMPLETE" for t in trials)
+    with pytest.raises(ValueError, match="optimises 'loss'"):
+        nbtrain.sweep(constant, SPACE, trials=5, metric="accuracy", devices=1, accelerator="cpu", run_dir=run_dir)
+
+
+def two_ranks(x: float):
+    ctx = nbtrain.context()
+    mean = ctx.log("loss", x + ctx.rank, sync_dist=True)  # a collective: both ranks are one world
+    return ctx.world_size, mean, os.environ["MASTER_PORT"]
+
+
+@pytest.mark.slow
+def test_a_slot_of_two_devices_is_a_ddp_launch_of_its_own(no_leftovers):
+    study = quiet_study()
+    for x in (0.2, 0.6):
+        study.enqueue_trial({"x": x})
+    result = nbtrain.sweep(two_ranks, SPACE, trials=2, metric="loss", devices=2, devices_per_trial=2,
+                           accelerator="cpu", study=study, progress=False)
+    assert sorted(t.value for t in study.get_trials()) == pytest.approx([0.7, 1.1])  # the mean over the two ranks
+    values = result.best_result.values
+    assert [v[0] for v in values] == [2, 2] and [v[1] for v in values] == pytest.approx([0.7, 0.7])
+    assert values[0][2] == values[1][2]  # one rendezvous for the trial's two ranks
+
+
+@pytest.mark.slow
+def test_trials_on_slurm(slurm, tmp_path, no_leftovers):
+    study = quiet_study()
+    for x in (0.3, 0.6):
+        study.enqueue_trial({"x": x})
+    result = nbtrain.sweep(constant, SPACE, trials=2, metric="loss", devices=2, accelerator="cpu", study=study,
+                           cluster=nbtrain.Slurm(), progress=False)
+    assert sorted(t.value for t in study.get_trials()) == [0.3, 0.6]
+    assert result.best_result.value == 0.3
+    assert slurm.jobs() == []
+
+
+SETUP = '''
+import os, time, json, optuna, nbtrain
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+def slow(x):
+    ctx = nbtrain.context()
+    for step in range(600):
+        ctx.log("loss", x, step=step)
+        if step == 2:
+            open(os.path.join(MARKS, str(x)), "w").close()  # running, and reported to its trial
+        time.sleep(0.1)
+    return x
+''' + CHILDREN
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_kernel_stops_every_trial_and_the_cell_again_resumes(kernel, tmp_path):
+    _, _, error, _ = kernel.run(SETUP)
+    assert error is None, error
+    run_dir, marks = tmp_path / "sweep", tmp_path / "marks"
+    marks.mkdir()
+    kernel.run(f"MARKS = {str(marks)!r}")
+    kernel.client.execute(f"nbtrain.sweep(slow, {{'x': optuna.distributions.FloatDistribution(0, 1)}}, trials=4, "
+                          f"metric='loss', devices=2, accelerator='cpu', run_dir={str(run_dir)!r}, progress=False)")
+    study = f"optuna.load_study(study_name='slow', storage='sqlite:///{run_dir}/study.db')"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(marks.iterdir())) < 2:  # both slots busy
+        time.sleep(0.2)
+    kernel.manager.interrupt_kernel()
+    while True:
+        reply = kernel.client.get_shell_msg(timeout=60)
+        if reply["msg_type"] == "execute_reply":
+            break
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert "nbtrain stopped every running trial" in reply["content"]["traceback"][0]
+    assert kernel.value("children()") == []
+    assert kernel.value(f"sorted((t.state.name, t.user_attrs.get('{INTERRUPTED}')) for t in {study}.get_trials())") == [
+        ("FAIL", True), ("FAIL", True)]
+    # Again, with quick trials: the interrupted ones run first, then the rest.
+    _, _, error, _ = kernel.run(f"""
+def slow(x):
+    nbtrain.context().log("loss", x)
+    return x
+swept = nbtrain.sweep(slow, {{'x': optuna.distributions.FloatDistribution(0, 1)}}, trials=4, metric='loss', devices=2,
+                      accelerator='cpu', run_dir={str(run_dir)!r}, progress=False)
+""")
+    assert error is None, error
+    trials = kernel.value(f"[(t.state.name, t.user_attrs.get('{RETRY_OF}')) for t in {study}.get_trials()]")
+    assert sorted(t for t in trials if t[1] is not None) == [("COMPLETE", 0), ("COMPLETE", 1)]
+    assert sum(1 for t in trials if t[0] == "COMPLETE") == 4
+    assert kernel.value("children()") == []
+
+
+RAY = '''
+import ray, time, optuna, nbtrain
+
+def start_ray(deadline=240.0):  # as tests/test_ray.py: Ray's own 30 s for its raylet is short on a loaded machine
+    give_up = time.monotonic() + deadline
+    while True:
+        try:
+            return ray.init(num_cpus=2, include_dashboard=False)
+        except Exception:
+            ray.shutdown()
+            if time.monotonic() > give_up:
+                raise
+
+start_ray()
+
+def on_ray(x):
+    import os
+    nbtrain.context().log("loss", x)
+    return x, os.environ.get("RAY_JOB_ID") is not None or "ray" in __import__("sys").modules
+
+study = optuna.create_study()
+for x in (0.4, 0.1, 0.7):
+    study.enqueue_trial({"x": x})
+swept = nbtrain.sweep(on_ray, {"x": optuna.distributions.FloatDistribution(0, 1)}, trials=3, metric="loss",
+                      devices=2, accelerator="cpu", study=study, cluster=nbtrain.Ray(), progress=False)
+'''
+
+
+@pytest.mark.slow
+def test_trials_as_ray_actors(kernel):
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'nbtrain[ray]')")
+    _, _, error, _ = kernel.run(RAY, timeout=600)
+    assert error is None, error
+    assert kernel.value("sorted(t.value for t in study.trials)") == [0.1, 0.4, 0.7]
+    assert kernel.value("swept.best_result.value") == (0.1, True)
+    kernel.run("def settled(timeout=30.0):\n"  # Ray frees an ended actor's CPU a moment later
+               "    deadline = time.monotonic() + timeout\n"
+               "    while ray.available_resources().get('CPU') != ray.cluster_resources()['CPU']:\n"
+               "        if time.monotonic() > deadline:\n"
+               "            return False\n"
+               "        time.sleep(0.2)\n"
+               "    return True\n")
+    assert kernel.value("settled()")  # every trial's actors gone
+    kernel.run("ray.shutdown()")
+
+
+@pytest.mark.slow
+def test_in_jupyter_the_live_table_is_replaced_in_place_by_the_summary(kernel):
+    _, _, error, _ = kernel.run(SETUP)
+    assert error is None, error
+    shown, updates = {}, []
+
+    def hook(msg):
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "display_data" and "display_id" in content.get("transient", {}):
+            shown[content["transient"]["display_id"]] = content["data"]
+        elif kind == "update_display_data":
+            updates.append((content["transient"]["display_id"], content["data"]))
+
+    kernel.client.execute_interactive(
+        "def quick(x):\n"
+        "    ctx = nbtrain.context()\n"
+        "    for step in range(5):\n"
+        "        ctx.log('loss', x + 1 / (step + 1), step=step)\n"
+        "        time.sleep(0.2)\n"
+        "    return x\n"
+        "study = optuna.create_study()\n"
+        "swept = nbtrain.sweep(quick, {'x': optuna.distributions.FloatDistribution(0, 1)}, trials=3, metric='loss',\n"
+        "                      devices=2, accelerator='cpu', study=study, progress=True)\n",
+        timeout=300, output_hook=hook)
+    table, curves = list(shown)  # two outputs, each then updated in place: no new output per redraw
+    assert "(live; replaced by a summary when the sweep ends)" in shown[table]["text/plain"]
+    final = [data for key, data in updates if key == table][-1]
+    assert "finished in" in final["text/plain"] and "3 trials here (3 complete)" in final["text/plain"]
+    assert '<div class="nbtrain-sweep">' in final["text/html"] and "(live;" not in final["text/plain"]
+    assert "image/png" in [data for key, data in updates if key == curves][-1]
+    assert kernel.value("children()") == []
