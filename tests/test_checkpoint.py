@@ -206,6 +206,32 @@ def test_bad_input_says_what_to_do(tmp_path):
     assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("path, error, words", [
+    ("", ValueError, "save_checkpoint(path=''): give the checkpoint's directory, e.g. 'checkpoints/last'"),
+    (" ", ValueError, "save_checkpoint(path=' '): give the checkpoint's directory"),
+    (".", ValueError, "save_checkpoint(path='.') is the working directory: a save replaces its directory whole."),
+    ("here/..", ValueError, "save_checkpoint(path='here/..') is the working directory"),
+    ("..", ValueError, "save_checkpoint(path='..') is a directory above the working directory ("),
+    (42, TypeError, "save_checkpoint(path=42): give the checkpoint's directory as a str or pathlib.Path"),
+    (None, TypeError, "save_checkpoint(path=None): give the checkpoint's directory as a str or pathlib.Path"),
+    (b"c", TypeError, "save_checkpoint(path=b'c'): give the checkpoint's directory as a str or pathlib.Path"),
+])
+def test_a_save_never_replaces_the_working_directory_or_takes_a_non_path(path, error, words, tmp_path, monkeypatch):
+    here = tmp_path / "here"  # empty: nothing else would stop a save from replacing it
+    here.mkdir()
+    monkeypatch.chdir(here)
+    with pytest.raises(error) as caught:
+        Context().save_checkpoint(path, step=1)
+    assert str(caught.value).startswith(words) and "\n" not in str(caught.value), str(caught.value)
+    assert os.getcwd() == str(here) and os.listdir(here) == [] and os.listdir(tmp_path) == ["here"]
+
+
+def test_a_load_from_an_empty_path_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^load_checkpoint\(path=''\): give the checkpoint's directory"):
+        Context().load_checkpoint("", step=0)
+
+
 # -- failures: the cause in one line, nothing left behind, the last whole checkpoint kept ---------
 
 MS_RDONLY, MNT_DETACH = 1, 2

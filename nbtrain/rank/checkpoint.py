@@ -147,10 +147,30 @@ def is_checkpoint(path) -> bool:
     return os.path.isfile(os.path.join(path, METADATA))
 
 
+def _checked_path(path, verb: str) -> str:
+    """`path` as an absolute str, once it names a directory a checkpoint may be in. A save
+    replaces its directory whole: '' (or '.') would be the working directory itself."""
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{verb}_checkpoint(path={path!r}): give the checkpoint's directory as a str or "
+                        "pathlib.Path, e.g. 'checkpoints/last'.")
+    given = os.fspath(path)
+    if not given.strip():
+        raise ValueError(f"{verb}_checkpoint(path={given!r}): give the checkpoint's directory, e.g. "
+                         "'checkpoints/last' (a save replaces that directory whole).")
+    path = os.path.abspath(given)
+    if verb == "save":
+        here = os.getcwd()
+        if os.path.commonpath([here, path]) == path:
+            where = "the working directory" if path == here else f"a directory above the working directory ({here})"
+            raise ValueError(f"save_checkpoint(path={given!r}) is {where}: a save replaces its directory whole. Give "
+                             "a directory of its own, e.g. 'checkpoints/last'.")
+    return path
+
+
 def save(ctx, path, objects: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
-    path = os.path.abspath(os.fspath(path))
+    path = _checked_path(path, "save")
     if os.path.exists(path) and not is_checkpoint(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise FileExistsError(f"save_checkpoint: {path} exists and is not a checkpoint; nbtrain replaces only "
                               "checkpoints it wrote. Give a new path, or remove it.")
@@ -183,7 +203,7 @@ def save(ctx, path, objects: dict) -> None:
 def load(ctx, path, objects: dict) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    path = os.path.abspath(os.fspath(path))
+    path = _checked_path(path, "load")
     where = path
     if not is_checkpoint(path):
         if os.path.exists(path) or not is_checkpoint(path + ".old"):
