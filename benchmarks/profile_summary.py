@@ -6,15 +6,21 @@ then summarises the window's events with `nbtrain.rank.profiling.summarize` twic
 as it is now (each operator's steps found by bisection) and as it was before (each operator
 compared with every step: time quadratic in the steps). Windows past nbtrain's maximum
 (`MAX_STEPS`) are recorded here directly, to show why there is one. Reported per window: the
-rank's memory growth while recording, the time of torch's own `events()`, and the summary's
+rank's memory growth (the recording and the Python objects of its events), the time of torch's own `events()`, and the summary's
 median time before and after.
+
+Then what the largest window costs a whole run: a 2-rank CPU launch (ddp_fork, DDP) of 120 steps
+with and without `profile=Profile(steps=MAX_STEPS)`, interleaved: the launch's wall time and
+each rank's peak resident memory (its own `ru_maxrss`).
 
     python benchmarks/profile_summary.py [--steps 25 50 100 300 1000 2000] [--repeats 3] [--no-save]
 """
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import median, record, table  # noqa: E402
 
+import nbtrain  # noqa: E402
 from nbtrain.rank import profiling  # noqa: E402
 
 
@@ -42,17 +49,18 @@ def _top_before(events, windows, count):
 
 
 def window(steps: int) -> tuple[list, float, float]:
-    """A profiled window of `steps` steps: (its events, MB the process grew while recording, s of events())."""
+    """A profiled window of `steps` steps: (its events, MB the process grew recording them and making
+    them Python objects, s of events())."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
     got = {}
 
     def ready(profiler):
-        got["grown"] = (psutil.Process().memory_info().rss - rss) / 2**20
         started = time.perf_counter()
         got["events"] = profiler.events()
         got["events_s"] = time.perf_counter() - started
+        got["grown"] = (psutil.Process().memory_info().rss - rss) / 2**20  # the recording and its events
 
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], on_trace_ready=ready,
                                       schedule=torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1))
@@ -80,6 +88,37 @@ def timed_summary(events, top) -> float:
     return elapsed
 
 
+def ddp_steps(steps: int) -> float:
+    """A rank's part of the launch: DDP steps of the same MLP; returns its peak memory in MB."""
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    for _ in ctx.progress(range(steps)):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.log("loss", loss)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def whole_runs(repeats: int) -> list[list[str]]:
+    variants = {"no profile": None, f"Profile(steps={profiling.MAX_STEPS})": nbtrain.Profile(steps=profiling.MAX_STEPS)}
+    found = {v: {"wall": [], "rss": []} for v in variants}
+    with tempfile.TemporaryDirectory(prefix="nbtrain-bench-") as runs:
+        for repeat in range(repeats):
+            for name, profile in variants.items():
+                started = time.perf_counter()
+                result = nbtrain.launch(ddp_steps, profiling.MAX_STEPS + 20, devices=2, accelerator="cpu",
+                                        strategy="ddp_fork", progress=False, profile=profile,
+                                        run_dir=f"{runs}/{repeat}-{len(found[name]['wall'])}-{profile is None}")
+                found[name]["wall"].append(time.perf_counter() - started)
+                found[name]["rss"].append(max(result.values))
+    return [[name, f"{median(v['wall']):.2f}", f"{median(v['rss']):.0f}",
+             ", ".join(f"{w:.2f}" for w in v["wall"])] for name, v in found.items()]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, nargs="+", default=[25, 50, 100, 300, 1000, 2000])
@@ -98,13 +137,17 @@ def main(argv=None) -> int:
                      f"{grown:.0f}", f"{events_s:.2f}", f"{b:.3f}", f"{a:.3f}", f"{b / a:.1f}x"])
         print(rows[-1], flush=True)
         del events
+    launches = whole_runs(args.repeats)
     body = (f"torch.profiler (CPU) over N steps of a small MLP (64-256-10, batch 64, SGD) in one process, torch "
             f"{torch.__version__}; the window's summary (`profiling.summarize`) timed {args.repeats} times each way, "
             f"interleaved, median. Before: each operator compared with every step; after: its steps found by "
             f"bisection. nbtrain refuses windows over `MAX_STEPS` = {profiling.MAX_STEPS} (`Profile(steps=...)`); "
             "larger ones are recorded here directly to show the growth.\n\n"
-            + table(["steps", "events", "memory grown while recording (MB)", "torch events() s",
-                     "summary before s", "summary after s", "speed-up"], rows))
+            + table(["steps", "events", "memory grown (MB)", "torch events() s",
+                     "summary before s", "summary after s", "speed-up"], rows)
+            + f"\n\nThe largest window in a whole run: a 2-rank CPU launch (ddp_fork, DDP) of {profiling.MAX_STEPS + 20} "
+            f"steps, {args.repeats} interleaved repeats, median; peak memory is the larger rank's own ru_maxrss.\n\n"
+            + table(["variant", "wall s", "peak memory per rank (MB)", "runs (wall s)"], launches))
     if args.no_save:
         print(body)
     else:

@@ -22,12 +22,13 @@ DATA = re.compile(r"DataLoader|_DataLoaderIter")
 STEP = re.compile(r"ProfilerStep[#*]\d*")  # one step's span ("ProfilerStep*" as events() names it)
 CATEGORIES = ("communication", "data", "compute", "idle")  # a moment in two counts once, for the first
 TOP = 5  # operators listed per rank
-# torch.profiler keeps every operator of the window in the rank's memory until it ends (measured:
-# about 0.9 MB per step of a small MLP; 3,000 steps took 2.6 GB per rank and a 65-fold slower
-# run), and a trace much larger than that no longer opens in a browser.
+# torch.profiler keeps every operator of the window in the rank's memory until it ends, then makes
+# each a Python object for the summary (3,000 steps of a small DDP model took 2.6 GB per rank and
+# a 65-fold slower run; benchmarks/profile_summary.py), and a much longer trace no longer opens in
+# a browser.
 MAX_STEPS = 100
-WHY_MAX = ("The profiler keeps every operator of the window in each rank's memory (about 1 MB per step for a "
-           "small model) and a longer trace no longer opens in a viewer; a few steps show the split.")
+WHY_MAX = ("The profiler keeps every operator of the window in each rank's memory (3,000 steps of a small DDP "
+           "model took 2.6 GB per rank) and a longer trace no longer opens in a viewer; a few steps show the split.")
 
 
 @dataclass(frozen=True)
