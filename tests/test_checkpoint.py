@@ -234,31 +234,6 @@ def test_a_load_from_an_empty_path_is_refused(tmp_path, monkeypatch):
 
 # -- failures: the cause in one line, nothing left behind, the last whole checkpoint kept ---------
 
-MS_RDONLY, MNT_DETACH = 1, 2
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A file system of its own under tmp_path: `small_disk("size=256k")`, or read-only with "ro"."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    mounted = []
-
-    def mount(size: str = "256k", read_only: bool = False):
-        target = tmp_path / f"disk{len(mounted)}"
-        target.mkdir()
-        if libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", MS_RDONLY if read_only else 0,
-                      f"size={size},mode=0700".encode()) != 0:
-            pytest.skip(f"cannot mount a small tmpfs here ({os.strerror(ctypes.get_errno())}): needs root")
-        mounted.append(target)
-        return target
-
-    yield mount
-    for target in mounted:
-        libc.umount2(str(target).encode(), MNT_DETACH)
-
-
 def big_enough_to_fill(disk) -> torch.nn.Module:
     return torch.nn.Linear(400, 400)  # 640 KB of weights: more than the 256 KB disk
 

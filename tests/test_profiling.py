@@ -94,8 +94,8 @@ def test_bad_profile_arguments_are_refused(profile, words, tmp_path):
     ({"steps": True}, "Profile(steps=True): give a number of steps (1 to 100)"),
     ({"steps": range(5, 2)}, "Profile(steps=range(5, 2)): give a number of steps"),
     ({"steps": range(0, 10, 2)}, "Profile(steps=range(0, 10, 2)): give a number of steps"),
-    ({"steps": 3000}, "Profile(steps=3000): at most 100 steps. The profiler keeps every operator of the window in "
-                      "each rank's memory"),
+    ({"steps": 3000}, ("Profile(steps=3000): at most 100 steps. The profiler keeps every operator of the window "
+                       "in each rank's memory")),
     ({"steps": range(10, 10 + 101)}, "Profile(steps=range(10, 111)): at most 100 steps."),
     ({"activities": "cpu"}, "Profile(activities='cpu'): give a list of activities, such as ['cpu'] or ['cpu', 'cuda']"),
     ({"activities": []}, "Profile(activities=[]): give a list of activities"),

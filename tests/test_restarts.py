@@ -6,9 +6,9 @@ import time
 
 import pytest
 import torch
-from conftest import CHILDREN
 
 import nbtrain
+from conftest import CHILDREN
 from nbtrain.notebook.restarts import back_off, restarting
 
 
@@ -61,8 +61,8 @@ def test_a_failure_beyond_the_restarts_raises_the_last_error(tmp_path, no_leftov
     (-1, "max_restarts=-1: give a whole number of restarts, 0 to 100."),
     (2.0, "max_restarts=2.0: give a whole number of restarts, 0 to 100."),
     ("3", "max_restarts='3': give a whole number of restarts, 0 to 100."),
-    (10**12, "max_restarts=1000000000000: at most 100. A run that fails more often than that fails for a reason "
-             "of its own"),
+    (10**12, ("max_restarts=1000000000000: at most 100. A run that fails more often than that fails for a "
+              "reason of its own")),
     (101, "max_restarts=101: at most 100."),
 ])
 def test_bad_max_restarts_are_refused_in_one_line(given, words, tmp_path):

@@ -8,7 +8,6 @@ import tempfile
 
 import psutil
 import pytest
-from test_checkpoint import small_disk  # noqa: F401  (a fixture: a tmpfs of its own, for a full disk)
 
 import nbtrain
 from nbtrain.rank.trackers import TrackerError
@@ -202,7 +201,9 @@ def test_mlflows_http_settings_are_the_runs_only_and_the_users_own_win(closed_po
                                                                        no_leftovers):
     uri = f"http://127.0.0.1:{closed_port}"
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    mlflows = lambda: {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}  # noqa: E731
+    def mlflows():
+        return {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+
     before = mlflows()
     with pytest.raises(TrackerError) as caught:  # one rank: the run is in this process
         nbtrain.launch(train, 2, trackers=nbtrain.MLflow(tracking_uri=uri), run_dir=tmp_path,
@@ -242,14 +243,12 @@ def test_tensorboard_on_a_full_disk_fails_the_run_saying_so_and_the_training_end
 @pytest.mark.parametrize("make, words", [
     (lambda: nbtrain.TensorBoard(log_dir=42), "TensorBoard(log_dir=42): give a directory path (a str or pathlib.Path)"),
     (lambda: nbtrain.TensorBoard(log_dir=""), "TensorBoard(log_dir=''): give a directory path"),
-    (lambda: nbtrain.MLflow(tracking_uri=5000), "MLflow(tracking_uri=5000): give a tracking URI such as "
-                                                "'http://host:5000'"),
+    (lambda: nbtrain.MLflow(tracking_uri=5000), "MLflow(tracking_uri=5000): give a tracking URI such as 'http://"),
     (lambda: nbtrain.MLflow(tracking_uri=" "), "MLflow(tracking_uri=' '): give a tracking URI"),
     (lambda: nbtrain.MLflow(experiment=""), "MLflow(experiment=''): give the experiment's name, a non-empty str."),
     (lambda: nbtrain.MLflow(run_name=3), "MLflow(run_name=3): give a non-empty str, or None"),
     (lambda: nbtrain.WandB(project=None), "WandB(project=None): give the project's name, a non-empty str."),
-    (lambda: nbtrain.WandB(mode="offlne"), "WandB(mode='offlne'): give one of 'online', 'offline', 'disabled', "
-                                           "'shared', or None"),
+    (lambda: nbtrain.WandB(mode="offlne"), "WandB(mode='offlne'): give one of 'online', 'offline', 'disabled', 's"),
     (lambda: nbtrain.WandB(entity=""), "WandB(entity=''): give a W&B user or team name, or None"),
     (lambda: nbtrain.WandB(dir=1), "WandB(dir=1): give a directory path"),
 ])

@@ -17,7 +17,6 @@ from typing import Callable
 from ..common.errors import WorkerError
 from .result import Result
 
-
 BACK_OFF_FIRST = 1.0  # seconds before the first restart
 BACK_OFF_CAP = 60.0  # ... doubling each time, to at most this
 # With the waits capped at a minute, 100 restarts are more than an hour and a half of them: a run
@@ -80,6 +79,6 @@ def with_restarts(run: Callable[[], Result], max_restarts: int, display, only=Ex
         except KeyboardInterrupt as interrupt:
             said = (f"KeyboardInterrupt: interrupted while waiting to restart ({attempt + 1} of {max_restarts}); "
                     "no rank was running.")
-            interrupt._render_traceback_ = lambda: [said]  # what IPython shows: this line, not the sleep's frame
+            interrupt._render_traceback_ = lambda said=said: [said]  # what IPython shows, not the sleep's frame
             raise
     raise AssertionError("not reached: the last attempt returns or raises")
