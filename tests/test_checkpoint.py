@@ -226,6 +226,20 @@ def test_a_save_never_replaces_the_working_directory_or_takes_a_non_path(path, e
     assert os.getcwd() == str(here) and os.listdir(here) == [] and os.listdir(tmp_path) == ["here"]
 
 
+def test_a_load_of_a_name_the_checkpoint_lacks_or_of_another_shape_says_so(tmp_path):
+    ctx, model = Context(), torch.nn.Linear(2, 2)
+    ctx.save_checkpoint(tmp_path / "c", model=model, step=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(CheckpointError) as caught:
+        ctx.load_checkpoint(tmp_path / "c", model=model, optimizer=optimizer, epoch=0)
+    assert str(caught.value) == f"load_checkpoint: {tmp_path / 'c'} has no 'optimizer', 'epoch'; it holds model, step."
+    with pytest.raises(CheckpointError) as caught:
+        ctx.load_checkpoint(tmp_path / "c", model=torch.nn.Linear(3, 3))
+    assert str(caught.value).startswith(f"load_checkpoint: {tmp_path / 'c'} does not fit what was given (rank 0): "
+                                        "ValueError: Size mismatch between saved torch.Size([2, 2])"), str(caught.value)
+    one_line_and_short(caught.value)
+
+
 def test_a_load_from_an_empty_path_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"^load_checkpoint\(path=''\): give the checkpoint's directory"):

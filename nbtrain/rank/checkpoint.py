@@ -26,6 +26,8 @@ import warnings
 import torch
 
 METADATA = ".metadata"  # DCP's index file: its presence marks a checkpoint directory
+# DCP's words for a checkpoint that is whole but holds other shapes or names than the objects given
+MISMATCH = ("Size mismatch", "Missing key", "Unexpected key")
 FULL_BELOW = 4 << 20  # bytes free: a write that failed on a file system this full ran out of space
 
 log = logging.getLogger(__name__)
@@ -216,6 +218,11 @@ def load(ctx, path, objects: dict) -> dict:
             log.warning("load_checkpoint: %s is missing, but %s holds the checkpoint saved before it (a save was "
                         "stopped while swapping in a new one): loading that.", path, where)
     state = _stateful(objects, "load")
+    held = _names(where)
+    missing = [name for name in objects if held is not None and name not in held]
+    if missing:
+        raise CheckpointError(f"load_checkpoint: {where} has no {', '.join(map(repr, missing))}; it holds "
+                              f"{', '.join(sorted(held))}.", filename=where)
     group = _group(ctx)
     try:
         with _single_process_is_meant():
@@ -224,6 +231,18 @@ def load(ctx, path, objects: dict) -> dict:
         raise _explain(exc, "load", where, where, ctx.rank) from None
     return {name: objects[name] if isinstance(state[name], (_ModelState, _OptimizerState)) else state[name]
             for name in objects}
+
+
+def _names(path: str) -> set[str] | None:
+    """The names a checkpoint holds (`model`, `optimizer`, `step`), from DCP's index; None when it
+    cannot be read (the load then says it is damaged)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:
+        return None
+    return {key.split(".", 1)[0] for key in keys}
 
 
 def _checkpoint_exception():
@@ -248,6 +267,8 @@ def _explain(exc: BaseException, verb: str, path: str, written: str, rank: int) 
         code = errnos.ENOSPC
     if code is not None:
         message = f"{verb}_checkpoint: {_lower(os.strerror(code))} {doing} {path} ({who})"
+    elif verb == "load" and any(words in str(first) for words in MISMATCH):
+        message = f"load_checkpoint: {path} does not fit what was given ({who}): {_brief(first)}"
     elif verb == "load":
         message = (f"load_checkpoint: {path} cannot be read ({who}): it is damaged, or was not written by "
                    f"save_checkpoint — {_brief(first)}")
