@@ -127,7 +127,9 @@ def test_a_tracker_that_cannot_write_fails_the_run_with_its_reason(tmp_path, no_
     tracker = nbtrain.TensorBoard(log_dir=str(tmp_path / "file" / "tensorboard"))
     with pytest.raises(nbtrain.WorkerError) as caught:
         nbtrain.launch(train, 2, trackers=tracker, run_dir=tmp_path / "run", **CPU2)
-    assert caught.value.rank == 0 and "NotADirectoryError" in str(caught.value), str(caught.value)
+    assert caught.value.rank == 0 and str(caught.value).splitlines()[0] == (
+        f"rank 0 failed: TrackerError: TensorBoard in {tmp_path / 'file' / 'tensorboard'} could not start: not a "
+        f"directory ({tmp_path / 'file' / 'tensorboard'})"), str(caught.value)
 
 
 @pytest.mark.slow

@@ -7,9 +7,8 @@ values are each rank's own, written as `name/rank{N}` by that rank. Each tracker
 writes its files; nothing here knows their formats.
 
 Every wait on a tracker is bounded, and a tracker that fails is named with where it writes: a
-server that does not answer fails the run within a minute (MLflow: each request given
-MLFLOW_HTTP["MLFLOW_HTTP_REQUEST_TIMEOUT"] seconds and 2 retries; W&B: its init and finish
-timeouts), a full disk is said as such. Values are written on a thread of their own, so a slow
+server that does not answer fails the run within a minute (MLflow: each request given 10 s and 2
+retries; W&B: its init and finish timeouts), a full disk is said as such. Values are written on a thread of their own, so a slow
 tracker slows no training step; what queued up meanwhile goes in one batch.
 """
 from __future__ import annotations
@@ -34,8 +33,6 @@ MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RET
 # W&B's settings where the user set none (WANDB_INIT_TIMEOUT, WANDB_FINISH_TIMEOUT): its
 # default waits 90 s to start and, at the end, until every upload is done, however long.
 WANDB_TIMEOUTS = {"init_timeout": 30.0, "finish_timeout": 120.0}
-
-
 REFUSED, SILENT = "connection refused", "no answer in time"  # a server's two ways of not answering
 
 
