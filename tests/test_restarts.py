@@ -9,6 +9,7 @@ import torch
 
 import nbtrain
 from conftest import CHILDREN
+from nbtrain.notebook.cell import run_cell
 from nbtrain.notebook.restarts import back_off, restarting
 
 
@@ -72,6 +73,9 @@ def test_bad_max_restarts_are_refused_in_one_line(given, words, tmp_path):
             call()
         assert str(caught.value).startswith(words) and "\n" not in str(caught.value), str(caught.value)
     assert not (tmp_path / "run").exists()  # refused before anything was written
+    with pytest.raises(ValueError) as caught:  # %%nbtrain's cell under torchrun: the same bound
+        run_cell("x = 1", {}, max_restarts=given)
+    assert str(caught.value).startswith(words)
     with pytest.raises(ValueError, match="max_restarts=True: give a whole number of restarts, 0 to 100."):
         nbtrain.launch(print, max_restarts=True, cluster=nbtrain.Slurm())
 
