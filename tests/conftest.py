@@ -317,3 +317,30 @@ def slurm(local_slurm):
     if isinstance(local_slurm, str):
         pytest.skip(local_slurm)
     return local_slurm
+
+
+# -- a small file system of a test's own: a full disk, a read-only one ----------------------------
+
+MS_RDONLY, MNT_DETACH = 1, 2
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A file system of its own under tmp_path (a tmpfs): `small_disk("256k")`, or `small_disk(read_only=True)`."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    mounted = []
+
+    def mount(size: str = "256k", read_only: bool = False):
+        target = tmp_path / f"disk{len(mounted)}"
+        target.mkdir()
+        if libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", MS_RDONLY if read_only else 0,
+                      f"size={size},mode=0700".encode()) != 0:
+            pytest.skip(f"cannot mount a small tmpfs here ({os.strerror(ctypes.get_errno())}): needs root")
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in mounted:
+        libc.umount2(str(target).encode(), MNT_DETACH)

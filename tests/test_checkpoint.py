@@ -206,32 +206,47 @@ def test_bad_input_says_what_to_do(tmp_path):
     assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("path, error, words", [
+    ("", ValueError, "save_checkpoint(path=''): give the checkpoint's directory, e.g. 'checkpoints/last'"),
+    (" ", ValueError, "save_checkpoint(path=' '): give the checkpoint's directory"),
+    (".", ValueError, "save_checkpoint(path='.') is the working directory: a save replaces its directory whole."),
+    ("here/..", ValueError, "save_checkpoint(path='here/..') is the working directory"),
+    ("..", ValueError, "save_checkpoint(path='..') is a directory above the working directory ("),
+    (42, TypeError, "save_checkpoint(path=42): give the checkpoint's directory as a str or pathlib.Path"),
+    (None, TypeError, "save_checkpoint(path=None): give the checkpoint's directory as a str or pathlib.Path"),
+    (b"c", TypeError, "save_checkpoint(path=b'c'): give the checkpoint's directory as a str or pathlib.Path"),
+])
+def test_a_save_never_replaces_the_working_directory_or_takes_a_non_path(path, error, words, tmp_path, monkeypatch):
+    here = tmp_path / "here"  # empty: nothing else would stop a save from replacing it
+    here.mkdir()
+    monkeypatch.chdir(here)
+    with pytest.raises(error) as caught:
+        Context().save_checkpoint(path, step=1)
+    assert str(caught.value).startswith(words) and "\n" not in str(caught.value), str(caught.value)
+    assert os.getcwd() == str(here) and os.listdir(here) == [] and os.listdir(tmp_path) == ["here"]
+
+
+def test_a_load_of_a_name_the_checkpoint_lacks_or_of_another_shape_says_so(tmp_path):
+    ctx, model = Context(), torch.nn.Linear(2, 2)
+    ctx.save_checkpoint(tmp_path / "c", model=model, step=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(CheckpointError) as caught:
+        ctx.load_checkpoint(tmp_path / "c", model=model, optimizer=optimizer, epoch=0)
+    assert str(caught.value) == f"load_checkpoint: {tmp_path / 'c'} has no 'optimizer', 'epoch'; it holds model, step."
+    with pytest.raises(CheckpointError) as caught:
+        ctx.load_checkpoint(tmp_path / "c", model=torch.nn.Linear(3, 3))
+    assert str(caught.value).startswith(f"load_checkpoint: {tmp_path / 'c'} does not fit what was given (rank 0): "
+                                        "ValueError: Size mismatch between saved torch.Size([2, 2])"), str(caught.value)
+    one_line_and_short(caught.value)
+
+
+def test_a_load_from_an_empty_path_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^load_checkpoint\(path=''\): give the checkpoint's directory"):
+        Context().load_checkpoint("", step=0)
+
+
 # -- failures: the cause in one line, nothing left behind, the last whole checkpoint kept ---------
-
-MS_RDONLY, MNT_DETACH = 1, 2
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A file system of its own under tmp_path: `small_disk("size=256k")`, or read-only with "ro"."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    mounted = []
-
-    def mount(size: str = "256k", read_only: bool = False):
-        target = tmp_path / f"disk{len(mounted)}"
-        target.mkdir()
-        if libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", MS_RDONLY if read_only else 0,
-                      f"size={size},mode=0700".encode()) != 0:
-            pytest.skip(f"cannot mount a small tmpfs here ({os.strerror(ctypes.get_errno())}): needs root")
-        mounted.append(target)
-        return target
-
-    yield mount
-    for target in mounted:
-        libc.umount2(str(target).encode(), MNT_DETACH)
-
 
 def big_enough_to_fill(disk) -> torch.nn.Module:
     return torch.nn.Linear(400, 400)  # 640 KB of weights: more than the 256 KB disk

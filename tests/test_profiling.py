@@ -52,7 +52,7 @@ def test_a_profiled_ddp_run_has_each_ranks_trace_and_names_the_wait(tmp_path, no
 def test_explicit_steps_set_the_window_in_process(tmp_path):
     def train():
         ctx = nbtrain.context()
-        x = torch.randn(64, 64)
+        x = torch.randn(256, 256)  # a matmul of about a millisecond: computing, not Python, leads the step
         for _ in range(6):
             x = torch.tanh(x @ x)
             ctx.step()
@@ -79,13 +79,101 @@ def test_a_window_the_run_never_reaches_says_so(tmp_path):
 
 @pytest.mark.parametrize("profile, words", [
     ("yes", "profile='yes': give True, False or nbtrain.Profile("),
-    (nbtrain.Profile(steps=0), "Profile(steps=0): give a number of steps (at least 1)"),
-    (nbtrain.Profile(activities=("tpu",)), "Profile(activities=('tpu',)): ['tpu'] not known. Accepted: 'cpu', 'cuda'."),
+    (42, "profile=42: give True, False or nbtrain.Profile("),
 ])
-def test_bad_profile_settings_are_refused(profile, words, tmp_path):
+def test_bad_profile_arguments_are_refused(profile, words, tmp_path):
     with pytest.raises(ValueError) as caught:
         nbtrain.launch(lambda: None, devices=1, accelerator="cpu", progress=False, run_dir=tmp_path, profile=profile)
     assert str(caught.value).startswith(words) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"steps": 0}, "Profile(steps=0): give a number of steps (1 to 100) or a range"),
+    ({"steps": -3}, "Profile(steps=-3): give a number of steps (1 to 100) or a range"),
+    ({"steps": "5"}, "Profile(steps='5'): give a number of steps (1 to 100)"),
+    ({"steps": True}, "Profile(steps=True): give a number of steps (1 to 100)"),
+    ({"steps": range(5, 2)}, "Profile(steps=range(5, 2)): give a number of steps"),
+    ({"steps": range(0, 10, 2)}, "Profile(steps=range(0, 10, 2)): give a number of steps"),
+    ({"steps": 3000}, ("Profile(steps=3000): at most 100 steps. The profiler keeps every operator of the window "
+                       "in each rank's memory")),
+    ({"steps": range(10, 10 + 101)}, "Profile(steps=range(10, 111)): at most 100 steps."),
+    ({"activities": "cpu"}, "Profile(activities='cpu'): give a list of activities, such as ['cpu'] or ['cpu', 'cuda']"),
+    ({"activities": []}, "Profile(activities=[]): give a list of activities"),
+    ({"activities": ("tpu",)}, "Profile(activities=('tpu',)): ['tpu'] not known. Accepted: 'cpu', 'cuda'."),
+    ({"memory": "yes"}, "Profile(memory='yes'): give True, False or None"),
+])
+def test_bad_profile_settings_are_refused_where_they_are_written(settings, words):
+    with pytest.raises(ValueError) as caught:
+        nbtrain.Profile(**settings)
+    assert str(caught.value).startswith(words) and "\n" not in str(caught.value), str(caught.value)
+
+
+def test_the_largest_window_and_a_list_of_activities_are_taken():
+    assert len(nbtrain.Profile(steps=100).window) == 100
+    assert nbtrain.Profile(steps=range(10_000, 10_100), activities=["cpu"]).window.start == 10_000
+
+
+# -- the summary, from events built by hand (torch's own FunctionEvent, as profiler.events() gives) --
+
+def _event(name, thread, start_us, end_us, parent=None):
+    from torch.autograd.profiler_util import FunctionEvent
+
+    event = FunctionEvent(0, name, thread, start_us, end_us)
+    if parent is not None:
+        event.set_cpu_parent(parent)
+    return event
+
+
+def _two_steps():
+    """Two 1 ms steps on thread 1, a collective on gloo's thread 2:
+    step A: data 0-100, compute 100-600, all_reduce 500-900 (over compute), idle 900-1000;
+    step B: compute 1000-1400, idle 1400-1900, all_reduce 1900-2100 (only 100 inside the step)."""
+    a, b = _event("ProfilerStep#2", 1, 0, 1000), _event("ProfilerStep#3", 1, 1000, 2000)
+    return [
+        a, b,
+        _event("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 1, 0, 100, a),
+        _event("aten::mm", 1, 100, 600, a),
+        _event("aten::addmm", 1, 150, 550),  # a child of aten::mm: time counted once, by its parent
+        _event("gloo:all_reduce", 2, 500, 900),
+        _event("aten::mm", 1, 1000, 1400, b),
+        _event("gloo:all_reduce", 2, 1900, 2100),
+        _event("gloo:broadcast", 2, -800, -100),  # before the window (DDP's first broadcast): not counted
+    ]
+
+
+def test_the_summary_splits_each_moment_of_a_step_once():
+    from nbtrain.rank.profiling import summarize
+
+    summary = summarize(_two_steps())
+    assert summary["steps"] == 2 and summary["step_time"] == pytest.approx(1000e-6)
+    assert summary["split"] == pytest.approx({"communication": 250e-6, "data": 50e-6, "compute": 400e-6,
+                                              "idle": 300e-6})
+    assert sum(summary["split"].values()) == pytest.approx(summary["step_time"])
+    assert summary["top"] == [("aten::mm", pytest.approx(450e-6)),
+                              ("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", pytest.approx(50e-6))]
+    assert summary["collective"] == "gloo:all_reduce"
+
+
+def test_the_summary_does_not_depend_on_the_order_of_the_events():
+    from nbtrain.rank.profiling import summarize
+
+    assert summarize(list(reversed(_two_steps()))) == summarize(_two_steps())
+
+
+def test_an_operator_counts_only_its_time_inside_the_steps():
+    from nbtrain.rank.profiling import _top
+
+    windows = [(1000 * i, 1000 * i + 600) for i in range(100)]  # 100 steps of 600 us, 400 us apart
+    events = [_event("gloo:all_reduce", 2, -5000, 200_000),  # spans every step
+              _event("gloo:barrier", 2, 1500, 2300)]  # the last 100 us of step 1, the first 300 of step 2
+    assert _top(events, list(reversed(windows)), 2) == [("gloo:all_reduce", pytest.approx(600e-6)),
+                                                        ("gloo:barrier", pytest.approx(400e-6 / 100))]
+
+
+def test_a_window_without_steps_says_so():
+    from nbtrain.rank.profiling import summarize
+
+    assert summarize([_event("aten::mm", 1, 0, 100)]) == {"steps": 0}
 
 
 @pytest.mark.gpu

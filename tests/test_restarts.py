@@ -8,6 +8,9 @@ import pytest
 import torch
 
 import nbtrain
+from conftest import CHILDREN
+from nbtrain.notebook.cell import run_cell
+from nbtrain.notebook.restarts import back_off, restarting
 
 
 def resumable(steps, where, die_at=None):
@@ -55,11 +58,68 @@ def test_a_failure_beyond_the_restarts_raises_the_last_error(tmp_path, no_leftov
         nbtrain.launch(always_fails, devices=2, accelerator="cpu", progress=False, max_restarts=1)
 
 
-def test_bad_max_restarts_are_refused():
-    with pytest.raises(ValueError, match="max_restarts=-1: give a whole number of restarts, 0 or more."):
-        nbtrain.launch(print, max_restarts=-1)
-    with pytest.raises(ValueError, match="max_restarts=True: give a whole number of restarts, 0 or more."):
+@pytest.mark.parametrize("given, words", [
+    (-1, "max_restarts=-1: give a whole number of restarts, 0 to 100."),
+    (2.0, "max_restarts=2.0: give a whole number of restarts, 0 to 100."),
+    ("3", "max_restarts='3': give a whole number of restarts, 0 to 100."),
+    (10**12, ("max_restarts=1000000000000: at most 100. A run that fails more often than that fails for a "
+              "reason of its own")),
+    (101, "max_restarts=101: at most 100."),
+])
+def test_bad_max_restarts_are_refused_in_one_line(given, words, tmp_path):
+    for call in (lambda: nbtrain.launch(print, max_restarts=given),
+                 lambda: nbtrain.submit(print, max_restarts=given, run_dir=tmp_path / "run", progress=False)):
+        with pytest.raises(ValueError) as caught:
+            call()
+        assert str(caught.value).startswith(words) and "\n" not in str(caught.value), str(caught.value)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+    with pytest.raises(ValueError) as caught:  # %%nbtrain's cell under torchrun: the same bound
+        run_cell("x = 1", {}, max_restarts=given)
+    assert str(caught.value).startswith(words)
+    with pytest.raises(ValueError, match="max_restarts=True: give a whole number of restarts, 0 to 100."):
         nbtrain.launch(print, max_restarts=True, cluster=nbtrain.Slurm())
+
+
+def test_restarts_back_off_from_a_second_doubling_to_a_minute():
+    assert [back_off(attempt) for attempt in range(9)] == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+    assert back_off(99) == 60
+    assert restarting(1, 5, "rank 1 failed: exited with code 1") == \
+        "restarting (2 of 5) in 2 s: rank 1 failed: exited with code 1"
+
+
+FAILS = """
+import nbtrain, psutil
+def fails():
+    if nbtrain.context().rank == 0:
+        raise ValueError("again")
+""" + CHILDREN
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_waiting_to_restart_ends_the_launch_at_once_and_leaves_nothing(kernel):
+    _, _, error, _ = kernel.run(FAILS)
+    assert error is None, error
+    kernel.client.execute("nbtrain.launch(fails, devices=2, accelerator='cpu', strategy='ddp_fork', progress='text', "
+                          "max_restarts=5)")
+    shown, waiting = "", "restarting (3 of 5) in 4 s: rank 0 failed: ValueError: again"
+    deadline = time.monotonic() + 120
+    while waiting not in shown:  # the third failure's note: the launch now sleeps 4 s
+        assert time.monotonic() < deadline, shown
+        message = kernel.client.get_iopub_msg(timeout=120)
+        if message["msg_type"] == "stream":
+            shown += message["content"]["text"]
+    assert "restarting (1 of 5) in 1 s: " in shown and "restarting (2 of 5) in 2 s: " in shown, shown
+    time.sleep(1)  # well inside the 4 s back-off
+    kernel.manager.interrupt_kernel()
+    while True:
+        reply = kernel.client.get_shell_msg(timeout=30)  # at once: not after the back-off and 2 more attempts
+        if reply["msg_type"] == "execute_reply":
+            break
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert reply["content"]["traceback"] == [
+        "KeyboardInterrupt: interrupted while waiting to restart (3 of 5); no rank was running."]
+    assert kernel.value("children()") == []
+    assert kernel.value("1 + 1") == 2
 
 
 @pytest.mark.slow
@@ -99,3 +159,22 @@ def test_a_slurm_job_that_can_never_start_is_not_restarted(slurm, tmp_path, caps
     while slurm.jobs() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert slurm.jobs() == []
+
+
+def fails_on_rank_0():
+    if nbtrain.context().rank == 0:
+        raise ValueError("again")
+
+
+@pytest.mark.slow
+def test_cancel_while_a_submitted_run_waits_to_restart_ends_it_at_once(tmp_path, no_leftovers):
+    run = nbtrain.submit(fails_on_rank_0, devices=2, accelerator="cpu", run_dir=tmp_path / "run", max_restarts=5,
+                         progress=False)
+    deadline = time.monotonic() + 120
+    while not run.reason.startswith("restarting (3 of 5) in 4 s: rank 0 failed: ValueError: again"):
+        assert run.status not in ("finished", "failed", "cancelled") and time.monotonic() < deadline, run.reason
+        time.sleep(0.1)
+    time.sleep(1)  # well inside the 4 s back-off
+    run.cancel()  # returns once nothing of the run is left
+    assert (run.status, run.reason) == ("cancelled", "cancelled by Run.cancel() (SIGTERM)")
+    assert len(run.restarts) == 3  # no fourth attempt started

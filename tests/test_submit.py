@@ -173,7 +173,7 @@ def test_a_rank_that_dies_once_is_restarted_from_the_checkpoint(tmp_path, no_lef
     assert run.restarts == result.restarts and run.status == "finished"
     plain = nbtrain.launch(train, 6, devices=2, accelerator="cpu", progress=False)
     assert _same(result.value, plain.value)
-    assert f"restarting (1 of 1): {why}" in (tmp_path / "run" / "events.jsonl").read_text()
+    assert f"restarting (1 of 1) in 1 s: {why}" in (tmp_path / "run" / "events.jsonl").read_text()
     # Replayed from the logs, the resumed attempt's bar reads 3..6 and counts its 3 steps only.
     out = io.StringIO()
     display = _Kept(file=out, interval=3600)

@@ -2,6 +2,7 @@
 import glob
 import os
 import re
+import socket
 import sys
 import tempfile
 
@@ -9,6 +10,7 @@ import psutil
 import pytest
 
 import nbtrain
+from nbtrain.rank.trackers import TrackerError
 
 CPU2 = {"devices": 2, "accelerator": "cpu", "strategy": "ddp_fork", "progress": False, "timeout": 120}
 STEPS = 6
@@ -125,7 +127,9 @@ def test_a_tracker_that_cannot_write_fails_the_run_with_its_reason(tmp_path, no_
     tracker = nbtrain.TensorBoard(log_dir=str(tmp_path / "file" / "tensorboard"))
     with pytest.raises(nbtrain.WorkerError) as caught:
         nbtrain.launch(train, 2, trackers=tracker, run_dir=tmp_path / "run", **CPU2)
-    assert caught.value.rank == 0 and "NotADirectoryError" in str(caught.value), str(caught.value)
+    assert caught.value.rank == 0 and str(caught.value).splitlines()[0] == (
+        f"rank 0 failed: TrackerError: TensorBoard in {tmp_path / 'file' / 'tensorboard'} could not start: not a "
+        f"directory ({tmp_path / 'file' / 'tensorboard'})"), str(caught.value)
 
 
 @pytest.mark.slow
@@ -154,3 +158,103 @@ def test_a_tracked_launch_takes_a_directory_of_its_own_never_a_submits(tmp_path,
     assert all(sorted(os.listdir(path)) == ["status.json"] for path in taken), "a submit's directory was used"
     [own] = set(base.iterdir()) - set(taken)
     assert re.fullmatch(r"\d{8}-\d{6}-train-2", own.name) and (own / "tensorboard").is_dir(), own
+
+
+# -- every wait on a tracker is bounded, and a failure names the tracker and where it writes --
+
+@pytest.fixture
+def closed_port():
+    """A local port nothing listens on: connections are refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return port
+
+
+@pytest.fixture
+def silent_port():
+    """A local port that accepts connections (the kernel completes them) and never answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        yield s.getsockname()[1]
+
+
+# The launch's own timeout only guards against a hang: a tracker that waited longer than its
+# bound would end the launch with "timed out after 90 s" instead of the tracker's error.
+BOUNDED = {**CPU2, "timeout": 90}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server, said", [("closed_port", "connection refused"), ("silent_port", "no answer in time")])
+def test_an_mlflow_server_that_does_not_answer_fails_the_run_naming_mlflow_and_the_uri(server, said, request,
+                                                                                      tmp_path, no_leftovers):
+    uri = f"http://127.0.0.1:{request.getfixturevalue(server)}"
+    with pytest.raises(nbtrain.WorkerError) as caught:
+        nbtrain.launch(train, STEPS, trackers=nbtrain.MLflow(tracking_uri=uri), run_dir=tmp_path, **BOUNDED)
+    assert caught.value.rank == 0
+    assert str(caught.value).splitlines()[0] == (
+        f"rank 0 failed: TrackerError: MLflow at {uri} could not start: {said} (each request given 10 s, 2 retries: "
+        "MLFLOW_HTTP_REQUEST_TIMEOUT, MLFLOW_HTTP_REQUEST_MAX_RETRIES)")
+
+
+@pytest.mark.slow
+def test_mlflows_http_settings_are_the_runs_only_and_the_users_own_win(closed_port, monkeypatch, tmp_path,
+                                                                       no_leftovers):
+    uri = f"http://127.0.0.1:{closed_port}"
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    def mlflows():
+        return {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+
+    before = mlflows()
+    with pytest.raises(TrackerError) as caught:  # one rank: the run is in this process
+        nbtrain.launch(train, 2, trackers=nbtrain.MLflow(tracking_uri=uri), run_dir=tmp_path,
+                       **{**BOUNDED, "devices": 1})
+    assert str(caught.value).splitlines()[0] == (
+        f"rank 0 failed: TrackerError: MLflow at {uri} could not start: connection refused (each request given 10 s, "
+        "0 retries: MLFLOW_HTTP_REQUEST_TIMEOUT, MLFLOW_HTTP_REQUEST_MAX_RETRIES)")
+    assert mlflows() == before  # nbtrain's settings were for the run: none is left in the kernel
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server, said", [("closed_port", "connection refused"), ("silent_port", "no answer in time")])
+def test_a_wandb_server_that_does_not_answer_fails_the_run_in_bounded_time(server, said, request, monkeypatch,
+                                                                          tmp_path, no_leftovers):
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install 'nbtrain[wandb]')")
+    url = f"http://127.0.0.1:{request.getfixturevalue(server)}"
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # any key: the server is never reached
+    with pytest.raises(nbtrain.WorkerError) as caught:
+        nbtrain.launch(train, STEPS, trackers=nbtrain.WandB(mode="online"), run_dir=tmp_path, **BOUNDED)
+    assert f"TrackerError: W&B (online, {url}) in {tmp_path} could not start: {said}" in str(caught.value)
+    left = [p.info for p in psutil.process_iter(["pid", "name", "ppid"]) if p.info["name"] == "wandb-core"]
+    assert not left, f"W&B's service left running: {left}"
+
+
+@pytest.mark.slow
+def test_tensorboard_on_a_full_disk_fails_the_run_saying_so_and_the_training_ends(small_disk, tmp_path,
+                                                                                  no_leftovers):
+    disk = small_disk("64k")
+    with pytest.raises(nbtrain.WorkerError) as caught:
+        nbtrain.launch(train, 5000, trackers=nbtrain.TensorBoard(log_dir=str(disk / "tb")), run_dir=tmp_path / "run",
+                       **BOUNDED)
+    assert f"TrackerError: TensorBoard in {disk / 'tb'} could not write: no space left on device" in \
+        str(caught.value).splitlines()[0], str(caught.value)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: nbtrain.TensorBoard(log_dir=42), "TensorBoard(log_dir=42): give a directory path (a str or pathlib.Path)"),
+    (lambda: nbtrain.TensorBoard(log_dir=""), "TensorBoard(log_dir=''): give a directory path"),
+    (lambda: nbtrain.MLflow(tracking_uri=5000), "MLflow(tracking_uri=5000): give a tracking URI such as 'http://"),
+    (lambda: nbtrain.MLflow(tracking_uri=" "), "MLflow(tracking_uri=' '): give a tracking URI"),
+    (lambda: nbtrain.MLflow(experiment=""), "MLflow(experiment=''): give the experiment's name, a non-empty str."),
+    (lambda: nbtrain.MLflow(run_name=3), "MLflow(run_name=3): give a non-empty str, or None"),
+    (lambda: nbtrain.WandB(project=None), "WandB(project=None): give the project's name, a non-empty str."),
+    (lambda: nbtrain.WandB(mode="offlne"), "WandB(mode='offlne'): give one of 'online', 'offline', 'disabled', 's"),
+    (lambda: nbtrain.WandB(entity=""), "WandB(entity=''): give a W&B user or team name, or None"),
+    (lambda: nbtrain.WandB(dir=1), "WandB(dir=1): give a directory path"),
+])
+def test_bad_tracker_settings_are_refused_where_they_are_written(make, words):
+    with pytest.raises(ValueError) as caught:
+        make()
+    assert str(caught.value).startswith(words) and "\n" not in str(caught.value), str(caught.value)

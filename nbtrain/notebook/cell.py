@@ -20,6 +20,7 @@ from ..common.pickling import explain_pickling, ship_bytes
 from ..common.source import free_names, shippable
 from ..rank.cell import CellJob
 from .launch import ALIASES, launch
+from .restarts import check_restarts
 
 IN_PLACE = ("single", "dp", "ddp_fork")  # strategies that run the cell in the kernel's namespace (or its fork)
 
@@ -74,6 +75,7 @@ def run_cell(source: str, namespace: Mapping[str, Any], *, strategy: str = "ddp"
     on each rank in `values`, rank 0's in `value`). What `%%nbtrain` calls; with `cluster`
     (`nbtrain.Slurm(...)`, `nbtrain.Ray(...)`) the ranks run there, the names shipped.
     `trackers`, `profile` and `run_dir` as for `launch`."""
+    check_restarts(max_restarts)  # torchrun's restarts, here: the same bound as launch's own
     job = cell_job(source, namespace, "ddp" if cluster is not None else strategy, hidden)
     insight = {"trackers": trackers, "profile": profile, "run_dir": run_dir}
     if cluster is not None:

@@ -32,7 +32,7 @@ from ..common.process_tree import become_subreaper, end_descendants
 from ..common.transfer import unpack_job
 from ..display.recorder import RunRecorder
 from .launch import launch, resolve_strategy
-from .restarts import restarting, why
+from .restarts import restarting, wait_to_restart, why
 
 
 class StatusLost(Exception):
@@ -179,6 +179,12 @@ def _supervise(run_dir: Path, load, echo) -> int:
 
     summary = {"devices": "", "ranks": [], "metrics": {}}  # summary.json, kept across attempts
     for attempt in range(spec["max_restarts"] + 1):
+        if attempt:
+            try:  # the back-off: status.json reads "restarting (2 of 5) in 2 s: ..." meanwhile
+                wait_to_restart(attempt - 1)
+            except KeyboardInterrupt:  # cancel() (or Ctrl-C) while waiting: no rank is running
+                status.set("cancelled", reason=_cancelled(signals))
+                return 1
         # On a cluster the run is queued until its ranks run (a SLURM job may wait for hours).
         status.set("running" if cluster is None else "queued", attempt=attempt,
                    reason="" if cluster is None else f"starting the ranks on {cluster.where()}")
@@ -196,8 +202,7 @@ def _supervise(run_dir: Path, load, echo) -> int:
                             **kwargs)
         except KeyboardInterrupt:
             recorder.note("cancelled")
-            status.set("cancelled", reason="interrupted (Ctrl-C)" if signals[:1] == [signal.SIGINT]
-                       else "cancelled by Run.cancel() (SIGTERM)")
+            status.set("cancelled", reason=_cancelled(signals))
             return 1
         except Exception as error:  # a WorkerError; in the supervisor itself (single, dp), the code's own
             reason = why(error)
@@ -220,6 +225,10 @@ def _supervise(run_dir: Path, load, echo) -> int:
         status.set("finished", reason="")
         return 0
     return 1  # not reached: the last attempt returns
+
+
+def _cancelled(signals: list[int]) -> str:
+    return "interrupted (Ctrl-C)" if signals[:1] == [signal.SIGINT] else "cancelled by Run.cancel() (SIGTERM)"
 
 
 def _failed(run_dir: Path, status: Status, error: BaseException | None, reason: str) -> int:

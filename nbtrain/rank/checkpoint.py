@@ -26,6 +26,8 @@ import warnings
 import torch
 
 METADATA = ".metadata"  # DCP's index file: its presence marks a checkpoint directory
+# DCP's words for a checkpoint that is whole but holds other shapes or names than the objects given
+MISMATCH = ("Size mismatch", "Missing key", "Unexpected key")
 FULL_BELOW = 4 << 20  # bytes free: a write that failed on a file system this full ran out of space
 
 log = logging.getLogger(__name__)
@@ -147,10 +149,30 @@ def is_checkpoint(path) -> bool:
     return os.path.isfile(os.path.join(path, METADATA))
 
 
+def _checked_path(path, verb: str) -> str:
+    """`path` as an absolute str, once it names a directory a checkpoint may be in. A save
+    replaces its directory whole: '' (or '.') would be the working directory itself."""
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{verb}_checkpoint(path={path!r}): give the checkpoint's directory as a str or "
+                        "pathlib.Path, e.g. 'checkpoints/last'.")
+    given = os.fspath(path)
+    if not given.strip():
+        raise ValueError(f"{verb}_checkpoint(path={given!r}): give the checkpoint's directory, e.g. "
+                         "'checkpoints/last' (a save replaces that directory whole).")
+    path = os.path.abspath(given)
+    if verb == "save":
+        here = os.getcwd()
+        if os.path.commonpath([here, path]) == path:
+            where = "the working directory" if path == here else f"a directory above the working directory ({here})"
+            raise ValueError(f"save_checkpoint(path={given!r}) is {where}: a save replaces its directory whole. Give "
+                             "a directory of its own, e.g. 'checkpoints/last'.")
+    return path
+
+
 def save(ctx, path, objects: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
-    path = os.path.abspath(os.fspath(path))
+    path = _checked_path(path, "save")
     if os.path.exists(path) and not is_checkpoint(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise FileExistsError(f"save_checkpoint: {path} exists and is not a checkpoint; nbtrain replaces only "
                               "checkpoints it wrote. Give a new path, or remove it.")
@@ -183,7 +205,7 @@ def save(ctx, path, objects: dict) -> None:
 def load(ctx, path, objects: dict) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    path = os.path.abspath(os.fspath(path))
+    path = _checked_path(path, "load")
     where = path
     if not is_checkpoint(path):
         if os.path.exists(path) or not is_checkpoint(path + ".old"):
@@ -196,6 +218,11 @@ def load(ctx, path, objects: dict) -> dict:
             log.warning("load_checkpoint: %s is missing, but %s holds the checkpoint saved before it (a save was "
                         "stopped while swapping in a new one): loading that.", path, where)
     state = _stateful(objects, "load")
+    held = _names(where)
+    missing = [name for name in objects if held is not None and name not in held]
+    if missing:
+        raise CheckpointError(f"load_checkpoint: {where} has no {', '.join(map(repr, missing))}; it holds "
+                              f"{', '.join(sorted(held))}.", filename=where)
     group = _group(ctx)
     try:
         with _single_process_is_meant():
@@ -204,6 +231,18 @@ def load(ctx, path, objects: dict) -> dict:
         raise _explain(exc, "load", where, where, ctx.rank) from None
     return {name: objects[name] if isinstance(state[name], (_ModelState, _OptimizerState)) else state[name]
             for name in objects}
+
+
+def _names(path: str) -> set[str] | None:
+    """The names a checkpoint holds (`model`, `optimizer`, `step`), from DCP's index; None when it
+    cannot be read (the load then says it is damaged)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:
+        return None
+    return {key.split(".", 1)[0] for key in keys}
 
 
 def _checkpoint_exception():
@@ -228,6 +267,8 @@ def _explain(exc: BaseException, verb: str, path: str, written: str, rank: int) 
         code = errnos.ENOSPC
     if code is not None:
         message = f"{verb}_checkpoint: {_lower(os.strerror(code))} {doing} {path} ({who})"
+    elif verb == "load" and any(words in str(first) for words in MISMATCH):
+        message = f"load_checkpoint: {path} does not fit what was given ({who}): {_brief(first)}"
     elif verb == "load":
         message = (f"load_checkpoint: {path} cannot be read ({who}): it is damaged, or was not written by "
                    f"save_checkpoint — {_brief(first)}")

@@ -5,17 +5,47 @@ rank opens its writer from them, so the trackers work wherever the ranks run. Va
 `sync_dist=True` are the same on every rank: rank 0 alone writes them under their name. Other
 values are each rank's own, written as `name/rank{N}` by that rank. Each tracker's own client
 writes its files; nothing here knows their formats.
+
+Every wait on a tracker is bounded, and a tracker that fails is named with where it writes: a
+server that does not answer fails the run within a minute (MLflow: each request given 10 s and 2
+retries; W&B: its init and finish timeouts), a full disk is said as such. Values are written on a thread of their own, so a slow
+tracker slows no training step; what queued up meanwhile goes in one batch.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass
 
 FLUSH_SECONDS = 1.0  # MLflow: metrics are sent in batches at most this often (one store write each)
+BATCH = 10_000  # values taken off the queue at once: what queued up while the last batch was written
+# MLflow's own HTTP settings, for the run (ranks; restored after an in-process run), unless the
+# user set them: each request given 10 s and tried 3 times, 2 s apart, so a tracking server that
+# does not answer fails the run in about 30 s. MLflow's defaults (120 s, 7 retries, back-off
+# factor 2) gave about 250 s of silence for a closed port and some 20 minutes for a silent one.
+MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+               "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}
+# W&B's settings where the user set none (WANDB_INIT_TIMEOUT, WANDB_FINISH_TIMEOUT): its
+# default waits 90 s to start and, at the end, until every upload is done, however long.
+WANDB_TIMEOUTS = {"init_timeout": 30.0, "finish_timeout": 120.0}
+REFUSED, SILENT = "connection refused", "no answer in time"  # a server's two ways of not answering
+
+
+class TrackerError(RuntimeError):
+    """A tracker could not start or write: one line naming it, where it writes, and why."""
+
+
+def _path_setting(value) -> bool:
+    return value is None or isinstance(value, (str, os.PathLike)) and bool(os.fspath(value))
+
+
+def _text_setting(value, optional: bool = False) -> bool:
+    return (optional and value is None) or isinstance(value, str) and bool(value.strip())
 
 
 def _require(module: str, extra: str, what: str) -> None:
@@ -34,8 +64,16 @@ class TensorBoard:
     module = "tensorboard"
     client = "torch.utils.tensorboard"
 
+    def __post_init__(self):
+        if not _path_setting(self.log_dir):
+            raise ValueError(f"TensorBoard(log_dir={self.log_dir!r}): give a directory path (a str or "
+                             "pathlib.Path), or None for the run directory's tensorboard/.")
+
     def opened(self, run) -> "_TensorBoardWriter":
         return _TensorBoardWriter(self, run)
+
+    def where(self, run) -> str:
+        return f"TensorBoard in {os.fspath(self.log_dir or f'{run.dir}/tensorboard')}"
 
 
 @dataclass(frozen=True)
@@ -50,9 +88,27 @@ class MLflow:
     module = "mlflow"
     client = "mlflow"
     shared = True  # the ranks write into rank 0's run: its id is handed round at the start
+    environment = MLFLOW_HTTP
+
+    def __post_init__(self):
+        if not _text_setting(self.tracking_uri, optional=True):
+            raise ValueError(f"MLflow(tracking_uri={self.tracking_uri!r}): give a tracking URI such as "
+                             "'http://host:5000' or 'sqlite:///path/mlflow.db', or None (MLFLOW_TRACKING_URI, else "
+                             "a SQLite file in the run directory).")
+        if not _text_setting(self.experiment):
+            raise ValueError(f"MLflow(experiment={self.experiment!r}): give the experiment's name, a non-empty str.")
+        if not _text_setting(self.run_name, optional=True):
+            raise ValueError(f"MLflow(run_name={self.run_name!r}): give a non-empty str, or None for the run "
+                             "directory's name.")
 
     def opened(self, run) -> "_MLflowWriter":
         return _MLflowWriter(self, run)
+
+    def uri(self, run) -> str:
+        return self.tracking_uri or f"sqlite:///{run.dir}/mlflow.db"
+
+    def where(self, run) -> str:
+        return f"MLflow at {self.uri(run)}"
 
 
 @dataclass(frozen=True)
@@ -67,9 +123,27 @@ class WandB:
     extra = "wandb"
     module = "wandb"
     client = "wandb"
+    MODES = ("online", "offline", "disabled", "shared")
+
+    def __post_init__(self):
+        if not _text_setting(self.project):
+            raise ValueError(f"WandB(project={self.project!r}): give the project's name, a non-empty str.")
+        if self.mode is not None and self.mode not in self.MODES:
+            raise ValueError(f"WandB(mode={self.mode!r}): give one of {', '.join(map(repr, self.MODES))}, or None "
+                             "(WANDB_MODE, else W&B's default).")
+        if not _text_setting(self.entity, optional=True):
+            raise ValueError(f"WandB(entity={self.entity!r}): give a W&B user or team name, or None (your default).")
+        if not _path_setting(self.dir):
+            raise ValueError(f"WandB(dir={self.dir!r}): give a directory path (a str or pathlib.Path), or None for "
+                             "the run directory.")
 
     def opened(self, run) -> "_WandBWriter":
         return _WandBWriter(self, run)
+
+    def where(self, run) -> str:
+        mode = self.mode or os.environ.get("WANDB_MODE") or "online"
+        server = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+        return f"W&B ({mode}{f', {server}' if mode in ('online', 'shared') else ''}) in {self.dir or run.dir}"
 
 
 KINDS = {"tensorboard": TensorBoard, "mlflow": MLflow, "wandb": WandB}
@@ -110,8 +184,16 @@ class _Writer:
     def log(self, key: str, value: float, step: int) -> None:
         raise NotImplementedError
 
+    def written(self) -> None:
+        """A batch of values was logged: a writer that sends in batches may send now."""
+
     def close(self, failed: bool = False) -> None:
         pass
+
+    def abandon(self) -> None:
+        """This writer failed: release what it holds, asking nothing more of its store or server."""
+        with contextlib.suppress(Exception):
+            self.close(failed=True)
 
 
 class _TensorBoardWriter(_Writer):
@@ -119,7 +201,7 @@ class _TensorBoardWriter(_Writer):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        base = settings.log_dir or f"{run.dir}/tensorboard"
+        base = os.fspath(settings.log_dir or f"{run.dir}/tensorboard")
         self.writer = SummaryWriter(base if run.rank == 0 else f"{base}/rank{run.rank}")
         if run.rank == 0:
             # What add_hparams writes, into this writer's own file: add_hparams opens a second
@@ -138,8 +220,7 @@ class _MLflowWriter(_Writer):
     def __init__(self, settings: MLflow, run):
         from mlflow import MlflowClient
 
-        uri = settings.tracking_uri or f"sqlite:///{run.dir}/mlflow.db"
-        self.client = MlflowClient(tracking_uri=uri)
+        self.client = MlflowClient(tracking_uri=settings.uri(run))
         self.run_id = None
         self.owner = run.rank == 0  # the rank that created the run ends it
         self.pending: list = []
@@ -160,12 +241,14 @@ class _MLflowWriter(_Writer):
         from mlflow.entities import Metric
 
         self.pending.append(Metric(key, value, int(time.time() * 1000), step))
+
+    def written(self) -> None:
         if len(self.pending) >= 500 or time.monotonic() - self.sent >= FLUSH_SECONDS:
             self._flush()
 
     def _flush(self) -> None:
         if self.pending:
-            self.client.log_batch(self.run_id, metrics=self.pending)
+            self.client.log_batch(self.run_id, metrics=self.pending)  # MLflow splits it into requests of 1,000
         self.pending, self.sent = [], time.monotonic()
 
     def close(self, failed: bool = False) -> None:
@@ -173,15 +256,24 @@ class _MLflowWriter(_Writer):
         if self.run_id and self.owner:
             self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
 
+    def abandon(self) -> None:
+        self.pending = []  # a store that failed once is not asked again: each try could wait its timeout
+
 
 class _WandBWriter(_Writer):
     def __init__(self, settings: WandB, run):
         import wandb
 
         name = run.name if run.rank == 0 else f"{run.name}-rank{run.rank}"
-        self.run = wandb.init(project=settings.project, entity=settings.entity, mode=settings.mode,
-                              dir=settings.dir or run.dir, name=name, group=run.name, job_type=f"rank{run.rank}",
-                              config=run.settings if run.rank == 0 else {"rank": run.rank}, reinit="create_new")
+        bounded = {k: v for k, v in WANDB_TIMEOUTS.items() if f"WANDB_{k.upper()}" not in os.environ}
+        try:
+            self.run = wandb.init(project=settings.project, entity=settings.entity, mode=settings.mode,
+                                  dir=os.fspath(settings.dir or run.dir), name=name, group=run.name,
+                                  job_type=f"rank{run.rank}", config=run.settings if run.rank == 0 else {"rank": run.rank},
+                                  reinit="create_new", settings=wandb.Settings(finish_timeout_raises=True, **bounded))
+        except BaseException:
+            wandb.teardown()  # the wandb-core process it started ends now
+            raise
         # Each name keeps its own step (ctx.log counts per name): W&B's own step would tie them together.
         self.run.define_metric("*", step_metric="step")
 
@@ -191,8 +283,10 @@ class _WandBWriter(_Writer):
     def close(self, failed: bool = False) -> None:
         import wandb
 
-        self.run.finish(exit_code=1 if failed else 0)
-        wandb.teardown()  # its wandb-core process ends now, not some time after this rank
+        try:
+            self.run.finish(exit_code=1 if failed else 0)
+        finally:
+            wandb.teardown()  # its wandb-core process ends now, not some time after this rank
 
 
 def _plain(settings: dict) -> dict:
@@ -219,17 +313,27 @@ class Trackers:
     """This rank's writers, opened from the settings: rank 0's at the start (they carry the
     hyper-parameters), another rank's when it first logs a value of its own. Values are written
     on a thread of their own: building a tracker's records costs the training loop nothing but a
-    queue put, and the writing overlaps the loop's torch operators (which release the GIL)."""
+    queue put, and the writing overlaps the loop's torch operators (which release the GIL). A
+    tracker that fails is written to no more; close() raises its error, naming it."""
 
     def __init__(self, settings: tuple, run: RunInfo):
         self.settings, self.run = settings, run
         self.writers: dict[str, _Writer] = {}
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.error: BaseException | None = None  # the first a writer raised: raised again by close()
+        self.error: TrackerError | None = None  # the first a writer raised: raised again by close()
+        self.failed: str | None = None  # the name of the tracker that raised it
         self.thread = threading.Thread(target=self._write, name="nbtrain-trackers", daemon=True)
+        self.added: list[str] = []  # what start() set in os.environ, for the run
 
     def start(self, share) -> None:
         """Open rank 0's writers; `share(value)` hands rank 0's value to every rank (a collective)."""
+        for tracker in self.settings:
+            # Before any thread of ours runs (os.environ is not safe to change beside one), for
+            # the run only: close() restores it, as a run in the kernel's own process needs.
+            for key, value in getattr(tracker, "environment", {}).items():
+                if key not in os.environ:
+                    self.added.append(key)
+                    os.environ[key] = value
         for tracker in self.settings:
             # Imported now on every rank (about a second for some): not in the middle of training,
             # when a rank's first value of its own opens its writer.
@@ -247,8 +351,25 @@ class Trackers:
     def _writer(self, tracker) -> _Writer:
         writer = self.writers.get(tracker.name)
         if writer is None:
-            writer = self.writers[tracker.name] = tracker.opened(self.run)
+            with self._said(tracker, "could not start"):
+                writer = self.writers[tracker.name] = tracker.opened(self.run)
         return writer
+
+    @contextlib.contextmanager
+    def _said(self, tracker, doing: str):
+        """A tracker's error as one line: what failed, where it writes, and why."""
+        try:
+            yield
+        except TrackerError:
+            raise
+        except Exception as exc:
+            reason = _reason(exc)
+            if isinstance(tracker, MLflow) and reason in (REFUSED, SILENT):
+                setting = {k: os.environ.get(k, v) for k, v in MLFLOW_HTTP.items()}
+                reason += (f" (each request given {setting['MLFLOW_HTTP_REQUEST_TIMEOUT']} s, "
+                           f"{setting['MLFLOW_HTTP_REQUEST_MAX_RETRIES']} retries: MLFLOW_HTTP_REQUEST_TIMEOUT, "
+                           "MLFLOW_HTTP_REQUEST_MAX_RETRIES)")
+            raise TrackerError(f"{tracker.where(self.run)} {doing}: {reason}") from exc
 
     def log(self, name: str, value: float, step: int, synced: bool) -> None:
         if synced and self.run.rank != 0:
@@ -256,21 +377,64 @@ class Trackers:
         self.queue.put((name if synced else f"{name}/rank{self.run.rank}", value, step))
 
     def _write(self) -> None:
-        while (item := self.queue.get()) is not None:
-            if self.error is not None:
+        done = False
+        while not done:
+            items = [self.queue.get()]
+            while len(items) < BATCH and items[-1] is not None:
+                try:
+                    items.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            done = items[-1] is None  # close() puts None last
+            values = items[:-1] if done else items
+            if self.error is not None or not values:
                 continue  # a writer failed: the rest is dropped, close() says why
-            try:
-                for tracker in self.settings:
-                    self._writer(tracker).log(*item)
-            except BaseException as exc:
-                self.error = exc
+            for tracker in self.settings:
+                try:
+                    with self._said(tracker, "could not write"):
+                        writer = self._writer(tracker)
+                        for item in values:
+                            writer.log(*item)
+                        writer.written()
+                except TrackerError as exc:
+                    self.error, self.failed = exc, tracker.name
+                    break
 
     def close(self, failed: bool = False) -> None:
-        if self.thread.is_alive():
-            self.queue.put(None)
-            self.thread.join()
-        for writer in self.writers.values():
-            writer.close(failed)
-        self.writers.clear()
+        try:
+            if self.thread.is_alive():
+                self.queue.put(None)
+                self.thread.join()  # bounded: each tracker's calls are
+            for tracker in self.settings:
+                writer = self.writers.pop(tracker.name, None)
+                if writer is None:
+                    continue
+                if tracker.name == self.failed:
+                    writer.abandon()
+                    continue
+                try:
+                    with self._said(tracker, "could not finish"):
+                        writer.close(failed)
+                except TrackerError as exc:
+                    self.error = self.error or exc
+        finally:
+            for key in self.added:
+                os.environ.pop(key, None)
+            self.added.clear()
         if self.error is not None and not failed:
-            raise RuntimeError(f"a tracker could not write: {type(self.error).__name__}: {self.error}") from self.error
+            raise self.error
+
+
+def _reason(exc: BaseException) -> str:
+    """Why, in a few words: the system's own (no space left on device) where it gave them; for a
+    server, whether it refused or did not answer; else the error's type and first line."""
+    if isinstance(exc, OSError) and exc.strerror:
+        said = exc.strerror[:1].lower() + exc.strerror[1:]
+        return f"{said} ({exc.filename})" if exc.filename else said
+    text = (str(exc).strip().splitlines() or [""])[0]
+    lowered = text.lower()
+    if "connection refused" in lowered:
+        return REFUSED
+    if "timed out" in lowered or "deadline exceeded" in lowered:
+        return SILENT
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
