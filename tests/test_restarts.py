@@ -96,33 +96,6 @@ def fails():
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_waiting_to_restart_ends_the_launch_at_once_and_leaves_nothing(kernel):
-    _, _, error, _ = kernel.run(FAILS)
-    assert error is None, error
-    kernel.client.execute("nbtrain.launch(fails, devices=2, accelerator='cpu', strategy='ddp_fork', progress='text', "
-                          "max_restarts=5)")
-    shown, waiting = "", "restarting (3 of 5) in 4 s: rank 0 failed: ValueError: again"
-    deadline = time.monotonic() + 120
-    while waiting not in shown:  # the third failure's note: the launch now sleeps 4 s
-        assert time.monotonic() < deadline, shown
-        message = kernel.client.get_iopub_msg(timeout=120)
-        if message["msg_type"] == "stream":
-            shown += message["content"]["text"]
-    assert "restarting (1 of 5) in 1 s: " in shown and "restarting (2 of 5) in 2 s: " in shown, shown
-    time.sleep(1)  # well inside the 4 s back-off
-    kernel.manager.interrupt_kernel()
-    while True:
-        reply = kernel.client.get_shell_msg(timeout=30)  # at once: not after the back-off and 2 more attempts
-        if reply["msg_type"] == "execute_reply":
-            break
-    assert reply["content"]["ename"] == "KeyboardInterrupt"
-    assert reply["content"]["traceback"] == [
-        "KeyboardInterrupt: interrupted while waiting to restart (3 of 5); no rank was running."]
-    assert kernel.value("children()") == []
-    assert kernel.value("1 + 1") == 2
-
-
-@pytest.mark.slow
 def test_a_slurm_launch_restarts_as_a_new_job_and_leaves_none(slurm, tmp_path, no_leftovers):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -178,3 +151,31 @@ def test_cancel_while_a_submitted_run_waits_to_restart_ends_it_at_once(tmp_path,
     run.cancel()  # returns once nothing of the run is left
     assert (run.status, run.reason) == ("cancelled", "cancelled by Run.cancel() (SIGTERM)")
     assert len(run.restarts) == 3  # no fourth attempt started
+
+
+# Last in the module: the shared kernel it starts would count as a leftover of the tests above.
+@pytest.mark.slow
+def test_ctrl_c_while_waiting_to_restart_ends_the_launch_at_once_and_leaves_nothing(kernel):
+    _, _, error, _ = kernel.run(FAILS)
+    assert error is None, error
+    kernel.client.execute("nbtrain.launch(fails, devices=2, accelerator='cpu', strategy='ddp_fork', progress='text', "
+                          "max_restarts=5)")
+    shown, waiting = "", "restarting (3 of 5) in 4 s: rank 0 failed: ValueError: again"
+    deadline = time.monotonic() + 120
+    while waiting not in shown:  # the third failure's note: the launch now sleeps 4 s
+        assert time.monotonic() < deadline, shown
+        message = kernel.client.get_iopub_msg(timeout=120)
+        if message["msg_type"] == "stream":
+            shown += message["content"]["text"]
+    assert "restarting (1 of 5) in 1 s: " in shown and "restarting (2 of 5) in 2 s: " in shown, shown
+    time.sleep(1)  # well inside the 4 s back-off
+    kernel.manager.interrupt_kernel()
+    while True:
+        reply = kernel.client.get_shell_msg(timeout=30)  # at once: not after the back-off and 2 more attempts
+        if reply["msg_type"] == "execute_reply":
+            break
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert reply["content"]["traceback"] == [
+        "KeyboardInterrupt: interrupted while waiting to restart (3 of 5); no rank was running."]
+    assert kernel.value("children()") == []
+    assert kernel.value("1 + 1") == 2
