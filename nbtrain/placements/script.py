@@ -15,7 +15,9 @@ of every pipe while the launcher runs, so a restarted rank (--max-restarts) can 
 
 Rendezvous: static (`--rdzv-backend static --node-rank R`), on a free port for one node, at
 the given endpoint for several: a node carries ranks R*nproc .. R*nproc+nproc-1, which is
-what the notebook's RunState expects. c10d rendezvous would number nodes by arrival.
+what the notebook's RunState expects. c10d rendezvous would number nodes by arrival. On one
+node the ranks' own process group meets in a private file store in that directory
+(`nbtrain.rank.rendezvous`); the launcher's TCP store then carries only its own keys.
 """
 from __future__ import annotations
 
@@ -262,6 +264,9 @@ class ScriptLauncher(ProcessLauncher):
 
     def _start(self, job, channel_env, pump, started) -> None:
         self._dir = job_dir()
+        if job.plan.num_nodes == 1:  # the ranks' env:// meets in here, not at torchrun's TCP store
+            job.options["store"] = os.path.join(self._dir, "store")
+            os.mkdir(job.options["store"], 0o700)
         script = self._write_job(job)
         self._rank_pipes(job, pump)
         launcher = self.options["launcher"]

@@ -44,6 +44,7 @@ from ..common.source import free_names, parse_cell
 from ..common.tracebacks import package_path
 from ..common.transfer import pack_exception, pack_result, unpack_job, unpack_push
 from .compat import become_torchrun_worker, destroy_asked_group
+from .rendezvous import use_private_store
 from .context import Context, set_current
 from .output import show_in_notebook
 from .process import drain_output, enable_stacks
@@ -450,6 +451,7 @@ def serve(first: tuple | None = None, once: bool = False, live: bool = False, fo
         if notice:  # what the engine's side found as the rank started, now that its output reaches the notebook
             print(f"nbtrain: {notice}", file=sys.stderr, flush=True)
     become_torchrun_worker()
+    use_private_store()
     show_in_notebook(link, rank)
     ctx = Context.from_environ(os.environ, link)
     set_current(ctx)
