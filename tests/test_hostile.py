@@ -371,7 +371,8 @@ def listening_addresses(kernel_pid):
     ctx.barrier()  # the group exists: rank 0 would be hosting its store now
     pids = [None] * ctx.world_size
     dist.all_gather_object(pids, os.getpid())
-    ours = set(pids) | {kernel_pid, os.getppid()}
+    keeper = psutil.Process(os.getppid())
+    ours = set(pids) | {kernel_pid, keeper.pid, keeper.ppid()}
     found = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in ours}
     ctx.barrier()
     return found

@@ -60,7 +60,7 @@ def train_and_report(lr):
     modes["."] = stat.S_IMODE(os.stat(job_dir).st_mode)
     keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
             "NBTRAIN_STRATEGY", "NBTRAIN_BACKEND", "NBTRAIN_ACCELERATOR"]
-    launcher = psutil.Process(os.getppid())
+    launcher = psutil.Process(psutil.Process(os.getppid()).ppid())  # above the rank's keeper
     return (model, {k: os.environ.get(k) for k in keys}, job_dir, modes, os.getpid(), launcher.cmdline(),
             os.getsid(launcher.pid) == launcher.pid)
 
@@ -117,6 +117,7 @@ def test_results_metrics_environment_and_private_job_dir(no_leftovers):
     assert env0["MASTER_PORT"] == env1["MASTER_PORT"] != "29500"
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"] and own_session
     assert dir0 == dir1 and modes.pop(".") == 0o700 and modes.pop("tmp") == 0o700  # the launcher's TMPDIR
+    assert modes.pop("store") == 0o700  # the ranks' rendezvous
     assert set(modes.values()) == {0o600}
     assert {"job.pkl", "rank.py", "stdout-0", "stderr-1"} <= set(modes)
     assert not os.path.exists(dir0)  # removed with everything in it
@@ -243,7 +244,8 @@ def test_max_restarts_lets_torchrun_retry(capfd, no_leftovers):
 
 
 def report_environment():
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), " ".join(psutil.Process(os.getppid()).cmdline())
+    launcher = psutil.Process(psutil.Process(os.getppid()).ppid())  # above the rank's keeper
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), " ".join(launcher.cmdline())
 
 
 @slow

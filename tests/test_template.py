@@ -27,7 +27,8 @@ kernel_only = "a global the function does not use"
 def where():
     ctx = nbtrain.context()
     model = ctx.setup(Net())
-    return {"ppid": os.getppid(), "pid": os.getpid(), "model": model.module, "double": double(ctx.rank),
+    starter = psutil.Process(os.getppid()).ppid()  # who started the rank's keeper: the template, or the kernel
+    return {"ppid": starter, "pid": os.getpid(), "model": model.module, "double": double(ctx.rank),
             "kernel_only": "kernel_only" in globals(), "kernel_module": "kernel_side_module" in sys.modules}
 
 def spawn(fn, *args):

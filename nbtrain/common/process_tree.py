@@ -5,22 +5,111 @@ its own (`Popen(..., start_new_session=True)`, a server, a daemon), and not one 
 its parent died: Linux hands those to init. A rank that is a child subreaper gets its orphaned
 descendants instead, so it can find and end every one of them when it ends (Linux only; a
 no-op elsewhere).
+
+A rank killed outright cannot: when the kernel dies, its ranks die by SIGKILL (a rank blocked in
+a collective would ignore anything milder) and what they started would live on. So the process a
+placement starts is the rank's keeper (`keep_rank`): it forks the rank and stays, a subreaper
+above it, until the rank ends (it then exits as the rank did) or its own parent does (it then
+kills the rank and ends everything left below). Measured against the alternatives: a watchdog
+beside the rank finds nothing once the rank is gone (Linux hands the orphans to init at once), a
+cgroup needs a delegated hierarchy that kernels on shared machines rarely get, and the rank
+itself cannot both die at once and clean up.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import time
 
+PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+PARENT_GONE = signal.SIGUSR2  # the keeper's parent-death signal
+_WAITED = {signal.SIGCHLD, signal.SIGTERM, PARENT_GONE}
 
 
 def become_subreaper() -> None:
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _prctl(option: int, value: int) -> None:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
+        ctypes.CDLL(None, use_errno=True).prctl(option, value)
     except (OSError, AttributeError):  # not Linux
         pass
+
+
+def keep_rank(parent_pid: int, close: tuple[int, ...] = ()) -> None:
+    """Fork the rank: in the child this returns, and the child goes on to be the rank. This
+    process stays as its keeper and never returns; it closes `close` (the rank's copies serve).
+
+    The keeper ends with the rank, exiting as it did (its code or its signal), so whoever
+    started it sees the rank's end; if `parent_pid` ends first (the kernel, the template, the
+    launcher), it kills the rank and ends every process below. It ignores SIGINT and SIGUSR1
+    (what reaches its process group is meant for the rank) and passes SIGTERM on.
+    """
+    become_subreaper()
+    rank = os.fork()
+    if rank == 0:
+        return
+    try:
+        for fd in close:
+            os.close(fd)
+        for sig in (signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
+        _prctl(PR_SET_PDEATHSIG, PARENT_GONE)
+        while True:
+            status = _reaped(rank)
+            if status is not None:
+                end_descendants()  # what the rank left, orphaned: this process inherited it
+                _exit_as(status)
+            if os.getppid() != parent_pid:  # the parent's death, or a thread of it ending: ask which
+                _kill(rank, signal.SIGKILL)
+                end_descendants()
+                os._exit(1)
+            got = signal.sigtimedwait(_WAITED, 1.0)
+            if got is not None and got.si_signo == signal.SIGTERM:
+                _kill(rank, signal.SIGTERM)
+    finally:
+        os._exit(1)  # never back into the caller's code
+
+
+def _reaped(rank: int) -> int | None:
+    """Collect ended children (the rank, orphans it left); the rank's wait status once it ended."""
+    found = None
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return found
+        if not pid:
+            return found
+        if pid == rank:
+            found = status
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _exit_as(status: int) -> None:
+    """Exit with the rank's code, or die of its signal."""
+    code = os.waitstatus_to_exitcode(status)
+    if code >= 0:
+        os._exit(code)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # this process's core would be a copy of the kernel
+    try:
+        signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {-code})
+    except (OSError, ValueError):  # SIGKILL has no handler to reset
+        pass
+    os.kill(os.getpid(), -code)
+    os._exit(128 - code)
 
 
 def descendants(pid: int) -> list[int]:

@@ -13,9 +13,10 @@ and the user's own modules are imported by the rank, fresh (they reach it by nam
 pickled job). One trap: a variable that torch reads *when it is imported* must be set before the
 template starts; `warm_up(restart=True)` starts a new one.
 
-Lifetime: the template dies with the kernel (parent-death signal and a watchdog); ranks die
-with the template (the same), and with the channel to the notebook. The template reaps its
-ranks and reports their exit status, since the kernel is not their parent.
+Lifetime: the template dies with the kernel (parent-death signal and a watchdog); each rank's
+keeper (`common.process_tree.keep_rank`), the template's child, ends the rank and what it started
+when the template dies; ranks also end with the channel to the notebook. The template reaps the
+keepers, which exit as their ranks did, and reports that exit status, since the kernel is not their parent.
 
 Protocol, over a Unix socket pair: the kernel sends a length-prefixed pickle with the rank's
 two output pipes attached (SCM_RIGHTS); the template answers ("forked", pid), and later
@@ -35,6 +36,7 @@ import sys
 import importlib
 import traceback
 
+from ..common.process_tree import keep_rank
 from .loop import serve
 from .process import die_with_parent, enable_stacks, limit_threads, redirect_output
 
@@ -120,12 +122,14 @@ def _become_rank(request: dict, fds: list[int]) -> None:
     """In the fork: take on the notebook's present state, then serve as a rank. Never returns."""
     try:
         os.setsid()  # its own group: a stop reaches its children (DataLoader workers), nobody's Ctrl-C does
+        keeper = os.getpid()
+        keep_rank(request["template"], close=tuple(fds))  # this process stays as the rank's keeper
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         sys.path[:] = request["path"]
         importlib.invalidate_caches()  # files created since the template started
-        die_with_parent(request["template"])
+        die_with_parent(keeper)
         redirect_output(*fds)
         for fd in fds:
             os.close(fd)
