@@ -54,9 +54,9 @@ def probed_by(user, before_group: bool):
     ctx.barrier()
     total = torch.tensor([float(ctx.rank + 1)])
     dist.all_reduce(total)
-    store = dist.distributed_c10d._get_default_store()
+    store = dist.distributed_c10d._get_default_store().underlying_store  # below the group's prefix
     return {"tried": tried, "total": total.item(), "stranger's key": store.check(["stranger"]),
-            "store": os.environ.get(STORE_VAR), "TCP store": "TCPStore" in repr(store.underlying_store)}
+            "store": os.environ.get(STORE_VAR), "TCP store": "TCPStore" in repr(store)}
 
 
 def _probe(user):
