@@ -2,10 +2,8 @@
 launch and while live ranks run, can neither reach nor write their rendezvous store."""
 import datetime
 import glob
-import json
 import os
 import stat
-import subprocess
 import sys
 
 import pytest

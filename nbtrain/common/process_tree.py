@@ -8,12 +8,13 @@ no-op elsewhere).
 
 A rank killed outright cannot: when the kernel dies, its ranks die by SIGKILL (a rank blocked in
 a collective would ignore anything milder) and what they started would live on. So the process a
-placement starts is the rank's keeper (`keep_rank`): it forks the rank and stays, a subreaper
-above it, until the rank ends (it then exits as the rank did) or its own parent does (it then
-kills the rank and ends everything left below). Measured against the alternatives: a watchdog
-beside the rank finds nothing once the rank is gone (Linux hands the orphans to init at once), a
-cgroup needs a delegated hierarchy that kernels on shared machines rarely get, and the rank
-itself cannot both die at once and clean up.
+placement starts is a keeper (`keep_rank`): it forks the rank (or the warm template, which forks
+ranks) and stays, a subreaper above it, until that ends (it then exits as it did) or its own
+parent does (it then kills it and ends everything left below, which Linux hands to the keeper).
+The alternatives: a watchdog beside the rank finds nothing once the rank is gone (its orphans go
+to init at once), a cgroup needs a delegated hierarchy that kernels on shared machines rarely
+get, and a rank cannot both die at once and clean up. The price is a second fork of the
+kernel's size for each forked rank (see benchmarks/RESULTS.md); ranks of the template pay none.
 """
 from __future__ import annotations
 
@@ -40,22 +41,23 @@ def _prctl(option: int, value: int) -> None:
         pass
 
 
-def keep_rank(parent_pid: int, close: tuple[int, ...] = ()) -> None:
+def keep_rank(parent_pid: int) -> None:
     """Fork the rank: in the child this returns, and the child goes on to be the rank. This
-    process stays as its keeper and never returns; it closes `close` (the rank's copies serve).
+    process stays as its keeper and never returns.
 
     The keeper ends with the rank, exiting as it did (its code or its signal), so whoever
     started it sees the rank's end; if `parent_pid` ends first (the kernel, the template, the
-    launcher), it kills the rank and ends every process below. It ignores SIGINT and SIGUSR1
-    (what reaches its process group is meant for the rank) and passes SIGTERM on.
+    launcher), it kills the rank and ends every process below. It holds no file of the rank's
+    (a pipe's end of file is the rank's alone), ignores SIGINT and SIGUSR1 (what reaches its
+    process group is meant for the rank) and passes SIGTERM on.
     """
     become_subreaper()
     rank = os.fork()
     if rank == 0:
         return
     try:
-        for fd in close:
-            os.close(fd)
+        signal.set_wakeup_fd(-1)  # an inherited event loop's: closed below
+        _close_files()
         for sig in (signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
@@ -74,6 +76,19 @@ def keep_rank(parent_pid: int, close: tuple[int, ...] = ()) -> None:
                 _kill(rank, signal.SIGTERM)
     finally:
         os._exit(1)  # never back into the caller's code
+
+
+def _close_files() -> None:
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # not Linux
+        return
+    for fd in map(int, names):
+        if fd > 2:
+            try:
+                os.close(fd)
+            except OSError:  # the listing's own descriptor, closed already
+                pass
 
 
 def _reaped(rank: int) -> int | None:
@@ -175,3 +190,4 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import threading
 import warnings
 
 from ..common.preflight import check_fork
@@ -19,15 +18,6 @@ from ..common.transfer import pack_job
 from ..rank.loop import serve
 
 _warm = False
-PARENT_THREAD_VAR = "NBTRAIN_PARENT_THREAD"  # "other": started by a thread that may end before the template
-
-
-def parent_thread() -> dict[str, str]:
-    """What the template must know of the thread starting it (see `die_with_parent`); a rank's
-    keeper asks its parent itself (`keep_rank`)."""
-    return {} if threading.current_thread() is threading.main_thread() else {PARENT_THREAD_VAR: "other"}
-
-
 def warm_kernel() -> None:
     """Import once, in the kernel, what every rank would otherwise import after the fork.
 
@@ -42,14 +32,15 @@ def warm_kernel() -> None:
         _warm = True
 
 
-def _keep_rank(parent_pid: int, stdout_fd: int, stderr_fd: int) -> int:
-    """This process becomes the rank's keeper (`keep_rank`); in the rank, returns the keeper's pid."""
+def _keep_rank(parent_pid: int) -> int:
+    """This process becomes the rank's keeper (`keep_rank`), first thing; in the rank, returns
+    the keeper's pid."""
     try:
         os.setpgid(0, 0)  # stops reach the rank and its own children; the kernel's Ctrl-C does not
     except OSError:
         pass
     keeper = os.getpid()
-    keep_rank(parent_pid, close=(stdout_fd, stderr_fd))
+    keep_rank(parent_pid)
     return keeper
 
 
@@ -62,13 +53,13 @@ def _become_rank(keeper: int, env: dict, stdout_fd: int, stderr_fd: int, forked:
 
 
 def _fork_main(first, live, env, stdout_fd, stderr_fd, inherited_fds, parent_pid):
+    keeper = _keep_rank(parent_pid)
     for fd in inherited_fds:  # other ranks' pipe ends: holding them would hide their EOF
         try:
             os.close(fd)
         except OSError:
             pass
     _close_listening_sockets()
-    keeper = _keep_rank(parent_pid, stdout_fd, stderr_fd)
     _become_rank(keeper, env, stdout_fd, stderr_fd, forked=True)
 
     os._exit(serve(first, once=not live, live=live))
@@ -100,7 +91,7 @@ def _close_listening_sockets() -> None:
 
 
 def _spawn_main(first, live, env, stdout_conn, stderr_conn, parent_pid):
-    keeper = _keep_rank(parent_pid, stdout_conn.fileno(), stderr_conn.fileno())
+    keeper = _keep_rank(parent_pid)
     _become_rank(keeper, env, stdout_conn.fileno(), stderr_conn.fileno(), forked=False)
     stdout_conn.close()
     stderr_conn.close()

@@ -21,19 +21,17 @@ STACKS_SIGNAL = signal.SIGUSR1  # the notebook sends it to see where a rank is s
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent_pid: int, thread_bound: bool = True) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """A rank must not outlive the process that started it (an orphan can sit in gloo forever).
 
-    Linux's parent-death signal fires when the *thread* that started the child ends: only for a
-    child started by its parent's main thread (`thread_bound`) is that the parent's end. A child
-    started from another thread (live ranks restarted from a thread, a timer) relies on the
-    watchdog alone, or it would die with that thread.
+    That process is a single-threaded keeper (`common.process_tree.keep_rank`) or the template,
+    so Linux's parent-death signal, which fires when the *thread* that started the child ends,
+    means its end; the keeper itself asks after its own parent, whatever thread started it.
     """
-    if thread_bound:
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):  # not Linux: the watchdog below still covers it
-            pass
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the watchdog below still covers it
+        pass
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="nbtrain-watchdog", daemon=True).start()

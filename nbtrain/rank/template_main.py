@@ -13,10 +13,12 @@ and the user's own modules are imported by the rank, fresh (they reach it by nam
 pickled job). One trap: a variable that torch reads *when it is imported* must be set before the
 template starts; `warm_up(restart=True)` starts a new one.
 
-Lifetime: the template dies with the kernel (parent-death signal and a watchdog); each rank's
-keeper (`common.process_tree.keep_rank`), the template's child, ends the rank and what it started
-when the template dies; ranks also end with the channel to the notebook. The template reaps the
-keepers, which exit as their ranks did, and reports that exit status, since the kernel is not their parent.
+Lifetime: the process the kernel starts forks the template first and stays above it as its
+keeper (`common.process_tree.keep_rank`): when the kernel dies, the keeper kills the template,
+whose ranks die with it (parent-death signal and a watchdog, as the template dies with its
+keeper), and then ends whatever they started, which Linux hands to the keeper. Ranks also end
+with the channel to the notebook. The template reaps its ranks and reports their exit status,
+since the kernel is not their parent.
 
 Protocol, over a Unix socket pair: the kernel sends a length-prefixed pickle with the rank's
 two output pipes attached (SCM_RIGHTS); the template answers ("forked", pid), and later
@@ -79,7 +81,9 @@ def _receive(sock: socket.socket, max_fds: int = 0):
 # -- the template process ----------------------------------------------------------------------
 
 def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
-    die_with_parent(kernel_pid, thread_bound=os.environ.pop("NBTRAIN_PARENT_THREAD", "") != "other")
+    keeper = os.getpid()
+    keep_rank(kernel_pid)  # the process the kernel started stays above the template, as its keeper
+    die_with_parent(keeper)
     sock = socket.socket(fileno=control_fd)
     for name in (*PRELOAD, *extra):
         __import__(name)
@@ -122,14 +126,12 @@ def _become_rank(request: dict, fds: list[int]) -> None:
     """In the fork: take on the notebook's present state, then serve as a rank. Never returns."""
     try:
         os.setsid()  # its own group: a stop reaches its children (DataLoader workers), nobody's Ctrl-C does
-        keeper = os.getpid()
-        keep_rank(request["template"], close=tuple(fds))  # this process stays as the rank's keeper
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         sys.path[:] = request["path"]
         importlib.invalidate_caches()  # files created since the template started
-        die_with_parent(keeper)
+        die_with_parent(request["template"])
         redirect_output(*fds)
         for fd in fds:
             os.close(fd)
