@@ -25,7 +25,7 @@ def _is_template(process) -> bool:
     import nbtrain.placements.template_process
 
     running = nbtrain.template.template(start=False)
-    return running is not None and process.pid in (running.process.pid, running.pid)  # its keeper, itself
+    return running is not None and process.pid == running.process.pid
 
 
 # A kernel's children as the kernel tests see them, for their set-up cells: the warm template is
@@ -34,8 +34,8 @@ CHILDREN = '''
 def children():
     import psutil, nbtrain.template
     keep = nbtrain.template.template(start=False)
-    keep = (keep.process.pid, keep.pid) if keep else ()  # the template's keeper, and the template
-    return [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in keep]
+    keep = keep.process.pid if keep else None
+    return [c.pid for c in psutil.Process().children(recursive=True) if c.pid != keep]
 '''
 
 

@@ -371,8 +371,7 @@ def listening_addresses(kernel_pid):
     ctx.barrier()  # the group exists: rank 0 would be hosting its store now
     pids = [None] * ctx.world_size
     dist.all_gather_object(pids, os.getpid())
-    keeper = psutil.Process(os.getppid())
-    ours = set(pids) | {kernel_pid, keeper.pid, keeper.ppid()}
+    ours = set(pids) | {kernel_pid, os.getppid()}
     found = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid in ours}
     ctx.barrier()
     return found

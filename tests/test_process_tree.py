@@ -1,7 +1,7 @@
 """Nothing a rank started outlives the kernel, or a submitted run's supervisor, killed with -9
-(common/process_tree.py: each rank's keeper ends what is left); a submitted run is untouched by
-its kernel's end. Real kernels, real daemons: a server in a session of its own, and an orphan
-whose parent exited at once."""
+(common/process_tree.py: the rank ends its tree when the notebook goes, and its watcher does
+when the rank cannot); a submitted run is untouched by its kernel's end. Real kernels, real
+daemons: a server in a session of its own, and an orphan whose parent exited at once."""
 import os
 import queue
 import signal
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 START_DAEMONS = '''
 import os, subprocess, time, nbtrain
 
-def start_daemons(hang=True, steps=0):
+def start_daemons(hang=True, steps=0, hold_the_gil=False):
     server = subprocess.Popen(["sleep", "300"], start_new_session=True)
     orphan = subprocess.run(["sh", "-c", "sleep 301 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True)
     pids = [os.getpid(), server.pid, int(orphan.stdout)]
@@ -26,6 +26,10 @@ def start_daemons(hang=True, steps=0):
     for step in range(steps):
         time.sleep(0.1)
         print("step", step, flush=True)
+    if hold_the_gil:  # a regular expression's backtracking: no other thread of the rank runs for hours
+        time.sleep(1)
+        import re
+        re.match(r"(a+)+$", "a" * 64 + "b")
     if hang:
         time.sleep(300)
     return pids
@@ -97,6 +101,24 @@ def test_daemons_of_a_launch_end_with_a_killed_kernel(start):
         kernel.manager.cleanup_resources()
 
 
+def test_a_rank_that_holds_the_gil_is_ended_with_its_daemons_by_its_watcher():
+    # The rank's own threads cannot run (its main thread never lets go of the GIL): only the
+    # watcher, a process of its own, can end it and what it started.
+    kernel = Kernel()
+    try:
+        _, _, error, _ = kernel.run(START_DAEMONS)
+        assert error is None, error
+        kernel.client.execute("nbtrain.launch(start_daemons, hold_the_gil=True, devices=2, accelerator='cpu', "
+                              "strategy='ddp_fork', progress=False)")
+        pids = _printed_pids(kernel, 2)
+        time.sleep(2)  # in the regular expression now
+        assert all(psutil.Process(p).status() == psutil.STATUS_RUNNING for p in pids[::3]), "not busy"
+        _kill_kernel_and_check(kernel, pids)
+    finally:
+        kernel.client.stop_channels()
+        kernel.manager.cleanup_resources()
+
+
 @pytest.mark.parametrize("start", ["fork", "template"])
 def test_daemons_of_live_ranks_end_with_a_killed_kernel(start):
     kernel = Kernel()
@@ -151,8 +173,7 @@ def test_daemons_of_a_submitted_run_end_with_its_killed_supervisor(tmp_path, no_
             for p in line.split()[1:]]
     try:
         assert len(pids) == 6
-        keeper = psutil.Process(pids[0]).ppid()
-        supervisor = psutil.Process(keeper).ppid()
+        supervisor = psutil.Process(pids[0]).ppid()  # ranks forked from it
         assert "nbtrain" in " ".join(psutil.Process(supervisor).cmdline())
         os.kill(supervisor, signal.SIGKILL)
         left = _gone(pids)
@@ -161,8 +182,8 @@ def test_daemons_of_a_submitted_run_end_with_its_killed_supervisor(tmp_path, no_
         _end(pids)
 
 
-def test_a_ranks_keeper_exits_as_its_rank_did(no_leftovers):
-    # The kernel sees the rank's own end through its keeper: a code, or a signal by name.
+def test_a_watched_rank_ends_with_its_own_code_or_signal(no_leftovers):
+    # The watcher changes nothing of how a rank's end reads: a code, or a signal by name.
     def crash(how):
         import ctypes
         import os

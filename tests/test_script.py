@@ -60,7 +60,7 @@ def train_and_report(lr):
     modes["."] = stat.S_IMODE(os.stat(job_dir).st_mode)
     keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
             "NBTRAIN_STRATEGY", "NBTRAIN_BACKEND", "NBTRAIN_ACCELERATOR"]
-    launcher = psutil.Process(psutil.Process(os.getppid()).ppid())  # above the rank's keeper
+    launcher = psutil.Process(os.getppid())
     return (model, {k: os.environ.get(k) for k in keys}, job_dir, modes, os.getpid(), launcher.cmdline(),
             os.getsid(launcher.pid) == launcher.pid)
 
@@ -244,8 +244,7 @@ def test_max_restarts_lets_torchrun_retry(capfd, no_leftovers):
 
 
 def report_environment():
-    launcher = psutil.Process(psutil.Process(os.getppid()).ppid())  # above the rank's keeper
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), " ".join(launcher.cmdline())
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), " ".join(psutil.Process(os.getppid()).cmdline())
 
 
 @slow

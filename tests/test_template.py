@@ -27,9 +27,7 @@ kernel_only = "a global the function does not use"
 def where():
     ctx = nbtrain.context()
     model = ctx.setup(Net())
-    # Who started the rank: the template forks it; a plain spawn's keeper forks it, the kernel's child.
-    parents = [os.getppid(), psutil.Process(os.getppid()).ppid()]
-    return {"parents": parents, "pid": os.getpid(), "model": model.module, "double": double(ctx.rank),
+    return {"ppid": os.getppid(), "pid": os.getpid(), "model": model.module, "double": double(ctx.rank),
             "kernel_only": "kernel_only" in globals(), "kernel_module": "kernel_side_module" in sys.modules}
 
 def spawn(fn, *args):
@@ -61,7 +59,7 @@ def nb(kernel, tmp_path_factory):
 def test_ranks_are_forks_of_the_template_not_copies_of_the_kernel(nb):
     ok(nb, "print('ready in', nbtrain.warm_up())")
     ok(nb, "r = spawn(where)")
-    assert nb.value("[template_pid() == v['parents'][0] for v in r.values]") == [True, True]
+    assert nb.value("[v['ppid'] == template_pid() for v in r.values]") == [True, True]
     assert nb.value("isinstance(r.value['model'], Net), [v['double'] for v in r.values]") == (True, [0, 2])
     # Only what the function uses travels; nothing else of the kernel is on the ranks.
     assert nb.value("[(v['kernel_only'], v['kernel_module']) for v in r.values]") == [(False, False)] * 2
@@ -72,7 +70,7 @@ def test_auto_uses_the_template_when_forking_the_kernel_is_unsafe(nb):
                     "r = nbtrain.launch(where, devices=2, accelerator='cpu', progress='text')\n"
                     "preflight.cuda_is_initialized = lambda: False")
     assert "ddp_spawn on 2 CPU ranks, gloo (chosen by strategy='auto'), not ddp_fork" in out
-    assert nb.value("[template_pid() == v['parents'][0] for v in r.values]") == [True, True]
+    assert nb.value("[v['ppid'] == template_pid() for v in r.values]") == [True, True]
 
 
 def test_what_the_notebook_changed_is_what_the_ranks_see(nb):
@@ -107,13 +105,13 @@ def test_a_killed_template_is_replaced(nb):
     time.sleep(0.5)
     ok(nb, "r = spawn(where)")
     after = nb.value("template_pid()")
-    assert after != before and nb.value("[v['parents'][0] for v in r.values]") == [after, after]
+    assert after != before and nb.value("[v['ppid'] for v in r.values]") == [after, after]
 
 
 def test_plain_spawn_is_one_option_away(nb):
     ok(nb, "r = nbtrain.launch(where, devices=2, accelerator='cpu', strategy='ddp_spawn', progress=False, "
            "launcher_options={'template': False})")
-    assert nb.value("[os.getpid() == v['parents'][1] for v in r.values]") == [True, True]
+    assert nb.value("[v['ppid'] == os.getpid() for v in r.values]") == [True, True]
     _, _, error, _ = nb.run("spawn_bad = nbtrain.launch(where, devices=2, accelerator='cpu', strategy='ddp_spawn', "
                             "launcher_options={'template': 'yes'})")
     assert error["ename"] == "ValueError" and "'template'" in error["evalue"]
@@ -124,15 +122,15 @@ def test_falls_back_to_plain_spawn_when_the_template_cannot_start(nb):
     assert error["ename"] == "RuntimeError" and "No module named 'no_such_module_anywhere'" in error["evalue"]
     out, _ = ok(nb, "r = nbtrain.launch(where, devices=2, accelerator='cpu', strategy='ddp_spawn', progress='text')")
     assert "the warm template did not start" in out and "plain spawn instead" in out
-    assert nb.value("[os.getpid() == v['parents'][1] for v in r.values]") == [True, True]
+    assert nb.value("[v['ppid'] == os.getpid() for v in r.values]") == [True, True]
     ok(nb, "nbtrain.warm_up(preload=[])")  # back to no extra package: a fresh template
     ok(nb, "r = spawn(where)")
-    assert nb.value("[template_pid() == v['parents'][0] for v in r.values]") == [True, True]
+    assert nb.value("[v['ppid'] == template_pid() for v in r.values]") == [True, True]
 
 
 def test_a_stopped_template_is_noticed_in_seconds_and_plain_spawn_takes_over(nb):
     ok(nb, "nbtrain.warm_up()")
-    stopped = nb.value("nbtrain.template.template(start=False).pid")  # the template, not its keeper
+    stopped = nb.value("nbtrain.template.template(start=False).process.pid")
     os.kill(stopped, signal.SIGSTOP)
     try:
         asked = time.monotonic()
@@ -142,15 +140,15 @@ def test_a_stopped_template_is_noticed_in_seconds_and_plain_spawn_takes_over(nb)
         assert (f"the warm template cannot be used: nbtrain's template process (PID {stopped}) did not answer "
                 "within 5 s: it is stopped (SIGSTOP or SIGTSTP; SIGCONT resumes it); starting ranks with plain "
                 "spawn instead") in out, out
-        assert nb.value("[os.getpid() == v['parents'][1] for v in r.values]") == [True, True]
+        assert nb.value("[v['ppid'] == os.getpid() for v in r.values]") == [True, True]
         out, _ = ok(nb, "r = spawn(where)")  # the next launch knows at once
-        assert nb.value("[os.getpid() == v['parents'][1] for v in r.values]") == [True, True]
+        assert nb.value("[v['ppid'] == os.getpid() for v in r.values]") == [True, True]
     finally:
         os.kill(stopped, signal.SIGCONT)
     ok(nb, "nbtrain.warm_up()")  # tries again: a fresh template
     ok(nb, "r = spawn(where)")
     fresh = nb.value("template_pid()")
-    assert fresh != stopped and nb.value("[v['parents'][0] for v in r.values]") == [fresh, fresh]
+    assert fresh != stopped and nb.value("[v['ppid'] for v in r.values]") == [fresh, fresh]
     ok(nb, "nbtrain.template.stop(); nbtrain.warm_up()")  # the stopped one is stopped for good with the others
     assert not running(stopped)
 
@@ -180,13 +178,13 @@ def test_the_template_and_its_ranks_die_with_a_killed_kernel():
         ok(kernel, "nbtrain.warm_up()\nimport threading\nthreading.Thread(target=spawn, args=(lambda: time.sleep(600),), daemon=True).start()")
         time.sleep(3)
         template = kernel.value("nbtrain.template.template(start=False).process.pid")
-        family = [template, *(c.pid for c in psutil.Process(template).children(recursive=True))]
+        family = [template, *(c.pid for c in psutil.Process(template).children())]
         os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
         kernel.manager.provisioner.process.wait(10)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(map(running, family)):
             time.sleep(0.1)
-        assert len(family) >= 4 and not any(map(running, family))  # the issue asks for 5 s
+        assert len(family) >= 2 and not any(map(running, family))  # the issue asks for 5 s
     finally:
         kernel.client.stop_channels()
         kernel.manager.cleanup_resources()

@@ -376,8 +376,7 @@ class Pool:
         on without it (its peers are stopped once the command is over: their process group lost a member)."""
         if self.live and not self.broken:
             self.broken = (f"the live ranks were {self.ended_by}" if self.ended_by
-                           else f"rank {proc.ranks[0]} ended: "
-                                f"{how or describe_exit(code, self.pids.get(proc.ranks[0]) or proc.pid)}")
+                           else f"rank {proc.ranks[0]} ended: {how or describe_exit(code, proc.pid)}")
 
     def stuck(self, ranks: list[int], why: str) -> None:
         """Ranks that did not return when interrupted: only a restart frees them (live pools)."""

@@ -8,16 +8,24 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import warnings
 
 from ..common.preflight import check_fork
-from ..common.process_tree import keep_rank
 from ..rank.process import die_with_parent, enable_stacks, limit_threads, redirect_output
 from .base import Job, ProcessLauncher, RankProcess, rank_environ
 from ..common.transfer import pack_job
 from ..rank.loop import serve
 
 _warm = False
+PARENT_THREAD_VAR = "NBTRAIN_PARENT_THREAD"  # "other": started by a thread that may end before the rank
+
+
+def parent_thread() -> dict[str, str]:
+    """What a rank must know of the thread starting it (see `die_with_parent`)."""
+    return {} if threading.current_thread() is threading.main_thread() else {PARENT_THREAD_VAR: "other"}
+
+
 def warm_kernel() -> None:
     """Import once, in the kernel, what every rank would otherwise import after the fork.
 
@@ -32,20 +40,12 @@ def warm_kernel() -> None:
         _warm = True
 
 
-def _keep_rank(parent_pid: int) -> int:
-    """This process becomes the rank's keeper (`keep_rank`), first thing; in the rank, returns
-    the keeper's pid."""
+def _become_rank(parent_pid: int, env: dict, stdout_fd: int, stderr_fd: int, forked: bool) -> None:
     try:
-        os.setpgid(0, 0)  # stops reach the rank and its own children; the kernel's Ctrl-C does not
+        os.setpgid(0, 0)  # stops reach the rank's own children; the kernel's Ctrl-C does not
     except OSError:
         pass
-    keeper = os.getpid()
-    keep_rank(parent_pid)
-    return keeper
-
-
-def _become_rank(keeper: int, env: dict, stdout_fd: int, stderr_fd: int, forked: bool) -> None:
-    die_with_parent(keeper)
+    die_with_parent(parent_pid, thread_bound=env.get(PARENT_THREAD_VAR) != "other")
     redirect_output(stdout_fd, stderr_fd)
     os.environ.update(env)
     enable_stacks()
@@ -53,14 +53,13 @@ def _become_rank(keeper: int, env: dict, stdout_fd: int, stderr_fd: int, forked:
 
 
 def _fork_main(first, live, env, stdout_fd, stderr_fd, inherited_fds, parent_pid):
-    keeper = _keep_rank(parent_pid)
     for fd in inherited_fds:  # other ranks' pipe ends: holding them would hide their EOF
         try:
             os.close(fd)
         except OSError:
             pass
     _close_listening_sockets()
-    _become_rank(keeper, env, stdout_fd, stderr_fd, forked=True)
+    _become_rank(parent_pid, env, stdout_fd, stderr_fd, forked=True)
 
     os._exit(serve(first, once=not live, live=live))
 
@@ -91,8 +90,7 @@ def _close_listening_sockets() -> None:
 
 
 def _spawn_main(first, live, env, stdout_conn, stderr_conn, parent_pid):
-    keeper = _keep_rank(parent_pid)
-    _become_rank(keeper, env, stdout_conn.fileno(), stderr_conn.fileno(), forked=False)
+    _become_rank(parent_pid, env, stdout_conn.fileno(), stderr_conn.fileno(), forked=False)
     stdout_conn.close()
     stderr_conn.close()
 
@@ -167,7 +165,7 @@ class ForkLauncher(ProcessLauncher):
         every_end = pipes.read_ends + [fd for fds in pipes.write_ends.values() for fd in fds]
         try:
             for local, rank in enumerate(job.ranks):
-                env = rank_environ(job, local, channel_env)
+                env = {**rank_environ(job, local, channel_env), **parent_thread()}
                 env.setdefault("TOKENIZERS_PARALLELISM", os.environ.get("TOKENIZERS_PARALLELISM", "false"))
                 out_w, err_w = pipes.write_ends[rank]
                 others = [fd for fd in every_end if fd not in (out_w, err_w)]
@@ -237,7 +235,7 @@ class SpawnLauncher(ProcessLauncher):
         try:
             with _without_main_module():
                 for local, rank in enumerate(job.ranks):
-                    env = rank_environ(job, local, channel_env)
+                    env = {**rank_environ(job, local, channel_env), **parent_thread()}
                     # Connections pickle as inheritable fds: that is how the pipes reach a spawned rank.
                     out_w, err_w = (Connection(fd, readable=False) for fd in pipes.write_ends[rank])
                     proc = context.Process(target=_spawn_main, name=f"nbtrain-rank{rank}",

@@ -14,6 +14,7 @@ import threading
 import time
 
 from ..rank.template_main import READY_TIMEOUT, _receive, _send
+from .processes import parent_thread
 
 ANSWER_SECONDS = 5.0  # a ready template answers a ping in milliseconds: one that does not is unusable
 FORK_SECONDS = 10.0  # ... and a fork request in well under a second
@@ -36,7 +37,8 @@ class Template:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "nbtrain.rank.template_main", str(template_end.fileno()), str(os.getpid()), *preload],
             pass_fds=[template_end.fileno()], stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
-            start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
+            start_new_session=True, env={**os.environ, **parent_thread(),
+                                         "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
         template_end.close()
         self.preload = tuple(preload)
         self.pid: int | None = None
@@ -108,9 +110,8 @@ class Template:
                     return self._replies.pop(0)
         if not self.alive():
             return ("gone",)
-        pid = self.pid or self.process.pid  # the template itself, below its keeper
-        raise TemplateUnresponsive(f"nbtrain's template process (PID {pid}) did not answer within "
-                                   f"{timeout:g} s: {_state(pid)}")
+        raise TemplateUnresponsive(f"nbtrain's template process (PID {self.process.pid}) did not answer within "
+                                   f"{timeout:g} s: {_state(self.process.pid)}")
 
     def exit_code(self, pid: int) -> int | None:
         return self.exits.get(pid)

@@ -456,13 +456,20 @@ def serve(first: tuple | None = None, once: bool = False, live: bool = False, fo
     ctx = Context.from_environ(os.environ, link)
     set_current(ctx)
     loop = RankLoop(ctx, link, live)
-    link.listen(loop.on_message)
+    link.listen(loop.on_message, _notebook_gone)
     link.emit("hello", os.getpid(), socket.gethostname())
     become_subreaper()  # what the code starts, in a session of its own or orphaned, stays in reach
     try:
         return loop.serve(first, once)
     finally:
         end_descendants()
+
+
+def _notebook_gone() -> None:
+    """The channel closed: the notebook is gone (its kernel killed, say). This rank ends, and
+    what its code started first."""
+    end_descendants()
+    os._exit(1)
 
 
 def remote_main(environ: dict, first: tuple | None, live: bool) -> int:

@@ -11,7 +11,6 @@ import os
 import sys
 import traceback
 
-from ..common.process_tree import keep_rank
 from ..common.transfer import unpack_job
 from .loop import serve
 from .process import die_with_parent, enable_stacks, limit_threads, redirect_output
@@ -27,10 +26,8 @@ def pipe_name(stream: str, local_rank) -> str:
 
 def rank_main(job_dir: str, parent: int) -> None:
     """A rank started by the launcher (pid `parent`): output to the notebook's pipes, then the
-    job; exits. This process stays as the rank's keeper: the launcher's worker is it."""
-    keeper = os.getpid()
-    keep_rank(parent)
-    die_with_parent(keeper)
+    job; exits."""
+    die_with_parent(parent)
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1"))  # DeepSpeed's launcher's name for it
     local = os.environ["LOCAL_RANK"]
     out, err = (_open_pipe(os.path.join(job_dir, pipe_name(stream, local))) for stream in ("stdout", "stderr"))
