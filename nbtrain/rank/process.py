@@ -22,20 +22,20 @@ STACKS_SIGNAL = signal.SIGUSR1  # the notebook sends it to see where a rank is s
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent_pid: int, thread_bound: bool = True) -> None:
+def die_with_parent(parent_pid: int, thread_bound: bool = True, watched: bool = True) -> None:
     """A rank must not outlive the process that started it (an orphan can sit in gloo forever),
     nor may what it started (`common.process_tree`).
 
-    Its watcher process ends it and its whole tree once the parent is gone; a watchdog thread
-    here does the same if the watcher could not start. Where neither can run (not Linux), or
-    the watcher did not start, Linux's parent-death signal kills the rank, but only where the
-    *thread* that started it is its parent's main thread (`thread_bound`): it fires when that
-    thread ends, and a rank started from another thread (live ranks restarted from a thread, a
-    timer) would die with that thread.
+    Its watcher process (`watched`; the template, which is no rank, has none) ends it and its
+    whole tree once the parent is gone; a watchdog thread here does the same if the watcher
+    could not start. Without a watcher, Linux's parent-death signal kills the process, but only
+    where the *thread* that started it is its parent's main thread (`thread_bound`): it fires
+    when that thread ends, and a rank started from another thread (live ranks restarted from a
+    thread, a timer) would die with that thread.
     """
     # With a watcher, no parent-death signal (a launcher's bootstrap set one, in script mode): the
     # watcher kills the rank itself, once it has ended the rest.
-    death = 0 if watch_rank(parent_pid) else signal.SIGKILL if thread_bound else None
+    death = 0 if watched and watch_rank(parent_pid) else signal.SIGKILL if thread_bound else None
     if death is not None:
         try:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, death)
