@@ -13,6 +13,8 @@ import tempfile
 import threading
 import time
 
+import psutil
+
 from ..rank.template_main import READY_TIMEOUT, _receive, _send
 from .processes import parent_thread
 
@@ -135,14 +137,14 @@ class Template:
 
 
 def _state(pid: int) -> str:
-    """Why a process may not answer, from its state in /proc."""
+    """Why a process may not answer, from its state."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        state = psutil.Process(pid).status()
+    except psutil.Error:
         return "it is busy or hung"
-    return {"T": "it is stopped (SIGSTOP or SIGTSTP; SIGCONT resumes it)", "t": "it is stopped by a debugger",
-            "D": "it waits on the disk or a device", "Z": "it has ended"}.get(state, "it is busy or hung")
+    return {psutil.STATUS_STOPPED: "it is stopped (SIGSTOP or SIGTSTP; SIGCONT resumes it)",
+            psutil.STATUS_TRACING_STOP: "it is stopped by a debugger", psutil.STATUS_DISK_SLEEP:
+            "it waits on the disk or a device", psutil.STATUS_ZOMBIE: "it has ended"}.get(state, "it is busy or hung")
 
 
 _template: Template | None = None
