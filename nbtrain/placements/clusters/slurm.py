@@ -398,9 +398,9 @@ class Queue:
         if done.returncode != 0 or not lines:
             return ""
         parts = []
-        for count, cpus, gres in lines:
+        for nodes, cpus, gres in lines:
             gpus = f" and {gres}" if gres not in ("(null)", "") else ""
-            parts.append(f"{count} node{'s' if count != '1' else ''} of {cpus} CPUs{gpus}")
+            parts.append(f"{nodes} node{'s' if nodes != '1' else ''} of {cpus} CPUs{gpus}")
         return f"; partition {self.partition} has {', '.join(parts)}"
 
     def srun_report(self, task: int) -> str | None:
