@@ -13,7 +13,7 @@ import importlib.abc
 import logging
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 

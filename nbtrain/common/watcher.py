@@ -30,7 +30,7 @@ def main(rank: int, parent: int, pidfd: int, psutil_root: str) -> None:
         select.select([pidfd], [], [])  # readable once the parent has ended
     # After the standard library: no module beside this one shadows one of its.
     sys.path += [os.path.dirname(os.path.abspath(__file__)), psutil_root]
-    import process_tree
+    import process_tree  # type: ignore[import-not-found]  # this folder's, by its file (see above)
 
     if pidfd < 0:
         while process_tree.parent_of(rank) == parent:

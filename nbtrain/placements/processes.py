@@ -13,12 +13,13 @@ import subprocess
 import sys
 import threading
 import warnings
+from typing import IO, Any
 
 from ..common.preflight import check_fork
-from ..rank.process import die_with_parent, enable_stacks, limit_threads, redirect_output
-from .base import Job, ProcessLauncher, RankProcess, rank_environ
 from ..common.transfer import pack_job
 from ..rank.loop import serve
+from ..rank.process import die_with_parent, enable_stacks, limit_threads, redirect_output
+from .base import Job, ProcessLauncher, RankProcess, rank_environ
 
 _warm = False
 PARENT_THREAD_VAR = "NBTRAIN_PARENT_THREAD"  # "other": started by a thread that may end before the rank
@@ -201,7 +202,8 @@ class ForkLauncher(ProcessLauncher):
                     # A kernel always has threads (Python 3.12+ warns on every fork). The child
                     # touches none of their state: it replaces the kernel's streams and runs
                     # only the rank's own code; the kernel was warmed before forking.
-                    warnings.filterwarnings("ignore", message=".*multi-threaded, use of fork", category=DeprecationWarning)
+                    warnings.filterwarnings("ignore", message=".*multi-threaded, use of fork",
+                                            category=DeprecationWarning)
                     proc.start()
                 _own_group(proc.pid)
                 started.append(_forked(proc, [rank]))
@@ -219,7 +221,7 @@ class SpawnLauncher(ProcessLauncher):
 
     def _start(self, job, channel_env, pump, started) -> None:
         # Where Python has it (3.11+), the child leaves the kernel's group before it runs at all.
-        own_group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
+        own_group: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {}
         pipes = _Pipes(job.ranks, pump)
         try:
             for local, rank in enumerate(job.ranks):
@@ -228,11 +230,18 @@ class SpawnLauncher(ProcessLauncher):
                 proc = subprocess.Popen([sys.executable, "-c", SPAWNED], stdin=subprocess.PIPE, stdout=out_w,
                                         stderr=err_w, **own_group)
                 started.append(_spawned(proc, [rank]))
-                try:
-                    with proc.stdin:
-                        pickle.dump((sys.path, sys.argv), proc.stdin)
-                        pickle.dump((job.first, job.live, env, os.getpid()), proc.stdin)
-                except BrokenPipeError:  # it died starting: the pool reads why from its stderr
-                    pass
+                _send(proc.stdin, (sys.path, sys.argv), (job.first, job.live, env, os.getpid()))
         finally:
             pipes.close_write_ends()
+
+
+def _send(pipe: IO[bytes] | None, *objects) -> None:
+    """Pickle `objects` into a spawned rank's stdin (None only without stdin=PIPE), and close it."""
+    if pipe is None:
+        return
+    try:
+        with pipe:
+            for obj in objects:
+                pickle.dump(obj, pipe)
+    except BrokenPipeError:  # the rank died starting: the pool reads why from its stderr
+        pass

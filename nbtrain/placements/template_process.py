@@ -37,7 +37,8 @@ class Template:
         # happens to run: ipykernel forwards fd 2 of the kernel's children to the notebook.
         self._log = tempfile.TemporaryFile(prefix="nbtrain-template-")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "nbtrain.rank.template_main", str(template_end.fileno()), str(os.getpid()), *preload],
+            [sys.executable, "-m", "nbtrain.rank.template_main", str(template_end.fileno()), str(os.getpid()),
+             *preload],
             pass_fds=[template_end.fileno()], stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
             start_new_session=True, env={**os.environ, **parent_thread(),
                                          "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
