@@ -94,17 +94,16 @@ def test_the_channel_listens_where_the_nodes_are_told_to_dial():
     def default():
         return "127.0.0.1", "127.0.0.1"
 
-    assert base.channel_options(None, default, "slurm") == {"host": "127.0.0.1", "advertise": "127.0.0.1"}
+    assert base.channel_options(None, default) == {"host": "127.0.0.1", "advertise": "127.0.0.1"}
     # Not an address of this machine (a name the nodes resolve, a forwarded port): every interface.
-    assert base.channel_options("login.example.invalid", default, "slurm") == {
+    assert base.channel_options("login.example.invalid", default) == {
         "host": "0.0.0.0", "advertise": "login.example.invalid"}
-    assert base.channel_options("0.0.0.0", default, "slurm") == {"host": "0.0.0.0",
-                                                                 "advertise": base.notebook_addresses("slurm")}
+    assert base.channel_options("0.0.0.0", default) == {"host": "0.0.0.0", "advertise": base.notebook_addresses()}
     # A name may resolve here to loopback, which the nodes cannot use: every interface, the name advertised.
-    assert base.channel_options("localhost", default, "slurm") == {"host": "0.0.0.0", "advertise": "localhost"}
+    assert base.channel_options("localhost", default) == {"host": "0.0.0.0", "advertise": "localhost"}
     address = this_machines_address()
     if address is not None:  # one of this machine's own addresses is bound, and only it
-        assert base.channel_options(address, default, "slurm") == {"host": address, "advertise": address}
+        assert base.channel_options(address, default) == {"host": address, "advertise": address}
 
 
 @pytest.fixture
@@ -131,7 +130,7 @@ def private_address():
 
 @pytest.mark.slow  # `ip` makes the interface
 def test_the_nodes_are_offered_every_address_of_this_machine_loopback_last(private_address):
-    offered = base.notebook_addresses("slurm", toward=(private_address,))
+    offered = base.notebook_addresses(toward=(private_address,))
     assert offered[0] == private_address  # the one toward the cluster first
     assert offered[-1] == "127.0.0.1" and not any(a.startswith("127.") for a in offered[:-1]), offered
     name = socket.gethostname()

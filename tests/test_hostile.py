@@ -894,8 +894,8 @@ def test_spawned_ranks_interrupted_while_starting_print_no_tracebacks(nb):
     msg_id = nb.client.execute("nbtrain.launch(sleeps, devices=2, accelerator='cpu', strategy='ddp_spawn', "
                                "launcher_options={'template': False}, progress=False)")
     seen, groups, deadline = [], {}, time.monotonic() + 60
-    while len(seen) < 2 and time.monotonic() < deadline:  # spawned ranks: spawn_main in their command line
-        seen = [c for c in kernel.children() if "spawn_main" in " ".join(c.cmdline())]
+    while len(seen) < 2 and time.monotonic() < deadline:  # spawned ranks: spawned_main in their command line
+        seen = [c for c in kernel.children() if "spawned_main" in " ".join(c.cmdline())]
         time.sleep(0.01)
     time.sleep(0.3)  # past the interpreter's own start-up; torch's import takes seconds more
     for child in seen:

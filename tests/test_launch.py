@@ -1,6 +1,8 @@
 """launch() from a plain process: real ranks, real gloo, real failures."""
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -394,3 +396,31 @@ def test_a_cell_waiting_for_ranks_to_exit_says_so(capfd, no_leftovers):
     result = nbtrain.launch(slow_to_exit, devices=2, accelerator="cpu", strategy="ddp", progress=False)
     assert result.values == [0, 1]
     assert "nbtrain: every rank has reported; waiting for their processes to exit" in capfd.readouterr().out
+
+
+SCRIPT_WITHOUT_A_MAIN_GUARD = '''
+import os, sys
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
+import helper, nbtrain
+print("top level ran", flush=True)
+
+def work(x):
+    return helper.double(x), sys.argv[1:], os.getpgid(0) == os.getpid()
+
+print("result", nbtrain.launch(work, 21, devices=2, accelerator="cpu", strategy="ddp_spawn", progress=False,
+                               launcher_options={"template": False}).values, flush=True)
+'''
+
+
+def test_spawned_ranks_import_as_the_caller_does_and_never_rerun_its_script(tmp_path):
+    # The script has no `if __name__ == "__main__"` guard: run again in every rank, it would
+    # launch again. Its own sys.path entry and argv reach the ranks, and each rank has a process
+    # group of its own.
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "helper.py").write_text("def double(x):\n    return 2 * x\n")
+    (tmp_path / "job.py").write_text(SCRIPT_WITHOUT_A_MAIN_GUARD)
+    run = subprocess.run([sys.executable, str(tmp_path / "job.py"), "--lr", "3"], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("top level ran") == 1, run.stdout
+    assert "result [(42, ['--lr', '3'], True), (42, ['--lr', '3'], True)]" in run.stdout, run.stdout + run.stderr

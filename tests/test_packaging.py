@@ -156,6 +156,7 @@ def test_the_built_wheel_installs_in_a_fresh_venv_and_runs_the_demo(tmp_path):
     junk = [n for n in names if not (n.startswith("nbtrain/") or n.startswith(info)) or n.endswith(".pyc")]
     assert not junk, f"the wheel carries more than the package: {junk}"
     assert f"{info}licenses/LICENSE" in names and "nbtrain/display/widgets.py" in names
+    assert "nbtrain/py.typed" in names  # PEP 561: type checkers read nbtrain's annotations
     with tarfile.open(sdist) as tar:
         carried = {Path(*Path(n).parts[1:]).as_posix() for n in tar.getnames()}
     assert {"README.md", "LICENSE", "pyproject.toml", "nbtrain/__init__.py"} <= carried

@@ -190,6 +190,17 @@ def test_submit_or_export_into_a_link_is_refused_and_writes_nothing(tmp_path):
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o755 and not os.listdir(target)
 
 
+def test_a_process_is_named_as_run_directories_always_named_it():
+    # pid and proc(5)'s starttime (clock ticks since boot): what earlier versions wrote stays readable
+    with open("/proc/self/stat") as f:
+        starttime = f.read().rsplit(")", 1)[1].split()[19]
+    me = session.identity(os.getpid())
+    assert me == {"pid": os.getpid(), "start": starttime}
+    assert session.alive(me)
+    assert not session.alive({**me, "start": str(int(starttime) - 1)})  # its pid, another process
+    assert session.identity(2**22 + 1) == {"pid": 2**22 + 1, "start": None}  # above any pid_max
+
+
 def test_what_an_interrupted_submit_left_is_removed_once_its_writer_is_gone(tmp_path):
     me = session.identity(os.getpid())
     stale = tmp_path / f"{runlog.PARTIAL}{me['pid']}-1-train"  # this pid, another start: a writer that is gone

@@ -104,10 +104,11 @@ def _process_name(pynvml, pid: int) -> str:
     name = _optional(pynvml.nvmlSystemGetProcessName, pid)
     if name:
         return os.path.basename(_text(name))
+    import psutil  # here: `import nbtrain` reads this module and stays light
+
     try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
+        return psutil.Process(pid).name()
+    except psutil.Error:
         return "?"  # a process in another container
 
 

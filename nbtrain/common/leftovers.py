@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Callable
+from collections.abc import Callable
+
+import psutil
 
 
 def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's
-        return True
-    return True
+    """Whether some process (this user's or another's) has pid `pid`."""
+    return psutil.pid_exists(pid)
 
 
 def remove_orphans(root: str, name: re.Pattern, remove: Callable[[str], None]) -> None:

@@ -24,6 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping
 
+from .import_hooks import when_imported
 from .inventory import visible_gpus
 
 log = logging.getLogger(__name__)
@@ -163,33 +164,11 @@ def install_cuda_init_hook() -> bool:
 def install_cuda_init_hook_when_imported() -> None:
     """`install_cuda_init_hook` now if torch.cuda is loaded, else as soon as it is: `import nbtrain`
     does not import torch (the notebook's own `import torch` may come after it)."""
-    if "torch.cuda" in sys.modules:
-        install_cuda_init_hook()
-    elif not any(isinstance(finder, _AfterTorchCuda) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterTorchCuda())
+    when_imported("torch.cuda", _install_after_import)
 
 
-class _AfterTorchCuda:
-    """A meta path finder that finds nothing itself: it wraps torch.cuda's loader so that the
-    hook is placed right after the module runs, then steps aside."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "torch.cuda":
-            return None
-        sys.meta_path.remove(self)
-        from importlib.machinery import PathFinder
-
-        spec = PathFinder.find_spec(name, path)
-        if spec is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            install_cuda_init_hook()
-
-        spec.loader.exec_module = exec_module
-        return spec
+def _install_after_import(_cuda) -> None:
+    install_cuda_init_hook()
 
 
 def recorded_cuda_init() -> CudaInit | None:

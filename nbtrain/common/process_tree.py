@@ -16,20 +16,23 @@ keeper process above each rank (a second fork of the kernel's size) made a forke
 slower, a watchdog beside the rank finds nothing once the rank is gone, and a cgroup needs a
 delegated hierarchy that kernels on shared machines rarely get.
 
-Run as a script (`python -I -S process_tree.py RANK PARENT`), this module is that watcher: it
-needs nothing but the standard library.
+The watcher is `watcher.py`, run as a script; it imports this module by its file once the rank's
+parent is gone, so this module imports nothing but the standard library and psutil. psutil lists
+the trees and signals through `psutil.Process`, which checks that a pid still names the process
+it was (pids are reused) before it sends anything.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import time
 
-PR_SET_PDEATHSIG = 1
+import psutil
+
 PR_SET_CHILD_SUBREAPER = 36
-WATCH_INTERVAL = 0.25  # seconds between the watcher's looks at the rank's parent
 _watcher: list[int] = []  # this rank's watcher, spared by its own end_descendants
 
 
@@ -45,63 +48,60 @@ def _prctl(option: int, value: int) -> bool:
 
 
 def watch_rank(parent_pid: int) -> bool:
-    """Start this rank's watcher (see the module's doc), for a rank whose parent is `parent_pid`;
-    whether it runs. Its output goes nowhere; it stays in the rank's process group."""
+    """Start this rank's watcher (`watcher.py`), for a rank whose parent is `parent_pid`; whether it
+    runs. It waits on a pidfd of the parent opened here (a pidfd names the process itself, not a
+    pid that may be reused); its output goes nowhere; it stays in the rank's process group."""
     try:
+        parent = os.pidfd_open(parent_pid)
+    except (OSError, AttributeError):  # Linux before 5.3, or not Linux: the watcher polls instead
+        parent = -1
+    try:
+        if parent >= 0:
+            os.set_inheritable(parent, True)
         devnull = os.open(os.devnull, os.O_RDWR)
         try:
-            pid = os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", os.path.abspath(__file__),
-                                                  str(os.getpid()), str(parent_pid)], dict(os.environ),
+            watcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watcher.py")
+            psutil_root = os.path.dirname(os.path.dirname(os.path.abspath(psutil.__file__)))
+            pid = os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", watcher, str(os.getpid()),
+                                                  str(parent_pid), str(parent), psutil_root], dict(os.environ),
                                  file_actions=[(os.POSIX_SPAWN_DUP2, devnull, fd) for fd in (0, 1, 2)])
         finally:
             os.close(devnull)
     except (OSError, AttributeError):  # no posix_spawn, or no interpreter to run
         return False
+    finally:
+        if parent >= 0:
+            os.close(parent)
     _watcher[:] = [pid]
     return True
 
 
-def _watch(rank: int, parent: int) -> None:
-    """The watcher's life: until the rank's parent is gone (the rank is then reparented), or the
-    rank itself (this process dies with it)."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != rank:  # the rank is gone already
-        return
-    while _parent_of(rank) == parent:
-        time.sleep(WATCH_INTERVAL)
-    if os.getppid() != rank:
-        return
-    os.kill(rank, signal.SIGSTOP)  # it starts nothing more, and this process lives on while it ends the rest
-    end_descendants(rank, spare=(os.getpid(),))
-    os.kill(rank, signal.SIGKILL)
-
-
-def _parent_of(pid: int) -> int | None:
+def parent_of(pid: int) -> int | None:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
         return None
 
 
+def running(process: psutil.Process) -> bool:
+    """Whether `process` has not ended (a zombie has)."""
+    try:
+        return process.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
+        return False
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """Every process below `pid` ([] where there is none, or no such process)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
 def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, parents before their children (from /proc; [] where absent)."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{task}/children") as f:
-                    children = [int(c) for c in f.read().split()]
-            except OSError:
-                continue
-            found += children
-            todo += children
-    return found
+    """The pids of every process below `pid`."""
+    return [p.pid for p in tree(pid)]
 
 
 def end_descendants(pid: int | None = None, grace: float = 1.0, spare: tuple[int, ...] | None = None) -> None:
@@ -109,30 +109,21 @@ def end_descendants(pid: int | None = None, grace: float = 1.0, spare: tuple[int
     rank's watcher by default, which dies with it), SIGKILL what is left after `grace` seconds;
     this process's own children are reaped."""
     pid = pid or os.getpid()
-    spare = set(_watcher if spare is None else spare)
-    if not [p for p in descendants(pid) if p not in spare]:
+    spared = set(_watcher if spare is None else spare)
+    if not [p for p in tree(pid) if p.pid not in spared]:
         return
-    _signal_all(pid, signal.SIGTERM, spare)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and _reap_some(pid, spare):
-        time.sleep(0.02)
-    _signal_all(pid, signal.SIGKILL, spare)
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline and _reap_some(pid, spare):
-        time.sleep(0.02)
+    for sig, seconds in ((signal.SIGTERM, grace), (signal.SIGKILL, 1.0)):
+        # Listed again each time: an orphan of an ended child is handed to this subreaper.
+        for child in tree(pid):
+            if child.pid not in spared:
+                with contextlib.suppress(psutil.Error):
+                    child.send_signal(sig)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and _reap_some(pid, spared):
+            time.sleep(0.02)
 
 
-def _signal_all(pid: int, sig: int, spare: set[int]) -> None:
-    for child in descendants(pid):
-        if child in spare:
-            continue
-        try:
-            os.kill(child, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _reap_some(pid: int, spare: set[int]) -> bool:
+def _reap_some(pid: int, spared: set[int]) -> bool:
     """Collect this process's ended children; whether any descendant is still running."""
     if pid == os.getpid():
         while True:
@@ -142,16 +133,4 @@ def _reap_some(pid: int, spare: set[int]) -> bool:
                 break
             if not ended:
                 break
-    return any(_running(child) for child in descendants(pid) if child not in spare)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-if __name__ == "__main__":  # a rank's watcher, started by watch_rank
-    _watch(int(sys.argv[1]), int(sys.argv[2]))
+    return any(running(child) for child in tree(pid) if child.pid not in spared)

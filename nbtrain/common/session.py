@@ -1,4 +1,4 @@
-"""A detached run's processes, read from /proc: is its supervisor still the process it was, and
+"""A detached run's processes (through psutil): is its supervisor still the process it was, and
 every process of its session and tree, to stop them all.
 
 A pid alone is not an identity (pids are reused): a process is named by its pid and its start
@@ -6,26 +6,29 @@ time, so a run whose supervisor died is never taken for running because its pid 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 
-from .process_tree import descendants
+import psutil
 
-
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields from the state on (field 3 of proc(5) is index 0), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            text = file.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return text[text.rindex(")") + 2:].split()
+from .process_tree import running, tree
 
 
 def identity(pid: int) -> dict:
-    fields = _stat(pid)
-    return {"pid": pid, "start": fields[19] if fields else None}
+    """The process `pid` as run directories name it: {"pid", "start"}, "start" None if there is none."""
+    try:
+        return {"pid": pid, "start": _start(psutil.Process(pid))}
+    except psutil.Error:
+        return {"pid": pid, "start": None}
+
+
+def _start(process: psutil.Process) -> str:
+    """When `process` started, in clock ticks since boot (proc(5)'s starttime, as run directories
+    have always stored it): unlike psutil's create_time, it does not move when the clock is set."""
+    since_boot = process.create_time() - psutil.boot_time()
+    return str(round(since_boot * os.sysconf("SC_CLK_TCK")))
 
 
 def alive(who: dict) -> bool:
@@ -33,8 +36,11 @@ def alive(who: dict) -> bool:
     is a SLURM batch job (`{"slurm_job": ID}`), whether the job is still in the queue."""
     if "slurm_job" in who:
         return slurm_state(who["slurm_job"]) in SLURM_ACTIVE
-    fields = _stat(who["pid"])
-    return fields is not None and fields[19] == who.get("start") and fields[0] not in ("Z", "X")
+    try:
+        process = psutil.Process(who["pid"])
+        return _start(process) == who.get("start") and running(process)
+    except psutil.Error:
+        return False
 
 
 SLURM_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
@@ -65,32 +71,28 @@ def stop_slurm_job(job: str, grace: float = 60.0) -> None:
 def members(pid: int) -> list[int]:
     """Every live process of session `pid`, and every descendant of `pid` (a rank or helper may
     have started a session of its own, as the warm template does)."""
-    found = set(descendants(pid))
-    for entry in os.listdir("/proc"):
-        fields = _stat(int(entry)) if entry.isdigit() else None
-        if fields is not None and int(fields[3]) == pid:
-            found.add(int(entry))
-    return sorted(p for p in found if _running(p))
+    return sorted(p.pid for p in _members(pid))
+
+
+def _members(pid: int) -> list[psutil.Process]:
+    found = {p.pid: p for p in tree(pid)}
+    for other in psutil.process_iter():
+        with contextlib.suppress(OSError):
+            if other.pid not in found and os.getsid(other.pid) == pid:
+                found[other.pid] = other
+    return [p for p in found.values() if running(p)]
 
 
 def stop(pid: int, grace: float = 15.0) -> None:
     """SIGTERM to `pid` (a supervisor stops its ranks and cleans up), SIGKILL to whatever of its
-    session and tree is left after `grace` seconds."""
-    tree = members(pid)
-    try:
+    session and tree is left after `grace` seconds (never to a process that merely got one of
+    their pids since: psutil checks)."""
+    first = _members(pid)
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_running(p) for p in tree + members(pid)):
+    while time.monotonic() < deadline and any(running(p) for p in first + _members(pid)):
         time.sleep(0.1)
-    for p in set(tree + members(pid)):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _running(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
+    for process in first + _members(pid):
+        with contextlib.suppress(psutil.Error):
+            process.kill()

@@ -11,6 +11,8 @@ import logging
 import os
 import time
 
+import psutil
+
 from ..common import inventory
 from .runstate import RunState, Vital
 
@@ -23,10 +25,8 @@ STRAGGLER = 0.9  # a rank slower than this share of the fastest is marked as the
 
 def _rss(pid: int) -> int | None:
     try:
-        import psutil
-
         return psutil.Process(pid).memory_info().rss
-    except Exception:  # psutil absent, or the process just exited
+    except psutil.Error:  # the process just exited
         return None
 
 

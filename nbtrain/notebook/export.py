@@ -27,7 +27,7 @@ from ..common.devices import plan_devices
 from ..common.pickling import code_global_names, ship_bytes
 from ..common.runlog import make_private_dir, write_whole
 from ..rank.cell import CellJob
-from ..rank.exported import ARGUMENTS, VALUE
+from ..rank.exported import ARGUMENTS
 
 NAMES = "names.pkl"  # what the code reads that has no source: pickled
 EXPORT = "export.json"  # for run.sh (`exported_job.py`): the function's name (None: a cell) and launch's settings

@@ -51,7 +51,6 @@ class _Alarm:
 
 class InProcessLauncher:
     strategy = "single"
-    is_interactive_compatible = True
 
     def launch(self, job: Job, display) -> Result:
         plan = job.plan

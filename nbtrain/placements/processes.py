@@ -1,21 +1,25 @@
-"""ddp_fork and ddp_spawn: ranks as processes of the `multiprocess` package (dill inside).
+"""ddp_fork and plain spawn: ranks forked from the kernel (a `multiprocess` process), or fresh
+interpreters (`subprocess`) that read their first command, already packed by dill, from a pipe.
 
 Each rank gets its own stdout and stderr pipes, read by the notebook, so C-level output and
 a dying rank's last words (faulthandler's dump) are never lost.
 """
 from __future__ import annotations
 
-import contextlib
 import os
+import pickle
 import socket
+import subprocess
+import sys
 import threading
 import warnings
+from typing import IO, Any
 
 from ..common.preflight import check_fork
-from ..rank.process import die_with_parent, enable_stacks, limit_threads, redirect_output
-from .base import Job, ProcessLauncher, RankProcess, rank_environ
 from ..common.transfer import pack_job
 from ..rank.loop import serve
+from ..rank.process import die_with_parent, enable_stacks, limit_threads, redirect_output
+from .base import Job, ProcessLauncher, RankProcess, rank_environ
 
 _warm = False
 PARENT_THREAD_VAR = "NBTRAIN_PARENT_THREAD"  # "other": started by a thread that may end before the rank
@@ -89,10 +93,21 @@ def _close_listening_sockets() -> None:
             os.close(fd)
 
 
-def _spawn_main(first, live, env, stdout_conn, stderr_conn, parent_pid):
-    _become_rank(parent_pid, env, stdout_conn.fileno(), stderr_conn.fileno(), forked=False)
-    stdout_conn.close()
-    stderr_conn.close()
+# A spawned rank's program. Its first statement takes it out of the kernel's process group
+# (where Popen's `process_group=` cannot: Python 3.10): Jupyter interrupts the kernel's whole
+# group, and until the rank's own setpgid, seconds later, after importing torch, a Ctrl-C reached
+# it there (a KeyboardInterrupt traceback from each rank in the cell). Then it reads the kernel's
+# sys.path and argv, so that what the job refers to imports as in the kernel, and its first
+# command, whole, before importing anything (the kernel's write waits for no import). The
+# notebook's or script's main module is never run again: the job travels whole with dill, and a
+# script's top level would launch again.
+SPAWNED = ("import os, pickle, sys; os.setpgid(0, 0); sys.path[:], sys.argv[:] = pickle.load(sys.stdin.buffer); "
+           "rank = pickle.load(sys.stdin.buffer); "
+           "from nbtrain.placements.processes import spawned_main; spawned_main(*rank)")
+
+
+def spawned_main(first, live, env, parent_pid):
+    _become_rank(parent_pid, env, 1, 2, forked=False)  # its stdout and stderr are its pipes already
 
     os._exit(serve(first, once=not live, live=live))
 
@@ -105,8 +120,9 @@ def _own_group(pid: int) -> None:
         pass
 
 
-def _handle(proc, ranks: list[int]) -> RankProcess:
+def _forked(proc, ranks: list[int]) -> RankProcess:
     ended: list[int] = []  # the exit code, kept: a closed process object cannot be asked again
+    closed: list[bool] = []
 
     def poll() -> int | None:
         if not ended and proc.exitcode is not None:
@@ -118,10 +134,21 @@ def _handle(proc, ranks: list[int]) -> RankProcess:
             proc.join(timeout)
 
     def close() -> None:
-        if poll() is not None and not proc._closed:
+        if poll() is not None and not closed:
             proc.close()
+            closed.append(True)
 
     return RankProcess(ranks, proc.pid, poll, join, close)
+
+
+def _spawned(proc: subprocess.Popen, ranks: list[int]) -> RankProcess:
+    def join(timeout: float) -> None:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    return RankProcess(ranks, proc.pid, proc.poll, join)
 
 
 class _Pipes:
@@ -175,45 +202,13 @@ class ForkLauncher(ProcessLauncher):
                     # A kernel always has threads (Python 3.12+ warns on every fork). The child
                     # touches none of their state: it replaces the kernel's streams and runs
                     # only the rank's own code; the kernel was warmed before forking.
-                    warnings.filterwarnings("ignore", message=".*multi-threaded, use of fork", category=DeprecationWarning)
+                    warnings.filterwarnings("ignore", message=".*multi-threaded, use of fork",
+                                            category=DeprecationWarning)
                     proc.start()
                 _own_group(proc.pid)
-                started.append(_handle(proc, [rank]))
+                started.append(_forked(proc, [rank]))
         finally:
             pipes.close_write_ends()
-
-
-@contextlib.contextmanager
-def _without_main_module():
-    """Spawned ranks must not re-run the notebook's or script's main module: the job travels
-    whole with dill, and re-running a script's top level in every rank would repeat its work
-    (and launch again, without a `__main__` guard). And each starts in a process group of its own."""
-    from multiprocess import spawn
-
-    original, command_line = spawn.get_preparation_data, spawn.get_command_line
-
-    def preparation_data(name):
-        data = original(name)
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
-        return data
-
-    def own_group_first(**kwds):
-        # The child's first statement: a process group of its own. The kernel's setpgid comes
-        # too late (the child has exec'd), and until the child's own, seconds later, after
-        # importing torch, Jupyter's interrupt (sent to the kernel's whole group) reached it
-        # there: a KeyboardInterrupt traceback from each rank in the cell.
-        line = command_line(**kwds)
-        if "-c" in line:
-            at = line.index("-c") + 1
-            line[at] = "import os; os.setpgid(0, 0); " + line[at]
-        return line
-
-    spawn.get_preparation_data, spawn.get_command_line = preparation_data, own_group_first
-    try:
-        yield
-    finally:
-        spawn.get_preparation_data, spawn.get_command_line = original, command_line
 
 
 class SpawnLauncher(ProcessLauncher):
@@ -225,34 +220,28 @@ class SpawnLauncher(ProcessLauncher):
             job.options["payload"] = pack_job(job.fn, job.args, job.kwargs)
 
     def _start(self, job, channel_env, pump, started) -> None:
-        import multiprocess
-        from multiprocess import resource_tracker
-        from multiprocess.connection import Connection
-
-        self._tracker_was_running = resource_tracker._resource_tracker._fd is not None
-        context = multiprocess.get_context("spawn")
+        # Where Python has it (3.11+), the child leaves the kernel's group before it runs at all.
+        own_group: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {}
         pipes = _Pipes(job.ranks, pump)
         try:
-            with _without_main_module():
-                for local, rank in enumerate(job.ranks):
-                    env = {**rank_environ(job, local, channel_env), **parent_thread()}
-                    # Connections pickle as inheritable fds: that is how the pipes reach a spawned rank.
-                    out_w, err_w = (Connection(fd, readable=False) for fd in pipes.write_ends[rank])
-                    proc = context.Process(target=_spawn_main, name=f"nbtrain-rank{rank}",
-                                           args=(job.first, job.live, env, out_w, err_w, os.getpid()))
-                    try:
-                        proc.start()
-                    finally:
-                        out_w._handle = err_w._handle = None  # the fds are closed once, below
-                    _own_group(proc.pid)
-                    started.append(_handle(proc, [rank]))
+            for local, rank in enumerate(job.ranks):
+                env = {**rank_environ(job, local, channel_env), **parent_thread()}
+                out_w, err_w = pipes.write_ends[rank]
+                proc = subprocess.Popen([sys.executable, "-c", SPAWNED], stdin=subprocess.PIPE, stdout=out_w,
+                                        stderr=err_w, **own_group)
+                started.append(_spawned(proc, [rank]))
+                _send(proc.stdin, (sys.path, sys.argv), (job.first, job.live, env, os.getpid()))
         finally:
             pipes.close_write_ends()
 
-    def _cleanup(self, job: Job) -> None:
-        # Spawning starts multiprocess's resource tracker; it would outlive the launch as a
-        # child of the kernel. Nothing of ours needs it once the ranks are gone.
-        from multiprocess import resource_tracker
 
-        if not getattr(self, "_tracker_was_running", True):
-            resource_tracker._resource_tracker._stop()
+def _send(pipe: IO[bytes] | None, *objects) -> None:
+    """Pickle `objects` into a spawned rank's stdin (None only without stdin=PIPE), and close it."""
+    if pipe is None:
+        return
+    try:
+        with pipe:
+            for obj in objects:
+                pickle.dump(obj, pipe)
+    except BrokenPipeError:  # the rank died starting: the pool reads why from its stderr
+        pass

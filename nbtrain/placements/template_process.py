@@ -13,6 +13,8 @@ import tempfile
 import threading
 import time
 
+import psutil
+
 from ..rank.template_main import READY_TIMEOUT, _receive, _send
 from .processes import parent_thread
 
@@ -35,7 +37,8 @@ class Template:
         # happens to run: ipykernel forwards fd 2 of the kernel's children to the notebook.
         self._log = tempfile.TemporaryFile(prefix="nbtrain-template-")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "nbtrain.rank.template_main", str(template_end.fileno()), str(os.getpid()), *preload],
+            [sys.executable, "-m", "nbtrain.rank.template_main", str(template_end.fileno()), str(os.getpid()),
+             *preload],
             pass_fds=[template_end.fileno()], stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
             start_new_session=True, env={**os.environ, **parent_thread(),
                                          "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
@@ -135,14 +138,14 @@ class Template:
 
 
 def _state(pid: int) -> str:
-    """Why a process may not answer, from its state in /proc."""
+    """Why a process may not answer, from its state."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        state = psutil.Process(pid).status()
+    except psutil.Error:
         return "it is busy or hung"
-    return {"T": "it is stopped (SIGSTOP or SIGTSTP; SIGCONT resumes it)", "t": "it is stopped by a debugger",
-            "D": "it waits on the disk or a device", "Z": "it has ended"}.get(state, "it is busy or hung")
+    return {psutil.STATUS_STOPPED: "it is stopped (SIGSTOP or SIGTSTP; SIGCONT resumes it)",
+            psutil.STATUS_TRACING_STOP: "it is stopped by a debugger", psutil.STATUS_DISK_SLEEP:
+            "it waits on the disk or a device", psutil.STATUS_ZOMBIE: "it has ended"}.get(state, "it is busy or hung")
 
 
 _template: Template | None = None

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
-import importlib.abc
 import logging
 import os
 import sys
@@ -28,6 +27,8 @@ import traceback
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.multiprocessing
+
+from ..common.import_hooks import when_imported
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def _refuse_nested_launches() -> None:
     sys.modules["torch.multiprocessing.spawn"].start_processes = start_processes
     # Accelerate's notebook_launcher starts torchrun's agent first (which binds its fixed port):
     # refuse there, before anything binds.
-    _after_import("torch.distributed.launcher.api", _refuse_elastic_launch)
+    when_imported("torch.distributed.launcher.api", _refuse_elastic_launch)
 
 
 def _refuse_elastic_launch(api) -> None:
@@ -107,35 +108,6 @@ def _refuse_elastic_launch(api) -> None:
             raise _nested("torch.distributed.launcher.api.elastic_launch")
 
     api.elastic_launch, api.LaunchConfig = elastic_launch, dataclasses.dataclass(LaunchConfig)
-
-
-def _after_import(name: str, patch) -> None:
-    """`patch(module)` once `name` is imported: now, or when the user's code first imports it."""
-    if name in sys.modules:
-        patch(sys.modules[name])
-    else:
-        sys.meta_path.insert(0, _PatchOnImport(name, patch))
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def __init__(self, name: str, patch):
-        self.name, self.patch = name, patch
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        spec = next((s for s in (f.find_spec(fullname, path, target) for f in sys.meta_path
-                                 if f is not self and hasattr(f, "find_spec")) if s is not None), None)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            self.patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
 
 
 def _nested(call: str) -> NestedLaunchError:

@@ -21,13 +21,12 @@ something in the rank imported it, found in `sys.modules` or caught as its impor
 """
 from __future__ import annotations
 
-import importlib.abc
 import logging
 import pickle
 import sys
 import types
 
-log = logging.getLogger(__name__)
+from ..common.import_hooks import when_imported
 
 # tqdm.notebook.tqdm_notebook's own members: without them it is the text tqdm it derives from.
 _TQDM_NOTEBOOK_MEMBERS = ("status_printer", "display", "colour", "__init__", "__iter__", "update", "close", "clear",
@@ -42,59 +41,6 @@ def show_in_notebook(link, rank: int) -> None:
     if getattr(rich, "_console", None) is not None:  # made in the kernel before the fork: it believes it is in Jupyter
         rich._console = None
     _tag_records(rank)
-
-
-# -- after an import ---------------------------------------------------------------------------
-
-class _WhenImported(importlib.abc.MetaPathFinder):
-    """Runs a function on a module as soon as its import finishes (first in `sys.meta_path`; it
-    finds nothing itself, only wraps the loader the other finders give)."""
-
-    def __init__(self):
-        self.waiting: dict[str, list] = {}
-
-    def find_spec(self, name, path=None, target=None):
-        if name not in self.waiting:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None) if finder is not self else None
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_then(module):
-            exec_module(module)
-            for then in self.waiting.pop(name, ()):
-                _safely(then, module)
-
-        loader.exec_module = exec_then
-        return spec
-
-
-_finder = _WhenImported()
-
-
-def when_imported(name: str, then) -> None:
-    """`then(module)` now if `name` is imported, else as soon as its import finishes."""
-    if name in sys.modules:
-        _safely(then, sys.modules[name])
-        return
-    _finder.waiting.setdefault(name, []).append(then)
-    if _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)
-
-
-def _safely(then, module) -> None:
-    try:
-        then(module)
-    except Exception as exc:  # the user's import must go on whatever happens here
-        log.warning("nbtrain: could not prepare %s for this rank: %s", module.__name__, exc)
 
 
 # -- rich display ------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ import socket
 import sys
 from dataclasses import dataclass
 
+import psutil
+
 from ...common.devices import BACKENDS, DevicePlan
 from ..base import Job, ProcessLauncher, RankProcess, rank_environ
 from ...common.tensor_files import ENABLE_VAR as SHARED_MEMORY_VAR  # "0": a rank returns tensors as bytes
@@ -123,7 +125,7 @@ def check_cluster(cluster) -> Cluster:
 
 # -- the channel's address ------------------------------------------------------------------
 
-def channel_options(notebook_address: str | None, default, extra: str) -> dict:
+def channel_options(notebook_address: str | None, default) -> dict:
     """Where the notebook's channel listens and the addresses ranks are told to dial.
 
     A given IP address of this machine is listened on alone; anything else (a host name, which
@@ -135,13 +137,13 @@ def channel_options(notebook_address: str | None, default, extra: str) -> dict:
     if notebook_address is None:
         host, advertise = default()
     elif notebook_address == "0.0.0.0":
-        host, advertise = "0.0.0.0", notebook_addresses(extra)
+        host, advertise = "0.0.0.0", notebook_addresses()
     else:
         host, advertise = (notebook_address if _bindable(notebook_address) else "0.0.0.0"), notebook_address
     return {"host": host, "advertise": advertise}
 
 
-def notebook_addresses(extra: str, toward: tuple[str, ...] = ()) -> list[str]:
+def notebook_addresses(toward: tuple[str, ...] = ()) -> list[str]:
     """Every address the nodes might reach this machine by, best first; each rank tries them in
     order. The host name alone is not enough: Debian and many clusters map it to a loopback
     address (127.0.1.1), which on a node is the node itself.
@@ -151,7 +153,6 @@ def notebook_addresses(extra: str, toward: tuple[str, ...] = ()) -> list[str]:
     here to a non-loopback address (the nodes may resolve it to a better one), then every other
     non-loopback IPv4 address of an interface that is up, then loopback, for ranks on this machine.
     """
-    psutil = require("psutil", extra)
     found = [_source_toward(host) for host in toward]
     name = socket.gethostname()
     if any(not ipaddress.ip_address(a).is_loopback for a in _resolve(name)):

@@ -124,7 +124,7 @@ class RayPlacement(RemotePlacement):
             ip = ray.util.get_node_ip_address()
             return ip, ip
 
-        return channel_options(self.cluster.notebook_address, ray_node_address, self.cluster.extra)
+        return channel_options(self.cluster.notebook_address, ray_node_address)
 
     def _prepare(self, job: Job) -> None:
         self.ray = self._ray()

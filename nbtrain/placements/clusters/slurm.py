@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from ...common.leftovers import alive
 from ...common.private import new_private_dir, private_dir
 from ..base import Job, describe_exit
 from .base import (Cluster, RemotePlacement, RemoteRank, accelerator_of, base_environ, channel_options, count,
@@ -162,9 +163,9 @@ class SlurmPlacement(RemotePlacement):
         self.submitit = require("submitit", self.cluster.extra)  # named before anything runs
 
         def every_interface():  # the nodes' network is the one toward the controller
-            return "0.0.0.0", notebook_addresses(self.cluster.extra, toward=_controllers())
+            return "0.0.0.0", notebook_addresses(toward=_controllers())
 
-        return channel_options(self.cluster.notebook_address, every_interface, self.cluster.extra)
+        return channel_options(self.cluster.notebook_address, every_interface)
 
     def _prepare(self, job: Job) -> None:
         self.submitit = require("submitit", self.cluster.extra)
@@ -224,18 +225,8 @@ def _remove_orphans(base: Path) -> None:
     host = socket.gethostname()
     for folder in base.glob(f"job-{host}-*-*"):
         pid = folder.name[len(f"job-{host}-"):].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 # -- the task, on a node --------------------------------------------------------------------
@@ -407,9 +398,9 @@ class Queue:
         if done.returncode != 0 or not lines:
             return ""
         parts = []
-        for count, cpus, gres in lines:
+        for nodes, cpus, gres in lines:
             gpus = f" and {gres}" if gres not in ("(null)", "") else ""
-            parts.append(f"{count} node{'s' if count != '1' else ''} of {cpus} CPUs{gpus}")
+            parts.append(f"{nodes} node{'s' if nodes != '1' else ''} of {cpus} CPUs{gpus}")
         return f"; partition {self.partition} has {', '.join(parts)}"
 
     def srun_report(self, task: int) -> str | None:
