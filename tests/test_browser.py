@@ -36,7 +36,7 @@ NOTEBOOK = "dashboard.ipynb"
 SETUP = '''\
 import time
 import nbtrain
-from nbtrain import Gpu, StaticInventory
+from nbtrain.common.inventory import Gpu, StaticInventory
 
 def train(epochs=2, batches=40):
     ctx = nbtrain.context()

@@ -87,14 +87,14 @@ print("OK")
 
 def test_cuda_in_the_kernel_then_auto_trains_through_the_template():
     out = run_fresh(TRAIN + """
-import os, nbtrain.template
+import os, nbtrain.placements.template_process
 torch.zeros(1, device="cuda")                      # the kernel touched the GPU: forking it is unsafe
 result = nbtrain.launch(train, devices=1, strategy="auto", progress=False)
 print(result.strategy, result.value[:3], torch.cuda.device_count())
 def where():
     return os.getppid()
 parents = nbtrain.launch(where, devices=1, strategy="auto", progress=False).values
-print("template parent:", parents == [nbtrain.template.template(start=False).pid])
+print("template parent:", parents == [nbtrain.placements.template_process.template(start=False).pid])
 """)
     assert "ddp_spawn ('DistributedDataParallel', 'cuda:0', 'nccl')" in out
     assert "template parent: True" in out

@@ -17,8 +17,10 @@ import pytest
 import torch
 
 import nbtrain
-from nbtrain import UnpicklableError, WorkerError
+from nbtrain import WorkerError
+from nbtrain.common.errors import UnpicklableError
 from nbtrain.common import devices as devices_module
+from nbtrain.common.devices import parse_devices
 from nbtrain.common.tensor_files import LaunchFiles
 from conftest import running
 
@@ -485,13 +487,13 @@ WRAPPED = [getattr(devices_module, name) for name in dir(devices_module)
 
 
 def test_parse_devices_by_keyword():
-    assert nbtrain.parse_devices(2, available=4) == [0, 1]
-    assert nbtrain.parse_devices(devices="1, 3", available=4) == [1, 3]
+    assert parse_devices(2, available=4) == [0, 1]
+    assert parse_devices(devices="1, 3", available=4) == [1, 3]
     with pytest.raises(ValueError, match=r"devices=\[9\]: GPU 9 is not visible"):
-        nbtrain.parse_devices(devices=[9], available=4)
+        parse_devices(devices=[9], available=4)
     assert devices_module.parse_cpu_devices(devices=3, cores=2) == 3
     with pytest.raises(TypeError):  # a wrong call is still a wrong call
-        nbtrain.parse_devices(2, avail=4)
+        parse_devices(2, avail=4)
 
 
 @pytest.mark.parametrize("wrapped", WRAPPED, ids=lambda f: f.__name__)
@@ -563,9 +565,10 @@ def test_an_uncaught_notebook_exception_shows_the_ranks_traceback(nb):
 @pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
 def test_a_notebook_class_holding_a_generator_is_named_as_the_return_value(nb, strategy):
     _, _, error, _ = nb.run(f'''
+from nbtrain.common.errors import UnpicklableError
 try:
     nbtrain.launch(give_holder, strategy={strategy!r}, **CPU2)
-except nbtrain.UnpicklableError as e:
+except UnpicklableError as e:
     message = str(e)
 ''')
     assert error is None, error
@@ -822,7 +825,7 @@ def test_ranks_restarted_from_another_thread_say_so_and_outlive_that_thread(nb):
 def test_the_template_and_its_ranks_outlive_the_thread_that_started_them(nb):
     import time
 
-    _, _, error, _ = nb.run("ranks.close(); nbtrain.template.stop()\n"
+    _, _, error, _ = nb.run("ranks.close(); nbtrain.stop_template()\n"
                             "def start_elsewhere():\n"
                             "    global ranks\n"
                             "    ranks = nbtrain.Ranks(devices=2, accelerator='cpu', start='template', progress=False)\n"
@@ -832,7 +835,7 @@ def test_the_template_and_its_ranks_outlive_the_thread_that_started_them(nb):
     time.sleep(2)
     assert nb.value("ranks.placement") == "template"
     assert nb.value("ranks.eval('ctx.rank')") == [0, 1]
-    assert nb.value("nbtrain.template.template(start=False) is not None")
+    assert nb.value("nbtrain.placements.template_process.template(start=False) is not None")
     nb.run("ranks.close()")
 
 

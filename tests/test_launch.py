@@ -10,6 +10,9 @@ from torch.utils.data import TensorDataset
 
 import nbtrain
 from nbtrain import WorkerError
+from nbtrain.common.errors import UnpicklableError
+from nbtrain.placements import template_process
+from nbtrain.rank.context import rank_zero_only
 
 pytestmark = pytest.mark.slow
 PROCESS_STRATEGIES = ["ddp_fork", "ddp_spawn"]
@@ -87,7 +90,7 @@ def helpers():
     own = ctx.log("y", float(ctx.rank))
     ctx.barrier()
     ctx.print("printed once")
-    zero_only = nbtrain.rank_zero_only(lambda: "ran")()
+    zero_only = rank_zero_only(lambda: "ran")()
     loader = ctx.loader(list(range(20)), batch_size=5, shuffle=True)
     epochs = [[int(i) for batch in loader for i in batch] for _ in range(2)]
     return gathered.tolist(), objects, mean, own, zero_only, epochs, len(loader)
@@ -314,7 +317,7 @@ def test_unshippable_function_is_refused_with_its_path_before_anything_starts(no
     namespace = {"__name__": "__main__"}  # as in a notebook: the function travels by value
     exec(NOTEBOOK_CELL, namespace)
     uses_a_generator = namespace["uses_a_generator"]
-    with pytest.raises(nbtrain.UnpicklableError) as info:
+    with pytest.raises(UnpicklableError) as info:
         nbtrain.launch(uses_a_generator, devices=2, accelerator="cpu", strategy="ddp_spawn", progress=False)
     message = str(info.value)
     assert "the function `uses_a_generator` and its arguments cannot be sent" in message
@@ -323,16 +326,14 @@ def test_unshippable_function_is_refused_with_its_path_before_anything_starts(no
 
 
 def test_unshippable_function_does_not_start_the_template(no_leftovers):
-    # The pickling check comes first: a refused ddp_spawn launch spends nothing on the template.
-    import nbtrain.template
-
+    # The pickling check comes first: a refused start='template' launch spends nothing on the template.
     namespace = {"__name__": "__main__"}
     exec(NOTEBOOK_CELL, namespace)
-    nbtrain.template.stop()
-    with pytest.raises(nbtrain.UnpicklableError, match="STREAM"):
+    nbtrain.stop_template()
+    with pytest.raises(UnpicklableError, match="STREAM"):
         nbtrain.launch(namespace["uses_a_generator"], devices=2, accelerator="cpu", strategy="ddp_spawn",
                        progress=False)
-    assert nbtrain.template.template(start=False) is None
+    assert template_process.template(start=False) is None
 
 
 def test_stack_dumps_lead_with_the_users_code():

@@ -127,7 +127,7 @@ def nb():
     _, _, error, _ = kernel.run(SETUP, timeout=300)
     assert error is None, error
     yield kernel
-    kernel.run("nbtrain.template.stop()")
+    kernel.run("nbtrain.stop_template()")
     kernel.close()
 
 

@@ -51,7 +51,7 @@ def big(kernel):
     _, _, error, _ = kernel.run(SETUP + CHILDREN)
     assert error is None, error
     yield kernel
-    kernel.run("nbtrain.template.stop() if hasattr(nbtrain, 'template') else None")
+    kernel.run("nbtrain.stop_template()")
 
 
 def _launch(kernel, n, strategy, options=""):

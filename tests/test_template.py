@@ -1,4 +1,4 @@
-"""The warm template (nbtrain.template) from a real kernel: ddp_spawn and auto's CUDA-safe path
+"""The warm template from a real kernel: ddp_spawn and auto's CUDA-safe path
 fork ranks from it; what the notebook changed is what the ranks see; it is replaced when it
 dies, falls back to plain spawn when it cannot start, and dies with the kernel."""
 import os
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 SETUP = '''
 import importlib, os, sys, time, psutil, torch
-import nbtrain, nbtrain.template
+import nbtrain, nbtrain.placements.template_process
 from nbtrain.common import preflight
 
 class Net(torch.nn.Module):
@@ -34,7 +34,7 @@ def spawn(fn, *args):
     return nbtrain.launch(fn, *args, devices=2, accelerator="cpu", strategy="ddp_spawn", progress=False)
 
 def template_pid():
-    running = nbtrain.template.template(start=False)
+    running = nbtrain.placements.template_process.template(start=False)
     return running.pid if running else None
 
 ''' + CHILDREN
@@ -101,7 +101,7 @@ r1 = spawn(look)
 def test_a_killed_template_is_replaced(nb):
     ok(nb, "nbtrain.warm_up()")
     before = nb.value("template_pid()")
-    os.kill(nb.value("nbtrain.template.template(start=False).process.pid"), signal.SIGKILL)
+    os.kill(nb.value("nbtrain.placements.template_process.template(start=False).process.pid"), signal.SIGKILL)
     time.sleep(0.5)
     ok(nb, "r = spawn(where)")
     after = nb.value("template_pid()")
@@ -130,7 +130,7 @@ def test_falls_back_to_plain_spawn_when_the_template_cannot_start(nb):
 
 def test_a_stopped_template_is_noticed_in_seconds_and_plain_spawn_takes_over(nb):
     ok(nb, "nbtrain.warm_up()")
-    stopped = nb.value("nbtrain.template.template(start=False).process.pid")
+    stopped = nb.value("nbtrain.placements.template_process.template(start=False).process.pid")
     os.kill(stopped, signal.SIGSTOP)
     try:
         asked = time.monotonic()
@@ -149,7 +149,7 @@ def test_a_stopped_template_is_noticed_in_seconds_and_plain_spawn_takes_over(nb)
     ok(nb, "r = spawn(where)")
     fresh = nb.value("template_pid()")
     assert fresh != stopped and nb.value("[v['ppid'] for v in r.values]") == [fresh, fresh]
-    ok(nb, "nbtrain.template.stop(); nbtrain.warm_up()")  # the stopped one is stopped for good with the others
+    ok(nb, "nbtrain.stop_template(); nbtrain.warm_up()")  # the stopped one is stopped for good with the others
     assert not running(stopped)
 
 
@@ -177,7 +177,7 @@ def test_the_template_and_its_ranks_die_with_a_killed_kernel():
         ok(kernel, SETUP)
         ok(kernel, "nbtrain.warm_up()\nimport threading\nthreading.Thread(target=spawn, args=(lambda: time.sleep(600),), daemon=True).start()")
         time.sleep(3)
-        template = kernel.value("nbtrain.template.template(start=False).process.pid")
+        template = kernel.value("nbtrain.placements.template_process.template(start=False).process.pid")
         family = [template, *(c.pid for c in psutil.Process(template).children())]
         os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
         kernel.manager.provisioner.process.wait(10)

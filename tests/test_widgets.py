@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import nbtrain
-from nbtrain import Gpu, GpuProcess, StaticInventory
+from nbtrain.common.inventory import Gpu, GpuProcess, StaticInventory
 from nbtrain.common.devices import plan_devices
 from nbtrain.common.inventory import NvmlInventory
 from nbtrain.display import chart, make_display, widgets
@@ -661,12 +661,12 @@ def test_kernel_failed_run_blames_the_failed_rank_and_names_the_cell(kernel):
 @pytest.mark.slow
 def test_kernel_picker_shows_once_and_reads_as_text(kernel):
     assert kernel.run(KERNEL_SETUP)[2] is None
-    outputs, _, error = run_cell(kernel, "nbtrain.pick_gpus(nbtrain.StaticInventory([]))")
+    outputs, _, error = run_cell(kernel, "from nbtrain.common.inventory import StaticInventory\nnbtrain.pick_gpus(StaticInventory([]))")
     assert error is None, error
     assert [kind for kind, _ in outputs] == ["display_data"]  # the widget, and no repr after it
     text = outputs[0][1]["text/plain"]
     assert text.startswith("no GPU visible") and "selected: " in text and "CPU rank" in text
-    outputs, _, error = run_cell(kernel, "picker = nbtrain.pick_gpus(nbtrain.StaticInventory([]))\n"
+    outputs, _, error = run_cell(kernel, "from nbtrain.common.inventory import StaticInventory\npicker = nbtrain.pick_gpus(StaticInventory([]))\n"
                                          "picker.cpu_ranks.value = 1\npicker")
     assert error is None and [kind for kind, _ in outputs] == ["display_data"]
     assert "selected: 1 CPU rank" in outputs[0][1]["text/plain"]  # refreshed by the last line, not repeated

@@ -54,7 +54,7 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
     if pickled:
         write_whole(where / NAMES, pickled)
     write_whole(where / ARGUMENTS, ship_bytes((args, kwargs)))
-    launch = {"strategy": "ddp", "devices": plan.nprocs, "accelerator": plan.accelerator, "num_nodes": 1,
+    launch = {"strategy": "ddp", "start": "torchrun", "devices": plan.nprocs, "accelerator": plan.accelerator, "num_nodes": 1,
               "backend": None, "timeout": None, "launcher_options": None}  # run.sh: torchrun on this machine
     write_whole(where / EXPORT, json.dumps({"function": None if isinstance(fn, CellJob) else fn.__name__,
                                             "launch": launch}, indent=1).encode())

@@ -23,7 +23,7 @@ from ..display.map_view import MapState, make_map_view
 from ..rank.work import serve_items
 from .launch import check_timeout, launch
 from .restarts import why
-from .slots import SlotRunner, check_count, plan_slots, slot_strategy
+from .slots import SlotRunner, check_count, plan_slots, slot_start
 from .work_queue import MapError, SavedResults, WorkQueue
 
 __all__ = ["MapError", "map", "map_on_ranks"]
@@ -53,7 +53,7 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
     check_count(batch_size, "batch_size")
     view = make_map_view(progress)
     slots, idle = plan_slots(devices, 1, accelerator, per_slot_name="devices")
-    strategy, options = slot_strategy("auto", 1)
+    strategy, start = slot_start()
     saved = SavedResults(run_dir, len(items)) if run_dir is not None else None
     work = WorkQueue(items, batch_size, saved, {})
     kind = "GPU" if slots[0].accelerator == "gpu" else "CPU"
@@ -70,8 +70,8 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
             display = runner.display(on_output=lambda rank, stream, text: lines.append((f"[{slot}] {text}", stream)),
                                      on_note=lambda text: lines.append((f"nbtrain: {slot}: {text}", "stdout")))
             launch(functools.partial(serve_items, work.spec(fn, bind=False, worker=slot.index)),
-                   devices=slot.launch_devices, accelerator=slot.accelerator, strategy=strategy,
-                   launcher_options=options, progress=display)
+                   devices=slot.launch_devices, accelerator=slot.accelerator, strategy=strategy, start=start,
+                   progress=display)
         except WorkerError as error:
             if not work.lost(slot.index, error):  # it held no item: the others go on
                 failures.append(error)

@@ -31,6 +31,7 @@ from ..placements.template import start_ranks_cleanly, TemplateLauncher
 from ..placements.processes import ForkLauncher, SpawnLauncher
 from ..display.text import QuietDisplay
 from .insight import instrument
+from .choices import words
 from .launch import check_timeout
 from .mapping import map_on_ranks
 from ..display.lazy import LazyDisplay
@@ -43,7 +44,7 @@ from ..common.source import parse_cell
 from ..placements.clusters import check_cluster, ClusterJob
 
 START_METHODS = ("auto", "fork", "template", "spawn")
-WRAPPINGS = ("ddp", "fsdp")
+WRAPPINGS = ("auto", "ddp", "fsdp")
 _open: "weakref.WeakValueDictionary[int, Ranks]" = weakref.WeakValueDictionary()
 _order = itertools.count()
 _exec_count = itertools.count(1)
@@ -61,12 +62,17 @@ class Ranks:
     """
 
     def __init__(self, devices="auto", accelerator: str = "auto", backend: str | None = None,
-                 timeout: float | None = None, strategy: str = "ddp", start: str = "auto", progress=True,
+                 timeout: float | None = None, strategy: str = "auto", start: str = "auto", progress=True,
                  cluster=None, num_nodes: int = 1):
-        if strategy not in WRAPPINGS:
-            raise ValueError(f"strategy={strategy!r}: live ranks wrap models with {' or '.join(map(repr, WRAPPINGS))}.")
-        if start not in START_METHODS:
-            raise ValueError(f"start={start!r} is not known. Accepted: {', '.join(map(repr, START_METHODS))}.")
+        asked = words(strategy, start)
+        if asked.strategy not in WRAPPINGS:
+            raise ValueError(f"strategy={strategy!r}: live ranks wrap models with {', '.join(map(repr, WRAPPINGS))} "
+                             "('auto' is 'ddp').")
+        if asked.start not in START_METHODS:
+            raise ValueError(f"start={asked.start!r}: live ranks start by {', '.join(map(repr, START_METHODS))}; "
+                             "torchrun runs a script to its end, where live ranks wait for the next command.")
+        strategy, start = "ddp" if asked.strategy == "auto" else asked.strategy, asked.start
+        asked.say()
         self.timeout = check_timeout(timeout)
         check_progress(progress)
         if type(num_nodes) is not int or num_nodes < 1 or (num_nodes > 1 and cluster is None):
@@ -91,7 +97,7 @@ class Ranks:
             launcher, self.placement, note, make_job = self.cluster.placement(), self.cluster.engine, None, ClusterJob
         else:
             (launcher, self.placement, note), make_job = _placement(self.start_method), Job
-        job = make_job(None, (), {}, self.plan, self.strategy, start_timeout=120.0)
+        job = make_job(None, (), {}, self.plan, self.strategy, start_timeout=120.0, start=self.placement)
         display = QuietDisplay()
         if note:
             display.note(note)
@@ -258,7 +264,7 @@ class Ranks:
         display = make_display(self.progress if progress is None else progress)
         state = self._command("call", payload, ranks=ranks, timeout=timeout, namespace=fn.__globals__,
                               display=display, title=f"{fn.__qualname__} on live ranks")
-        return Result.from_state(state, f"live ({self.placement})", self.plan.describe())
+        return Result.from_state(state, self.strategy, self.plan.describe(), f"live ({self.placement})")
 
     def map(self, fn, items, *, batch_size: int = 1, run_dir=None, progress=None, timeout: float | None = None) -> list:
         """`[fn(item) for item in items]` on these ranks, in input order: each rank takes the next

@@ -22,10 +22,11 @@ from collections import deque
 from ..common.errors import WorkerError
 from ..display.sweep_view import SweepState, TrialRow, make_view, summary_html, summary_text
 from .insight import _name
-from .launch import check_timeout, launch
+from .choices import words
+from .launch import check_cluster_words, check_timeout, launch
 from .restarts import why
 from .result import Result
-from .slots import Slot, SlotRunner, check_count, plan_slots, slot_strategy
+from .slots import Slot, SlotRunner, check_count, plan_slots, slot_start
 from .sweep_study import ERROR, INTERRUPTED, KERNEL, SLOT, TRACEBACK, TRACEBACK_CHARS, open_study, resume, this_kernel
 
 OPTUNA_MISSING = "nbtrain.sweep runs on Optuna, which is not installed: pip install 'nbtrain[sweep]' (or optuna)."
@@ -161,11 +162,11 @@ class _Reporter:
 class _SweepRun:
     """One call of `sweep`: the study, the slots' work, the state the view draws."""
 
-    def __init__(self, optuna, study, fn, space, metric, catch, remaining: int, deadline, strategy, options,
+    def __init__(self, optuna, study, fn, space, metric, catch, remaining: int, deadline, strategy, start,
                  cluster, state: SweepState, view):
         self.optuna, self.study, self.fn, self.space, self.metric = optuna, study, fn, space, metric
         self.catch, self.remaining, self.deadline = catch, remaining, deadline
-        self.strategy, self.options, self.cluster = strategy, options, cluster
+        self.strategy, self.start, self.cluster = strategy, start, cluster
         self.state, self.view = state, view
         self.started = 0
         self.best: tuple[int, Result] | None = None
@@ -210,7 +211,7 @@ class _SweepRun:
                                           on_output=functools.partial(self._say, trial.number),
                                           on_note=functools.partial(self._note, trial.number))
             result = launch(functools.partial(self.fn, **trial.params), devices=slot.launch_devices,
-                            accelerator=slot.accelerator, strategy=self.strategy, launcher_options=self.options,
+                            accelerator=slot.accelerator, strategy=self.strategy, start=self.start,
                             cluster=self.cluster, progress=display)
         except _Pruned as pruned:
             self._end(trial, row, "pruned", f"pruned at step {pruned.step}", TrialState.PRUNED)
@@ -271,7 +272,7 @@ class _SweepRun:
 def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_per_trial: int = 1,
           direction: str | None = None, sampler=None, pruner=None, study=None, timeout: float | None = None,
           catch=(Exception,), run_dir=None, progress=True, accelerator: str = "auto", strategy: str = "auto",
-          cluster=None) -> Sweep:
+          start: str = "auto", cluster=None) -> Sweep:
     """Run Optuna trials of `fn(**params)` on slots of `devices_per_trial` devices, packed onto `devices`.
 
     `space` maps parameter names to Optuna distributions. Each trial is a launch on a free slot
@@ -309,10 +310,10 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
     view = make_view(progress)
     if cluster is None:
         slots, idle = plan_slots(devices, devices_per_trial, accelerator)
-        strategy, options = slot_strategy(strategy, devices_per_trial)
+        strategy, start = slot_start(strategy, start)
     else:
+        check_cluster_words(words(strategy, start), cluster)  # refused here, not by every trial
         slots, idle = cluster_slots(devices, devices_per_trial, accelerator), None
-        options = None
     study, run_dir = open_study(optuna, study, fn, direction=direction, sampler=sampler, pruner=pruner, metric=metric,
                                 run_dir=run_dir)
     done = resume(optuna, study)
@@ -321,7 +322,7 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
         f" of {devices_per_trial}" if devices_per_trial > 1 else "")
     state = SweepState(f"sweep of {_name(fn)}", metric, study.direction.name.lower(), where, trials, done)
     run = _SweepRun(optuna, study, fn, space, metric, catch, trials - done,
-                    None if timeout is None else time.monotonic() + timeout, strategy, options, cluster, state, view)
+                    None if timeout is None else time.monotonic() + timeout, strategy, start, cluster, state, view)
     run._best()
     view.start(state)
     if idle:

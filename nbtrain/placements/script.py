@@ -319,7 +319,7 @@ class ScriptLauncher(ProcessLauncher):
         self.note(f"its ranks start once every node has joined at {endpoint} (waiting up to "
                    f"{RENDEZVOUS_WAIT // 60} minutes)")
         template = self.options["rerun_as"] or (
-            f"the same launch(..., strategy='ddp', num_nodes={job.plan.num_nodes}, "
+            f"the same launch(..., strategy='{job.strategy}', start='torchrun', num_nodes={job.plan.num_nodes}, "
             f"launcher_options={{'node_rank': {{node_rank}}, 'rdzv_endpoint': '{endpoint}'}})")
         for other in range(job.plan.num_nodes):
             if other != job.node_rank:
