@@ -95,7 +95,7 @@ def test_recorder_names_the_line_and_fork_is_refused(cuda_state):
     text = str(refused.value)
     assert text.startswith(f"start='fork' refused: {reason}; a forked rank cannot initialise CUDA again")
     assert "Cannot re-initialize CUDA in forked subprocess" in text
-    assert "restart the kernel" in text and "strategy='ddp_spawn'" in text and "strategy='ddp'" in text
+    assert "restart the kernel" in text and "start='template', 'spawn' or 'torchrun'" in text
 
 
 def test_a_record_alone_refuses_fork(cuda_state):
@@ -332,7 +332,7 @@ def test_forked_ranks_get_tokenizers_parallelism_false_unless_set(monkeypatch, n
         monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     else:
         monkeypatch.setenv("TOKENIZERS_PARALLELISM", user_value)
-    r = nbtrain.launch(rank_env, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False)
+    r = nbtrain.launch(rank_env, devices=2, accelerator="cpu", start="fork", progress=False)
     assert r.values == [{"TOKENIZERS_PARALLELISM": seen, "NCCL_P2P_DISABLE": None, "NCCL_IB_DISABLE": None}] * 2
     assert os.environ.get("TOKENIZERS_PARALLELISM") == user_value  # the kernel's own is untouched
 
@@ -376,7 +376,7 @@ def test_in_a_kernel_the_refusal_names_the_cell_and_line(nb):
     call, _ = ok(nb, "setup()")
     # CUDA cannot initialise on this machine; stand in for torch's flag, which _lazy_init sets next.
     ok(nb, "preflight.cuda_is_initialized = lambda: True")
-    _, _, error = run_counted(nb, "nbtrain.launch(work, 2, devices=2, accelerator='cpu', strategy='ddp_fork', progress=False)")
+    _, _, error = run_counted(nb, "nbtrain.launch(work, 2, devices=2, accelerator='cpu', start='fork', progress=False)")
     assert error is not None and error["ename"] == "ForkUnsafeError"
     cause = (f"CUDA is already initialised in this kernel, in cell In[{define}] line 3 (`{RUN_QUEUED}`), "
              f"called from cell In[{call}] line 1 (`setup()`)")
@@ -395,7 +395,7 @@ def test_in_a_kernel_an_import_that_initialises_cuda_is_named(nb, tmp_path):
     (tmp_path / "bitsandbytes.py").write_text(f"import torch\n\n{RUN_QUEUED}\n")
     ok(nb, f"sys.path.insert(0, {str(tmp_path)!r})")
     n, _ = ok(nb, "import torch\nimport bitsandbytes as bnb\npreflight.cuda_is_initialized = lambda: True")
-    _, _, error = run_counted(nb, "nbtrain.launch(work, 2, devices=2, accelerator='cpu', strategy='ddp_fork', progress=False)")
+    _, _, error = run_counted(nb, "nbtrain.launch(work, 2, devices=2, accelerator='cpu', start='fork', progress=False)")
     assert error is not None and error["ename"] == "ForkUnsafeError"
     assert (f"CUDA is already initialised in this kernel, by importing bitsandbytes in cell In[{n}] line 2 "
             f"(`import bitsandbytes as bnb`), at bitsandbytes line 3 (`[call() for") in error["evalue"]
@@ -422,7 +422,7 @@ def test_real_cuda_initialisation_is_named(tmp_path):
         torch.cuda.init()
         assert torch.cuda.is_initialized()
         try:
-            nbtrain.launch(work, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False)
+            nbtrain.launch(work, devices=2, accelerator="cpu", start="fork", progress=False)
         except ForkUnsafeError as exc:
             print("REFUSED", exc)
         r = nbtrain.launch(work, devices=2, accelerator="cpu", progress=False)

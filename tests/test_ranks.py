@@ -252,7 +252,7 @@ def test_a_dead_rank_is_named_and_work_refused_until_restart(nb):
 
 
 def test_launch_works_beside_live_ranks(nb):
-    ok(nb, "r = nbtrain.launch(lambda: nbtrain.context().rank, devices=2, accelerator='cpu', strategy='ddp_fork', progress=False)")
+    ok(nb, "r = nbtrain.launch(lambda: nbtrain.context().rank, devices=2, accelerator='cpu', start='fork', progress=False)")
     assert nb.value("r.values, ranks.eval('ctx.rank')") == ([0, 1], [0, 1])
 
 

@@ -25,6 +25,10 @@ def test_bad_input_is_refused_clearly():
         nbtrain.Ranks(devices=2, accelerator="cpu", strategy="deepspeed")
     with pytest.raises(ValueError, match="start='thread' is not known"):
         nbtrain.Ranks(devices=2, accelerator="cpu", start="thread")
+    with pytest.raises(ValueError, match="start='torchrun': live ranks start by 'auto', 'fork', 'template', 'spawn'"):
+        nbtrain.Ranks(devices=2, accelerator="cpu", start="torchrun")
+    with pytest.raises(ValueError, match="strategy='ddp_fork' with start='spawn': 'ddp_fork' is the earlier name"):
+        nbtrain.Ranks(devices=2, accelerator="cpu", strategy="ddp_fork", start="spawn")
     with pytest.raises(ValueError, match="timeout=-1"):
         nbtrain.Ranks(devices=2, accelerator="cpu", timeout=-1)
     with nbtrain.Ranks(devices=2, accelerator="cpu") as ranks:
