@@ -37,15 +37,45 @@ def _items(items) -> list:
 
 def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "auto", run_dir=None,
         progress=True) -> list:
-    """`[fn(item) for item in items]`, run by a worker process per device slot, in input order.
+    """``[fn(item) for item in items]``, run by one worker process per device, results in input order.
 
-    Each worker is its own launch on one device (`devices`: launch's grammar; "auto" is every
-    visible GPU, on CPU give a number of worker processes), and takes the next items whenever it
-    is free, so a worker given quick items does more of them. With `batch_size` > 1, `fn` takes a
-    list of up to that many items and returns one result per item. A failing item raises
-    `MapError` naming its index, with its traceback and the results so far. With `run_dir`, results
-    are saved (privately) as they come, and the same map run again starts where it stopped.
-    Ctrl-C stops every worker, leaving nothing.
+    Each worker is a launch of its own on one device (ranks from the warm template) and takes
+    the next items whenever it is free, so a worker given quick items does more of them. One
+    live view (a bar) shows the whole map; Ctrl-C stops every worker, leaving nothing.
+
+    Parameters
+    ----------
+    fn : callable
+        The function; it may be defined in the notebook.
+    items : iterable
+        What to map over (made a list first).
+    devices : int, str or list, default 'auto'
+        As for `launch`: one worker per device ('auto': every visible GPU); on CPU, a number of
+        worker processes.
+    batch_size : int, default 1
+        With more than 1, ``fn`` takes a list of up to that many items and returns one result per item.
+    accelerator : {'auto', 'gpu', 'cpu'}, default 'auto'
+        As for `launch`.
+    run_dir : str or Path, optional
+        Save the results (privately) as they come; the same map run again starts where it stopped.
+    progress : bool or str, default True
+        As for `launch`.
+
+    Returns
+    -------
+    list
+        ``fn``'s result for each item, in input order.
+
+    Raises
+    ------
+    MapError
+        An item failed, or the worker running it died: its index, traceback and the results so far.
+    TypeError
+        ``fn`` is not callable, or ``items`` not iterable.
+    ValueError
+        A setting is not accepted.
+    KeyboardInterrupt
+        Ctrl-C: every worker was stopped (with ``run_dir``, what was done is kept).
     """
     if not callable(fn):
         raise TypeError(f"map(fn=...) needs a callable, got {type(fn).__name__}.")

@@ -58,7 +58,23 @@ class Result:
 
     @classmethod
     def from_state(cls, state: RunState, strategy: str, devices: str, start: str = "") -> "Result":
-        """The Result of a run whose ranks reported into `state` (used by the launchers)."""
+        """The Result of a run whose ranks reported into ``state`` (the launchers make it).
+
+        Parameters
+        ----------
+        state : RunState
+            What the ranks reported.
+        strategy : str
+            How models were wrapped.
+        devices : str
+            The devices, in words.
+        start : str, default ''
+            Where the ranks came from.
+
+        Returns
+        -------
+        Result
+        """
         values = [state.values.get(r) for r in sorted(state.ranks)]
         return cls(values[0] if values else None, values, list(state.history), state.elapsed,
                    strategy, state.effective_batch_size, devices, list(state.vitals),
