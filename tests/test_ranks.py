@@ -267,5 +267,6 @@ def test_magic_mistakes_are_one_line_usage_errors(nb):
     _, err = ok(nb, "%nbtrain start --devices 2 --partition gpu")
     assert err.startswith("UsageError: --partition do not apply with no --cluster") and "--cluster slurm:" in err
     _, err = ok(nb, "%nbtrain start --cluster slurm --start fork")
-    assert err.startswith("UsageError: start='fork' with cluster=") and "the cluster's engine starts the ranks" in err
+    assert err.startswith("UsageError: --start fork apply to ranks started on this machine; with --cluster slurm the "
+                          "cluster starts them")
     ok(nb, "%nbtrain start --devices 2 --accelerator cpu")
