@@ -165,3 +165,13 @@ def test_the_check_finds_what_a_docstring_leaves_out():
     assert check_documented(half, "half", needs_returns=True) == [
         "half: Parameters does not name ['devices', 'kwargs']", "half: no Returns section",
         "half: points elsewhere ('nbtrain/notebook/launch.py') instead of saying it"]
+
+
+def test_a_result_pickled_before_start_existed_reads_an_empty_start():
+    import pickle
+
+    result = nbtrain.Result(1, [1, 2], [], 0.5, "ddp", devices="2 CPU ranks, gloo", start="fork")
+    older = pickle.loads(pickle.dumps(result))
+    del older.__dict__["start"]  # as an earlier release pickled it
+    assert older.start == "" and repr(older).startswith("Result(strategy='ddp', devices='2 CPU ranks, gloo'")
+    assert repr(result).startswith("Result(strategy='ddp', start='fork', devices=")
