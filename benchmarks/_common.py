@@ -14,10 +14,11 @@ RESULTS = Path(__file__).with_name("RESULTS.md")
 class Kernel:
     """A real Jupyter kernel; `run` executes a cell and returns its stdout (raises on error)."""
 
-    def __init__(self):
+    def __init__(self, **start):
+        """`start`: what KernelManager.start_kernel takes (cwd, env)."""
         from jupyter_client.manager import start_new_kernel
 
-        self.manager, self.client = start_new_kernel(kernel_name="python3")
+        self.manager, self.client = start_new_kernel(kernel_name="python3", **start)
 
     def run(self, code: str, timeout: float = 600) -> str:
         out, error = [], []

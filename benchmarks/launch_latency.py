@@ -1,13 +1,17 @@
 """Launch + 5 DDP steps of a small model on 2 CPU ranks, from one real Jupyter kernel.
 
-Contenders, interleaved round by round: nbtrain ddp_fork / ddp_spawn (forks of the warm
-template, the default) / ddp_spawn with plain spawn / ddp (script), Lightning
+Contenders, interleaved round by round: nbtrain start='fork' / 'template' (forks of the warm
+template) / 'spawn' (plain spawn) / 'torchrun' (script; labelled by their earlier names), Lightning
 Trainer(strategy="ddp_notebook"), Accelerate notebook_launcher, and bare torchrun on the same
 script from a shell. The first launch of each in the kernel is reported separately (cold): fork
 is fast only once the kernel holds what the ranks import; the template is started by
 `nbtrain.warm_up()` in the set-up cell, so its cold launch is the first one after warm_up().
 
-    python benchmarks/launch_latency.py [--rounds 5]
+`--before DIR` runs nbtrain's contenders again from another checkout of nbtrain (e.g. `git
+archive <commit> | tar -x -C DIR`), in a second kernel, interleaved with the rest: the same
+machine and load for both.
+
+    python benchmarks/launch_latency.py [--rounds 5] [--before DIR]
 """
 from __future__ import annotations
 
@@ -42,8 +46,14 @@ def nbtrain_fn():
 def timed(fn):
     t = time.perf_counter(); fn(); print(f"{time.perf_counter() - t:.4f}")
 
+# A checkout from before start= existed (--before) says each start with its combined name.
+EARLIER = {"fork": {"strategy": "ddp_fork"}, "template": {"strategy": "ddp_spawn"},
+           "spawn": {"strategy": "ddp_spawn", "launcher_options": {"template": False}}, "torchrun": {"strategy": "ddp"}}
+
 def run_nbtrain(start, n=2):
-    timed(lambda: nbtrain.launch(nbtrain_fn, devices=n, accelerator="cpu", start=start, progress=False))
+    import inspect
+    how = {"start": start} if "start" in inspect.signature(nbtrain.launch).parameters else EARLIER[start]
+    timed(lambda: nbtrain.launch(nbtrain_fn, devices=n, accelerator="cpu", progress=False, **how))
 
 print("template ready in", nbtrain.warm_up())
 
@@ -118,22 +128,37 @@ def bare_torchrun(script: Path, tries: int = 2) -> float:
     return time.perf_counter() - started
 
 
+WHERE = "import nbtrain, os; print(os.path.dirname(os.path.dirname(nbtrain.__file__)))"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--before", help="another checkout of nbtrain: its contenders too, in a second kernel")
     args = parser.parse_args()
-    times: dict[str, list[float]] = {name: [] for name in [*KERNEL_CONTENDERS, "bare torchrun (shell)"]}
+    contenders = [(name, call, "now") for name, call in KERNEL_CONTENDERS.items()]
+    if args.before:
+        contenders += [(f"{name} (before)", call, "before") for name, call in KERNEL_CONTENDERS.items()
+                       if name.startswith("nbtrain")]
+    times: dict[str, list[float]] = {name: [] for name in [*(c[0] for c in contenders), "bare torchrun (shell)"]}
     cold: dict[str, float] = {}
-    kernel = Kernel()
+    kernels = {"now": Kernel()}
+    if args.before:  # its nbtrain first on the path, and no checkout in its working directory
+        before = os.path.abspath(args.before)
+        kernels["before"] = Kernel(cwd=before, env={**os.environ, "PYTHONPATH": before})
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp, "train.py")
         script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
         try:
-            kernel.run(SETUP)
+            checkouts = {which: kernel.run(WHERE).strip() for which, kernel in kernels.items()}
+            print("nbtrain from", checkouts, file=sys.stderr)
+            assert len(set(checkouts.values())) == len(checkouts), f"both kernels import one nbtrain: {checkouts}"
+            for kernel in kernels.values():
+                kernel.run(SETUP)
             for round_ in range(args.rounds + 1):  # round 0 is the cold launch of each
-                for name, call in KERNEL_CONTENDERS.items():
+                for name, call, which in contenders:
                     try:
-                        seconds = float(kernel.run(call).strip().splitlines()[-1])
+                        seconds = float(kernels[which].run(call).strip().splitlines()[-1])
                     except Exception as exc:  # a contender that cannot run here is reported, not fatal
                         print(f"{name}: {str(exc).splitlines()[-1][:200]}", file=sys.stderr)
                         continue
@@ -143,7 +168,8 @@ def main() -> None:
                  times["bare torchrun (shell)"].append(seconds))
                 print(f"round {round_} done", file=sys.stderr)
         finally:
-            kernel.close()
+            for kernel in kernels.values():
+                kernel.close()
     lightning = median(times["Lightning ddp_notebook"])
     torchrun = median(times["bare torchrun (shell)"])
     rows = []
@@ -161,6 +187,11 @@ def main() -> None:
                f"{median(times['nbtrain ddp_spawn (plain spawn)']) / fork:.1f}x), and its first launch after "
                f"warm_up() as fast as a warm one ({cold.get('nbtrain ddp_spawn (template)', float('nan')):.3f} s vs "
                f"{median(times['nbtrain ddp_spawn (template)']):.3f} s).")
+    if args.before:
+        changes = ", ".join(f"{name[len('nbtrain '):]} {median(times[name]):.3f} s (before "
+                            f"{median(times[name + ' (before)']):.3f} s)" for name in KERNEL_CONTENDERS
+                            if name.startswith("nbtrain"))
+        targets += f"\n\nBefore/after (`--before {checkouts['before']}`, in the same rounds): {changes}."
     record("Launch latency (launch_latency.py)", body + "\n\n" + targets)
 
 

@@ -9,7 +9,6 @@ def no_leftovers():
     """After the test: no child process, no new open file descriptor, MASTER_PORT not leaked."""
     import nbtrain.placements.template_process
 
-    _torch_store_warm()
     me = psutil.Process()
     had_template = nbtrain.placements.template_process.template(start=False) is not None
     fds_before = me.num_fds()
@@ -20,20 +19,6 @@ def no_leftovers():
     assert not children, f"processes left behind: {[(c.pid, c.name()) for c in children]}"
     assert me.num_fds() <= fds_before, f"file descriptors leaked: {fds_before} -> {me.num_fds()}"
     assert "MASTER_PORT" not in os.environ
-
-
-_warm = []
-
-
-def _torch_store_warm() -> None:
-    # The first TCP store a process hosts opens a pipe pair that torch keeps for the process's
-    # life (measured: 2 fds, once; 4 stores later, none more). A local launch hosts its ranks'
-    # store, so the first launch of the session would read as a leak.
-    if not _warm:
-        from nbtrain.placements.base import loopback_store
-
-        loopback_store()
-        _warm.append(True)
 
 
 def _is_template(process) -> bool:

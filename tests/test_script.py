@@ -118,6 +118,7 @@ def test_results_metrics_environment_and_private_job_dir(no_leftovers):
     assert env0["MASTER_PORT"] == env1["MASTER_PORT"] != "29500"
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"] and own_session
     assert dir0 == dir1 and modes.pop(".") == 0o700 and modes.pop("tmp") == 0o700  # the launcher's TMPDIR
+    assert modes.pop("store") == 0o700  # the ranks' rendezvous
     assert set(modes.values()) == {0o600}
     assert {"job.pkl", "rank.py", "stdout-0", "stderr-1"} <= set(modes)
     assert not os.path.exists(dir0)  # removed with everything in it

@@ -152,3 +152,27 @@ def read_own_json(path: Path):
     except ValueError as error:
         raise ValueError(f"{str(path)!r} is damaged (not JSON: {error}); "
                          f"{len(data):,} bytes, {'empty' if not data else 'cut or overwritten'}") from None
+
+
+def new_private_dir(path) -> Path:
+    """`path` as a directory: made 0700 (missing parents with their usual mode) when it is
+    missing; one that is there already (a place the user gave) is left as it is."""
+    path = Path(path)
+    if not path.is_dir():
+        private_dir(path)
+    return path
+
+
+def new_private_file(path) -> Path:
+    """`path` made as an empty file, 0600, when missing (for a library that then opens it:
+    SQLite gives its journals the database's mode); one that is there is left as it is."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE))
+    return Path(path)
+
+
+def private_files(directory) -> None:
+    """The files of `directory` (not below it) that this user owns, made 0600: what a library
+    wrote there with the umask's mode."""
+    for entry in os.scandir(directory):
+        if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.geteuid():
+            os.chmod(entry.path, FILE_MODE)

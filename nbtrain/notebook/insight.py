@@ -9,6 +9,7 @@ import inspect
 import os
 from pathlib import Path
 
+from ..common.private import private_dir
 from ..common.runlog import new_run_dir
 from ..rank.instrument import Instrumented
 from ..rank.profiling import Profile
@@ -27,10 +28,10 @@ def instrument(fn, args: tuple, kwargs: dict, *, trackers, profile, run_dir, pla
         return fn
     name = _name(fn)
     if run_dir is None:  # a new one, never another run's (a submit's, or a launch's in the same second)
-        run_dir = str(new_run_dir(Path(RUNS).absolute(), name, mode=0o777))
+        run_dir = str(new_run_dir(Path(RUNS).absolute(), name))  # 0700
     else:
         run_dir = os.path.abspath(check_run_dir(run_dir))
-        os.makedirs(run_dir, exist_ok=True)
+        private_dir(Path(run_dir))  # its trackers record the run's arguments: only its user reads them
     # The URI as this notebook has it: ranks elsewhere (a cluster) may not share its environment.
     trackers = tuple(MLflow(os.environ.get("MLFLOW_TRACKING_URI"), t.experiment, t.run_name)
                      if isinstance(t, MLflow) and t.tracking_uri is None and os.environ.get("MLFLOW_TRACKING_URI")

@@ -23,7 +23,7 @@ from ..common.tensor_files import LaunchFiles
 from ..common.pickling import explain_pickling, ship_bytes
 from ..common.source import shippable
 from ..common.process_tree import descendants
-from ..placements.base import describe_exit, free_port, loopback_store
+from ..placements.base import PrivateStore, describe_exit, free_port
 from ..rank.process import STACKS_SIGNAL
 
 EXIT_WAIT = 5.0  # ranks that replied: how long they may take to exit on their own
@@ -52,7 +52,7 @@ class Pool:
         # rank on another machine sends bytes instead: see clusters.base.here).
         self.files = LaunchFiles()
         self.processes: list = []
-        self.store = None  # the ranks' rendezvous, when this kernel hosts it
+        self.store: PrivateStore | None = None  # the ranks' rendezvous, for ranks on this machine
         self.closed: set[int] = set()  # ranks whose channel closed
         self.stderr = stderr_tails()
         self.dying: set[int] = set()  # ranks that wrote faulthandler's fatal report
@@ -89,9 +89,10 @@ class Pool:
         job.live = self.live
         job.first = ("start", 0, True) if self.live else ("run", 0, True, self.launcher._first_job(job))
         self.launcher._apply_nccl_quirks(job, display)
-        if self.launcher.local and not job.master_port:
-            self.store, job.master_port = loopback_store()
-            job.options["store_hosted"] = True
+        if self.launcher.local:
+            self.store = PrivateStore()
+            job.options["store"] = self.store.path
+        # Torch's variables, for libraries that read them: nothing of nbtrain's listens there.
         job.master_port = job.master_port or free_port()
         state = self.state = RunState(self._title(), job.ranks)
         display.start(state)
@@ -133,7 +134,8 @@ class Pool:
             self.hub.close()
             self.pump.close()
             self.launcher._cleanup(self.job)
-            self.store = None  # stops listening
+            if self.store is not None:
+                self.store.close()
             if self.files is not None:
                 self.files.cleanup()
 

@@ -7,13 +7,21 @@ A placement only starts rank processes; which one runs is the strategy's decisio
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import socket
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..common.devices import DevicePlan
+from ..common.leftovers import remove_orphans
 from ..common.preflight import nccl_environ
+from ..common.tensor_files import SHM_DIR
+from ..rank.rendezvous import STORE_VAR
+
+_STORE_DIR = re.compile(r"nbtrain-store-(\d+)-\w+")  # a PrivateStore's, named for its kernel
 
 
 @dataclass
@@ -45,25 +53,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def loopback_store():
-    """A rendezvous store for ranks on this machine, hosted by the caller and reachable only from it.
+class PrivateStore:
+    """Where the ranks of a launch on this machine meet: a new directory only this user can enter.
 
-    Left to rank 0, torch's TCP store would listen on every interface, unauthenticated.
-    Bound here to 127.0.0.1 and handed to torch as a listening socket; the ranks then join it
-    as clients, as torchrun's workers join their agent's (`rank_environ`'s
-    TORCHELASTIC_USE_AGENT_STORE). Returns the store (it stops listening when dropped) and its port.
+    Each rank's env:// opens a torch FileStore in it (`nbtrain.rank.rendezvous`), so nothing
+    listens: another account on the machine can neither read the ranks' keys nor set any. In
+    /dev/shm (memory) where there is one. Removed when the launch ends; a killed kernel's, by the
+    next launch.
     """
-    import datetime
 
-    import torch.distributed as dist
+    def __init__(self):
+        root = next((r for r in (SHM_DIR, tempfile.gettempdir()) if os.path.isdir(r) and os.access(r, os.W_OK)),
+                    tempfile.gettempdir())
+        remove_orphans(root, _STORE_DIR, lambda path: shutil.rmtree(path, ignore_errors=True))
+        self.path = tempfile.mkdtemp(prefix=f"nbtrain-store-{os.getpid()}-", dir=root)  # a new name, 0700
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(socket.SOMAXCONN)
-    port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False,
-                          master_listen_fd=sock.detach())  # the store owns the socket from here
-    return store, port
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def rank_environ(job: Job, local_rank: int, channel_env: dict[str, str]) -> dict[str, str]:
@@ -91,7 +97,7 @@ def rank_environ(job: Job, local_rank: int, channel_env: dict[str, str]) -> dict
         "TORCHELASTIC_RUN_ID": f"nbtrain-{job.master_port}",
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
-        **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if job.options.get("store_hosted") else {}),
+        **_private_rendezvous(job),
         "NBTRAIN_ACCELERATOR": plan.accelerator,
         "NBTRAIN_BACKEND": plan.backend,
         "NBTRAIN_STRATEGY": job.strategy,
@@ -104,6 +110,14 @@ def rank_environ(job: Job, local_rank: int, channel_env: dict[str, str]) -> dict
     else:  # what `accelerate launch --cpu` sets: Accelerate and Transformers then run on CPU, distributed
         env["ACCELERATE_USE_CPU"] = "true"
     return env
+
+
+def _private_rendezvous(job: Job) -> dict[str, str]:
+    """Ranks all on this machine: their store is private, and gloo's own connections stay on
+    loopback (by default gloo listens on the address the host name resolves to, often the LAN's)."""
+    if not job.options.get("store"):
+        return {}
+    return {STORE_VAR: job.options["store"], "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
 
 
 def describe_exit(code: int, pid: int | None) -> str:
@@ -179,7 +193,7 @@ class ProcessLauncher:
 
     strategy = ""
     is_interactive_compatible = True
-    local = False  # every rank on this machine: the caller hosts their rendezvous on loopback
+    local = False  # every rank on this machine: the caller gives them a PrivateStore
 
     def _start(self, job: Job, channel_env: dict[str, str], pump, started: list[RankProcess]) -> None:
         """Start the ranks, appending each process to `started` as soon as it runs

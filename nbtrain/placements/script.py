@@ -15,7 +15,9 @@ of every pipe while the launcher runs, so a restarted rank (--max-restarts) can 
 
 Rendezvous: static (`--rdzv-backend static --node-rank R`), on a free port for one node, at
 the given endpoint for several: a node carries ranks R*nproc .. R*nproc+nproc-1, which is
-what the notebook's RunState expects. c10d rendezvous would number nodes by arrival.
+what the notebook's RunState expects. c10d rendezvous would number nodes by arrival. On one
+node the ranks' own process group meets in a private file store in that directory
+(`nbtrain.rank.rendezvous`); the launcher's TCP store then carries only its own keys.
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ _DIE_WITH_KERNEL = (
     "    pass\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit(1)\n"
+    "os.umask(0o077)  # what the launcher writes (torchrun's log directory) is private; ranks get the kernel's back\n"
     "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
 )
 
@@ -74,6 +77,7 @@ except (OSError, AttributeError):
     pass
 if parent == 1 or os.getppid() != parent:  # the launcher is already gone
     os._exit(1)
+os.umask({umask:#o})  # the kernel's: the launcher ran with 0o077
 if {tmpdir!r} is None:  # the kernel's TMPDIR again: only the launcher's own temp files go in the job dir
     os.environ.pop("TMPDIR", None)
 else:
@@ -180,6 +184,20 @@ def remove_deepspeed_buffers(addr: str, port: int | None) -> None:
             pass
 
 
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask would, for every thread at once)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)  # the brief moment it is changed, it is the stricter one
+    os.umask(mask)
+    return mask
+
+
 def job_dir() -> str:
     """A private directory (mode 0700) for one launch, named after this process: a launch
     whose kernel was killed cannot remove its own, so each launch removes those of the dead."""
@@ -262,6 +280,9 @@ class ScriptLauncher(ProcessLauncher):
 
     def _start(self, job, channel_env, pump, started) -> None:
         self._dir = job_dir()
+        if job.plan.num_nodes == 1:  # the ranks' env:// meets in here, not at torchrun's TCP store
+            job.options["store"] = os.path.join(self._dir, "store")
+            os.mkdir(job.options["store"], 0o700)
         script = self._write_job(job)
         self._rank_pipes(job, pump)
         launcher = self.options["launcher"]
@@ -300,7 +321,7 @@ class ScriptLauncher(ProcessLauncher):
 
         private(PAYLOAD, self._payload)
         path = [os.getcwd() if p == "" else p for p in sys.path]
-        text = _BOOTSTRAP_TEXT.format(path=path, job_dir=self._dir, tmpdir=os.environ.get("TMPDIR"))
+        text = _BOOTSTRAP_TEXT.format(path=path, job_dir=self._dir, tmpdir=os.environ.get("TMPDIR"), umask=_umask())
         return private(BOOTSTRAP, text.encode())
 
     def _rank_pipes(self, job: Job, pump) -> None:

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..common.private import new_private_dir
 from .context import context
 from .profiling import Profile, Recorder
 from .trackers import RunInfo, Trackers
@@ -42,7 +43,8 @@ class Instrumented:
                 # Every rank passes here together, so handing rank 0's run id round may be a collective.
                 trackers.start(lambda value: ctx.all_gather(value)[0])
             if self.profile is not None:
-                recorder = Recorder(self.profile, ctx.rank, ctx.device, os.path.join(self.run_dir, "profile"))
+                where = new_private_dir(os.path.join(self.run_dir, "profile"))
+                recorder = Recorder(self.profile, ctx.rank, ctx.device, str(where))
             ctx._observe(trackers, recorder)
             value = call()
             failed = False

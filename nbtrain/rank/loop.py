@@ -44,6 +44,7 @@ from ..common.source import free_names, parse_cell
 from ..common.tracebacks import package_path
 from ..common.transfer import pack_exception, pack_result, unpack_job, unpack_push
 from .compat import become_torchrun_worker, destroy_asked_group
+from .rendezvous import use_private_store
 from .context import Context, set_current
 from .output import show_in_notebook
 from .process import drain_output, enable_stacks
@@ -450,17 +451,25 @@ def serve(first: tuple | None = None, once: bool = False, live: bool = False, fo
         if notice:  # what the engine's side found as the rank started, now that its output reaches the notebook
             print(f"nbtrain: {notice}", file=sys.stderr, flush=True)
     become_torchrun_worker()
+    use_private_store()
     show_in_notebook(link, rank)
     ctx = Context.from_environ(os.environ, link)
     set_current(ctx)
     loop = RankLoop(ctx, link, live)
-    link.listen(loop.on_message)
+    link.listen(loop.on_message, _notebook_gone)
     link.emit("hello", os.getpid(), socket.gethostname())
     become_subreaper()  # what the code starts, in a session of its own or orphaned, stays in reach
     try:
         return loop.serve(first, once)
     finally:
         end_descendants()
+
+
+def _notebook_gone() -> None:
+    """The channel closed: the notebook is gone (its kernel killed, say). This rank ends, and
+    what its code started first."""
+    end_descendants()
+    os._exit(1)
 
 
 def remote_main(environ: dict, first: tuple | None, live: bool) -> int:

@@ -16,25 +16,32 @@ import threading
 import time
 
 from ..common.lines import Screen
+from ..common.process_tree import end_descendants, watch_rank
 
 STACKS_SIGNAL = signal.SIGUSR1  # the notebook sends it to see where a rank is stuck
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent_pid: int, thread_bound: bool = True) -> None:
-    """A rank must not outlive the process that started it (an orphan can sit in gloo forever).
+def die_with_parent(parent_pid: int, thread_bound: bool = True, watched: bool = True) -> None:
+    """A rank must not outlive the process that started it (an orphan can sit in gloo forever),
+    nor may what it started (`common.process_tree`).
 
-    Linux's parent-death signal fires when the *thread* that started the child ends: only for a
-    child started by its parent's main thread (`thread_bound`) is that the parent's end. A child
-    started from another thread (live ranks restarted from a thread, a timer) relies on the
-    watchdog alone, or it would die with that thread.
+    Its watcher process (`watched`; the template, which is no rank, has none) ends it and its
+    whole tree once the parent is gone; a watchdog thread here does the same if the watcher
+    could not start. Without a watcher, Linux's parent-death signal kills the process, but only
+    where the *thread* that started it is its parent's main thread (`thread_bound`): it fires
+    when that thread ends, and a rank started from another thread (live ranks restarted from a
+    thread, a timer) would die with that thread.
     """
-    if thread_bound:
+    # With a watcher, no parent-death signal (a launcher's bootstrap set one, in script mode): the
+    # watcher kills the rank itself, once it has ended the rest.
+    death = 0 if watched and watch_rank(parent_pid) else signal.SIGKILL if thread_bound else None
+    if death is not None:
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, death)
         except (OSError, AttributeError):  # not Linux: the watchdog below still covers it
             pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if os.getppid() != parent_pid:  # the parent died before any of this took effect
         os._exit(1)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="nbtrain-watchdog", daemon=True).start()
 
@@ -42,6 +49,7 @@ def die_with_parent(parent_pid: int, thread_bound: bool = True) -> None:
 def _watch_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(1.0)
+    end_descendants()  # a watcher does it first, where there is one
     os._exit(1)
 
 

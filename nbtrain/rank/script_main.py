@@ -14,6 +14,7 @@ import traceback
 from ..common.transfer import unpack_job
 from .loop import serve
 from .process import die_with_parent, enable_stacks, limit_threads, redirect_output
+from .rendezvous import STORE_VAR
 
 PAYLOAD = "job.pkl"  # the dill payload, in the launch's private directory
 
@@ -38,8 +39,8 @@ def rank_main(job_dir: str, parent: int) -> None:
     with open(os.path.join(job_dir, PAYLOAD), "rb") as f:
         payload = f.read()
 
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)):
-        _fresh_keys_per_attempt()
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) and STORE_VAR not in os.environ:
+        _fresh_keys_per_attempt()  # on one node, the private store has a file per attempt already
 
     def load_job():
         fn, args, kwargs = unpack_job(payload)

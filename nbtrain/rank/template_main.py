@@ -13,9 +13,10 @@ and the user's own modules are imported by the rank, fresh (they reach it by nam
 pickled job). One trap: a variable that torch reads *when it is imported* must be set before the
 template starts; `warm_up(restart=True)` starts a new one.
 
-Lifetime: the template dies with the kernel (parent-death signal and a watchdog); ranks die
-with the template (the same), and with the channel to the notebook. The template reaps its
-ranks and reports their exit status, since the kernel is not their parent.
+Lifetime: the template dies with the kernel (parent-death signal and a watchdog); each rank's
+watcher (`common.process_tree`) ends it, and what it started, when the template is gone, and a
+rank ends with the channel to the notebook. The template reaps its ranks and reports their exit
+status, since the kernel is not their parent.
 
 Protocol, over a Unix socket pair: the kernel sends a length-prefixed pickle with the rank's
 two output pipes attached (SCM_RIGHTS); the template answers ("forked", pid), and later
@@ -77,7 +78,7 @@ def _receive(sock: socket.socket, max_fds: int = 0):
 # -- the template process ----------------------------------------------------------------------
 
 def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
-    die_with_parent(kernel_pid, thread_bound=os.environ.pop("NBTRAIN_PARENT_THREAD", "") != "other")
+    die_with_parent(kernel_pid, thread_bound=os.environ.pop("NBTRAIN_PARENT_THREAD", "") != "other", watched=False)
     sock = socket.socket(fileno=control_fd)
     for name in (*PRELOAD, *extra):
         __import__(name)

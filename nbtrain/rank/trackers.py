@@ -21,6 +21,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+from ..common.private import new_private_dir, new_private_file, private_files
 
 FLUSH_SECONDS = 1.0  # MLflow: metrics are sent in batches at most this often (one store write each)
 BATCH = 10_000  # values taken off the queue at once: what queued up while the last batch was written
@@ -335,8 +338,10 @@ class _TensorBoardWriter(_Writer):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        base = os.fspath(settings.log_dir or f"{run.dir}/tensorboard")
-        self.writer = SummaryWriter(base if run.rank == 0 else f"{base}/rank{run.rank}")
+        # Private: the event file records the run's arguments.
+        base = new_private_dir(os.fspath(settings.log_dir or f"{run.dir}/tensorboard"))
+        self.writer = SummaryWriter(str(base if run.rank == 0 else new_private_dir(base / f"rank{run.rank}")))
+        private_files(self.writer.log_dir)
         if run.rank == 0:
             # What add_hparams writes, into this writer's own file: add_hparams opens a second
             # writer (a second run in TensorBoard) for them.
@@ -354,6 +359,8 @@ class _MLflowWriter(_Writer):
     def __init__(self, settings: MLflow, run):
         from mlflow import MlflowClient
 
+        if settings.tracking_uri is None:  # private: the store records the run's arguments
+            new_private_file(f"{run.dir}/mlflow.db")
         self.client = MlflowClient(tracking_uri=settings.uri(run))
         self.run_id = None
         self.owner = run.rank == 0  # the rank that created the run ends it
@@ -400,6 +407,7 @@ class _WandBWriter(_Writer):
 
         name = run.name if run.rank == 0 else f"{run.name}-rank{run.rank}"
         bounded = {k: v for k, v in WANDB_TIMEOUTS.items() if f"WANDB_{k.upper()}" not in os.environ}
+        new_private_dir(Path(os.fspath(settings.dir or run.dir), "wandb"))  # W&B's own folder there: private
         try:
             self.run = wandb.init(project=settings.project, entity=settings.entity, mode=settings.mode,
                                   dir=os.fspath(settings.dir or run.dir), name=name, group=run.name,

@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from ...common.private import new_private_dir, private_dir
 from ..base import Job, describe_exit
 from .base import (Cluster, RemotePlacement, RemoteRank, accelerator_of, base_environ, channel_options, count,
                    make_plan, notebook_addresses, rank_entry, rank_vars, require)
@@ -201,8 +202,10 @@ class SlurmPlacement(RemotePlacement):
             raise RuntimeError("cluster=Slurm(...): `sbatch` is not on PATH here. Run the notebook on a machine that "
                                "submits SLURM jobs (a login node, or a node of an interactive job).")
         super()._prepare(job)
-        base = self.cluster.folder or Path.home() / ".cache" / "nbtrain" / "slurm"
-        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.cluster.folder is None:
+            base = private_dir(Path.home() / ".cache" / "nbtrain" / "slurm")  # nbtrain's own: 0700, no one else's
+        else:
+            base = new_private_dir(self.cluster.folder)  # the user's: made 0700 if missing, else as it is
         _remove_orphans(base)
         # Private: the pickled job holds the channel's authkey. Named for its kernel, see _remove_orphans.
         self.folder = Path(tempfile.mkdtemp(prefix=f"job-{socket.gethostname()}-{os.getpid()}-", dir=base))
