@@ -68,7 +68,7 @@ _DIE_WITH_KERNEL = (
 )
 
 _BOOTSTRAP_TEXT = '''\
-# One rank of an nbtrain launch (strategy "ddp"); written for this launch only, removed after it.
+# One rank of an nbtrain launch (start="torchrun"); written for this launch only, removed after it.
 import ctypes, os, signal, sys
 parent = os.getppid()
 try:  # die with the launcher from here on, not only once torch is imported
