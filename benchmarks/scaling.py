@@ -17,9 +17,9 @@ from _common import Kernel, median, record, table  # noqa: E402
 from launch_latency import SETUP  # noqa: E402
 
 CONTENDERS = {
-    "nbtrain ddp_fork": "run_nbtrain('ddp_fork', {n})",
-    "nbtrain ddp_spawn (template)": "run_nbtrain('ddp_spawn', {n})",
-    "nbtrain ddp (script)": "run_nbtrain('ddp', {n})",
+    "nbtrain ddp_fork": "run_nbtrain('fork', {n})",  # the labels keep their first names (see launch_latency.py)
+    "nbtrain ddp_spawn (template)": "run_nbtrain('template', {n})",
+    "nbtrain ddp (script)": "run_nbtrain('torchrun', {n})",
     "Lightning ddp_notebook": "run_lightning({n})",
     "Accelerate notebook_launcher": "run_accelerate({n})",
 }

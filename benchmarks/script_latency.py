@@ -2,7 +2,7 @@
 mode against bare `python -m torch.distributed.run` from a shell.
 
 Contenders, interleaved round by round (the first round is a warm-up and not counted):
-  nbtrain launch(fn, strategy="ddp")   the script's body as a function
+  nbtrain launch(fn, start="torchrun") the script's body as a function
   nbtrain cell (run_cell)              the script itself as a %%nbtrain cell (what the magic calls)
   bare torchrun, static rendezvous     the same flags nbtrain passes
   bare torchrun --standalone           what a user types
@@ -76,9 +76,9 @@ def contenders(script: Path):
 
     return {
         "nbtrain launch(fn, strategy='ddp')": lambda: nbtrain.launch(
-            script_as_function, strategy="ddp", devices=2, accelerator="cpu", progress=False),
+            script_as_function, start="torchrun", devices=2, accelerator="cpu", progress=False),
         "nbtrain cell (run_cell, as %%nbtrain)": lambda: run_cell(
-            SCRIPT, {}, strategy="ddp", devices=2, accelerator="cpu", progress=False),
+            SCRIPT, {}, start="torchrun", devices=2, accelerator="cpu", progress=False),
         "bare torchrun, static (nbtrain's flags)": lambda: bare(
             "--nnodes", "1", "--node-rank", "0", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
             "--master-port", str(free_port()), "--monitor-interval", "0.1")(),

@@ -30,7 +30,7 @@ def snapshot():
     import nbtrain.placements.template_process
     found = dict(children=len(me.children(recursive=True)), fds=me.num_fds(), threads=threading.active_count(),
                  rss_mib=round(me.memory_info().rss / 2**20, 1))
-    running = nbtrain.template.template(start=False)
+    running = nbtrain.placements.template_process.template(start=False)
     if running is not None:  # the template is one of the children; its own state counts too
         t = psutil.Process(running.process.pid)
         found.update(template_children=len(t.children()), template_fds=t.num_fds(),

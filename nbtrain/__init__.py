@@ -9,33 +9,45 @@ from importlib import metadata as _metadata
 from .common.devices import ensure_pci_bus_order as _ensure_pci_bus_order
 from .common.preflight import install_cuda_init_hook_when_imported as _install_cuda_init_hook
 
-# name: the module that defines it
+# What a notebook user types, and nothing else (name: the module that defines it). Each has a
+# docstring with every parameter, what it returns and what it raises (tests/test_public_api.py).
 _PUBLIC = {
-    **dict.fromkeys(["DevicePlan", "ensure_pci_bus_order", "parse_devices", "plan_devices"], ".common.devices"),
-    **dict.fromkeys(["UnpicklableError", "WorkerError"], ".common.errors"),
-    **dict.fromkeys(["Gpu", "GpuProcess", "StaticInventory", "find_free_gpus", "use_inventory"], ".common.inventory"),
-    **dict.fromkeys(["Finding", "explain_pickling"], ".common.pickling"),
-    **dict.fromkeys(["ForkUnsafeError", "install_cuda_init_hook"], ".common.preflight"),
-    "gpus": ".display.gpus",
-    **dict.fromkeys(["GpuPicker", "pick_gpus"], ".display.picker"),
-    **dict.fromkeys(["notebook_launcher", "spawn"], ".notebook.dropins"),
-    "environment": ".notebook.env",
-    "launch": ".notebook.launch",
-    **dict.fromkeys(["MapError", "map"], ".notebook.mapping"),
-    **dict.fromkeys(["Rank", "Ranks"], ".notebook.ranks"),
-    "Result": ".notebook.result",
+    **dict.fromkeys(["launch"], ".notebook.launch"),
+    **dict.fromkeys(["submit"], ".notebook.submit"),
+    **dict.fromkeys(["Ranks"], ".notebook.ranks"),
+    **dict.fromkeys(["context", "Context"], ".rank.context"),
+    **dict.fromkeys(["Result"], ".notebook.result"),
     **dict.fromkeys(["Run", "attach", "runs"], ".notebook.runs"),
-    "submit": ".notebook.submit",
-    **dict.fromkeys(["Sweep", "sweep"], ".notebook.sweep"),
-    "export": ".notebook.export",
+    **dict.fromkeys(["export"], ".notebook.export"),
+    **dict.fromkeys(["sweep"], ".notebook.sweep"),
+    **dict.fromkeys(["MapError", "map"], ".notebook.mapping"),
+    **dict.fromkeys(["WorkerError"], ".common.errors"),
+    **dict.fromkeys(["explain_pickling"], ".common.pickling"),
+    **dict.fromkeys(["gpus"], ".display.gpus"),
+    **dict.fromkeys(["pick_gpus"], ".display.picker"),
     **dict.fromkeys(["Ray", "Slurm"], ".placements.clusters"),
-    "warm_up": ".placements.template_process",
-    **dict.fromkeys(["Context", "context", "rank_zero_only"], ".rank.context"),
-    "Profile": ".rank.profiling",
     **dict.fromkeys(["MLflow", "TensorBoard", "WandB"], ".rank.trackers"),
+    **dict.fromkeys(["Profile"], ".rank.profiling"),
+    **dict.fromkeys(["stop_template", "warm_up"], ".placements.template_process"),
 }
-_SUBMODULES = {"template", "cli", "demo", "script_rank", "notebook", "display", "placements", "rank", "common"}
+# Top-level names of earlier releases that are not what a notebook types: they still work, with a
+# DeprecationWarning (once per name) naming the module to import them from.
+_MOVED = {
+    **dict.fromkeys(["DevicePlan", "ensure_pci_bus_order", "parse_devices", "plan_devices"], ".common.devices"),
+    **dict.fromkeys(["UnpicklableError"], ".common.errors"),
+    **dict.fromkeys(["Gpu", "GpuProcess", "StaticInventory", "find_free_gpus", "use_inventory"], ".common.inventory"),
+    **dict.fromkeys(["Finding"], ".common.pickling"),
+    **dict.fromkeys(["ForkUnsafeError", "install_cuda_init_hook"], ".common.preflight"),
+    **dict.fromkeys(["GpuPicker"], ".display.picker"),
+    **dict.fromkeys(["notebook_launcher", "spawn"], ".notebook.dropins"),
+    **dict.fromkeys(["environment"], ".notebook.env"),
+    **dict.fromkeys(["Sweep"], ".notebook.sweep"),
+    **dict.fromkeys(["Rank"], ".notebook.ranks"),
+    **dict.fromkeys(["rank_zero_only"], ".rank.context"),
+}
+_SUBMODULES = {"cli", "demo", "notebook", "display", "placements", "rank", "common"}
 __all__ = sorted(_PUBLIC)
+_warned: set[str] = set()
 
 _ensure_pci_bus_order()
 _install_cuda_init_hook()  # so a refused fork can name the line that initialised CUDA
@@ -47,8 +59,10 @@ except _metadata.PackageNotFoundError:  # a source tree put on sys.path, never i
 
 
 def __getattr__(name: str):
-    if name not in _PUBLIC and name not in _SUBMODULES:
+    if name not in _PUBLIC and name not in _MOVED and name not in _SUBMODULES:
         raise AttributeError(f"module 'nbtrain' has no attribute {name!r}")
+    if name in _MOVED:
+        return _moved(name)
     with _interrupt_after():
         if name in _PUBLIC:
             value = getattr(_importlib.import_module(_PUBLIC[name], __name__), name)
@@ -56,6 +70,20 @@ def __getattr__(name: str):
             value = _importlib.import_module(f".{name}", __name__)
         globals()[name] = value  # once loaded, a plain attribute
     return value
+
+
+def _moved(name: str):
+    """An earlier top-level name, from where it lives now. Never kept as an attribute here, so it
+    stays out of dir(); the warning is said once per name, at the line that used it."""
+    module = f"{__name__}{_MOVED[name]}"
+    if name not in _warned:
+        _warned.add(name)
+        import warnings
+
+        warnings.warn(f"nbtrain.{name} is not part of nbtrain's public names any more: use "
+                      f"`from {module} import {name}` (it works the same).", DeprecationWarning, stacklevel=3)
+    with _interrupt_after():
+        return getattr(_importlib.import_module(module), name)
 
 
 class _interrupt_after:
@@ -79,7 +107,7 @@ class _interrupt_after:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC) | _SUBMODULES)
+    return sorted(set(globals()) | set(_PUBLIC) | _SUBMODULES)  # the moved names are never globals
 
 
 def load_ipython_extension(ipython) -> None:

@@ -22,14 +22,14 @@ def _demo(args) -> int:
     from .notebook.launch import launch
 
     result = launch(train, args.epochs, devices=args.devices, accelerator=args.accelerator,
-                    strategy=args.strategy, timeout=args.timeout)
+                    strategy=args.strategy, start=args.start, timeout=args.timeout)
     # Two kinds of loss, labelled apart: each rank's own last batch, and the logged mean over ranks.
     for value in result.values:
         print(f"rank {value['rank']}: last batch loss {value['last_batch_loss']:.4f} (this rank's own batch)")
     print(f"mean over ranks: {result.metrics(METRIC)[-1]:.4f} (the {METRIC}= in the table above, "
           "synced by ctx.log(..., sync_dist=True))")
     print(f"effective batch size: {result.effective_batch_size}  ({result.devices}, {result.strategy}, "
-          f"{result.elapsed:.2f} s)")
+          f"{result.start}, {result.elapsed:.2f} s)")
     return 0
 
 
@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="train a small synthetic model across ranks (CPU when no GPU)")
     demo.add_argument("--devices", default="2", help="Lightning's devices grammar: 2, -1, '0,1', 'free:2' (default: 2)")
     demo.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "gpu", "cuda"])
-    demo.add_argument("--strategy", default="auto", help="auto, dp, ddp_fork, ddp_spawn, ddp (default: auto)")
+    demo.add_argument("--strategy", default="auto", help="how models are wrapped: auto, ddp, fsdp, dp (default: auto)")
+    demo.add_argument("--start", default="auto", help="where the ranks come from: auto, fork, template, spawn, "
+                      "torchrun (default: auto)")
     demo.add_argument("--epochs", type=int, default=3)
     demo.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is stopped (default: 600)")
     demo.set_defaults(run=_demo)

@@ -10,11 +10,11 @@ def no_leftovers():
     import nbtrain.placements.template_process
 
     me = psutil.Process()
-    had_template = nbtrain.template.template(start=False) is not None
+    had_template = nbtrain.placements.template_process.template(start=False) is not None
     fds_before = me.num_fds()
     yield
     if not had_template:  # a template the test started is the kernel's by design: stopping it must leave nothing
-        nbtrain.template.stop()
+        nbtrain.stop_template()
     children = [c for c in me.children(recursive=True) if not _is_template(c) and not _is_local_slurm(c)]
     assert not children, f"processes left behind: {[(c.pid, c.name()) for c in children]}"
     assert me.num_fds() <= fds_before, f"file descriptors leaked: {fds_before} -> {me.num_fds()}"
@@ -24,16 +24,16 @@ def no_leftovers():
 def _is_template(process) -> bool:
     import nbtrain.placements.template_process
 
-    running = nbtrain.template.template(start=False)
+    running = nbtrain.placements.template_process.template(start=False)
     return running is not None and process.pid == running.process.pid
 
 
 # A kernel's children as the kernel tests see them, for their set-up cells: the warm template is
-# the kernel's by design (nbtrain.template), its ranks are not.
+# the kernel's by design (the warm template), its ranks are not.
 CHILDREN = '''
 def children():
-    import psutil, nbtrain.template
-    keep = nbtrain.template.template(start=False)
+    import psutil, nbtrain.placements.template_process
+    keep = nbtrain.placements.template_process.template(start=False)
     keep = keep.process.pid if keep else None
     return [c.pid for c in psutil.Process().children(recursive=True) if c.pid != keep]
 '''

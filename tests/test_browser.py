@@ -36,7 +36,7 @@ NOTEBOOK = "dashboard.ipynb"
 SETUP = '''\
 import time
 import nbtrain
-from nbtrain import Gpu, StaticInventory
+from nbtrain.common.inventory import Gpu, StaticInventory
 
 def train(epochs=2, batches=40):
     ctx = nbtrain.context()
@@ -56,10 +56,10 @@ def fails():
         if ctx.rank == 1 and i == 20:
             raise ValueError("rank 1 gives up")
 '''
-RUN = 'result = nbtrain.launch(train, devices=2, accelerator="cpu", strategy="ddp_fork")'
+RUN = 'result = nbtrain.launch(train, devices=2, accelerator="cpu", start="fork")'
 PICKER = ('gpus = [Gpu(i, "NVIDIA A100-SXM4-80GB", f"GPU-{i}", f"0000:0{i + 1}:00.0", 0, 80 * 2**30, 0) for i in range(4)]\n'
           'picker = nbtrain.pick_gpus(StaticInventory(gpus), refresh=None)')
-FAIL = 'nbtrain.launch(fails, devices=2, accelerator="cpu", strategy="ddp_fork")'
+FAIL = 'nbtrain.launch(fails, devices=2, accelerator="cpu", start="fork")'
 CHECK = 'print("devices", picker.devices)'
 CELLS = [SETUP, RUN, PICKER, FAIL, CHECK]  # run-all stops at FAIL's error; CHECK runs after a click
 

@@ -17,7 +17,7 @@ slow = pytest.mark.slow
 CPU = {"accelerator": "cpu", "progress": False, "timeout": 120}  # never a hang
 RUNS = {  # strategy: launch settings
     "fsdp": {"strategy": "fsdp", "devices": 2},
-    "ddp_fork": {"strategy": "ddp_fork", "devices": 2},
+    "ddp": {"strategy": "ddp", "devices": 2},
     "single": {"strategy": "auto", "devices": 1},  # in this process, no process group
 }
 
@@ -118,7 +118,7 @@ def load_saved(path):
 
 
 @slow
-@pytest.mark.parametrize("writer, reader", [("fsdp", "single"), ("single", "fsdp"), ("ddp_fork", "fsdp")])
+@pytest.mark.parametrize("writer, reader", [("fsdp", "single"), ("single", "fsdp"), ("ddp", "fsdp")])
 def test_a_checkpoint_loads_onto_another_number_of_ranks(writer, reader, tmp_path, no_leftovers):
     path = tmp_path / "ckpt"
     saved = nbtrain.launch(save_trained, path, **CPU, **RUNS[writer]).value
@@ -334,7 +334,7 @@ def save_a_big_model(path):
 def test_a_full_disk_on_two_ranks_is_one_line_naming_the_rank(small_disk, no_leftovers):
     disk = small_disk()
     with pytest.raises(nbtrain.WorkerError) as info:
-        nbtrain.launch(save_a_big_model, str(disk / "c"), strategy="ddp_fork", devices=2, **CPU)
+        nbtrain.launch(save_a_big_model, str(disk / "c"), start="fork", devices=2, **CPU)
     error = info.value
     assert isinstance(error, CheckpointError) and error.errno == errno.ENOSPC  # caught as what it is
     assert error.summary.startswith(f"CheckpointError: save_checkpoint: no space left on device writing {disk}/c "

@@ -27,9 +27,9 @@ def run_main(capsys, *args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["auto", "ddp_spawn"])
-def test_demo_trains_on_two_cpu_ranks(strategy):
-    run = nbtrain_cli("demo", "--accelerator", "cpu", "--epochs", "2", "--strategy", strategy)
+@pytest.mark.parametrize("how", [(), ("--start", "template"), ("--strategy", "ddp_spawn")])  # the earlier name too
+def test_demo_trains_on_two_cpu_ranks(how):
+    run = nbtrain_cli("demo", "--accelerator", "cpu", "--epochs", "2", *how)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     own = {int(line.split()[1].rstrip(":")): float(line.split()[5]) for line in lines
@@ -49,9 +49,9 @@ def test_demo_trains_on_two_cpu_ranks(strategy):
 def test_auto_says_its_choice_on_one_line():
     run = nbtrain_cli("demo", "--accelerator", "cpu", "--epochs", "1")
     assert run.returncode == 0, run.stderr
-    said = [line for line in run.stdout.splitlines() if line.startswith("nbtrain: ddp_fork on 2 CPU ranks, gloo")]
-    assert said[0] == "nbtrain: ddp_fork on 2 CPU ranks, gloo (chosen by strategy='auto')"
-    assert said[1].startswith("nbtrain: ddp_fork on 2 CPU ranks, gloo: finished in ")  # the summary, at the end
+    said = [line for line in run.stdout.splitlines() if line.startswith("nbtrain: ddp on 2 CPU ranks, gloo")]
+    assert said[0] == "nbtrain: ddp on 2 CPU ranks, gloo (started by fork, chosen by start='auto')"
+    assert said[1].startswith("nbtrain: ddp on 2 CPU ranks, gloo: finished in ")  # the summary, at the end
     assert len(said) == 2
 
 

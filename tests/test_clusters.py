@@ -213,7 +213,7 @@ def test_bad_settings_are_refused_before_anything_starts():
         nbtrain.launch(print, cluster=nbtrain.Slurm(nodes=3), num_nodes=2)
     with pytest.raises(ValueError, match=r"devices=\[0, 1\]: on a cluster give a count of ranks"):
         nbtrain.launch(print, cluster=nbtrain.Slurm(), devices=[0, 1])
-    with pytest.raises(ValueError, match="strategy='ddp_fork' with cluster="):
+    with pytest.raises(ValueError, match=r"strategy='ddp_fork' \(start='fork'\) with cluster=Slurm\(\): the cluster's engine starts the ranks"):
         nbtrain.launch(print, cluster=nbtrain.Slurm(), strategy="ddp_fork")
     with pytest.raises(TypeError, match="give nbtrain.Slurm"):
         nbtrain.launch(print, cluster="slurm")

@@ -76,7 +76,7 @@ def test_zero2_trains_as_ddp_does_and_the_engine_comes_back_as_a_plain_model(tmp
     assert result.strategy == "deepspeed" and type(model) is Net and other is None
     assert "a DeepSpeed engine keeps its ZeRO partitions in DeepSpeed's own checkpoint format" in refused
     assert len(result.metrics("loss")) == 4 and result.metrics("loss") == result.metrics("loss", rank=1)
-    ddp = nbtrain.launch(train_ddp, strategy="ddp_fork", devices=2, accelerator="cpu", progress=False).value
+    ddp = nbtrain.launch(train_ddp, start="fork", devices=2, accelerator="cpu", progress=False).value
     for key, value in ddp.state_dict().items():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
 

@@ -7,7 +7,8 @@ import textwrap
 
 import pytest
 
-from nbtrain import Gpu, GpuProcess, StaticInventory, gpus
+from nbtrain import gpus
+from nbtrain.common.inventory import Gpu, GpuProcess, StaticInventory
 from nbtrain.display.text import LineDisplay, QuietDisplay, gpu_table, rank_line, summary_lines
 from nbtrain.display.runstate import RunState
 

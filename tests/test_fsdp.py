@@ -160,7 +160,7 @@ def test_each_rank_holds_about_half_the_parameters(no_leftovers):
 
 @slow
 def test_fsdp_trains_to_the_same_weights_as_ddp(no_leftovers):
-    ddp = nbtrain.launch(train, strategy="ddp_fork", **CPU2)
+    ddp = nbtrain.launch(train, start="fork", **CPU2)
     fsdp = nbtrain.launch(train, strategy="fsdp", shard=(Block,), **CPU2)
     assert fsdp.strategy == "fsdp"
     assert_same_weights(fsdp.value, ddp.value)
@@ -241,33 +241,31 @@ def test_one_rank_fsdp_runs(no_leftovers):
 
 @slow
 def test_fsdp_as_a_script_under_torchrun(no_leftovers):
-    result = nbtrain.launch(train, strategy="fsdp", **CPU2, launcher_options={})
-    ddp = nbtrain.launch(train, strategy="ddp_fork", **CPU2)
-    assert result.strategy == "fsdp" and result.values[1] is None
+    result = nbtrain.launch(train, strategy="fsdp", start="torchrun", **CPU2)
+    ddp = nbtrain.launch(train, strategy="ddp", start="fork", **CPU2)
+    assert (result.strategy, result.start) == ("fsdp", "torchrun") and result.values[1] is None
     assert_same_weights(result.value, ddp.value)
 
 
 @slow
 def test_fsdp_picks_its_placement_as_auto_does(capfd, no_leftovers):
     nbtrain.launch(shard_sizes, strategy="fsdp", devices=2, accelerator="cpu", timeout=120)
-    assert "nbtrain: fsdp on 2 CPU ranks, gloo (ranks started by ddp_fork, as strategy='auto' would)\n" in capfd.readouterr().out
+    assert "nbtrain: fsdp on 2 CPU ranks, gloo (started by fork, chosen by start='auto')\n" in capfd.readouterr().out
 
 
 @slow
 def test_fsdp_ranks_are_spawned_where_fork_is_unsafe(monkeypatch, capfd, no_leftovers):
     # The kernel's state is the input here (on a GPU machine: CUDA initialised in the kernel);
     # the spawned ranks, the shipped job and the gather back are real.
-    from nbtrain.placements.template_process import stop
-
-    monkeypatch.setattr(sys.modules["nbtrain.notebook.launch"], "fork_blocker", lambda: "CUDA was initialised by a cell")
+    monkeypatch.setattr(sys.modules["nbtrain.notebook.choices"], "fork_blocker", lambda: "CUDA was initialised by a cell")
     try:
         result = nbtrain.launch(train, strategy="fsdp", shard=(Block,), devices=2, accelerator="cpu", timeout=120)
     finally:
-        stop()  # the warm template the ranks were forked from lives for the session otherwise
-    ddp = nbtrain.launch(train, strategy="ddp_fork", **CPU2)
-    assert ("nbtrain: fsdp on 2 CPU ranks, gloo (ranks started by ddp_spawn, as strategy='auto' would), "
-            "not ddp_fork: CUDA was initialised by a cell\n") in capfd.readouterr().out
-    assert result.strategy == "fsdp" and type(result.value) is Net and result.values[1] is None
+        nbtrain.stop_template()  # the warm template the ranks were forked from lives for the session otherwise
+    ddp = nbtrain.launch(train, start="fork", **CPU2)
+    assert ("nbtrain: fsdp on 2 CPU ranks, gloo (started by template, chosen by start='auto'), "
+            "not fork: CUDA was initialised by a cell\n") in capfd.readouterr().out
+    assert (result.strategy, result.start) == ("fsdp", "template") and type(result.value) is Net and result.values[1] is None
     assert_same_weights(result.value, ddp.value)
 
 

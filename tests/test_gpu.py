@@ -38,13 +38,13 @@ def train():
 """
 
 
-@pytest.mark.parametrize("strategy, wrapper", [("ddp_fork", "DistributedDataParallel"),
-                                               ("ddp_spawn", "DistributedDataParallel"),
-                                               ("dp", "DataParallel"),
-                                               ("auto", "Linear")])
-def test_training_on_the_gpu(strategy, wrapper):
+@pytest.mark.parametrize("how, wrapper", [('start="fork"', "DistributedDataParallel"),
+                                          ('start="template"', "DistributedDataParallel"),
+                                          ('strategy="dp"', "DataParallel"),
+                                          ('strategy="auto"', "Linear")])
+def test_training_on_the_gpu(how, wrapper):
     out = run_fresh(TRAIN + f"""
-r = nbtrain.launch(train, devices=1, accelerator="gpu", strategy="{strategy}", progress=False)
+r = nbtrain.launch(train, devices=1, accelerator="gpu", {how}, progress=False)
 name, device, backend, gpu, model = r.value
 assert name == "{wrapper}", name
 assert device == "cuda:0" and next(model.parameters()).device.type == "cpu"
@@ -57,13 +57,13 @@ print("OK", r.strategy, backend, gpu, f"{{r.elapsed:.2f}}s")
 
 def test_nccl_is_the_gpu_default_and_fork_after_cuda_init_is_refused():
     out = run_fresh(TRAIN + """
-r = nbtrain.launch(train, devices=1, accelerator="gpu", strategy="ddp_fork", progress=False)
+r = nbtrain.launch(train, devices=1, accelerator="gpu", start="fork", progress=False)
 assert r.value[2] == "nccl"
 torch.zeros(1, device="cuda")   # the kernel now holds a CUDA context
 try:
-    nbtrain.launch(train, devices=1, accelerator="gpu", strategy="ddp_fork", progress=False)
+    nbtrain.launch(train, devices=1, accelerator="gpu", start="fork", progress=False)
 except RuntimeError as exc:
-    assert "CUDA is already initialised" in str(exc) and "ddp_spawn" in str(exc), exc
+    assert "CUDA is already initialised" in str(exc) and "start='template'" in str(exc), exc
     print("REFUSED", str(exc).splitlines()[0][:200])
 r = nbtrain.launch(train, devices=1, accelerator="gpu", progress=False)   # auto: in-process still fine
 print("OK", r.strategy)
@@ -87,16 +87,16 @@ print("OK")
 
 def test_cuda_in_the_kernel_then_auto_trains_through_the_template():
     out = run_fresh(TRAIN + """
-import os, nbtrain.template
+import os, nbtrain.placements.template_process
 torch.zeros(1, device="cuda")                      # the kernel touched the GPU: forking it is unsafe
 result = nbtrain.launch(train, devices=1, strategy="auto", progress=False)
-print(result.strategy, result.value[:3], torch.cuda.device_count())
+print(result.strategy, result.start, result.value[:3], torch.cuda.device_count())
 def where():
     return os.getppid()
 parents = nbtrain.launch(where, devices=1, strategy="auto", progress=False).values
-print("template parent:", parents == [nbtrain.template.template(start=False).pid])
+print("template parent:", parents == [nbtrain.placements.template_process.template(start=False).pid])
 """)
-    assert "ddp_spawn ('DistributedDataParallel', 'cuda:0', 'nccl')" in out
+    assert "ddp template ('DistributedDataParallel', 'cuda:0', 'nccl')" in out
     assert "template parent: True" in out
 
 

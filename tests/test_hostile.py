@@ -17,13 +17,15 @@ import pytest
 import torch
 
 import nbtrain
-from nbtrain import UnpicklableError, WorkerError
+from nbtrain import WorkerError
+from nbtrain.common.errors import UnpicklableError
 from nbtrain.common import devices as devices_module
+from nbtrain.common.devices import parse_devices
 from nbtrain.common.tensor_files import LaunchFiles
 from conftest import running
 
 slow = pytest.mark.slow
-PROCESS_STRATEGIES = ["ddp_fork", "ddp_spawn", "ddp"]
+PROCESS_STARTS = ["fork", "template", "torchrun"]
 
 
 # -- 1. the rank that failed first on its own is blamed, every rank's outcome listed ---------
@@ -37,13 +39,13 @@ def one_rank_exits_mid_collective():
 
 
 @slow
-@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
-def test_the_rank_that_died_is_blamed_not_the_one_that_lost_it(strategy, no_leftovers):
+@pytest.mark.parametrize("start", PROCESS_STARTS)
+def test_the_rank_that_died_is_blamed_not_the_one_that_lost_it(start, no_leftovers):
     # Script mode got this wrong 4 times in 5: rank 0's "connection closed" arrives before
     # torchrun reports rank 1's exit. Three launches, so luck cannot pass it.
-    for _ in range(3 if strategy == "ddp" else 1):
+    for _ in range(3 if start == "torchrun" else 1):
         with pytest.raises(WorkerError) as info:
-            nbtrain.launch(one_rank_exits_mid_collective, devices=2, accelerator="cpu", strategy=strategy,
+            nbtrain.launch(one_rank_exits_mid_collective, devices=2, accelerator="cpu", start=start,
                            progress=False, timeout=120)
         error = info.value
         assert error.rank == 1 and "exited with code 3" in error.summary, str(error)
@@ -76,13 +78,13 @@ def exits_with_a_code():
 
 
 @slow
-@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
-def test_a_rank_that_exits_early_is_named_with_where_the_others_wait(strategy, no_leftovers):
+@pytest.mark.parametrize("start", PROCESS_STARTS)
+def test_a_rank_that_exits_early_is_named_with_where_the_others_wait(start, no_leftovers):
     import time
 
     started = time.monotonic()
     with pytest.raises(WorkerError) as info:  # no timeout=: torch's own default wait is 30 minutes
-        nbtrain.launch(exits_before_setup, devices=2, accelerator="cpu", strategy=strategy, progress=False)
+        nbtrain.launch(exits_before_setup, devices=2, accelerator="cpu", start=start, progress=False)
     assert time.monotonic() - started < 120
     error = info.value
     assert error.rank == 1
@@ -92,10 +94,10 @@ def test_a_rank_that_exits_early_is_named_with_where_the_others_wait(strategy, n
 
 
 @slow
-@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
-def test_a_rank_that_returns_early_is_blamed_for_its_peers_lost_collective(strategy, no_leftovers):
+@pytest.mark.parametrize("start", ["fork", "template"])
+def test_a_rank_that_returns_early_is_blamed_for_its_peers_lost_collective(start, no_leftovers):
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(returns_before_the_second_barrier, devices=2, accelerator="cpu", strategy=strategy,
+        nbtrain.launch(returns_before_the_second_barrier, devices=2, accelerator="cpu", start=start,
                        progress=False, timeout=120)
     error = info.value
     assert error.rank == 1 and "rank 1 ended (returned from returns_before_the_second_barrier())" in error.summary
@@ -147,10 +149,10 @@ def raise_on_rank_1(kind):
 
 
 @slow
-@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
-def test_a_rank_exception_is_caught_by_its_own_class(strategy, no_leftovers):
+@pytest.mark.parametrize("start", PROCESS_STARTS)
+def test_a_rank_exception_is_caught_by_its_own_class(start, no_leftovers):
     with pytest.raises(CodedError) as info:
-        nbtrain.launch(raise_on_rank_1, "coded", strategy=strategy, devices=2, accelerator="cpu", progress=False,
+        nbtrain.launch(raise_on_rank_1, "coded", start=start, devices=2, accelerator="cpu", progress=False,
                        timeout=120)
     error = info.value
     assert isinstance(error, WorkerError) and error.rank == 1 and error.code == 42
@@ -165,7 +167,7 @@ def test_a_rank_exception_is_caught_by_its_own_class(strategy, no_leftovers):
 @slow
 def test_a_builtin_exception_keeps_its_fields(no_leftovers):
     with pytest.raises(FileNotFoundError) as info:
-        nbtrain.launch(raise_on_rank_1, "file", strategy="ddp_fork", devices=2, accelerator="cpu", progress=False,
+        nbtrain.launch(raise_on_rank_1, "file", start="fork", devices=2, accelerator="cpu", progress=False,
                        timeout=60)
     assert info.value.errno == 2 and info.value.filename == "/nonexistent/nbtrain-test" and info.value.rank == 1
 
@@ -173,7 +175,7 @@ def test_a_builtin_exception_keeps_its_fields(no_leftovers):
 @slow
 def test_an_exception_the_notebook_cannot_rebuild_is_a_plain_worker_error(no_leftovers):
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(raise_on_rank_1, "local", strategy="ddp_spawn", devices=2, accelerator="cpu", progress=False,
+        nbtrain.launch(raise_on_rank_1, "local", start="template", devices=2, accelerator="cpu", progress=False,
                        timeout=120)
     assert type(info.value) is WorkerError and info.value.__cause__ is None
     assert str(info.value).startswith("rank 1 failed: Local: only here")
@@ -250,9 +252,9 @@ def my_files():
 
 
 @slow
-@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
-def test_large_tensors_come_back_through_shared_memory(strategy, no_leftovers):
-    result = nbtrain.launch(return_big, strategy=strategy, devices=2, accelerator="cpu", progress=False, timeout=120)
+@pytest.mark.parametrize("start", PROCESS_STARTS)
+def test_large_tensors_come_back_through_shared_memory(start, no_leftovers):
+    result = nbtrain.launch(return_big, start=start, devices=2, accelerator="cpu", progress=False, timeout=120)
     value = result.value
     torch.manual_seed(0)
     assert torch.equal(value["big"], torch.randn(BIG // 4))
@@ -273,7 +275,7 @@ def test_large_tensors_come_back_through_shared_memory(strategy, no_leftovers):
 @slow
 def test_shared_memory_can_be_turned_off_for_ranks_elsewhere(monkeypatch, no_leftovers):
     monkeypatch.setenv("NBTRAIN_SHARED_MEMORY", "0")
-    value = nbtrain.launch(return_big, strategy="ddp_fork", devices=2, accelerator="cpu", progress=False,
+    value = nbtrain.launch(return_big, start="fork", devices=2, accelerator="cpu", progress=False,
                            timeout=60).value
     torch.manual_seed(0)
     assert torch.equal(value["big"], torch.randn(BIG // 4))
@@ -286,7 +288,7 @@ def test_shared_memory_can_be_turned_off_for_ranks_elsewhere(monkeypatch, no_lef
 @pytest.mark.parametrize("kind", ["unpicklable", "dies"])
 def test_files_of_a_result_that_never_arrives_are_removed(kind, no_leftovers):
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(return_big, kind, strategy="ddp_fork", devices=2, accelerator="cpu", progress=False, timeout=60)
+        nbtrain.launch(return_big, kind, start="fork", devices=2, accelerator="cpu", progress=False, timeout=60)
     assert info.value.rank == 0
     assert ("cannot travel back" if kind == "unpicklable" else "exited with code 3") in str(info.value)
     assert my_files() == []
@@ -322,7 +324,7 @@ def test_a_script_launch_leaves_no_torchelastic_directory(tmp_path, monkeypatch,
     private.mkdir()
     monkeypatch.setenv("TMPDIR", str(private))
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
-    result = nbtrain.launch(where_torchrun_logs, strategy="ddp", devices=2, accelerator="cpu", progress=False,
+    result = nbtrain.launch(where_torchrun_logs, start="torchrun", devices=2, accelerator="cpu", progress=False,
                             timeout=120)
     for job_dir, error_file, rank_tmpdir, rank_gettempdir in result.values:
         assert job_dir.startswith(str(private))
@@ -339,10 +341,10 @@ def return_a_generator():
 
 
 @slow
-@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp"])
-def test_an_unpicklable_return_value_is_named_as_the_ranks_return_value(strategy, no_leftovers):
+@pytest.mark.parametrize("start", ["fork", "torchrun"])
+def test_an_unpicklable_return_value_is_named_as_the_ranks_return_value(start, no_leftovers):
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(return_a_generator, strategy=strategy, devices=2, accelerator="cpu", progress=False,
+        nbtrain.launch(return_a_generator, start=start, devices=2, accelerator="cpu", progress=False,
                        timeout=120)
     error = info.value
     assert isinstance(error, UnpicklableError)  # caught by its own class too (item 3)
@@ -378,10 +380,10 @@ def listening_addresses(kernel_pid):
 
 
 @slow
-@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
-def test_a_local_launch_listens_on_loopback_only(strategy, no_leftovers):
+@pytest.mark.parametrize("start", ["fork", "template"])
+def test_a_local_launch_listens_on_loopback_only(start, no_leftovers):
     # Before: rank 0's TCP store listened on *:MASTER_PORT, unauthenticated, during every launch.
-    result = nbtrain.launch(listening_addresses, os.getpid(), devices=2, accelerator="cpu", strategy=strategy,
+    result = nbtrain.launch(listening_addresses, os.getpid(), devices=2, accelerator="cpu", start=start,
                             progress=False, timeout=120)
     assert result.value and result.value <= {"127.0.0.1"}, result.value
 
@@ -419,9 +421,9 @@ def _gone(pids, within=5.0):
 
 
 @slow
-@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
-def test_processes_a_rank_started_end_with_the_launch(strategy, no_leftovers):
-    pids = nbtrain.launch(start_escapees, devices=2, accelerator="cpu", strategy=strategy, progress=False,
+@pytest.mark.parametrize("start", PROCESS_STARTS)
+def test_processes_a_rank_started_end_with_the_launch(start, no_leftovers):
+    pids = nbtrain.launch(start_escapees, devices=2, accelerator="cpu", start=start, progress=False,
                           timeout=120).value
     assert _gone(pids), f"left running: {pids}"
 
@@ -441,7 +443,7 @@ def test_processes_a_live_rank_started_stay_between_commands_and_end_with_close(
 @slow
 def test_processes_of_a_rank_killed_on_timeout_end_too(capfd, no_leftovers):
     with pytest.raises(WorkerError):
-        nbtrain.launch(start_escapees, True, devices=1, accelerator="cpu", strategy="ddp_fork", progress=False,
+        nbtrain.launch(start_escapees, True, devices=1, accelerator="cpu", start="fork", progress=False,
                        timeout=3)
     out = capfd.readouterr()
     pids = [int(p) for line in (out.out + out.err).splitlines() if "PIDS" in line
@@ -452,7 +454,7 @@ def test_processes_of_a_rank_killed_on_timeout_end_too(capfd, no_leftovers):
 
 def test_a_million_cpu_ranks_is_refused_before_anything_starts(no_leftovers):
     with pytest.raises(ValueError) as info:
-        nbtrain.launch(two_ranks_report, devices=10**6, accelerator="cpu", strategy="ddp_fork", progress=False)
+        nbtrain.launch(two_ranks_report, devices=10**6, accelerator="cpu", start="fork", progress=False)
     message = str(info.value)
     assert "devices=1000000" in message and "more than this machine can run" in message
     assert "NBTRAIN_MAX_CPU_RANKS=1000000" in message  # how to oversubscribe on purpose
@@ -462,9 +464,9 @@ def test_a_million_cpu_ranks_is_refused_before_anything_starts(no_leftovers):
 def test_the_cpu_rank_limit_can_be_overridden(monkeypatch, no_leftovers):
     monkeypatch.setenv("NBTRAIN_MAX_CPU_RANKS", "1")
     with pytest.raises(ValueError, match="the limit is 1"):
-        nbtrain.launch(two_ranks_report, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False)
+        nbtrain.launch(two_ranks_report, devices=2, accelerator="cpu", start="fork", progress=False)
     monkeypatch.setenv("NBTRAIN_MAX_CPU_RANKS", "2")
-    result = nbtrain.launch(two_ranks_report, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False,
+    result = nbtrain.launch(two_ranks_report, devices=2, accelerator="cpu", start="fork", progress=False,
                             timeout=60)
     assert result.values == [(0, 2), (1, 2)]
     monkeypatch.setenv("NBTRAIN_MAX_CPU_RANKS", "many")
@@ -485,13 +487,13 @@ WRAPPED = [getattr(devices_module, name) for name in dir(devices_module)
 
 
 def test_parse_devices_by_keyword():
-    assert nbtrain.parse_devices(2, available=4) == [0, 1]
-    assert nbtrain.parse_devices(devices="1, 3", available=4) == [1, 3]
+    assert parse_devices(2, available=4) == [0, 1]
+    assert parse_devices(devices="1, 3", available=4) == [1, 3]
     with pytest.raises(ValueError, match=r"devices=\[9\]: GPU 9 is not visible"):
-        nbtrain.parse_devices(devices=[9], available=4)
+        parse_devices(devices=[9], available=4)
     assert devices_module.parse_cpu_devices(devices=3, cores=2) == 3
     with pytest.raises(TypeError):  # a wrong call is still a wrong call
-        nbtrain.parse_devices(2, avail=4)
+        parse_devices(2, avail=4)
 
 
 @pytest.mark.parametrize("wrapped", WRAPPED, ids=lambda f: f.__name__)
@@ -538,11 +540,11 @@ def nb(kernel):
 
 
 @slow
-@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
-def test_a_notebook_defined_exception_is_caught_in_the_notebook(nb, strategy):
+@pytest.mark.parametrize("start", PROCESS_STARTS)
+def test_a_notebook_defined_exception_is_caught_in_the_notebook(nb, start):
     _, _, error, _ = nb.run(f'''
 try:
-    nbtrain.launch(fail_on_rank_1, strategy={strategy!r}, **CPU2)
+    nbtrain.launch(fail_on_rank_1, start={start!r}, **CPU2)
 except MyErr as e:
     caught = (e.code, e.rank, type(e.__cause__) is MyErr, e.__cause__.code, isinstance(e, nbtrain.WorkerError),
               e._render_traceback_()[0], type(pickle.loads(pickle.dumps(e))) is type(e))
@@ -553,19 +555,20 @@ except MyErr as e:
 
 @slow
 def test_an_uncaught_notebook_exception_shows_the_ranks_traceback(nb):
-    _, _, error, _ = nb.run("nbtrain.launch(fail_on_rank_1, strategy='ddp_spawn', **CPU2)")
+    _, _, error, _ = nb.run("nbtrain.launch(fail_on_rank_1, start='template', **CPU2)")
     assert error is not None and error["ename"] == "WorkerError"  # as before, whatever the rank raised
     shown = "\n".join(error["traceback"])
     assert "rank 1 failed: MyErr: bad code 42" in shown and "raise MyErr(42)" in shown
 
 
 @slow
-@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
-def test_a_notebook_class_holding_a_generator_is_named_as_the_return_value(nb, strategy):
+@pytest.mark.parametrize("start", ["fork", "template"])
+def test_a_notebook_class_holding_a_generator_is_named_as_the_return_value(nb, start):
     _, _, error, _ = nb.run(f'''
+from nbtrain.common.errors import UnpicklableError
 try:
-    nbtrain.launch(give_holder, strategy={strategy!r}, **CPU2)
-except nbtrain.UnpicklableError as e:
+    nbtrain.launch(give_holder, start={start!r}, **CPU2)
+except UnpicklableError as e:
     message = str(e)
 ''')
     assert error is None, error
@@ -822,7 +825,7 @@ def test_ranks_restarted_from_another_thread_say_so_and_outlive_that_thread(nb):
 def test_the_template_and_its_ranks_outlive_the_thread_that_started_them(nb):
     import time
 
-    _, _, error, _ = nb.run("ranks.close(); nbtrain.template.stop()\n"
+    _, _, error, _ = nb.run("ranks.close(); nbtrain.stop_template()\n"
                             "def start_elsewhere():\n"
                             "    global ranks\n"
                             "    ranks = nbtrain.Ranks(devices=2, accelerator='cpu', start='template', progress=False)\n"
@@ -832,7 +835,7 @@ def test_the_template_and_its_ranks_outlive_the_thread_that_started_them(nb):
     time.sleep(2)
     assert nb.value("ranks.placement") == "template"
     assert nb.value("ranks.eval('ctx.rank')") == [0, 1]
-    assert nb.value("nbtrain.template.template(start=False) is not None")
+    assert nb.value("nbtrain.placements.template_process.template(start=False) is not None")
     nb.run("ranks.close()")
 
 
@@ -891,8 +894,7 @@ def test_spawned_ranks_interrupted_while_starting_print_no_tracebacks(nb):
     assert error is None, error
     before = nb.value("children()")  # earlier tests' live ranks, if any
     kernel = psutil.Process(nb.manager.provisioner.pid)
-    msg_id = nb.client.execute("nbtrain.launch(sleeps, devices=2, accelerator='cpu', strategy='ddp_spawn', "
-                               "launcher_options={'template': False}, progress=False)")
+    msg_id = nb.client.execute("nbtrain.launch(sleeps, devices=2, accelerator='cpu', start='spawn', progress=False)")
     seen, groups, deadline = [], {}, time.monotonic() + 60
     while len(seen) < 2 and time.monotonic() < deadline:  # spawned ranks: spawned_main in their command line
         seen = [c for c in kernel.children() if "spawned_main" in " ".join(c.cmdline())]

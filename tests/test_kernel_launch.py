@@ -35,10 +35,10 @@ def nb(kernel):
     return kernel
 
 
-@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
-def test_notebook_defined_function_class_lambda_and_globals(nb, strategy):
+@pytest.mark.parametrize("start", ["fork", "template"])
+def test_notebook_defined_function_class_lambda_and_globals(nb, start):
     out, err, error, _ = nb.run(
-        f"r = nbtrain.launch(train, 3, devices=2, accelerator='cpu', strategy='{strategy}', progress=False)")
+        f"r = nbtrain.launch(train, 3, devices=2, accelerator='cpu', start='{start}', progress=False)")
     assert error is None, error
     assert nb.value("isinstance(r.value[0], Net), [v[1] for v in r.values], len(r.metrics('loss'))") == (True, [3.0, 12.0], 3)
     assert nb.value("children()") == []
@@ -51,7 +51,7 @@ def fails():
     if ctx.rank == 1:
         raise RuntimeError("rank one is unhappy")
     time.sleep(60)
-nbtrain.launch(fails, devices=2, accelerator="cpu", strategy="ddp_spawn", progress=False)
+nbtrain.launch(fails, devices=2, accelerator="cpu", start="template", progress=False)
 '''
     started = time.monotonic()
     _, _, error, _ = nb.run(code)
@@ -73,7 +73,7 @@ def hangs():
         ctx.barrier()
     else:
         time.sleep(60)
-nbtrain.launch(hangs, devices=2, accelerator="cpu", strategy="ddp_fork", timeout=5, progress=False)
+nbtrain.launch(hangs, devices=2, accelerator="cpu", start="fork", timeout=5, progress=False)
 '''
     _, _, error, _ = nb.run(code)
     shown = "\n".join(error["traceback"])
@@ -83,7 +83,7 @@ nbtrain.launch(hangs, devices=2, accelerator="cpu", strategy="ddp_fork", timeout
 
 
 def test_interrupt_stops_every_rank_and_keeps_the_kernel(nb):
-    nb.client.execute("nbtrain.launch(lambda: time.sleep(120), devices=2, accelerator='cpu', strategy='ddp_fork', progress=False)")
+    nb.client.execute("nbtrain.launch(lambda: time.sleep(120), devices=2, accelerator='cpu', start='fork', progress=False)")
     time.sleep(3)
     interrupted = time.monotonic()
     nb.manager.interrupt_kernel()
@@ -102,10 +102,10 @@ def test_fifty_launches_leak_nothing(nb):
     code = '''
 me = psutil.Process()
 quick = lambda: nbtrain.context().rank
-nbtrain.launch(quick, devices=2, accelerator='cpu', strategy='ddp_fork', progress=False)
+nbtrain.launch(quick, devices=2, accelerator='cpu', start='fork', progress=False)
 fds, threads = me.num_fds(), len(__import__("threading").enumerate())
 for _ in range(50):
-    assert nbtrain.launch(quick, devices=2, accelerator='cpu', strategy='ddp_fork', progress=False).values == [0, 1]
+    assert nbtrain.launch(quick, devices=2, accelerator='cpu', start='fork', progress=False).values == [0, 1]
 leak = (me.num_fds() - fds, len(__import__("threading").enumerate()) - threads, children(), "MASTER_PORT" in os.environ)
 '''
     _, _, error, _ = nb.run(code, timeout=300)
@@ -120,7 +120,7 @@ def talk():
     ctx = nbtrain.context()
     print("out", ctx.rank)
     print("err", ctx.rank, file=sys.stderr)
-nbtrain.launch(talk, devices=2, accelerator='cpu', strategy='ddp_fork', progress=False)
+nbtrain.launch(talk, devices=2, accelerator='cpu', start='fork', progress=False)
 ''')
     assert error is None, error
     assert "[rank 0] out 0" in out and "[rank 1] out 1" in out

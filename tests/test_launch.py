@@ -12,9 +12,13 @@ from torch.utils.data import TensorDataset
 
 import nbtrain
 from nbtrain import WorkerError
+from nbtrain.common.errors import UnpicklableError
+from nbtrain.notebook import choices
+from nbtrain.placements import template_process
+from nbtrain.rank.context import rank_zero_only
 
 pytestmark = pytest.mark.slow
-PROCESS_STRATEGIES = ["ddp_fork", "ddp_spawn"]
+STARTS = ["fork", "template"]  # start="spawn" and "torchrun": tests/test_hostile.py, tests/test_script.py
 
 
 class Net(torch.nn.Module):
@@ -45,10 +49,10 @@ def train(lr, epochs=2):
     return model
 
 
-@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
-def test_trained_model_comes_back_from_every_rank(strategy, no_leftovers):
-    result = nbtrain.launch(train, 0.5, devices=2, accelerator="cpu", strategy=strategy, progress=False)
-    assert result.strategy == strategy
+@pytest.mark.parametrize("start", STARTS)
+def test_trained_model_comes_back_from_every_rank(start, no_leftovers):
+    result = nbtrain.launch(train, 0.5, devices=2, accelerator="cpu", start=start, progress=False)
+    assert (result.strategy, result.start) == ("ddp", start)
     assert isinstance(result.value, Net) and not isinstance(result.value, torch.nn.parallel.DistributedDataParallel)
     assert len(result.values) == 2
     w0, w1 = (v.layer.weight for v in result.values)
@@ -65,9 +69,9 @@ def report_environment():
     return {k: os.environ[k] for k in keys}, (ctx.rank, ctx.world_size, ctx.is_global_zero, str(ctx.device))
 
 
-@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
-def test_ranks_get_torchrun_environment(strategy, no_leftovers):
-    result = nbtrain.launch(report_environment, devices=2, accelerator="cpu", strategy=strategy, progress=False)
+@pytest.mark.parametrize("start", STARTS)
+def test_ranks_get_torchrun_environment(start, no_leftovers):
+    result = nbtrain.launch(report_environment, devices=2, accelerator="cpu", start=start, progress=False)
     (env0, ctx0), (env1, ctx1) = result.values
     assert (env0["RANK"], env1["RANK"]) == ("0", "1")
     assert env0["WORLD_SIZE"] == env1["WORLD_SIZE"] == "2" and env1["LOCAL_WORLD_SIZE"] == "2"
@@ -75,8 +79,18 @@ def test_ranks_get_torchrun_environment(strategy, no_leftovers):
     assert ctx0 == (0, 2, True, "cpu") and ctx1 == (1, 2, False, "cpu")
 
 
+def test_the_earlier_names_run_as_their_pair_and_are_said_once(capfd, monkeypatch, no_leftovers):
+    monkeypatch.setattr(choices, "_said", set())  # as in a fresh kernel
+    runs = [nbtrain.launch(report_environment, devices=2, accelerator="cpu", strategy="ddp_notebook", progress=False)
+            for _ in range(2)]
+    assert [(r.strategy, r.start) for r in runs] == [("ddp", "fork")] * 2
+    out = capfd.readouterr().out
+    assert out.count("nbtrain: strategy='ddp_notebook' is strategy='ddp', start='fork' (the earlier name still "
+                     "works)\n") == 1 and out.count("nbtrain:") == 1
+
+
 def test_each_launch_picks_its_own_port():
-    ports = {nbtrain.launch(report_environment, devices=2, accelerator="cpu", strategy="ddp_fork",
+    ports = {nbtrain.launch(report_environment, devices=2, accelerator="cpu", start="fork",
                             progress=False).value[0]["MASTER_PORT"] for _ in range(3)}
     assert len(ports) == 3
 
@@ -89,14 +103,14 @@ def helpers():
     own = ctx.log("y", float(ctx.rank))
     ctx.barrier()
     ctx.print("printed once")
-    zero_only = nbtrain.rank_zero_only(lambda: "ran")()
+    zero_only = rank_zero_only(lambda: "ran")()
     loader = ctx.loader(list(range(20)), batch_size=5, shuffle=True)
     epochs = [[int(i) for batch in loader for i in batch] for _ in range(2)]
     return gathered.tolist(), objects, mean, own, zero_only, epochs, len(loader)
 
 
 def test_context_helpers_across_ranks(capfd, no_leftovers):
-    result = nbtrain.launch(helpers, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False)
+    result = nbtrain.launch(helpers, devices=2, accelerator="cpu", start="fork", progress=False)
     (g0, o0, mean0, own0, z0, ep0, n0), (g1, o1, mean1, own1, z1, ep1, n1) = result.values
     assert g0 == g1 == [[0.0], [10.0]]
     assert o0 == o1 == [{"rank": 0}, {"rank": 1}]
@@ -121,11 +135,11 @@ def talk_and_fail(rank_to_fail):
     time.sleep(60)  # the surviving rank must be stopped, not waited for
 
 
-@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
-def test_a_raising_rank_stops_the_others(strategy, capfd, no_leftovers):
+@pytest.mark.parametrize("start", STARTS)
+def test_a_raising_rank_stops_the_others(start, capfd, no_leftovers):
     started = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(talk_and_fail, 1, devices=2, accelerator="cpu", strategy=strategy, progress=False)
+        nbtrain.launch(talk_and_fail, 1, devices=2, accelerator="cpu", start=start, progress=False)
     assert time.monotonic() - started < 30
     error = info.value
     assert error.rank == 1
@@ -161,7 +175,7 @@ def crash(how):
                                            ("exit", "exited with code 3")])
 def test_a_dying_rank_is_named_with_its_signal_or_code(how, expected, capfd, no_leftovers):
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(crash, how, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False)
+        nbtrain.launch(crash, how, devices=2, accelerator="cpu", start="fork", progress=False)
     assert info.value.rank == 0 and expected in str(info.value)
     if how == "segv":
         assert "Fatal Python error: Segmentation fault" in info.value.traceback  # faulthandler's last words
@@ -185,10 +199,10 @@ def stuck_in_barrier():
         slow_data_loading()
 
 
-@pytest.mark.parametrize("strategy", PROCESS_STRATEGIES)
-def test_timeout_shows_where_each_rank_is_stuck(strategy, no_leftovers):
+@pytest.mark.parametrize("start", STARTS)
+def test_timeout_shows_where_each_rank_is_stuck(start, no_leftovers):
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(stuck_in_barrier, devices=2, accelerator="cpu", strategy=strategy, timeout=8, progress=False)
+        nbtrain.launch(stuck_in_barrier, devices=2, accelerator="cpu", start=start, timeout=8, progress=False)
     message = str(info.value)
     assert info.value.rank == 0
     assert "timed out after 8 s; still running: ranks [0, 1]" in message
@@ -205,7 +219,7 @@ def one_rank_never_returns():
 
 def test_timeout_names_finished_ranks(no_leftovers):
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(one_rank_never_returns, devices=2, accelerator="cpu", strategy="ddp_fork", timeout=3,
+        nbtrain.launch(one_rank_never_returns, devices=2, accelerator="cpu", start="fork", timeout=3,
                        progress=False)
     assert "timed out after 3 s; still running: ranks [0]; finished: ranks [1]" in str(info.value)
     assert "slow_data_loading" in info.value.traceback
@@ -225,7 +239,7 @@ def test_a_rank_stuck_in_native_code_is_shown_with_its_native_stack(no_leftovers
     import shutil
 
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(stuck_in_native_code, devices=2, accelerator="cpu", strategy="ddp_fork", timeout=4,
+        nbtrain.launch(stuck_in_native_code, devices=2, accelerator="cpu", start="fork", timeout=4,
                        progress=False)
     assert "timed out after 4 s; still running: ranks [1]; finished: ranks [0]" in str(info.value)
     shown = info.value.traceback
@@ -266,8 +280,18 @@ def test_in_process_timeout():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"strategy": "horovod"}, "strategy='horovod' is not known. Accepted: 'auto', 'dp'"),
-    ({"strategy": "ddp_fork", "num_nodes": 2}, "num_nodes=2 needs strategy='ddp'"),
+    ({"strategy": "horovod"}, "strategy='horovod' is not known. Accepted: 'auto', 'ddp', 'fsdp', 'dp', 'deepspeed' "
+                              "(earlier names, still understood: 'ddp_fork'"),
+    ({"start": "thread"}, "start='thread' is not known. Accepted: 'auto', 'fork', 'template', 'spawn', 'torchrun'"),
+    ({"strategy": "ddp_fork", "num_nodes": 2}, "num_nodes=2 with strategy='ddp_fork' (start='fork'): several machines "
+                                                "meet through torchrun's rendezvous; give start='torchrun'"),
+    ({"strategy": "dp", "start": "template"}, "strategy='dp' with start='template': 'dp' runs in this kernel"),
+    ({"strategy": "ddp_spawn", "start": "fork"}, "strategy='ddp_spawn' with start='fork': 'ddp_spawn' is the earlier "
+                                                 "name of strategy='ddp', start='template'"),
+    ({"start": "fork", "launcher_options": {"template": False}}, "launcher_options={'template': False} with "
+                                                                   "start='fork'"),
+    ({"start": "template", "launcher_options": {"launcher": "accelerate"}}, "launcher_options={'launcher': "
+                                                                             "'accelerate'} with start='template'"),
     ({"strategy": "dp", "devices": 2, "accelerator": "cpu"}, "strategy='dp' runs one process"),
     ({"timeout": -1}, "timeout=-1: give a positive number of seconds"),
     ({"devices": "x"}, "devices='x'"),
@@ -286,8 +310,8 @@ def test_launch_needs_a_callable():
 def test_auto_says_what_it_chose(capfd):
     nbtrain.launch(report_environment, devices=2, accelerator="cpu")
     out = capfd.readouterr().out
-    assert "nbtrain: ddp_fork on 2 CPU ranks, gloo (chosen by strategy='auto')\n" in out
-    assert "nbtrain: ddp_fork on 2 CPU ranks, gloo\n" not in out  # said once, not twice
+    assert "nbtrain: ddp on 2 CPU ranks, gloo (started by fork, chosen by start='auto')\n" in out
+    assert "nbtrain: ddp on 2 CPU ranks, gloo\n" not in out  # said once, not twice
     assert "finished in" in out
 
 
@@ -301,7 +325,7 @@ def test_users_own_process_group_is_respected(no_leftovers):
         dist.destroy_process_group()
         return total
 
-    assert nbtrain.launch(own_group, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False).values == [1.0, 1.0]
+    assert nbtrain.launch(own_group, devices=2, accelerator="cpu", start="fork", progress=False).values == [1.0, 1.0]
 
 
 NOTEBOOK_CELL = """
@@ -316,8 +340,8 @@ def test_unshippable_function_is_refused_with_its_path_before_anything_starts(no
     namespace = {"__name__": "__main__"}  # as in a notebook: the function travels by value
     exec(NOTEBOOK_CELL, namespace)
     uses_a_generator = namespace["uses_a_generator"]
-    with pytest.raises(nbtrain.UnpicklableError) as info:
-        nbtrain.launch(uses_a_generator, devices=2, accelerator="cpu", strategy="ddp_spawn", progress=False)
+    with pytest.raises(UnpicklableError) as info:
+        nbtrain.launch(uses_a_generator, devices=2, accelerator="cpu", start="template", progress=False)
     message = str(info.value)
     assert "the function `uses_a_generator` and its arguments cannot be sent" in message
     assert "uses_a_generator.__globals__['STREAM']: generator" in message
@@ -325,16 +349,14 @@ def test_unshippable_function_is_refused_with_its_path_before_anything_starts(no
 
 
 def test_unshippable_function_does_not_start_the_template(no_leftovers):
-    # The pickling check comes first: a refused ddp_spawn launch spends nothing on the template.
-    import nbtrain.template
-
+    # The pickling check comes first: a refused start='template' launch spends nothing on the template.
     namespace = {"__name__": "__main__"}
     exec(NOTEBOOK_CELL, namespace)
-    nbtrain.template.stop()
-    with pytest.raises(nbtrain.UnpicklableError, match="STREAM"):
-        nbtrain.launch(namespace["uses_a_generator"], devices=2, accelerator="cpu", strategy="ddp_spawn",
+    nbtrain.stop_template()
+    with pytest.raises(UnpicklableError, match="STREAM"):
+        nbtrain.launch(namespace["uses_a_generator"], devices=2, accelerator="cpu", start="template",
                        progress=False)
-    assert nbtrain.template.template(start=False) is None
+    assert template_process.template(start=False) is None
 
 
 def test_stack_dumps_lead_with_the_users_code():
@@ -360,9 +382,9 @@ def test_a_single_forked_rank_computes_after_the_kernel_used_its_thread_pool(no_
     a = torch.randn(512, 512)
     for _ in range(3):
         a @ a
-    forked = nbtrain.launch(matmul_threads, devices=1, accelerator="cpu", strategy="ddp_fork", progress=False, timeout=60)
+    forked = nbtrain.launch(matmul_threads, devices=1, accelerator="cpu", start="fork", progress=False, timeout=60)
     assert forked.values == [1]
-    templated = nbtrain.launch(matmul_threads, devices=1, accelerator="cpu", strategy="ddp_spawn", progress=False, timeout=60)
+    templated = nbtrain.launch(matmul_threads, devices=1, accelerator="cpu", start="template", progress=False, timeout=60)
     assert templated.values == [max(1, os.cpu_count())]
 
 
@@ -378,7 +400,7 @@ def resumed_logging(first_step):
 
 
 def test_a_resumed_run_logs_at_its_own_steps(no_leftovers):
-    result = nbtrain.launch(resumed_logging, 150, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False)
+    result = nbtrain.launch(resumed_logging, 150, devices=2, accelerator="cpu", start="fork", progress=False)
     assert sorted({m.step for m in result.history if m.name == "loss"}) == [150, 151, 152, 153]
     assert "step must be an int >= 0" in result.value
 
@@ -393,7 +415,7 @@ def slow_to_exit():
 @pytest.mark.slow
 def test_a_cell_waiting_for_ranks_to_exit_says_so(capfd, no_leftovers):
     # The live view read "finished" ~5 s before the cell ended, saying nothing of why.
-    result = nbtrain.launch(slow_to_exit, devices=2, accelerator="cpu", strategy="ddp", progress=False)
+    result = nbtrain.launch(slow_to_exit, devices=2, accelerator="cpu", start="torchrun", progress=False)
     assert result.values == [0, 1]
     assert "nbtrain: every rank has reported; waiting for their processes to exit" in capfd.readouterr().out
 

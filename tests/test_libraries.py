@@ -110,8 +110,8 @@ def torchrun_worker():
             "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU")
     return {k: os.environ.get(k) for k in keys}, hasattr(sys, "ps1")
 
-PLACEMENTS = {"fork": dict(strategy="ddp_fork"), "template": dict(strategy="ddp_spawn"),
-              "spawn": dict(strategy="ddp_spawn", launcher_options={"template": False}), "script": dict(strategy="ddp")}
+PLACEMENTS = {"fork": dict(start="fork"), "template": dict(start="template"), "spawn": dict(start="spawn"),
+              "script": dict(start="torchrun")}
 
 def on(placement, fn, *args):
     return nbtrain.launch(fn, *args, devices=2, accelerator="cpu", progress=False, timeout=240,
@@ -127,7 +127,7 @@ def nb():
     _, _, error, _ = kernel.run(SETUP, timeout=300)
     assert error is None, error
     yield kernel
-    kernel.run("nbtrain.template.stop()")
+    kernel.run("nbtrain.stop_template()")
     kernel.close()
 
 
@@ -227,7 +227,7 @@ def test_the_ddp_tutorial_runs_under_nbtrain_spawn(nb, start_method):
 
 def test_the_ddp_tutorial_sets_its_own_port_under_torchrun(nb):
     # torchrun's ranks wait for its agent's store; the tutorial's own MASTER_PORT is honoured instead.
-    out, err, error, _ = nb.run("%%nbtrain --strategy ddp --devices 2 --accelerator cpu --timeout 120\n"
+    out, err, error, _ = nb.run("%%nbtrain --start torchrun --devices 2 --accelerator cpu --timeout 120\n"
                                 "demo_basic(int(os.environ['RANK']), 2)", timeout=300)
     assert error is None, f"{error}\n{err[-2000:]}"
     assert nb.value("_nbtrain_result.values") == [(0, 2), (1, 2)]

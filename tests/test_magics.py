@@ -58,8 +58,10 @@ print("rank", ctx.rank, "world", ctx.world_size, flush=True)
 helper(ctx.rank) + m.sqrt(16) + float(np.ones(1)[0]) + torch.zeros(1).item()
 """)
     assert "[rank 0] rank 0 world 2" in out and "[rank 1] rank 1 world 2" in out
-    assert nb.value("_nbtrain_result.values, _nbtrain_result.strategy") == ([105.0, 108.0], "ddp")
-    assert nb.value("'offset' in globals()") is False  # ddp ran the cell elsewhere
+    # %%nbtrain's defaults are launch's: DDP, the ranks forks of the kernel when that is safe
+    assert nb.value("_nbtrain_result.values, _nbtrain_result.strategy, _nbtrain_result.start") == (
+        [105.0, 108.0], "ddp", "fork")
+    assert nb.value("'offset' in globals()") is False  # the ranks ran the cell, not the kernel
     assert nb.value("children()") == []
 
 
@@ -79,7 +81,7 @@ check(x)
 
 
 def test_a_plain_torchrun_script_runs_unchanged(nb):
-    out, _ = run_ok(nb, """%%nbtrain --strategy ddp --devices 2 --accelerator cpu
+    out, _ = run_ok(nb, """%%nbtrain --start torchrun --devices 2 --accelerator cpu
 import torch
 import torch.distributed as dist
 
@@ -96,7 +98,7 @@ if __name__ == "__main__":
 total
 """)
     assert "[rank 0] rank 0 of 2: sum 3.0" in out and "[rank 1] rank 1 of 2: sum 3.0" in out
-    assert nb.value("_nbtrain_result.values") == [3.0, 3.0]
+    assert nb.value("_nbtrain_result.values, _nbtrain_result.start") == ([3.0, 3.0], "torchrun")
 
 
 def test_earlier_functions_that_use_nbtrain_travel_after_a_widget_display(nb):
@@ -106,7 +108,7 @@ def test_earlier_functions_that_use_nbtrain_travel_after_a_widget_display(nb):
     assert nb.value("_nbtrain_result.values") == [2, 2]
 
 
-def test_launch_with_strategy_ddp_ships_notebook_functions_and_classes(nb):
+def test_launch_under_torchrun_ships_notebook_functions_and_classes(nb):
     run_ok(nb, """
 class Doubler(torch.nn.Module):
     def forward(self, x):
@@ -118,7 +120,7 @@ def train(k):
     model(torch.ones(1, 2)).sum().backward()
     ctx.log("k", k * scale, sync_dist=True)
     return model.module
-r = nbtrain.launch(train, 2, strategy="ddp", devices=2, accelerator="cpu", progress=False)
+r = nbtrain.launch(train, 2, strategy="ddp", start="torchrun", devices=2, accelerator="cpu", progress=False)
 """)
     assert nb.value("isinstance(r.value[1], Doubler), r.metrics('k')") == (True, [6.0])
     assert nb.value("children()") == []
@@ -129,31 +131,43 @@ def test_other_nodes_are_told_their_own_magic_line():
 
     options = {**DEFAULTS, "devices": "2", "accelerator": "cpu", "nnodes": 2, "rdzv_endpoint": "10.0.0.1:29400"}
     line = rerun_line(options).replace("{node_rank}", "1")
-    assert line == ("%%nbtrain --strategy ddp --devices 2 --accelerator cpu --nnodes 2 --node-rank 1 "
+    assert line == ("%%nbtrain --strategy auto --start torchrun --devices 2 --accelerator cpu --nnodes 2 --node-rank 1 "
                     "--rdzv-endpoint 10.0.0.1:29400")
 
 
-@pytest.mark.parametrize("strategy, devices, values", [("ddp_fork", 2, [100, 103]), ("ddp_spawn", 2, [100, 103]),
-                                                       ("dp", 1, [100])])
-def test_other_strategies_run_the_cell_as_a_function(nb, strategy, devices, values):
-    run_ok(nb, f"""%%nbtrain --strategy {strategy} --devices {devices} --accelerator cpu
+@pytest.mark.parametrize("options, devices, values, how", [
+    ("--start template", 2, [100, 103], ("ddp", "template")), ("--start spawn", 2, [100, 103], ("ddp", "spawn")),
+    ("--strategy ddp_spawn", 2, [100, 103], ("ddp", "template")),  # an earlier name: the same pair
+    ("--strategy dp", 1, [100], ("dp", "kernel")), ("", 1, [100], ("single", "kernel")),
+])
+def test_every_start_runs_the_cell(nb, options, devices, values, how):
+    run_ok(nb, f"""%%nbtrain {options} --devices {devices} --accelerator cpu
 offset = 100
 helper(nbtrain.context().rank)
 """)
-    assert nb.value("_nbtrain_result.values") == values
-    # dp runs the cell in the kernel itself: its names stay, as a plain cell's would.
-    assert nb.value("globals().pop('offset', None)") == (100 if strategy == "dp" else None)
+    assert nb.value("_nbtrain_result.values, (_nbtrain_result.strategy, _nbtrain_result.start)") == (values, how)
+    # One device runs the cell in the kernel itself: its names stay, as a plain cell's would.
+    assert nb.value("globals().pop('offset', None)") == (100 if how[1] == "kernel" else None)
     assert nb.value("children()") == []
 
 
 @pytest.mark.parametrize("line, words", [
-    ("--strategy horovod", "argument --strategy: invalid choice: 'horovod' (choose from 'ddp', 'ddp_fork'"),
+    ("--strategy horovod", "argument --strategy: invalid choice: 'horovod' (choose from 'auto', 'ddp', 'fsdp', 'dp', "
+                           "'deepspeed', 'ddp_fork'"),
+    ("--start forkserver", "argument --start: invalid choice: 'forkserver' (choose from 'auto', 'fork', 'template', "
+                           "'spawn', 'torchrun')"),
+    ("--strategy dp --start fork --accelerator cpu --devices 1", "strategy='dp' with start='fork': 'dp' runs in this "
+                                                                 "kernel"),
+    ("--strategy ddp_fork --start torchrun", "strategy='ddp_fork' with start='torchrun': 'ddp_fork' is the earlier "
+                                             "name of strategy='ddp', start='fork'"),
     ("--devices x --accelerator cpu", "devices='x': on CPU, give a number of ranks. Accepted:"),
     ("--nnodes 0", "argument --nnodes: 0 is too small: give an integer >= 1"),
     ("--timeout -1", "argument --timeout: '-1': give a positive number of seconds"),
     ("--rdzv-endpoint nohost", "argument --rdzv-endpoint: rdzv_endpoint='nohost': give HOST:PORT"),
     ("--nnodes 2 --accelerator cpu", "num_nodes=2 needs rdzv_endpoint='HOST:PORT'"),
-    ("--strategy dp --launcher accelerate --accelerator cpu", "--launcher accelerate starts a script: it needs --strategy ddp"),
+    ("--strategy dp --launcher accelerate --accelerator cpu", "--launcher accelerate starts a script under torchrun: it "
+     "needs --start torchrun (or auto) and --strategy auto, ddp or fsdp (got --strategy dp --start auto)."),
+    ("--start fork --node-rank 1 --nnodes 2", "--node-rank 1 starts a script under torchrun: it needs --start torchrun"),
     ("--bogus 1", "unrecognized arguments: --bogus 1"),
 ])
 def test_bad_options_are_usage_errors_and_the_cell_does_not_run(nb, line, words):
@@ -174,17 +188,17 @@ def test_a_missing_launcher_package_is_a_usage_error(nb):
 
 
 def test_config_sets_session_defaults(nb):
-    out, _ = run_ok(nb, "%nbtrain config --devices 2 --accelerator cpu --strategy ddp_fork")
-    assert "--strategy ddp_fork --devices 2 --accelerator cpu" in out and "--timeout 60.0" in out
+    out, _ = run_ok(nb, "%nbtrain config --devices 2 --accelerator cpu --start template")
+    assert "--strategy auto --start template --devices 2 --accelerator cpu" in out and "--timeout 60.0" in out
     try:
         run_ok(nb, "%%nbtrain\nnbtrain.context().world_size")
-        assert nb.value("_nbtrain_result.values, _nbtrain_result.strategy") == ([2, 2], "ddp_fork")
+        assert nb.value("_nbtrain_result.values, _nbtrain_result.start") == ([2, 2], "template")
         out, _ = run_ok(nb, "%nbtrain config")
-        assert "(set by %nbtrain config: --strategy, --devices, --accelerator, --timeout)" in out
+        assert "(set by %nbtrain config: --start, --devices, --accelerator, --timeout)" in out
     finally:
         out, _ = run_ok(nb, "%nbtrain config reset")
         run_ok(nb, NO_HANGS)
-    assert "--strategy ddp --devices auto --accelerator auto" in out and "config: none" in out
+    assert "--strategy auto --start auto --devices auto --accelerator auto" in out and "config: none" in out
 
 
 def test_gpus_shows_the_gpu_table(nb):
@@ -202,14 +216,14 @@ def test_unknown_command(nb):
 
 def test_an_unpicklable_name_is_refused_before_anything_starts(nb):
     run_ok(nb, "batches = (i for i in range(3))")
-    _, _, error, _ = nb.run("%%nbtrain --devices 2 --accelerator cpu\nnext(batches)")
+    _, _, error, _ = nb.run("%%nbtrain --start template --devices 2 --accelerator cpu\nnext(batches)")
     assert error["ename"] == "UnpicklableError"
     assert "batches: generator" in "\n".join(error["traceback"])
 
 
 def test_interrupting_the_cell_stops_torchrun_and_every_rank(nb):
     client = nb.client
-    msg_id = client.execute("""%%nbtrain --devices 2 --accelerator cpu
+    msg_id = client.execute("""%%nbtrain --start torchrun --devices 2 --accelerator cpu
 import os, time
 print("ready", os.getpid(), flush=True)
 time.sleep(120)
@@ -265,7 +279,7 @@ trainer.global_rank, trainer.world_size, trainer.global_step
 
 
 def test_a_cell_feeds_tensorboard_and_is_profiled(nb, tmp_path):
-    run_ok(nb, f"""%%nbtrain --devices 2 --accelerator cpu --strategy ddp_fork --trackers tensorboard --profile --run-dir {tmp_path}
+    run_ok(nb, f"""%%nbtrain --devices 2 --accelerator cpu --start fork --trackers tensorboard --profile --run-dir {tmp_path}
 ctx = nbtrain.context()
 for i in ctx.progress(range(8)):
     ctx.all_gather(torch.ones(2))

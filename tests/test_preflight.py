@@ -20,7 +20,7 @@ import nbtrain
 from nbtrain.common import preflight
 from nbtrain.common.devices import DevicePlan, plan_devices
 from nbtrain.common.inventory import Gpu, GpuProcess, StaticInventory, use_inventory
-from nbtrain.notebook.launch import resolve_strategy
+from nbtrain.notebook.choices import choose, words
 from nbtrain.placements.base import Job, ProcessLauncher, rank_environ
 from nbtrain.common.preflight import CudaInit, ForkUnsafeError, Frame
 
@@ -93,9 +93,9 @@ def test_recorder_names_the_line_and_fork_is_refused(cuda_state):
     with pytest.raises(ForkUnsafeError) as refused:
         preflight.check_fork()
     text = str(refused.value)
-    assert text.startswith(f"strategy='ddp_fork' refused: {reason}; a forked rank cannot initialise CUDA again")
+    assert text.startswith(f"start='fork' refused: {reason}; a forked rank cannot initialise CUDA again")
     assert "Cannot re-initialize CUDA in forked subprocess" in text
-    assert "restart the kernel" in text and "strategy='ddp_spawn'" in text and "strategy='ddp'" in text
+    assert "restart the kernel" in text and "start='template', 'spawn' or 'torchrun'" in text
 
 
 def test_a_record_alone_refuses_fork(cuda_state):
@@ -115,15 +115,17 @@ def test_a_record_from_before_a_fork_is_not_this_process(cuda_state, monkeypatch
     assert preflight.recorded_cuda_init() is None and preflight.fork_blocker() is None
 
 
-def test_auto_picks_spawn_and_says_why_in_one_line(cuda_state):
-    assert resolve_strategy("auto", cpu_plan())[0] == "ddp_fork"
+def test_auto_picks_the_template_and_says_why_in_one_line(cuda_state):
+    assert choose(words(), cpu_plan()).start == "fork"
     initialise_cuda_here()
     cuda_state["on"] = True
-    name, note = resolve_strategy("auto", cpu_plan())
-    assert name == "ddp_spawn" and "\n" not in note
-    assert note.startswith("ddp_spawn on 2 CPU ranks, gloo (chosen by strategy='auto'), not ddp_fork: CUDA is already "
-                           f"initialised in this kernel, at test_preflight line {NAMED_LINE} (`[call() for")
-    assert resolve_strategy("ddp_spawn", cpu_plan()) == ("ddp_spawn", None)
+    choice = choose(words(), cpu_plan())
+    assert (choice.strategy, choice.start) == ("ddp", "template") and "\n" not in choice.note
+    assert choice.note.startswith("ddp on 2 CPU ranks, gloo (started by template, chosen by start='auto'), not fork: "
+                                  f"CUDA is already initialised in this kernel, at test_preflight line {NAMED_LINE} "
+                                  "(`[call() for")
+    explicit = choose(words("ddp_spawn"), cpu_plan())
+    assert (explicit.strategy, explicit.start, explicit.note) == ("ddp", "template", None)
 
 
 def test_the_refusal_pickles(cuda_state):
@@ -330,7 +332,7 @@ def test_forked_ranks_get_tokenizers_parallelism_false_unless_set(monkeypatch, n
         monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     else:
         monkeypatch.setenv("TOKENIZERS_PARALLELISM", user_value)
-    r = nbtrain.launch(rank_env, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False)
+    r = nbtrain.launch(rank_env, devices=2, accelerator="cpu", start="fork", progress=False)
     assert r.values == [{"TOKENIZERS_PARALLELISM": seen, "NCCL_P2P_DISABLE": None, "NCCL_IB_DISABLE": None}] * 2
     assert os.environ.get("TOKENIZERS_PARALLELISM") == user_value  # the kernel's own is untouched
 
@@ -374,17 +376,17 @@ def test_in_a_kernel_the_refusal_names_the_cell_and_line(nb):
     call, _ = ok(nb, "setup()")
     # CUDA cannot initialise on this machine; stand in for torch's flag, which _lazy_init sets next.
     ok(nb, "preflight.cuda_is_initialized = lambda: True")
-    _, _, error = run_counted(nb, "nbtrain.launch(work, 2, devices=2, accelerator='cpu', strategy='ddp_fork', progress=False)")
+    _, _, error = run_counted(nb, "nbtrain.launch(work, 2, devices=2, accelerator='cpu', start='fork', progress=False)")
     assert error is not None and error["ename"] == "ForkUnsafeError"
     cause = (f"CUDA is already initialised in this kernel, in cell In[{define}] line 3 (`{RUN_QUEUED}`), "
              f"called from cell In[{call}] line 1 (`setup()`)")
-    assert error["evalue"].startswith(f"strategy='ddp_fork' refused: {cause}; a forked rank cannot")
+    assert error["evalue"].startswith(f"start='fork' refused: {cause}; a forked rank cannot")
 
     _, out = ok(nb, "r = nbtrain.launch(work, 2, devices=2, accelerator='cpu', strategy='auto', progress=False)")
-    assert f"nbtrain: ddp_spawn on 2 CPU ranks, gloo (chosen by strategy='auto'), not ddp_fork: {cause}\n" in out
-    assert nb.value("r.strategy, r.values") == ("ddp_spawn", [0, 2])
+    assert f"nbtrain: ddp on 2 CPU ranks, gloo (started by template, chosen by start='auto'), not fork: {cause}\n" in out
+    assert nb.value("r.strategy, r.start, r.values") == ("ddp", "template", [0, 2])
 
-    _, out = ok(nb, "r = nbtrain.launch(work, 3, devices=2, accelerator='cpu', strategy='ddp_spawn', progress=False)")
+    _, out = ok(nb, "r = nbtrain.launch(work, 3, devices=2, accelerator='cpu', start='template', progress=False)")
     assert out == "" and nb.value("r.values") == [0, 3]
 
 
@@ -393,7 +395,7 @@ def test_in_a_kernel_an_import_that_initialises_cuda_is_named(nb, tmp_path):
     (tmp_path / "bitsandbytes.py").write_text(f"import torch\n\n{RUN_QUEUED}\n")
     ok(nb, f"sys.path.insert(0, {str(tmp_path)!r})")
     n, _ = ok(nb, "import torch\nimport bitsandbytes as bnb\npreflight.cuda_is_initialized = lambda: True")
-    _, _, error = run_counted(nb, "nbtrain.launch(work, 2, devices=2, accelerator='cpu', strategy='ddp_fork', progress=False)")
+    _, _, error = run_counted(nb, "nbtrain.launch(work, 2, devices=2, accelerator='cpu', start='fork', progress=False)")
     assert error is not None and error["ename"] == "ForkUnsafeError"
     assert (f"CUDA is already initialised in this kernel, by importing bitsandbytes in cell In[{n}] line 2 "
             f"(`import bitsandbytes as bnb`), at bitsandbytes line 3 (`[call() for") in error["evalue"]
@@ -420,11 +422,11 @@ def test_real_cuda_initialisation_is_named(tmp_path):
         torch.cuda.init()
         assert torch.cuda.is_initialized()
         try:
-            nbtrain.launch(work, devices=2, accelerator="cpu", strategy="ddp_fork", progress=False)
-        except nbtrain.ForkUnsafeError as exc:
+            nbtrain.launch(work, devices=2, accelerator="cpu", start="fork", progress=False)
+        except ForkUnsafeError as exc:
             print("REFUSED", exc)
         r = nbtrain.launch(work, devices=2, accelerator="cpu", progress=False)
-        print("AUTO", r.strategy, r.values)
+        print("AUTO", r.strategy, r.start, r.values)
         driver, pairs = preflight._nvml_p2p_facts(nbtrain.gpus())
         print("NVML", driver, pairs)
     """))
@@ -432,9 +434,9 @@ def test_real_cuda_initialisation_is_named(tmp_path):
                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
-    assert f"REFUSED strategy='ddp_fork' refused: CUDA is already initialised in this kernel, at {script} line 8 " \
+    assert f"REFUSED start='fork' refused: CUDA is already initialised in this kernel, at {script} line 8 " \
            "(`torch.cuda.init()`); a forked rank cannot initialise CUDA again" in out
-    assert "AUTO ddp_spawn [0, 1]" in out and f"not ddp_fork: CUDA is already initialised in this kernel, at {script} line 8" in out
+    assert "AUTO ddp template [0, 1]" in out and f"not fork: CUDA is already initialised in this kernel, at {script} line 8" in out
     assert "NVML None" not in out, out
 
     imported = tmp_path / "imports.py"

@@ -12,7 +12,7 @@ import nbtrain
 from stranger import stranger  # noqa: F401 - a fixture
 
 slow = pytest.mark.slow
-CPU2 = {"devices": 2, "accelerator": "cpu", "strategy": "ddp_fork", "progress": False, "timeout": 180}
+CPU2 = {"devices": 2, "accelerator": "cpu", "start": "fork", "progress": False, "timeout": 180}
 
 # What another account tries on every path it is given: to list a directory, to read a file.
 READ_ALL = r'''
@@ -128,6 +128,6 @@ def probe_job_dir(user):
 
 @slow
 def test_a_script_launchs_job_directory_is_private_whatever_the_umask(umask_022, stranger, no_leftovers):
-    result = nbtrain.launch(probe_job_dir, stranger, **{**CPU2, "strategy": "ddp"})
+    result = nbtrain.launch(probe_job_dir, stranger, **{**CPU2, "start": "torchrun"})
     dirs, read, umask = result.values[0]
     assert dirs == {0o700} and read == [] and umask == 0o022, result.values[0]

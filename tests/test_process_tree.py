@@ -85,15 +85,14 @@ def _kill_kernel_and_check(kernel, pids: list[int]) -> None:
         _end(every)
 
 
-@pytest.mark.parametrize("start", ["strategy='ddp_fork'", "strategy='ddp_spawn'",
-                                   "strategy='ddp_spawn', launcher_options={'template': False}", "strategy='ddp'"],
-                         ids=["fork", "template", "spawn", "torchrun"])
+@pytest.mark.parametrize("start", ["fork", "template", "spawn", "torchrun"])
 def test_daemons_of_a_launch_end_with_a_killed_kernel(start):
     kernel = Kernel()
     try:
         _, _, error, _ = kernel.run(START_DAEMONS)
         assert error is None, error
-        kernel.client.execute(f"nbtrain.launch(start_daemons, devices=2, accelerator='cpu', {start}, progress=False)")
+        kernel.client.execute(f"nbtrain.launch(start_daemons, devices=2, accelerator='cpu', start={start!r}, "
+                              "progress=False)")
         pids = _printed_pids(kernel, 2)
         _kill_kernel_and_check(kernel, pids)
     finally:

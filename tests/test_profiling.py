@@ -9,7 +9,7 @@ import torch
 
 import nbtrain
 
-CPU2 = {"devices": 2, "accelerator": "cpu", "strategy": "ddp_fork", "progress": False, "timeout": 120}
+CPU2 = {"devices": 2, "accelerator": "cpu", "start": "fork", "progress": False, "timeout": 120}
 
 
 def ddp_train(steps: int, straggler: int | None = None):
@@ -186,7 +186,7 @@ def test_a_cuda_rank_saves_its_memory_snapshot(tmp_path, no_leftovers):
         for _ in ctx.progress(range(4)):
             x = torch.tanh(x @ x)
 
-    result = nbtrain.launch(train, devices=1, accelerator="gpu", strategy="ddp_spawn", progress=False,
+    result = nbtrain.launch(train, devices=1, accelerator="gpu", start="template", progress=False,
                             run_dir=tmp_path, profile=nbtrain.Profile(steps=2), timeout=300)
     (summary,) = result.profile.summaries.values()
     assert summary["memory_snapshot"].endswith("rank0.memory.pickle") and os.path.getsize(summary["memory_snapshot"])

@@ -25,7 +25,7 @@ def shows(steps=50):
     return ctx.rank
 '''
 
-CELL = '''%%nbtrain --strategy ddp --devices 2 --accelerator cpu --no-progress
+CELL = '''%%nbtrain --start torchrun --devices 2 --accelerator cpu --no-progress
 import logging, time
 from IPython.display import display, HTML
 from tqdm.auto import tqdm
@@ -94,14 +94,9 @@ def check(out: Output) -> None:
     assert "<IPython.core.display.HTML object>" not in out.text  # printed instead of shown
 
 
-@pytest.mark.parametrize("strategy, options", [
-    ("ddp_fork", None),
-    ("ddp_spawn", None),  # forks of the warm template
-    ("ddp_spawn", {"template": False}),
-], ids=["fork", "template", "spawn"])
-def test_launch_shows_rank_output_as_the_notebook_would(nb, strategy, options):
-    out = Output(nb, f"r = nbtrain.launch(shows, devices=2, accelerator='cpu', strategy={strategy!r}, "
-                     f"launcher_options={options!r}, progress=False)")
+@pytest.mark.parametrize("start", ["fork", "template", "spawn"])
+def test_launch_shows_rank_output_as_the_notebook_would(nb, start):
+    out = Output(nb, f"r = nbtrain.launch(shows, devices=2, accelerator='cpu', start={start!r}, progress=False)")
     check(out)
 
 
@@ -117,7 +112,7 @@ def frames():
         clear_output(wait=True)
         display(HTML(f"<i>frame {i} of rank {nbtrain.context().rank}</i>"))
     return 1
-r = nbtrain.launch(frames, devices=2, accelerator="cpu", strategy="ddp_fork", progress="widgets")
+r = nbtrain.launch(frames, devices=2, accelerator="cpu", start="fork", progress="widgets")
 ''')
     clears = out.of("clear_output")
     assert len(clears) == 3 and all(c["wait"] for c in clears)
@@ -132,15 +127,15 @@ r = nbtrain.launch(frames, devices=2, accelerator="cpu", strategy="ddp_fork", pr
     assert summary and "nbtrain-summary" in summary[-1]["data"]["text/html"]
 
 
-@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
-def test_a_rich_progress_bar_is_one_live_line_per_rank(nb, strategy):
+@pytest.mark.parametrize("start", ["fork", "template"])
+def test_a_rich_progress_bar_is_one_live_line_per_rank(nb, start):
     out = Output(nb, f"""
 def tracks():
     rank = nbtrain.context().rank
     for _ in track(range(30), description=f"rich{{rank}}", refresh_per_second=50):
         time.sleep(0.005)
     print("after the bar")
-r = nbtrain.launch(tracks, devices=2, accelerator="cpu", strategy={strategy!r}, progress=False)
+r = nbtrain.launch(tracks, devices=2, accelerator="cpu", start={start!r}, progress=False)
 """)
     drawn = out.of("display_data") + out.of("update_display_data")
     for rank in (0, 1):

@@ -11,7 +11,9 @@ from conftest import running
 import torch  # the live ranks also take it from this module, as from a notebook
 
 import nbtrain
+from nbtrain.common.errors import UnpicklableError
 from nbtrain.notebook.pool import PoolBroken
+from nbtrain.placements import template_process
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +25,10 @@ def test_bad_input_is_refused_clearly():
         nbtrain.Ranks(devices=2, accelerator="cpu", strategy="deepspeed")
     with pytest.raises(ValueError, match="start='thread' is not known"):
         nbtrain.Ranks(devices=2, accelerator="cpu", start="thread")
+    with pytest.raises(ValueError, match="start='torchrun': live ranks start by 'auto', 'fork', 'template', 'spawn'"):
+        nbtrain.Ranks(devices=2, accelerator="cpu", start="torchrun")
+    with pytest.raises(ValueError, match="strategy='ddp_fork' with start='spawn': 'ddp_fork' is the earlier name"):
+        nbtrain.Ranks(devices=2, accelerator="cpu", strategy="ddp_fork", start="spawn")
     with pytest.raises(ValueError, match="timeout=-1"):
         nbtrain.Ranks(devices=2, accelerator="cpu", timeout=-1)
     with nbtrain.Ranks(devices=2, accelerator="cpu") as ranks:
@@ -38,7 +44,7 @@ def test_bad_input_is_refused_clearly():
             ranks.run(len)
         with pytest.raises(ValueError, match=r"ranks=\[7\]"):
             ranks.exec("1", ranks=[7])
-        with pytest.raises(nbtrain.UnpicklableError, match="generator"):
+        with pytest.raises(UnpicklableError, match="generator"):
             ranks.push(g=(i for i in range(3)))
         with pytest.raises(RuntimeError, match="no rank has failed yet"):
             ranks.debug()
@@ -52,7 +58,7 @@ def test_live_ranks_from_the_template_when_forking_is_unsafe(monkeypatch, no_lef
     monkeypatch.setattr(preflight, "cuda_is_initialized", lambda: True)  # as after torch.zeros(1, device="cuda")
     with nbtrain.Ranks(devices=2, accelerator="cpu") as ranks:
         assert ranks.placement == "template"
-        template = nbtrain.template.template(start=False).pid
+        template = template_process.template(start=False).pid
         assert ranks.eval("os.getppid()") == [template, template]  # forks of the template, not of this process
         ranks.exec("import torch.distributed as dist\nx = torch.ones(1)\ndist.all_reduce(x)")
         assert [v.item() for v in ranks.pull("x")] == [2.0, 2.0]

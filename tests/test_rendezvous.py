@@ -73,10 +73,10 @@ def _check(values, world_size=2):
 
 
 @slow
-@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
+@pytest.mark.parametrize("start", ["fork", "template"])
 @pytest.mark.parametrize("before_group", [True, False], ids=["while-starting", "while-running"])
-def test_another_account_cannot_reach_a_launchs_store(strategy, before_group, stranger, no_leftovers):
-    result = nbtrain.launch(probed_by, stranger, before_group, devices=2, accelerator="cpu", strategy=strategy,
+def test_another_account_cannot_reach_a_launchs_store(start, before_group, stranger, no_leftovers):
+    result = nbtrain.launch(probed_by, stranger, before_group, devices=2, accelerator="cpu", start=start,
                             progress=False, timeout=180)
     _check(result.values)
     assert not os.path.exists(result.values[0]["store"])  # removed with the launch
@@ -95,7 +95,7 @@ def test_another_account_cannot_reach_live_ranks_store(stranger, no_leftovers):
 def test_a_script_launch_on_one_node_meets_in_a_private_store_too(stranger, no_leftovers):
     # torchrun's own agent still hosts its TCP store at MASTER_PORT (its own keys only, see the
     # README); the ranks' process group no longer uses it.
-    result = nbtrain.launch(probed_by, stranger, False, devices=2, accelerator="cpu", strategy="ddp",
+    result = nbtrain.launch(probed_by, stranger, False, devices=2, accelerator="cpu", start="torchrun",
                             progress=False, timeout=180)
     for value in result.values:
         assert value["total"] == 3 and value["stranger's key"] is False and value["TCP store"] is False, value

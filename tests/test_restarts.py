@@ -158,7 +158,7 @@ def test_cancel_while_a_submitted_run_waits_to_restart_ends_it_at_once(tmp_path,
 def test_ctrl_c_while_waiting_to_restart_ends_the_launch_at_once_and_leaves_nothing(kernel):
     _, _, error, _ = kernel.run(FAILS)
     assert error is None, error
-    kernel.client.execute("nbtrain.launch(fails, devices=2, accelerator='cpu', strategy='ddp_fork', progress='text', "
+    kernel.client.execute("nbtrain.launch(fails, devices=2, accelerator='cpu', start='fork', progress='text', "
                           "max_restarts=5)")
     shown, waiting = "", "restarting (3 of 5) in 4 s: rank 0 failed: ValueError: again"
     deadline = time.monotonic() + 120

@@ -16,7 +16,7 @@ from nbtrain.display.text import LineDisplay, rank_line
 from nbtrain.rank.context import Context
 from nbtrain.display.vitals import latest, slowest
 
-CPU2 = {"devices": 2, "accelerator": "cpu", "strategy": "ddp_fork", "timeout": 120}
+CPU2 = {"devices": 2, "accelerator": "cpu", "start": "fork", "timeout": 120}
 
 
 def test_events_that_arrive_together_keep_the_ranks_own_timing():

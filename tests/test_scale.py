@@ -32,12 +32,11 @@ def meet():
     ctx.barrier()  # every rank joined the group
     return ctx.rank, ctx.world_size
 
-def launch_times(n, strategy, repeats=REPEATS, **options):
+def launch_times(n, start, repeats=REPEATS):
     times = []
     for _ in range(repeats):
         began = time.monotonic()
-        result = nbtrain.launch(meet, devices=n, accelerator="cpu", strategy=strategy, progress=False,
-                                timeout=150, **options)
+        result = nbtrain.launch(meet, devices=n, accelerator="cpu", start=start, progress=False, timeout=150)
         times.append(round(time.monotonic() - began, 2))
         assert sorted(result.values) == [(r, n) for r in range(n)], result.values
     return times
@@ -51,35 +50,35 @@ def big(kernel):
     _, _, error, _ = kernel.run(SETUP + CHILDREN)
     assert error is None, error
     yield kernel
-    kernel.run("nbtrain.template.stop() if hasattr(nbtrain, 'template') else None")
+    kernel.run("nbtrain.stop_template()")
 
 
-def _launch(kernel, n, strategy, options=""):
-    _, err, error, _ = kernel.run(f"times = launch_times({n}, {strategy!r}, {TIMES.get(n, REPEATS)}{options})",
+def _launch(kernel, n, start):
+    _, err, error, _ = kernel.run(f"times = launch_times({n}, {start!r}, {TIMES.get(n, REPEATS)})",
                                   timeout=REPEATS * 200)
-    assert error is None, f"{strategy} with {n} ranks: {error['ename']}: {error['evalue']}\n{err[-3000:]}"
-    print(f"{strategy}{options} x{n}: {kernel.value('times')} s")
+    assert error is None, f"start={start} with {n} ranks: {error['ename']}: {error['evalue']}\n{err[-3000:]}"
+    print(f"start={start} x{n}: {kernel.value('times')} s")
     assert kernel.value("children()") == [], "ranks left behind"
 
 
 @pytest.mark.parametrize("n", [8, 16, 32])
 def test_fork(big, n):
-    _launch(big, n, "ddp_fork")
+    _launch(big, n, "fork")
 
 
 @pytest.mark.parametrize("n", [8, 16, 32])
 def test_template(big, n):
-    _launch(big, n, "ddp_spawn")
+    _launch(big, n, "template")
 
 
 @pytest.mark.parametrize("n", [8, 16, 32])
 def test_plain_spawn(big, n):
-    _launch(big, n, "ddp_spawn", ', launcher_options={"template": False}')
+    _launch(big, n, "spawn")
 
 
 @pytest.mark.parametrize("n", [8, 16])
 def test_script(big, n):
-    _launch(big, n, "ddp")
+    _launch(big, n, "torchrun")
 
 
 def test_live_ranks_16(big):

@@ -1,4 +1,4 @@
-"""strategy="ddp": the job as a script under torchrun, from a plain process (real ranks, real gloo)."""
+"""start="torchrun": the job as a script under torchrun, from a plain process (real ranks, real gloo)."""
 import importlib.util
 import os
 import signal
@@ -13,13 +13,14 @@ import torch
 import torch.nn.functional as F
 
 import nbtrain
-from nbtrain import UnpicklableError, WorkerError
+from nbtrain import WorkerError
+from nbtrain.common.errors import UnpicklableError
 from nbtrain.common.source import free_names
 from nbtrain.notebook.cell import run_cell
 from nbtrain.placements.base import free_port
 
 slow = pytest.mark.slow
-CPU2 = {"strategy": "ddp", "devices": 2, "accelerator": "cpu", "progress": False, "timeout": 60}  # never a hang
+CPU2 = {"strategy": "ddp", "start": "torchrun", "devices": 2, "accelerator": "cpu", "progress": False, "timeout": 60}  # never a hang
 
 
 class Net(torch.nn.Module):
@@ -106,7 +107,7 @@ def test_results_metrics_environment_and_private_job_dir(no_leftovers):
         assert os.path.isdir(live)
     finally:
         os.rmdir(live)
-    assert result.strategy == "ddp" and len(result.values) == 2
+    assert (result.strategy, result.start) == ("ddp", "torchrun") and len(result.values) == 2
     (m0, env0, dir0, modes, pid0, cmd, own_session), (m1, env1, dir1, _, pid1, _, _) = result.values
     assert isinstance(m0, Net) and torch.equal(m0.layer.weight, m1.layer.weight)  # DDP synchronised them
     losses = result.metrics("loss")
@@ -221,7 +222,7 @@ def test_two_nodes_on_one_machine(capfd, no_leftovers):
     assert results[0].values == [(0, 4, [0.0, 1.0, 2.0, 3.0], "0"), (1, 4, [0.0, 1.0, 2.0, 3.0], "0")]
     assert results[1].values == [(2, 4, [0.0, 1.0, 2.0, 3.0], "1"), (3, 4, [0.0, 1.0, 2.0, 3.0], "1")]
     out = capfd.readouterr().out
-    assert f"on node 1, run: the same launch(..., strategy='ddp', num_nodes=2, launcher_options={{'node_rank': 1, " \
+    assert f"on node 1, run: the same launch(..., strategy='ddp', start='torchrun', num_nodes=2, launcher_options={{'node_rank': 1, " \
            f"'rdzv_endpoint': '{endpoint}'}})" in out
     assert "--nnodes 2 --nproc-per-node 2 --node-rank 0 --rdzv-backend static" in out
 
@@ -237,7 +238,9 @@ def flaky():
 
 @slow
 def test_max_restarts_lets_torchrun_retry(capfd, no_leftovers):
-    result = nbtrain.launch(flaky, **CPU2, launcher_options={"max_restarts": 1})
+    # The launcher's settings alone say torchrun: start='auto' picks it, as strategy='ddp' did before start=.
+    result = nbtrain.launch(flaky, **{**CPU2, "start": "auto"}, launcher_options={"max_restarts": 1})
+    assert result.start == "torchrun"
     assert result.values == [1, 1]
     err = capfd.readouterr().err
     assert "[rank 1] RuntimeError: transient" in err and "failed in attempt 1 of 2" in err
@@ -250,7 +253,9 @@ def report_environment():
 @slow
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed")
 def test_accelerate_launches_the_same_job(no_leftovers):
-    result = nbtrain.launch(report_environment, **CPU2, launcher_options={"launcher": "accelerate"})
+    # strategy='ddp_script', the earlier name of strategy='ddp', start='torchrun'
+    result = nbtrain.launch(report_environment, **{**CPU2, "strategy": "ddp_script", "start": "auto"},
+                            launcher_options={"launcher": "accelerate"})
     assert [v[:2] for v in result.values] == [(0, 2), (1, 2)]
     assert "accelerate.commands.launch" in result.values[0][2]
 
@@ -278,11 +283,15 @@ def test_bad_launcher_options(options, words):
     assert words in str(info.value)
 
 
-def test_several_nodes_need_an_endpoint_and_the_script_strategy():
+def test_several_nodes_need_an_endpoint_and_torchrun():
     with pytest.raises(ValueError, match="num_nodes=2 needs rdzv_endpoint='HOST:PORT'"):
         nbtrain.launch(report_environment, **CPU2, num_nodes=2)
-    with pytest.raises(ValueError, match="apply to strategy='ddp'"):
-        nbtrain.launch(report_environment, **{**CPU2, "strategy": "ddp_fork"}, launcher_options={"node_rank": 0})
+    with pytest.raises(ValueError, match=r"launcher_options=\{'node_rank': 0\} with strategy='ddp_fork' \(start='fork'\): "
+                                         "they are torchrun's settings"):
+        nbtrain.launch(report_environment, **{**CPU2, "strategy": "ddp_fork", "start": "auto"},
+                       launcher_options={"node_rank": 0})
+    with pytest.raises(ValueError, match="num_nodes=2 with start='template': several machines meet through torchrun"):
+        nbtrain.launch(report_environment, **{**CPU2, "start": "template"}, num_nodes=2)
 
 
 def test_an_unpicklable_job_is_refused_before_anything_starts(no_leftovers):
@@ -332,7 +341,7 @@ def _namespace(fail_on):
 
 @slow
 def test_a_cell_runs_as_a_script_with_the_names_it_uses(no_leftovers):
-    result = run_cell(CELL, _namespace(fail_on=-1), devices=2, accelerator="cpu", progress=False, timeout=60)
+    result = run_cell(CELL, _namespace(fail_on=-1), start="torchrun", devices=2, accelerator="cpu", progress=False, timeout=60)
     # `offset` is the cell's own: helper, defined earlier, sees it as it would in the kernel.
     assert result.values == [104.0, 107.0] and result.value == 104.0
 
@@ -340,7 +349,7 @@ def test_a_cell_runs_as_a_script_with_the_names_it_uses(no_leftovers):
 @slow
 def test_a_failing_cell_reports_its_own_line(no_leftovers):
     with pytest.raises(WorkerError) as info:
-        run_cell(CELL, _namespace(fail_on=1), devices=2, accelerator="cpu", progress=False, timeout=60)
+        run_cell(CELL, _namespace(fail_on=1), start="torchrun", devices=2, accelerator="cpu", progress=False, timeout=60)
     assert info.value.rank == 1
     assert info.value.traceback.splitlines()[1:3] == ['  File "<nbtrain cell>", line 4, in <module>',
                                                       '    raise KeyError("nope")']
@@ -354,6 +363,6 @@ class Loader:
 def test_a_cell_with_an_unpicklable_name_is_refused_before_anything_starts(no_leftovers):
     ns = {"loader": Loader()}
     with pytest.raises(UnpicklableError) as info:
-        run_cell("next(loader.batches)", ns, devices=2, accelerator="cpu", progress=False, timeout=60)
+        run_cell("next(loader.batches)", ns, start="torchrun", devices=2, accelerator="cpu", progress=False, timeout=60)
     assert "the names the cell uses from earlier cells (loader)" in str(info.value)
     assert "loader.batches: generator" in str(info.value)

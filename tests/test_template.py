@@ -1,4 +1,4 @@
-"""The warm template (nbtrain.template) from a real kernel: ddp_spawn and auto's CUDA-safe path
+"""The warm template from a real kernel: start='template' and auto's CUDA-safe path
 fork ranks from it; what the notebook changed is what the ranks see; it is replaced when it
 dies, falls back to plain spawn when it cannot start, and dies with the kernel."""
 import os
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 SETUP = '''
 import importlib, os, sys, time, psutil, torch
-import nbtrain, nbtrain.template
+import nbtrain, nbtrain.placements.template_process
 from nbtrain.common import preflight
 
 class Net(torch.nn.Module):
@@ -31,10 +31,10 @@ def where():
             "kernel_only": "kernel_only" in globals(), "kernel_module": "kernel_side_module" in sys.modules}
 
 def spawn(fn, *args):
-    return nbtrain.launch(fn, *args, devices=2, accelerator="cpu", strategy="ddp_spawn", progress=False)
+    return nbtrain.launch(fn, *args, devices=2, accelerator="cpu", start="template", progress=False)
 
 def template_pid():
-    running = nbtrain.template.template(start=False)
+    running = nbtrain.placements.template_process.template(start=False)
     return running.pid if running else None
 
 ''' + CHILDREN
@@ -69,7 +69,7 @@ def test_auto_uses_the_template_when_forking_the_kernel_is_unsafe(nb):
     out, _ = ok(nb, "preflight.cuda_is_initialized = lambda: True  # as after torch.zeros(1, device='cuda')\n"
                     "r = nbtrain.launch(where, devices=2, accelerator='cpu', progress='text')\n"
                     "preflight.cuda_is_initialized = lambda: False")
-    assert "ddp_spawn on 2 CPU ranks, gloo (chosen by strategy='auto'), not ddp_fork" in out
+    assert "ddp on 2 CPU ranks, gloo (started by template, chosen by start='auto'), not fork" in out
     assert nb.value("[v['ppid'] == template_pid() for v in r.values]") == [True, True]
 
 
@@ -101,18 +101,21 @@ r1 = spawn(look)
 def test_a_killed_template_is_replaced(nb):
     ok(nb, "nbtrain.warm_up()")
     before = nb.value("template_pid()")
-    os.kill(nb.value("nbtrain.template.template(start=False).process.pid"), signal.SIGKILL)
+    os.kill(nb.value("nbtrain.placements.template_process.template(start=False).process.pid"), signal.SIGKILL)
     time.sleep(0.5)
     ok(nb, "r = spawn(where)")
     after = nb.value("template_pid()")
     assert after != before and nb.value("[v['ppid'] for v in r.values]") == [after, after]
 
 
-def test_plain_spawn_is_one_option_away(nb):
+def test_plain_spawn_is_one_word_away(nb):
+    ok(nb, "r = nbtrain.launch(where, devices=2, accelerator='cpu', start='spawn', progress=False)")
+    assert nb.value("[v['ppid'] == os.getpid() for v in r.values]") == [True, True]
+    # The earlier way to say it: the template option of launcher_options
     ok(nb, "r = nbtrain.launch(where, devices=2, accelerator='cpu', strategy='ddp_spawn', progress=False, "
            "launcher_options={'template': False})")
-    assert nb.value("[v['ppid'] == os.getpid() for v in r.values]") == [True, True]
-    _, _, error, _ = nb.run("spawn_bad = nbtrain.launch(where, devices=2, accelerator='cpu', strategy='ddp_spawn', "
+    assert nb.value("[v['ppid'] == os.getpid() for v in r.values], r.start") == ([True, True], "spawn")
+    _, _, error, _ = nb.run("spawn_bad = nbtrain.launch(where, devices=2, accelerator='cpu', start='template', "
                             "launcher_options={'template': 'yes'})")
     assert error["ename"] == "ValueError" and "'template'" in error["evalue"]
 
@@ -120,7 +123,7 @@ def test_plain_spawn_is_one_option_away(nb):
 def test_falls_back_to_plain_spawn_when_the_template_cannot_start(nb):
     _, _, error, _ = nb.run("nbtrain.warm_up(preload=['no_such_module_anywhere'])")
     assert error["ename"] == "RuntimeError" and "No module named 'no_such_module_anywhere'" in error["evalue"]
-    out, _ = ok(nb, "r = nbtrain.launch(where, devices=2, accelerator='cpu', strategy='ddp_spawn', progress='text')")
+    out, _ = ok(nb, "r = nbtrain.launch(where, devices=2, accelerator='cpu', start='template', progress='text')")
     assert "the warm template did not start" in out and "plain spawn instead" in out
     assert nb.value("[v['ppid'] == os.getpid() for v in r.values]") == [True, True]
     ok(nb, "nbtrain.warm_up(preload=[])")  # back to no extra package: a fresh template
@@ -130,11 +133,11 @@ def test_falls_back_to_plain_spawn_when_the_template_cannot_start(nb):
 
 def test_a_stopped_template_is_noticed_in_seconds_and_plain_spawn_takes_over(nb):
     ok(nb, "nbtrain.warm_up()")
-    stopped = nb.value("nbtrain.template.template(start=False).process.pid")
+    stopped = nb.value("nbtrain.placements.template_process.template(start=False).process.pid")
     os.kill(stopped, signal.SIGSTOP)
     try:
         asked = time.monotonic()
-        out, _ = ok(nb, "r = nbtrain.launch(where, devices=2, accelerator='cpu', strategy='ddp_spawn', "
+        out, _ = ok(nb, "r = nbtrain.launch(where, devices=2, accelerator='cpu', start='template', "
                         "progress='text')")
         assert time.monotonic() - asked < 60  # seconds to notice, then a plain spawn; not 120 s of silence
         assert (f"the warm template cannot be used: nbtrain's template process (PID {stopped}) did not answer "
@@ -149,7 +152,7 @@ def test_a_stopped_template_is_noticed_in_seconds_and_plain_spawn_takes_over(nb)
     ok(nb, "r = spawn(where)")
     fresh = nb.value("template_pid()")
     assert fresh != stopped and nb.value("[v['ppid'] for v in r.values]") == [fresh, fresh]
-    ok(nb, "nbtrain.template.stop(); nbtrain.warm_up()")  # the stopped one is stopped for good with the others
+    ok(nb, "nbtrain.stop_template(); nbtrain.warm_up()")  # the stopped one is stopped for good with the others
     assert not running(stopped)
 
 
@@ -177,7 +180,7 @@ def test_the_template_and_its_ranks_die_with_a_killed_kernel():
         ok(kernel, SETUP)
         ok(kernel, "nbtrain.warm_up()\nimport threading\nthreading.Thread(target=spawn, args=(lambda: time.sleep(600),), daemon=True).start()")
         time.sleep(3)
-        template = kernel.value("nbtrain.template.template(start=False).process.pid")
+        template = kernel.value("nbtrain.placements.template_process.template(start=False).process.pid")
         family = [template, *(c.pid for c in psutil.Process(template).children())]
         os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
         kernel.manager.provisioner.process.wait(10)

@@ -12,7 +12,7 @@ import pytest
 import nbtrain
 from nbtrain.rank.trackers import TrackerError
 
-CPU2 = {"devices": 2, "accelerator": "cpu", "strategy": "ddp_fork", "progress": False, "timeout": 120}
+CPU2 = {"devices": 2, "accelerator": "cpu", "start": "fork", "progress": False, "timeout": 120}
 STEPS = 6
 
 
@@ -60,7 +60,7 @@ def test_tensorboard_files_read_back_with_every_step(tmp_path, no_leftovers):
     assert result.values == [0, 1]
     hparams = _tensorboard_of_train(tmp_path)
     assert (hparams["steps"].number_value, hparams["lr"].number_value) == (STEPS, 0.5)
-    assert (hparams["strategy"].string_value, hparams["world_size"].number_value) == ("ddp_fork", 2)
+    assert (hparams["strategy"].string_value, hparams["world_size"].number_value) == ("ddp", 2)
 
 
 @pytest.mark.slow
@@ -76,7 +76,7 @@ def test_mlflow_sqlite_store_has_the_metric_history_and_settings(tmp_path, no_le
     assert [m.value for m in client.get_metric_history(run.info.run_id, "score")] == [0.5]
     params = run.data.params
     assert (params["steps"], params["lr"], params["world_size"], params["strategy"]) == (str(STEPS), "0.5", "2",
-                                                                                         "ddp_fork")
+                                                                                         "ddp")
     assert run.info.status == "FINISHED"
 
 

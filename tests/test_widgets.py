@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import nbtrain
-from nbtrain import Gpu, GpuProcess, StaticInventory
+from nbtrain.common.inventory import Gpu, GpuProcess, StaticInventory
 from nbtrain.common.devices import plan_devices
 from nbtrain.common.inventory import NvmlInventory
 from nbtrain.display import chart, make_display, widgets
@@ -375,7 +375,7 @@ def test_vitals_on_gpus_come_from_nvml_without_cuda_in_the_launcher():
             for _ in ctx.progress(range(30)):
                 time.sleep(0.1)
             return float(x.sum())
-        result = nbtrain.launch(hold, devices=1, strategy="ddp_fork")
+        result = nbtrain.launch(hold, devices=1, start="fork")
         gpu = [v for v in result.vitals if v.gpu_memory]
         print(bool(gpu) and min(v.gpu_memory for v in gpu) >= 2**28, torch.cuda.is_initialized())
     """)
@@ -609,7 +609,7 @@ def test_kernel_run_shows_live_widgets_then_only_the_summary(kernel):
     assert kernel.run(KERNEL_SETUP)[2] is None
     models = kernel.value("len(__import__('ipywidgets').widgets.widget._instances)")
     outputs, shown, error = run_cell(
-        kernel, 'r = nbtrain.launch(train, 4, devices=2, accelerator="cpu", strategy="ddp_fork", progress="widgets")')
+        kernel, 'r = nbtrain.launch(train, 4, devices=2, accelerator="cpu", start="fork", progress="widgets")')
     assert error is None, error
     assert sum(WIDGET_VIEW in data for data in shown) == 2  # during the run: the dashboard and its chart
     table, plot = _data(outputs)  # at the end: the same two outputs, replaced
@@ -644,7 +644,7 @@ def test_kernel_failed_run_blames_the_failed_rank_and_names_the_cell(kernel):
 """, timeout=60)
     count = reply["content"]["execution_count"]  # the cell that defines `slow_one`: In[count]
     outputs, _, error = run_cell(
-        kernel, 'nbtrain.launch(slow_one, devices=2, accelerator="cpu", strategy="ddp_fork", progress="widgets")')
+        kernel, 'nbtrain.launch(slow_one, devices=2, accelerator="cpu", start="fork", progress="widgets")')
     assert error is not None and error["ename"] == "WorkerError"
     shown = "\n".join(error["traceback"])
     assert f"Cell In[{count}], line 6, in slow_one" in shown and "/ipykernel_" not in shown
@@ -661,12 +661,12 @@ def test_kernel_failed_run_blames_the_failed_rank_and_names_the_cell(kernel):
 @pytest.mark.slow
 def test_kernel_picker_shows_once_and_reads_as_text(kernel):
     assert kernel.run(KERNEL_SETUP)[2] is None
-    outputs, _, error = run_cell(kernel, "nbtrain.pick_gpus(nbtrain.StaticInventory([]))")
+    outputs, _, error = run_cell(kernel, "from nbtrain.common.inventory import StaticInventory\nnbtrain.pick_gpus(StaticInventory([]))")
     assert error is None, error
     assert [kind for kind, _ in outputs] == ["display_data"]  # the widget, and no repr after it
     text = outputs[0][1]["text/plain"]
     assert text.startswith("no GPU visible") and "selected: " in text and "CPU rank" in text
-    outputs, _, error = run_cell(kernel, "picker = nbtrain.pick_gpus(nbtrain.StaticInventory([]))\n"
+    outputs, _, error = run_cell(kernel, "from nbtrain.common.inventory import StaticInventory\npicker = nbtrain.pick_gpus(StaticInventory([]))\n"
                                          "picker.cpu_ranks.value = 1\npicker")
     assert error is None and [kind for kind, _ in outputs] == ["display_data"]
     assert "selected: 1 CPU rank" in outputs[0][1]["text/plain"]  # refreshed by the last line, not repeated
@@ -680,13 +680,13 @@ def test_kernel_text_switch_for_headless_runs(kernel):
     out, err, error, results = kernel.run(
         'import os; os.environ["NBTRAIN_PROGRESS"] = "text"\n'
         'try:\n'
-        '    r = nbtrain.launch(train, 2, devices=2, accelerator="cpu", strategy="ddp_fork")\n'
+        '    r = nbtrain.launch(train, 2, devices=2, accelerator="cpu", start="fork")\n'
         'finally:\n'
         '    del os.environ["NBTRAIN_PROGRESS"]\n'
         'print(len(r.values), "values")')
     assert error is None, error
     assert not results
-    assert "nbtrain: ddp_fork on 2 CPU ranks, gloo: finished in" in out and "2 values" in out
+    assert "nbtrain: ddp on 2 CPU ranks, gloo: finished in" in out and "2 values" in out
     assert kernel.value("[t.name for t in __import__('threading').enumerate() if t.name.startswith('nbtrain')]") == []
 
 

@@ -7,20 +7,50 @@ from .tracebacks import readable
 
 
 class WorkerError(RuntimeError):
-    """A rank failed: it raised, died by a signal, exited non-zero or timed out.
+    """A rank failed: it raised, died by a signal, exited non-zero, or stalled past the timeout.
 
-    `rank` is the first rank that failed (the root cause); `traceback` is that worker's own
-    traceback or stacks, as text; `others` lists the later failures, one line each; `node`
-    the machine the rank ran on, where ranks run on a cluster (None on this machine).
+    Raised in the notebook by `launch`, `Ranks`, ``Run.result()`` and the magics. It names the
+    rank that failed first (the root cause, not a peer that lost it) and shows that rank's own
+    traceback in Jupyter. When the rank's exception could be rebuilt here, the error is also an
+    instance of that exception's class, so ``except MyError`` catches it and its attributes are
+    there; ``__cause__`` is the rebuilt exception itself.
 
-    When the rank's exception could be rebuilt in the notebook, `from_failure` returns an
-    instance of a subclass of both WorkerError and the exception's class, so `except MyErr`
-    catches it and its attributes are there; `__cause__` is the rebuilt exception itself.
+    Parameters
+    ----------
+    rank : int
+        The first rank that failed.
+    summary : str
+        Its failure in one line (``"KeyError: 'x'"``, ``"exited with code 3"``, ``"Signal 9 (SIGKILL)
+        received by PID 1234"``, ``"timed out after 60 s"``).
+    traceback : str, default ''
+        That rank's own traceback, or every rank's stack on a timeout, as text.
+    others : tuple of str, default ()
+        The other ranks' outcomes, one line each ("rank 0: stopped (rank 1 failed)").
+    node : str, optional
+        The machine the rank ran on, for ranks on a cluster (None on this machine).
+
+    Attributes
+    ----------
+    rank, summary, traceback, others, node
+        As given.
     """
 
     @classmethod
     def from_failure(cls, rank: int, summary: str, traceback: str = "", others: tuple[str, ...] = (),
                      original: BaseException | None = None, node: str | None = None) -> "WorkerError":
+        """The error for a failed rank, an instance of ``type(original)`` too when that can be made.
+
+        Parameters
+        ----------
+        rank, summary, traceback, others, node
+            As for the class.
+        original : BaseException, optional
+            The rank's exception, rebuilt in the notebook.
+
+        Returns
+        -------
+        WorkerError
+        """
         both = _with_original_class(type(original)) if isinstance(original, Exception) else None
         try:
             error = (both or cls)(rank, summary, traceback, others, node)

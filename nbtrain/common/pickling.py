@@ -42,11 +42,32 @@ class Finding:
 
 
 def explain_pickling(obj, pickler: str = "dill", name: str | None = None) -> list[Finding]:
-    """The deepest parts of `obj` that `pickler` cannot serialise; [] when `obj` pickles.
+    """Where in an object the pickling fails: the parts that cannot be sent to a rank.
 
-    `pickler="dill"` is what the launcher uses (`ShippingPickler`: dill, recurse=True, modules
-    importable by name sent as their name), so it finds nothing in what a launch ships;
-    `"pickle"` is the standard library's pickle.
+    A launch sends the function and what it uses to ranks that are not forks of the kernel
+    (start='template', 'spawn', 'torchrun', clusters); when that fails, the error lists these
+    findings. Call it yourself to look before launching.
+
+    Parameters
+    ----------
+    obj : object
+        What to check: a training function, a model, arguments.
+    pickler : {'dill', 'pickle'}, default 'dill'
+        'dill' is what a launch uses (recurse mode, modules importable by name sent as their
+        name), so it finds nothing in what a launch can send; 'pickle' is the standard library's.
+    name : str, optional
+        The name paths start with; default the function's name, or 'obj'.
+
+    Returns
+    -------
+    list of Finding
+        The deepest parts that fail, each with ``path`` (``train.__globals__['model'].loss_fn``),
+        ``type``, ``reason`` and a ``hint``; empty when ``obj`` pickles.
+
+    Raises
+    ------
+    ValueError
+        ``pickler`` is not 'dill' or 'pickle'.
     """
     if pickler not in PICKLERS:
         raise ValueError(f"pickler must be one of {', '.join(map(repr, PICKLERS))}, not {pickler!r}")

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 FORK_FIX = (
     "What to do: restart the kernel and keep CUDA work{imports} inside the training function, or use "
-    "strategy='ddp_spawn' or strategy='ddp' (fresh processes; strategy='auto' picks ddp_spawn by itself)."
+    "start='template', 'spawn' or 'torchrun' (fresh processes; start='auto' picks the template by itself)."
 )
 CUDA_FORK_ERROR = ("a forked rank cannot initialise CUDA again "
                    "(it would fail with 'Cannot re-initialize CUDA in forked subprocess')")
@@ -73,7 +73,7 @@ class ForkUnsafeError(RuntimeError):
 
     @classmethod
     def refusing(cls, reason: str, offenders: tuple[str, ...] = (), cuda: bool = True) -> "ForkUnsafeError":
-        lines = [f"strategy='ddp_fork' refused: {reason}" + (f"; {CUDA_FORK_ERROR}." if cuda else ".")]
+        lines = [f"start='fork' refused: {reason}" + (f"; {CUDA_FORK_ERROR}." if cuda else ".")]
         if offenders:
             named = "; ".join(f"{m} ({KNOWN_OFFENDERS[m]})" for m in offenders)
             lines.append(f"Imported, and known to initialise CUDA: {named}.")
@@ -316,7 +316,7 @@ def fork_blocker() -> str | None:
 
 
 def check_fork() -> None:
-    """Refuse ddp_fork with a `ForkUnsafeError` saying what initialised CUDA and what to do."""
+    """Refuse start='fork' with a `ForkUnsafeError` saying what initialised CUDA and what to do."""
     offenders = imported_offenders()
     reason = _fork_reason(offenders)
     if reason:

@@ -23,5 +23,20 @@ class GpuTable(list):
 
 
 def gpus(inventory: Inventory | None = None) -> GpuTable:
-    """Visible GPUs with memory, utilisation and processes; empty when there is no GPU or NVML."""
+    """The visible GPUs: memory, utilisation and the processes on each, read through NVML.
+
+    Respects ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``, and creates no CUDA context in
+    the kernel (forking ranks stays possible). Shown as a table in a notebook and a terminal.
+
+    Parameters
+    ----------
+    inventory : Inventory, optional
+        Where the facts come from; default NVML (a ``StaticInventory`` stands in for a demo).
+
+    Returns
+    -------
+    GpuTable
+        A list of ``Gpu`` (index, name, memory, utilisation, processes); empty when there is no
+        GPU or no NVML.
+    """
     return GpuTable(visible_gpus(inventory))

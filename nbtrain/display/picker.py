@@ -256,11 +256,23 @@ class GpuPicker:
 
 
 def pick_gpus(inventory: Inventory | None = None, refresh: float | None = 2.0) -> GpuPicker:
-    """A GPU picker widget: tick GPUs (or auto-select free ones), then `launch(fn, devices=picker)`.
+    """A GPU picker: tick GPUs (or have the free ones chosen), then ``launch(fn, devices=picker)``.
 
-    `inventory` replaces NVML (e.g. a `StaticInventory` for a demo); `refresh` is the seconds
-    between live updates (None or 0: no refresh thread). In IPython the picker shows itself, so
-    `picker = nbtrain.pick_gpus()` displays it; `picker.show()` displays it again.
+    In Jupyter it shows memory bars, processes and checkboxes, updated live; elsewhere a table.
+    In IPython it shows itself, so ``picker = nbtrain.pick_gpus()`` displays it;
+    ``picker.show()`` displays it again.
+
+    Parameters
+    ----------
+    inventory : Inventory, optional
+        Where the facts come from; default NVML (a ``StaticInventory`` stands in for a demo).
+    refresh : float, optional, default 2.0
+        Seconds between live updates; None or 0: no refresh thread.
+
+    Returns
+    -------
+    GpuPicker
+        ``picker.devices`` is the selection (a list of indices); pass the picker as ``devices=``.
     """
     picker = GpuPicker(inventory, refresh)
     if ipython_shell() is not None:

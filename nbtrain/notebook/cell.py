@@ -19,10 +19,13 @@ from ..common.errors import UnpicklableError
 from ..common.pickling import explain_pickling, ship_bytes
 from ..common.source import free_names, shippable
 from ..rank.cell import CellJob
-from .launch import ALIASES, launch
+from ..common.devices import plan_devices
+from ..display import make_display
+from .choices import IN_KERNEL, choose, deepspeed_options, words
+from .launch import launch, launch_chosen
 from .restarts import check_restarts
 
-IN_PLACE = ("single", "dp", "ddp_fork")  # strategies that run the cell in the kernel's namespace (or its fork)
+IN_PLACE = (IN_KERNEL, "fork")  # starts that run the cell in the kernel's namespace (or its fork)
 
 
 def _import_name(module: types.ModuleType) -> str | None:
@@ -33,14 +36,15 @@ def _import_name(module: types.ModuleType) -> str | None:
     return name
 
 
-def cell_job(source: str, namespace: Mapping[str, Any], strategy: str, hidden=()) -> CellJob:
-    """The job for `source`, taking what it needs from the kernel's `namespace`.
+def cell_job(source: str, namespace: Mapping[str, Any], in_place: bool = False, hidden=()) -> CellJob:
+    """The job for `source`, taking what it needs from the kernel's `namespace` (`in_place`: the
+    cell runs in that namespace itself, in the kernel or a fork of it).
 
     Raises SyntaxError for a cell that is not plain Python, and `UnpicklableError` (naming
     each offending name by its path) before anything starts when a name cannot travel.
     """
     names = [n for n in free_names(source) if n in namespace and shippable(n, hidden)]
-    if ALIASES.get(strategy, strategy) in IN_PLACE:
+    if in_place:
         return CellJob(source, [], None, namespace)
     imports, values, sources = [], {}, {}
     for name in names:
@@ -67,25 +71,37 @@ def _pack_names(values: dict) -> bytes:
         raise UnpicklableError(what, findings, detail=f"{type(exc).__name__}: {exc}") from exc
 
 
-def run_cell(source: str, namespace: Mapping[str, Any], *, strategy: str = "ddp", devices="auto",
-             accelerator: str = "auto", num_nodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
-             max_restarts: int = 0, launcher: str = "torchrun", timeout: float | None = None, progress=True,
-             hidden=(), rerun_as: str | None = None, cluster=None, trackers=None, profile=None, run_dir=None):
+def run_cell(source: str, namespace: Mapping[str, Any], *, strategy: str = "auto", start: str = "auto",
+             devices="auto", accelerator: str = "auto", num_nodes: int = 1, node_rank: int = 0,
+             rdzv_endpoint: str | None = None, max_restarts: int = 0, launcher: str = "torchrun",
+             timeout: float | None = None, progress=True, hidden=(), rerun_as: str | None = None, cluster=None,
+             trackers=None, profile=None, run_dir=None):
     """Run a cell's code on every rank and return the `Result` (the last expression's value
-    on each rank in `values`, rank 0's in `value`). What `%%nbtrain` calls; with `cluster`
-    (`nbtrain.Slurm(...)`, `nbtrain.Ray(...)`) the ranks run there, the names shipped.
-    `trackers`, `profile` and `run_dir` as for `launch`."""
+    on each rank in `values`, rank 0's in `value`). What `%%nbtrain` calls; `strategy`, `start`
+    and the rest as for `launch`, with torchrun's settings (`node_rank`, `rdzv_endpoint`,
+    `launcher`) as arguments of their own: given, start='auto' is torchrun. `max_restarts` is
+    torchrun's under torchrun, launch's otherwise."""
     check_restarts(max_restarts)  # torchrun's restarts, here: the same bound as launch's own
-    job = cell_job(source, namespace, "ddp" if cluster is not None else strategy, hidden)
     insight = {"trackers": trackers, "profile": profile, "run_dir": run_dir}
     if cluster is not None:
-        return launch(job, strategy=strategy, devices=devices, accelerator=accelerator, num_nodes=num_nodes,
-                      timeout=timeout, progress=progress, cluster=cluster, **insight)
-    options = None
-    if strategy in ("ddp", "fsdp", "deepspeed"):  # a script under the launcher
-        options = {"launcher": launcher, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,
-                   "max_restarts": max_restarts}
+        job = cell_job(source, namespace, hidden=hidden)
+        return launch(job, strategy=strategy, start=start, devices=devices, accelerator=accelerator,
+                      num_nodes=num_nodes, timeout=timeout, progress=progress, cluster=cluster,
+                      max_restarts=max_restarts, **insight)
+    given = {k: v for k, v, default in (("launcher", launcher, "torchrun"), ("node_rank", node_rank, 0),
+                                        ("rdzv_endpoint", rdzv_endpoint, None)) if v != default}
+    asked = words(strategy, start, given or None)
+    plan = plan_devices(devices, accelerator, None, num_nodes)
+    choice = choose(asked, plan)  # before the job: whether the cell runs in place depends on it
+    if choice.start == "torchrun":
+        choice.options = {**choice.options, "launcher": choice.options.get("launcher", launcher),
+                          "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint, "max_restarts": max_restarts}
         if rerun_as:
-            options["rerun_as"] = rerun_as
-    return launch(job, strategy=strategy, devices=devices, accelerator=accelerator, num_nodes=num_nodes,
-                  timeout=timeout, progress=progress, launcher_options=options, **insight)
+            choice.options["rerun_as"] = rerun_as
+        if choice.strategy == "deepspeed":
+            choice.options = deepspeed_options(choice.options)  # refuses max_restarts: its launcher has none
+    job = cell_job(source, namespace, choice.start in IN_PLACE, hidden)
+    display = make_display(progress)
+    asked.say(display.note)
+    return launch_chosen(job, (), {}, plan, choice, display, timeout=timeout,
+                         max_restarts=0 if choice.start == "torchrun" else max_restarts, **insight)

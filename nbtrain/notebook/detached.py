@@ -31,7 +31,8 @@ from ..common.errors import WorkerError
 from ..common.process_tree import become_subreaper, end_descendants
 from ..common.transfer import unpack_job
 from ..display.recorder import RunRecorder
-from .launch import launch, resolve_strategy
+from .choices import IN_KERNEL, choose, words
+from .launch import launch
 from .restarts import restarting, wait_to_restart, why
 
 
@@ -105,7 +106,8 @@ def _in_process(options: dict, cluster) -> bool:
     if cluster is not None:
         return False
     plan = plan_devices(options["devices"], options["accelerator"], options["backend"], options["num_nodes"])
-    return resolve_strategy(options["strategy"], plan)[0] in ("single", "dp")
+    asked = words(options["strategy"], options.get("start", "auto"), options["launcher_options"])
+    return choose(asked, plan).start == IN_KERNEL
 
 
 def main(run_dir: str, load=None, echo=None) -> int:

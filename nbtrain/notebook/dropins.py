@@ -15,7 +15,7 @@ from .launch import launch
 from .result import Result
 
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
-START_METHODS = {"spawn": "ddp_spawn", "forkserver": "ddp_spawn", "fork": "ddp_fork"}  # torch's: how nbtrain starts ranks
+START_METHODS = {"spawn": "template", "forkserver": "template", "fork": "fork"}  # torch's: how nbtrain starts ranks
 
 
 def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
@@ -39,7 +39,7 @@ def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, da
         raise ValueError("spawn(join=False): nbtrain.spawn runs the ranks to their end and returns their Result. "
                          "For ranks that stay while other cells run, use nbtrain.Ranks(devices=N).")
     return launch(SpawnCall(fn, args), devices=nprocs, accelerator=accelerator, timeout=timeout, progress=progress,
-                  strategy=START_METHODS[start_method])
+                  strategy="ddp", start=START_METHODS[start_method])
 
 
 def notebook_launcher(function: Callable, args: tuple = (), num_processes: int | None = None,

@@ -13,7 +13,7 @@ QUIRKS = {
     "colab": "ipywidgets 8 needs Colab's custom widget manager (nbtrain enables it); restart the runtime once "
              "after `%pip install nbtrain`.",
     "kaggle": "2x T4: devices='auto' uses both GPUs with nccl; restart the session once after installing; if an "
-              "import initialised CUDA (fastai does), strategy='auto' uses ddp_spawn and names the import.",
+              "import initialised CUDA (fastai does), start='auto' uses the warm template and names the import.",
     "vscode": "widgets render as in Jupyter.",
     "jupyter": "",
     "terminal": "no widgets: progress is printed as text.",

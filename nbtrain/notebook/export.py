@@ -35,10 +35,48 @@ ALWAYS = ("torch", "nbtrain", "dill")  # in requirements.txt whatever the code i
 
 
 def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: int = 1, **kwargs) -> Path:
-    """Write `fn(*args, **kwargs)` as a job directory at `to`: `bash run.sh` runs it with torchrun
-    on this machine (as many ranks as `devices` plans), watched as a submitted run is, so
-    `nbtrain.attach(to / "run")` follows it; `sbatch sbatch.sh` runs it on SLURM. Rank 0's
-    return value is printed and written to `run/value.pkl`. Returns the directory."""
+    """Write ``fn(*args, **kwargs)`` as a job directory that runs with no notebook.
+
+    ``bash run.sh`` there runs it under torchrun on this machine (as many ranks as ``devices``
+    plans), watched as a submitted run is, so ``nbtrain.attach(to / "run")`` follows it;
+    ``sbatch sbatch.sh`` runs it on SLURM. ``job.py`` holds the function's source and what it
+    uses from the notebook. Rank 0's return value is printed and written to ``run/value.pkl``.
+    ``%nbtrain export PATH`` does the same for the last ``%%nbtrain`` cell.
+
+    Parameters
+    ----------
+    fn : function
+        A function defined with ``def`` at a notebook's (or module's) top level.
+    *args
+        Positional arguments for ``fn`` (pickled into the job).
+    to : str or Path
+        A new or empty directory for the job.
+    devices : int or str, default 'auto'
+        As for `launch`: ranks per node.
+    accelerator : {'auto', 'gpu', 'cpu'}, default 'auto'
+        As for `launch`.
+    num_nodes : int, default 1
+        Nodes, for ``sbatch.sh``.
+    **kwargs
+        Keyword arguments for ``fn``.
+
+    Returns
+    -------
+    Path
+        The job's directory.
+
+    Raises
+    ------
+    TypeError
+        ``fn`` is not a function defined with ``def``, or ``to`` is not a path.
+    ValueError
+        What job.py cannot define (a lambda, a closure, a decorated function, source that cannot be
+        read) or sbatch.sh cannot name (a path with whitespace or quotes); nothing is written.
+    FileExistsError
+        ``to`` exists and is not empty.
+    UnpicklableError
+        Something the function uses cannot be pickled.
+    """
     if not isinstance(fn, CellJob) and (not isinstance(fn, types.FunctionType)):
         raise TypeError(f"export(fn=...) needs a Python function defined with def, got {type(fn).__name__}.")
     where = _check_to(to)
@@ -54,7 +92,7 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
     if pickled:
         write_whole(where / NAMES, pickled)
     write_whole(where / ARGUMENTS, ship_bytes((args, kwargs)))
-    launch = {"strategy": "ddp", "devices": plan.nprocs, "accelerator": plan.accelerator, "num_nodes": 1,
+    launch = {"strategy": "ddp", "start": "torchrun", "devices": plan.nprocs, "accelerator": plan.accelerator, "num_nodes": 1,
               "backend": None, "timeout": None, "launcher_options": None}  # run.sh: torchrun on this machine
     write_whole(where / EXPORT, json.dumps({"function": None if isinstance(fn, CellJob) else fn.__name__,
                                             "launch": launch}, indent=1).encode())

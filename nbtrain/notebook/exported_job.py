@@ -1,7 +1,7 @@
 """`bash run.sh` of an exported job (`export.py`): the job run by a submitted run's supervisor
 (`detached.py`) in this process, so its `run/` directory is a run directory as `submit` writes
 it (status, events, result or error) and `nbtrain.attach(run_dir)` follows it. The ranks run
-under torchrun (`launch`'s strategy 'ddp'); the terminal shows the run as `launch` prints it.
+under torchrun (`launch`'s start='torchrun'); the terminal shows the run as `launch` prints it.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ OWN = (runlog.SPEC, runlog.STATUS, runlog.EVENTS, runlog.RESULT, runlog.ERROR, r
 def main(here: str) -> int:
     here = Path(here).absolute()
     plan = read_own_json(here / EXPORT)  # the job's files are ours, as the run's: nothing else is read
+    plan["launch"].setdefault("start", "torchrun")  # exported before start= existed, when strategy 'ddp' said so
     run_dir = private_dir(Path(os.environ.get("NBTRAIN_RUN_DIR") or here / "run").absolute())
     for old in [*(run_dir / name for name in (*OWN, runlog.SUMMARY)), *run_dir.glob(runlog.rank_events("*"))]:
         old.unlink(missing_ok=True)

@@ -79,4 +79,4 @@ class InProcessLauncher:
             set_current(previous)
             state.ended = time.monotonic()
             display.finish(state, ok)
-        return Result.from_state(state, job.strategy, plan.describe())
+        return Result.from_state(state, job.strategy, plan.describe(), job.start)

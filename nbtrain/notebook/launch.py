@@ -14,87 +14,20 @@ from ..placements.clusters import ClusterJob, check_cluster
 from ..placements.processes import ForkLauncher, SpawnLauncher
 from ..placements.script import ScriptLauncher
 from ..placements.template import start_ranks_cleanly
+from .choices import IN_KERNEL, Choice, choose, words
 from .inprocess import InProcessLauncher
 from .insight import instrument
 from .pool import Pool
 from .restarts import check_restarts, with_restarts
 from .result import Result
 
-STRATEGIES = ("auto", "dp", "ddp_fork", "ddp_spawn", "ddp", "fsdp", "deepspeed")
-ALIASES = {"ddp_notebook": "ddp_fork", "fork": "ddp_fork", "spawn": "ddp_spawn", "ddp_script": "ddp"}
-
-
-def _launcher(placement: str, job: Job, display):
-    """The launcher for where the ranks run: in the kernel, forked, spawned, or a script ('ddp')."""
-    if placement == "ddp":
+def _launcher(start: str, job: Job, display):
+    """The launcher for where the ranks run: in the kernel, forked, from the template, spawned, or torchrun."""
+    if start == "torchrun":
         return ScriptLauncher()
-    if placement == "ddp_spawn":
-        if not job.options.pop("template", True):
-            return SpawnLauncher()  # plain spawn: fresh interpreters, for code that breaks even in a clean fork
+    if start == "template":
         return start_ranks_cleanly(display, job)  # checks the job pickles before starting the template
-    return {"single": InProcessLauncher, "dp": InProcessLauncher, "ddp_fork": ForkLauncher}[placement]()
-
-
-def _processes(plan: DevicePlan, strategy: str) -> tuple[str, str]:
-    """Ranks forked from the kernel when that is safe, else spawned; and a note saying so.
-
-    Each note starts with the run's title ("<strategy> on <devices>"), so a display that shows
-    the title says the choice on that one line instead of repeating it (see LineDisplay.start).
-    """
-    blocker = fork_blocker()
-    placement = "ddp_fork" if blocker is None else "ddp_spawn"
-    if strategy == "auto":
-        note = f"{placement} on {plan.describe()} (chosen by strategy='auto')"
-    else:
-        note = f"{strategy} on {plan.describe()} (ranks started by {placement}, as strategy='auto' would)"
-    # The blocker names its cause (the cell line or import that initialised CUDA).
-    return placement, note if blocker is None else f"{note}, not ddp_fork: {blocker}"
-
-
-def deepspeed_options(given: dict | None) -> dict:
-    """strategy='deepspeed' runs as a script under DeepSpeed's own launcher."""
-    options = dict(given or {})
-    if options.get("launcher") not in (None, "deepspeed"):
-        raise ValueError(f"strategy='deepspeed' runs under DeepSpeed's launcher; launcher={options['launcher']!r} "
-                         "is for strategy='ddp'.")
-    if options.get("max_restarts"):
-        raise ValueError(f"max_restarts={options['max_restarts']!r}: DeepSpeed's launcher does not restart ranks; "
-                         "strategies 'ddp' and 'fsdp' (torchrun) do.")
-    return {**options, "launcher": "deepspeed"}
-
-
-def _check_launcher_options(options: dict | None, name: str, strategy: str) -> dict:
-    options = dict(options or {})
-    if name == "ddp_spawn" and set(options) <= {"template"}:
-        if not isinstance(options.get("template", True), bool):
-            raise ValueError(f"launcher_options={{'template': {options['template']!r}}}: give True (ranks forked "
-                             "from the warm template, the default) or False (plain spawn).")
-        return options
-    if options and name != "ddp":
-        raise ValueError(f"launcher_options={options!r} apply to strategy='ddp' (the script launcher: node_rank, "
-                         "rdzv_endpoint, max_restarts, launcher) and strategy='ddp_spawn' ({'template': False} for "
-                         f"plain spawn) only; strategy {strategy!r} runs {name!r}.")
-    return options
-
-
-def resolve_strategy(strategy: str, plan: DevicePlan) -> tuple[str, str | None]:
-    """(strategy to run, a one-line note on why) for the requested strategy and plan."""
-    name = ALIASES.get(strategy, strategy) if isinstance(strategy, str) else strategy
-    if name not in STRATEGIES:
-        accepted = ", ".join(repr(s) for s in (*STRATEGIES, *ALIASES))
-        raise ValueError(f"strategy={strategy!r} is not known. Accepted: {accepted}.")
-    if plan.num_nodes > 1 and name not in ("ddp", "fsdp"):
-        raise ValueError(f"num_nodes={plan.num_nodes} needs strategy='ddp' or 'fsdp' (torchrun's rendezvous "
-                         f"across machines); {name!r} runs on this machine only.")
-    if name == "dp" and plan.accelerator == "cpu" and plan.nprocs > 1:
-        raise ValueError(f"strategy='dp' runs one process; on CPU it cannot use {plan.nprocs} devices. "
-                         "Use devices=1, or strategy='ddp_fork'/'ddp_spawn' for several CPU ranks.")
-    if name != "auto":
-        return name, None
-    # Each note starts with the run's title ("<strategy> on <devices>"), see `_processes`.
-    if plan.world_size == 1:
-        return "single", f"single on {plan.describe()} (chosen by strategy='auto': one device runs in this kernel)"
-    return _processes(plan, "auto")
+    return {IN_KERNEL: InProcessLauncher, "fork": ForkLauncher, "spawn": SpawnLauncher}[start]()
 
 
 def check_timeout(timeout):
@@ -105,58 +38,130 @@ def check_timeout(timeout):
     return timeout
 
 
-def launch(fn: Callable, *args, strategy: str = "auto", devices="auto", accelerator: str = "auto",
-           num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
+def launch(fn: Callable, *args, strategy: str = "auto", start: str = "auto", devices="auto",
+           accelerator: str = "auto", num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
            progress=True, launcher_options: dict | None = None, cluster=None, trackers=None, profile=None,
            run_dir=None, max_restarts: int = 0, **kwargs) -> Result:
-    """Run `fn(*args, **kwargs)` on every rank and return a `Result`.
+    """Run ``fn(*args, **kwargs)`` on every rank and return what the ranks gave back.
 
-    Inside `fn`, `nbtrain.context()` is this rank's Context. Keyword arguments that `launch`
-    itself takes (strategy, devices, ...) cannot reach `fn` this way: bind them with
-    `functools.partial`. `launcher_options` are the script launcher's settings with strategy
-    'ddp' (node_rank, rdzv_endpoint, max_restarts, launcher; see `nbtrain/placements/script.py`), and
-    with 'ddp_spawn' `{"template": False}` starts plain spawned interpreters instead of forks
-    of the warm template (see `nbtrain.warm_up`).
-    Strategy 'fsdp' (FSDP2 sharding in `ctx.setup`) starts its ranks as 'auto' would, or as a
-    script under the launcher when `launcher_options` are given (or num_nodes > 1). Strategy
-    'deepspeed' runs the job as a script under DeepSpeed's launcher; `fn` calls
-    `deepspeed.initialize` itself.
-    `cluster` runs the ranks elsewhere: `nbtrain.Slurm(...)` or `nbtrain.Ray(...)` (see nbtrain/placements/clusters).
-    `trackers` ("tensorboard", "mlflow", "wandb" or their settings objects) receive `ctx.log`'s
-    values; `profile` (True or `nbtrain.Profile(...)`) records torch.profiler on every rank into
-    `Result.profile`. Both write under `run_dir` (default ./nbtrain-runs/<time>-<function>/).
-    `max_restarts=N`: a failed run starts all ranks again, up to N times; the code resumes from its
-    own checkpoint (`Result.restarts` says why each restart happened).
+    Inside ``fn``, ``nbtrain.context()`` is this rank's `Context`. The call shows a live view
+    while the ranks run and returns when every rank has ended; Ctrl-C stops every rank.
+
+    Parameters
+    ----------
+    fn : callable
+        The training function. It may be defined in the notebook (a lambda, a closure); what it
+        uses travels with it.
+    *args
+        Positional arguments for ``fn``.
+    strategy : {'auto', 'ddp', 'fsdp', 'dp', 'deepspeed'}, default 'auto'
+        How ``ctx.setup`` wraps a model. 'auto': one device runs ``fn`` in this kernel, several
+        wrap in DDP. 'ddp': DistributedDataParallel. 'fsdp': FSDP2 sharding. 'dp': DataParallel
+        over the GPUs, in this kernel. 'deepspeed': ``fn`` calls ``deepspeed.initialize`` itself,
+        under DeepSpeed's launcher. The earlier names 'ddp_fork', 'ddp_notebook', 'fork',
+        'ddp_spawn', 'spawn' and 'ddp_script' still work (each is a strategy and a start).
+    start : {'auto', 'fork', 'template', 'spawn', 'torchrun'}, default 'auto'
+        Where the rank processes come from. 'fork': forks of this kernel (fastest; refused once
+        CUDA is initialised here). 'template': forks of the warm template, a clean process
+        (CUDA-safe, about as fast; see `warm_up`). 'spawn': fresh interpreters. 'torchrun': the
+        job as a script under torchrun (``launcher_options`` for its settings, several machines).
+        'auto': torchrun when ``launcher_options`` are given or ``num_nodes > 1``, else a fork
+        of this kernel when that is safe, else the template; it says which in one line.
+    devices : int, str, list or GpuPicker, default 'auto'
+        Lightning's grammar: a count (``2``), ``-1`` (all), indices (``[0, 2]``, ``"0,2"``),
+        ``"free:2"`` (GPUs nobody uses), ``"auto"`` (every visible GPU; one CPU rank), or a
+        picker from `pick_gpus`. On CPU, a number of CPU ranks.
+    accelerator : {'auto', 'gpu', 'cpu'}, default 'auto'
+        'auto' is 'gpu' when a GPU is visible.
+    num_nodes : int, default 1
+        Machines taking part: more than one runs under torchrun (give ``rdzv_endpoint`` in
+        ``launcher_options``) or on ``cluster``.
+    backend : str, optional
+        The process group's backend; default nccl on GPUs, gloo on CPU.
+    timeout : float, optional
+        Seconds before the run is stopped, with every rank's stack shown. None: no limit.
+    progress : bool, str or display, default True
+        True or 'auto': widgets in Jupyter, text elsewhere; 'widgets', 'text'; False: no view
+        (the ranks' output is still shown).
+    launcher_options : dict, optional
+        torchrun's settings with start='torchrun': ``node_rank``, ``rdzv_endpoint``
+        (``"HOST:PORT"`` of node 0), ``max_restarts`` (torchrun's own restarts), ``launcher``
+        ('torchrun', 'accelerate'; 'deepspeed' with strategy='deepspeed').
+    cluster : Slurm or Ray, optional
+        Run the ranks there: ``devices`` ranks on each of ``num_nodes`` nodes.
+    trackers : str, tracker or list, optional
+        Where ``ctx.log``'s values go besides the notebook: 'tensorboard', 'mlflow', 'wandb', or
+        `TensorBoard`, `MLflow`, `WandB` objects.
+    profile : bool or Profile, optional
+        True, or a `Profile`: torch.profiler on every rank; the summary is ``Result.profile``.
+    run_dir : str or Path, optional
+        Where trackers and profiles write (default ./nbtrain-runs/<time>-<function>/); also
+        ``ctx.run_dir``.
+    max_restarts : int, default 0
+        A failed run starts all ranks again, after a back-off, up to this many times (at most
+        100); ``fn`` resumes from its own checkpoint. ``Result.restarts`` says why each happened.
+    **kwargs
+        Keyword arguments for ``fn``. Names that ``launch`` takes itself (strategy, start,
+        devices...) cannot reach ``fn`` this way: bind them with ``functools.partial``.
+
+    Returns
+    -------
+    Result
+        Rank 0's return value (``value``), every rank's (``values``), the logged metrics
+        (``history``), the time taken, and how the run was made.
+
+    Raises
+    ------
+    WorkerError
+        A rank failed (its traceback is shown), stalled past ``timeout``, or died; the message
+        names the rank that failed first.
+    ValueError
+        A setting is not accepted (unknown words, a strategy and a start that do not go together,
+        devices that are not there); nothing was started.
+    TypeError
+        ``fn`` is not callable, or a setting has the wrong type.
+    UnpicklableError
+        Something ``fn`` uses cannot be sent to the ranks (not with start='fork'); the message
+        names each path.
+    ForkUnsafeError
+        start='fork' while CUDA is initialised in this kernel; the message names what initialised it.
+    KeyboardInterrupt
+        Ctrl-C: every rank was stopped.
+
+    Examples
+    --------
+    >>> result = nbtrain.launch(train, 0.1, devices=2)                      # doctest: +SKIP
+    >>> nbtrain.launch(train, 0.1, devices=2, strategy="fsdp", start="template")  # doctest: +SKIP
     """
     if not callable(fn):
         raise TypeError(f"launch(fn=...) needs a callable training function, got {type(fn).__name__}.")
     check_timeout(timeout)
     check_restarts(max_restarts)
+    asked = words(strategy, start, launcher_options)
     insight = {"trackers": trackers, "profile": profile, "run_dir": run_dir}
     if cluster is not None:
-        return launch_on(cluster, fn, args, kwargs, strategy=strategy, devices=devices, accelerator=accelerator,
+        return launch_on(cluster, fn, args, kwargs, asked=asked, devices=devices, accelerator=accelerator,
                          num_nodes=num_nodes, backend=backend, timeout=timeout, progress=progress,
-                         launcher_options=launcher_options, max_restarts=max_restarts, **insight)
+                         max_restarts=max_restarts, **insight)
     plan = plan_devices(devices, accelerator, backend, num_nodes)
-    name, note = resolve_strategy(strategy, plan)
-    fn = instrument(fn, args, kwargs, plan=plan, strategy=name, **insight)
-    placement = name  # where the ranks run; `name` (the Context's strategy) says how models are wrapped
-    if name == "fsdp":
-        script = launcher_options is not None or plan.num_nodes > 1
-        placement, note = ("ddp", None) if script else _processes(plan, name)
-    elif name == "deepspeed":
-        placement, launcher_options = "ddp", deepspeed_options(launcher_options)
-    elif (launcher_options or {}).get("launcher") == "deepspeed":
-        raise ValueError("launcher='deepspeed' runs strategy='deepspeed' (the job calls deepspeed.initialize); "
-                         f"strategy {strategy!r} runs under torchrun or accelerate.")
-    options = _check_launcher_options(launcher_options, placement, strategy)
+    choice = choose(asked, plan)
     display = make_display(progress)
-    if note:
-        display.note(note)
+    asked.say(display.note)
+    return launch_chosen(fn, args, kwargs, plan, choice, display, timeout=timeout, max_restarts=max_restarts,
+                         **insight)
+
+
+def launch_chosen(fn: Callable, args: tuple, kwargs: dict, plan: DevicePlan, choice: Choice, display, *,
+                  timeout: float | None, max_restarts: int, trackers=None, profile=None, run_dir=None) -> Result:
+    """`launch` once the plan and the (strategy, start) pair are known (a cell's job depends on them)."""
+    fn = instrument(fn, args, kwargs, plan=plan, strategy=choice.strategy, trackers=trackers, profile=profile,
+                    run_dir=run_dir)
+    if choice.note:
+        display.note(choice.note)
 
     def attempt() -> Result:  # a new job each time: nothing of a failed attempt is reused
-        job = Job(fn, args, kwargs, plan, name, timeout, options=dict(options))
-        launcher = _launcher(placement, job, display)
+        job = Job(fn, args, kwargs, plan, choice.strategy, timeout, options=dict(choice.options), start=choice.start)
+        launcher = _launcher(choice.start, job, display)
         if isinstance(launcher, InProcessLauncher):
             return launcher.launch(job, display)
         return run_once(launcher, job, display)
@@ -190,29 +195,39 @@ def run_once(launcher, job: Job, display) -> Result:
                 waiting.join()  # gone when launch returns: a launch leaves no thread behind
         if pool.state is not None:  # None: it failed in its checks, before anything was shown
             display.finish(pool.state, ok)
-    return Result.from_state(pool.state, job.strategy, job.plan.describe())
+    return Result.from_state(pool.state, job.strategy, job.plan.describe(), job.start)
 
 
-def launch_on(cluster, fn, args: tuple, kwargs: dict, *, strategy: str, devices, accelerator: str, num_nodes: int,
-              backend: str | None, timeout: float | None, progress, launcher_options: dict | None,
-              trackers=None, profile=None, run_dir=None, max_restarts: int = 0):
+def launch_on(cluster, fn, args: tuple, kwargs: dict, *, asked, devices, accelerator: str, num_nodes: int,
+              backend: str | None, timeout: float | None, progress, trackers=None, profile=None, run_dir=None,
+              max_restarts: int = 0):
     """`launch(..., cluster=...)`: the same run, its ranks placed by the cluster's engine. A restart
     is a new placement (a new SLURM job, new Ray actors); the failed one is gone before it starts."""
     cluster = check_cluster(cluster)
-    if strategy not in CLUSTER_STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} with cluster={cluster!r}: the engine starts the ranks, each a process "
-                         "of its own; give strategy='auto' or 'ddp' (ctx.setup wraps models in DDP), or 'fsdp' "
-                         "(ctx.setup shards them).")
-    if launcher_options:
-        raise ValueError(f"launcher_options={launcher_options!r} are for ranks started on this machine; with a cluster, "
-                         "give the engine's settings to the cluster object.")
+    check_cluster_words(asked, cluster)
     plan = cluster.plan(devices, accelerator, backend, num_nodes)
-    strategy = "ddp" if strategy == "auto" else strategy
+    strategy = "ddp" if asked.strategy == "auto" else asked.strategy
     fn = instrument(fn, args, kwargs, trackers=trackers, profile=profile, run_dir=run_dir, plan=plan, strategy=strategy)
     display = make_display(progress)
+    asked.say(display.note)
 
     def attempt() -> Result:  # run_once returns once the engine let go of the ranks (the job left the queue)
-        return run_once(cluster.placement(), ClusterJob(fn, args, kwargs, plan, strategy, timeout), display)
+        job = ClusterJob(fn, args, kwargs, plan, strategy, timeout, start=cluster.engine)
+        return run_once(cluster.placement(), job, display)
 
     # Only the ranks' failures restart: the engine's refusals (a job that can never start) would only repeat.
     return with_restarts(attempt, max_restarts, display, only=WorkerError)
+
+
+def check_cluster_words(asked, cluster) -> None:
+    """On a cluster the engine starts the ranks, each a process of its own, wrapped by DDP or FSDP."""
+    if asked.strategy not in CLUSTER_STRATEGIES:
+        raise ValueError(f"strategy={asked.strategy!r} with cluster={cluster!r}: the engine starts the ranks, each a "
+                         "process of its own; give strategy='auto' or 'ddp' (ctx.setup wraps models in DDP), or "
+                         "'fsdp' (ctx.setup shards them).")
+    if asked.start != "auto":
+        raise ValueError(f"{asked.start_said} with cluster={cluster!r}: the cluster's engine starts the ranks; "
+                         "give start='auto' (or leave it out).")
+    if asked.options:
+        raise ValueError(f"launcher_options={asked.options!r} are for ranks started on this machine; with a cluster, "
+                         "give the engine's settings to the cluster object.")

@@ -9,16 +9,15 @@ from IPython.core.magic_arguments import argument
 
 from ..placements.clusters import Ray, Slurm
 from ..placements.script import parse_endpoint
+from .choices import ALIASES, STARTS, STRATEGIES
 
-STRATEGIES = ("ddp", "ddp_fork", "ddp_spawn", "dp", "fsdp", "deepspeed")
-SCRIPT_STRATEGIES = ("ddp", "fsdp", "deepspeed")  # the cell as a script under the launcher
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed")
 RESULT_NAME = "_nbtrain_result"
 RUN_NAME = "_nbtrain_run"  # the Run of the last `%%nbtrain --submit` cell
 CLUSTERS = ("slurm", "ray")
 TRACKERS = ("tensorboard", "mlflow", "wandb")
-DEFAULTS = {"strategy": "ddp", "devices": "auto", "accelerator": "auto", "nnodes": 1, "node_rank": 0,
+DEFAULTS = {"strategy": "auto", "start": "auto", "devices": "auto", "accelerator": "auto", "nnodes": 1, "node_rank": 0,
             "rdzv_endpoint": None, "max_restarts": 0, "launcher": "torchrun", "timeout": None, "no_progress": False,
             "cluster": None, "partition": None, "time": None, "account": None, "sbatch": None, "address": None,
             "num_workers": None, "notebook_address": None, "trackers": None, "profile": None, "run_dir": None, "submit": False}
@@ -64,15 +63,19 @@ def _endpoint(text: str) -> str:
 
 # Defaults are None here: what a cell leaves out comes from `%nbtrain config`, then DEFAULTS.
 RUN_OPTIONS = [
-    argument("--strategy", choices=STRATEGIES, help="how ranks start; ddp, fsdp, deepspeed: the cell as a script under the launcher"),
+    argument("--strategy", choices=(*STRATEGIES, *ALIASES), metavar="{" + ",".join(STRATEGIES) + "}",
+             help="how ctx.setup wraps a model (as launch's strategy=; the earlier names ddp_fork, ddp_spawn... work)"),
+    argument("--start", choices=STARTS, help="where the ranks come from: auto (a fork of the kernel when safe, else the "
+             "warm template; torchrun with --nnodes, --launcher...), fork, template, spawn, torchrun (the cell as a script)"),
     argument("--devices", help="how many / which devices: 2, -1, '0,1', auto (Lightning's grammar)"),
     argument("--accelerator", choices=ACCELERATORS, help="cpu, gpu or auto"),
-    argument("--nnodes", type=_at_least(1), help="machines taking part (ddp)"),
+    argument("--nnodes", type=_at_least(1), help="machines taking part (under torchrun, or with --cluster)"),
     argument("--node-rank", dest="node_rank", type=_at_least(0), help="this machine's place, 0 .. nnodes-1"),
     argument("--rdzv-endpoint", dest="rdzv_endpoint", type=_endpoint, help="HOST:PORT of node 0, the same everywhere"),
-    argument("--max-restarts", dest="max_restarts", type=_at_least(0), help="times the launcher may restart the ranks"),
-    argument("--launcher", choices=LAUNCHERS, help="what runs the script: torchrun (default), accelerate (ddp); "
-             "deepspeed (the launcher of --strategy deepspeed)"),
+    argument("--max-restarts", dest="max_restarts", type=_at_least(0), help="times all ranks may start again after a "
+             "failure (torchrun's own restarts under --start torchrun)"),
+    argument("--launcher", choices=LAUNCHERS, help="what runs the script under --start torchrun: torchrun (default), "
+             "accelerate; deepspeed (the launcher of --strategy deepspeed)"),
     argument("--timeout", type=_seconds, help="seconds before the run is stopped, with every rank's stack"),
     argument("--no-progress", dest="no_progress", action="store_true", default=None, help="no progress display"),
     argument("--trackers", nargs="+", choices=TRACKERS, metavar="TRACKER",
@@ -119,10 +122,12 @@ def make_cluster(options: dict):
     if name is None:
         return None
     changed = [k for k in LOCAL_ONLY if options[k] != DEFAULTS[k]]
-    if changed or options["strategy"] not in ("ddp", "fsdp"):
-        flags = ", ".join(f"--{k.replace('_', '-')}" for k in changed) or f"--strategy {options['strategy']}"
+    if changed or options["strategy"] not in ("auto", "ddp", "fsdp") or options["start"] != "auto":
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in changed) or (
+            f"--start {options['start']}" if options["start"] != "auto" else f"--strategy {options['strategy']}")
         raise UsageError(f"{flags} apply to ranks started on this machine; with --cluster {name} the cluster starts "
-                         "them (--devices is ranks per node, --nnodes the nodes).")
+                         "them, wrapped by --strategy auto, ddp or fsdp (--devices is ranks per node, --nnodes the "
+                         "nodes).")
     try:
         if name == "slurm":
             time_limit = options["time"]

@@ -1,9 +1,9 @@
 """IPython magics, loaded by `%load_ext nbtrain`.
 
-    %%nbtrain [options]        run the cell on every rank (default strategy: ddp, a script under torchrun;
-                               fsdp: the same, with ctx.setup sharding the model;
-                               deepspeed: under DeepSpeed's launcher;
-                               --cluster slurm|ray: on a cluster's nodes)
+    %%nbtrain [options]        run the cell on every rank, as launch runs a function (--strategy and
+                               --start as launch's strategy= and start=: by default a fork of the
+                               kernel when safe, else the warm template; --start torchrun: the cell
+                               as a script; --cluster slurm|ray: on a cluster's nodes)
     %nbtrain config [options]  session defaults for those options; alone, shows them; `config reset` clears
     %nbtrain gpus              the GPU table (`nbtrain.gpus()`)
     %%nbtrain --submit [options]   the cell as a run that outlives the kernel (`nbtrain.submit`)
@@ -28,9 +28,9 @@ from ..display.gpus import gpus
 from ..placements.script import check_installed, script_options
 from ..rank.trackers import check_trackers
 from .cell import cell_job, run_cell
-from .launch import deepspeed_options, resolve_strategy
-from .magic_options import (COMMANDS, DEFAULTS, RESULT_NAME, RUN_NAME, SCRIPT_STRATEGIES, _given, make_cluster,
-                            run_options)
+from .choices import choose, deepspeed_options, words
+from .launch import check_cluster_words
+from .magic_options import COMMANDS, DEFAULTS, RESULT_NAME, RUN_NAME, _given, make_cluster, run_options
 from .export import export
 from .runs import attach, runs
 from .submit import submit
@@ -41,36 +41,46 @@ def check_options(options: dict) -> None:
     """Refuse, as UsageError, what cannot run, before anything starts."""
     try:
         check_trackers(options["trackers"])
+        asked = words(options["strategy"], options["start"], script_settings(options))
     except (ValueError, ImportError) as exc:
         raise UsageError(str(exc)) from None
     cluster = make_cluster(options)
     if cluster is not None:
         try:
+            check_cluster_words(asked, cluster)
             cluster.plan(options["devices"], options["accelerator"], None, options["nnodes"])
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         return
 
-    strategy, nodes, launcher = options["strategy"], options["nnodes"], _launcher(options)
-    if launcher == "deepspeed" and strategy != "deepspeed":
+    nodes, launcher = options["nnodes"], _launcher(options)
+    if launcher == "deepspeed" and asked.strategy != "deepspeed":
         raise UsageError(f"--launcher deepspeed runs --strategy deepspeed (the cell calls deepspeed.initialize); "
-                         f"--strategy {strategy} runs under torchrun or accelerate.")
-    if strategy == "fsdp" and launcher != "torchrun":
+                         f"--strategy {options['strategy']} runs under torchrun or accelerate.")
+    if asked.strategy == "fsdp" and launcher != "torchrun":
         raise UsageError(f"--strategy fsdp runs under torchrun; --launcher {launcher} is for --strategy ddp.")
+    given = script_settings(options)
+    if given and (asked.strategy == "dp" or asked.start not in ("auto", "torchrun")):
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in given.items())
+        raise UsageError(f"{flags} starts a script under torchrun: it needs --start torchrun (or auto) and --strategy "
+                         f"auto, ddp or fsdp (got --strategy {options['strategy']} --start {options['start']}).")
     try:
         plan = plan_devices(options["devices"], options["accelerator"], None, nodes)
-        resolve_strategy(strategy, plan)
-        if strategy in SCRIPT_STRATEGIES:
-            given = {k: options[k] for k in ("node_rank", "rdzv_endpoint", "max_restarts")}
-            if strategy == "deepspeed":
-                given = deepspeed_options({**given, "launcher": launcher})
-            script_options({**given, "launcher": launcher}, nodes)
+        if choose(asked, plan).start == "torchrun":
+            settings = {k: options[k] for k in ("node_rank", "rdzv_endpoint", "max_restarts")}
+            if asked.strategy == "deepspeed":
+                settings = deepspeed_options({**settings, "launcher": launcher})
+            script_options({**settings, "launcher": launcher}, nodes)
             check_installed(launcher)
     except (ValueError, TypeError, RuntimeError, ImportError) as exc:
         raise UsageError(str(exc)) from None
-    if strategy not in SCRIPT_STRATEGIES and launcher != "torchrun":
-        raise UsageError(f"--launcher {launcher} starts a script: it needs --strategy ddp "
-                         f"(got --strategy {strategy}).")
+
+
+def script_settings(options: dict) -> dict | None:
+    """torchrun's settings the cell's options give (None: none): with them, --start auto is torchrun."""
+    given = {k: options[k] for k in ("launcher", "node_rank", "rdzv_endpoint")
+             if options[k] != DEFAULTS[k] and not (k == "launcher" and options[k] == "deepspeed")}
+    return given or None
 
 
 def _launcher(options: dict) -> str:
@@ -82,8 +92,8 @@ def _launcher(options: dict) -> str:
 
 def rerun_line(options: dict) -> str:
     """The magic line another node runs: this one with its own `--node-rank`."""
-    parts = ["%%nbtrain", "--strategy", options["strategy"], "--devices", str(options["devices"]), "--accelerator",
-             options["accelerator"], "--nnodes", str(options["nnodes"]), "--node-rank", "{node_rank}",
+    parts = ["%%nbtrain", "--strategy", options["strategy"], "--start", "torchrun", "--devices", str(options["devices"]),
+             "--accelerator", options["accelerator"], "--nnodes", str(options["nnodes"]), "--node-rank", "{node_rank}",
              "--rdzv-endpoint", options["rdzv_endpoint"]]
     if options["launcher"] != "torchrun":
         parts += ["--launcher", options["launcher"]]
@@ -120,7 +130,7 @@ class NbtrainMagics(Magics):
 
     def run(self, cell: str, options: dict):
         return run_cell(
-            cell, self.shell.user_ns, strategy=options["strategy"], devices=options["devices"],
+            cell, self.shell.user_ns, strategy=options["strategy"], start=options["start"], devices=options["devices"],
             accelerator=options["accelerator"], num_nodes=options["nnodes"], node_rank=options["node_rank"],
             rdzv_endpoint=options["rdzv_endpoint"], max_restarts=options["max_restarts"],
             launcher=_launcher(options), timeout=options["timeout"], progress=not options["no_progress"],
@@ -131,11 +141,11 @@ class NbtrainMagics(Magics):
     def submit(self, cell: str, options: dict):
         if options["cluster"]:
             raise UsageError("--submit runs on this machine for now; --cluster runs live with the kernel.")
-        strategy = options["strategy"]
-        job = cell_job(cell, self.shell.user_ns, strategy, self.shell.user_ns_hidden)
-        script = {"launcher": _launcher(options)} if strategy in SCRIPT_STRATEGIES else None
+        job = cell_job(cell, self.shell.user_ns, hidden=self.shell.user_ns_hidden)
+        script = script_settings(options)
         # --max-restarts restarts the submitted run's ranks (all of them, from ctx.run_dir's checkpoint).
-        return submit(job, strategy=strategy, devices=options["devices"], accelerator=options["accelerator"],
+        return submit(job, strategy=options["strategy"], start=options["start"], devices=options["devices"],
+                      accelerator=options["accelerator"],
                       num_nodes=options["nnodes"], timeout=options["timeout"], launcher_options=script,
                       max_restarts=options["max_restarts"], trackers=options["trackers"],
                       profile=bool(options["profile"]), run_dir=options["run_dir"])
@@ -167,7 +177,7 @@ class NbtrainMagics(Magics):
         if self.last_cell is None:
             raise UsageError("%nbtrain export PATH exports the last %%nbtrain cell; run one first.")
         cell, options = self.last_cell
-        job = cell_job(cell, self.shell.user_ns, "ddp", self.shell.user_ns_hidden)  # the names as they are now
+        job = cell_job(cell, self.shell.user_ns, hidden=self.shell.user_ns_hidden)  # the names as they are now
         where = export(job, to=path, devices=options["devices"], accelerator=options["accelerator"],
                        num_nodes=options["nnodes"])
         print(f"nbtrain: the last %%nbtrain cell is a job in {path}: bash run.sh, or sbatch sbatch.sh")

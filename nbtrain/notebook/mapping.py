@@ -23,7 +23,7 @@ from ..display.map_view import MapState, make_map_view
 from ..rank.work import serve_items
 from .launch import check_timeout, launch
 from .restarts import why
-from .slots import SlotRunner, check_count, plan_slots, slot_strategy
+from .slots import SlotRunner, check_count, plan_slots, slot_start
 from .work_queue import MapError, SavedResults, WorkQueue
 
 __all__ = ["MapError", "map", "map_on_ranks"]
@@ -37,15 +37,45 @@ def _items(items) -> list:
 
 def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "auto", run_dir=None,
         progress=True) -> list:
-    """`[fn(item) for item in items]`, run by a worker process per device slot, in input order.
+    """``[fn(item) for item in items]``, run by one worker process per device, results in input order.
 
-    Each worker is its own launch on one device (`devices`: launch's grammar; "auto" is every
-    visible GPU, on CPU give a number of worker processes), and takes the next items whenever it
-    is free, so a worker given quick items does more of them. With `batch_size` > 1, `fn` takes a
-    list of up to that many items and returns one result per item. A failing item raises
-    `MapError` naming its index, with its traceback and the results so far. With `run_dir`, results
-    are saved (privately) as they come, and the same map run again starts where it stopped.
-    Ctrl-C stops every worker, leaving nothing.
+    Each worker is a launch of its own on one device (ranks from the warm template) and takes
+    the next items whenever it is free, so a worker given quick items does more of them. One
+    live view (a bar) shows the whole map; Ctrl-C stops every worker, leaving nothing.
+
+    Parameters
+    ----------
+    fn : callable
+        The function; it may be defined in the notebook.
+    items : iterable
+        What to map over (made a list first).
+    devices : int, str or list, default 'auto'
+        As for `launch`: one worker per device ('auto': every visible GPU); on CPU, a number of
+        worker processes.
+    batch_size : int, default 1
+        With more than 1, ``fn`` takes a list of up to that many items and returns one result per item.
+    accelerator : {'auto', 'gpu', 'cpu'}, default 'auto'
+        As for `launch`.
+    run_dir : str or Path, optional
+        Save the results (privately) as they come; the same map run again starts where it stopped.
+    progress : bool or str, default True
+        As for `launch`.
+
+    Returns
+    -------
+    list
+        ``fn``'s result for each item, in input order.
+
+    Raises
+    ------
+    MapError
+        An item failed, or the worker running it died: its index, traceback and the results so far.
+    TypeError
+        ``fn`` is not callable, or ``items`` not iterable.
+    ValueError
+        A setting is not accepted.
+    KeyboardInterrupt
+        Ctrl-C: every worker was stopped (with ``run_dir``, what was done is kept).
     """
     if not callable(fn):
         raise TypeError(f"map(fn=...) needs a callable, got {type(fn).__name__}.")
@@ -53,7 +83,7 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
     check_count(batch_size, "batch_size")
     view = make_map_view(progress)
     slots, idle = plan_slots(devices, 1, accelerator, per_slot_name="devices")
-    strategy, options = slot_strategy("auto", 1)
+    strategy, start = slot_start()
     saved = SavedResults(run_dir, len(items)) if run_dir is not None else None
     work = WorkQueue(items, batch_size, saved, {})
     kind = "GPU" if slots[0].accelerator == "gpu" else "CPU"
@@ -70,8 +100,8 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
             display = runner.display(on_output=lambda rank, stream, text: lines.append((f"[{slot}] {text}", stream)),
                                      on_note=lambda text: lines.append((f"nbtrain: {slot}: {text}", "stdout")))
             launch(functools.partial(serve_items, work.spec(fn, bind=False, worker=slot.index)),
-                   devices=slot.launch_devices, accelerator=slot.accelerator, strategy=strategy,
-                   launcher_options=options, progress=display)
+                   devices=slot.launch_devices, accelerator=slot.accelerator, strategy=strategy, start=start,
+                   progress=display)
         except WorkerError as error:
             if not work.lost(slot.index, error):  # it held no item: the others go on
                 failures.append(error)

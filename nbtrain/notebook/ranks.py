@@ -31,6 +31,7 @@ from ..placements.template import start_ranks_cleanly, TemplateLauncher
 from ..placements.processes import ForkLauncher, SpawnLauncher
 from ..display.text import QuietDisplay
 from .insight import instrument
+from .choices import words
 from .launch import check_timeout
 from .mapping import map_on_ranks
 from ..display.lazy import LazyDisplay
@@ -43,30 +44,69 @@ from ..common.source import parse_cell
 from ..placements.clusters import check_cluster, ClusterJob
 
 START_METHODS = ("auto", "fork", "template", "spawn")
-WRAPPINGS = ("ddp", "fsdp")
+WRAPPINGS = ("auto", "ddp", "fsdp")
 _open: "weakref.WeakValueDictionary[int, Ranks]" = weakref.WeakValueDictionary()
 _order = itertools.count()
 _exec_count = itertools.count(1)
 
 
 class Ranks:
-    """N live ranks that keep their state between calls. See the module's docstring.
+    """Live ranks: started once, then code, objects and functions run on them, cell after cell.
 
-    `strategy` says how `ctx.setup(module)` wraps a model on them ('ddp', or 'fsdp');
-    `start` how they are started: 'auto' forks the kernel when that is safe, and otherwise
-    forks the warm template (a clean process; see `nbtrain.warm_up`), as `launch` does;
-    'fork', 'template' and 'spawn' (plain fresh interpreters) choose one. `timeout` is the default limit, in seconds, of
-    each call (none by default: a cell may run for hours). `cluster` (`nbtrain.Slurm(...)`,
-    `nbtrain.Ray(...)`) starts them there instead: `devices` ranks on each of `num_nodes` nodes.
+    Each rank keeps its namespace (``ctx`` is its `Context`, the process group is ready) until
+    `close`; ``%%ranks`` cells run on the last Ranks started. A rank's failure is a `WorkerError`
+    and ``%debug`` (or `debug`) opens pdb in that rank; Ctrl-C interrupts the ranks, which keep
+    their state. ``with nbtrain.Ranks(...) as ranks:`` closes them at the end.
+
+    >>> ranks = nbtrain.Ranks(devices=2)                    # doctest: +SKIP
+    >>> ranks.exec("model = ctx.setup(Net())")              # doctest: +SKIP
+    >>> result = ranks.run(train_epoch, 3)                  # doctest: +SKIP
+
+    Parameters
+    ----------
+    devices : int, str or list, default 'auto'
+        As for `launch`; with ``cluster``, ranks per node.
+    accelerator : {'auto', 'gpu', 'cpu'}, default 'auto'
+        As for `launch`.
+    backend : str, optional
+        The process group's backend; default nccl on GPUs, gloo on CPU.
+    timeout : float, optional
+        The default limit, in seconds, of each call; None (the default): none, a cell may run for hours.
+    strategy : {'auto', 'ddp', 'fsdp'}, default 'auto'
+        How ``ctx.setup(module)`` wraps a model on them ('auto' is 'ddp').
+    start : {'auto', 'fork', 'template', 'spawn'}, default 'auto'
+        Where the ranks come from, as for `launch`: 'auto' forks the kernel when that is safe,
+        else the warm template. ('torchrun' runs a script to its end: not for live ranks.)
+    progress : bool or str, default True
+        The live view of each call, as for `launch`.
+    cluster : Slurm or Ray, optional
+        Start them there: ``devices`` ranks on each of ``num_nodes`` nodes.
+    num_nodes : int, default 1
+        Nodes, with ``cluster``.
+
+    Raises
+    ------
+    ValueError
+        A setting is not accepted (a strategy or start live ranks do not take, devices that are
+        not there); nothing was started.
+    ForkUnsafeError
+        start='fork' while CUDA is initialised in this kernel.
+    WorkerError
+        A rank failed to start.
     """
 
     def __init__(self, devices="auto", accelerator: str = "auto", backend: str | None = None,
-                 timeout: float | None = None, strategy: str = "ddp", start: str = "auto", progress=True,
+                 timeout: float | None = None, strategy: str = "auto", start: str = "auto", progress=True,
                  cluster=None, num_nodes: int = 1):
-        if strategy not in WRAPPINGS:
-            raise ValueError(f"strategy={strategy!r}: live ranks wrap models with {' or '.join(map(repr, WRAPPINGS))}.")
-        if start not in START_METHODS:
-            raise ValueError(f"start={start!r} is not known. Accepted: {', '.join(map(repr, START_METHODS))}.")
+        asked = words(strategy, start)
+        if asked.strategy not in WRAPPINGS:
+            raise ValueError(f"strategy={strategy!r}: live ranks wrap models with {', '.join(map(repr, WRAPPINGS))} "
+                             "('auto' is 'ddp').")
+        if asked.start not in START_METHODS:
+            raise ValueError(f"start={asked.start!r}: live ranks start by {', '.join(map(repr, START_METHODS))}; "
+                             "torchrun runs a script to its end, where live ranks wait for the next command.")
+        strategy, start = "ddp" if asked.strategy == "auto" else asked.strategy, asked.start
+        asked.say()
         self.timeout = check_timeout(timeout)
         check_progress(progress)
         if type(num_nodes) is not int or num_nodes < 1 or (num_nodes > 1 and cluster is None):
@@ -91,7 +131,7 @@ class Ranks:
             launcher, self.placement, note, make_job = self.cluster.placement(), self.cluster.engine, None, ClusterJob
         else:
             (launcher, self.placement, note), make_job = _placement(self.start_method), Job
-        job = make_job(None, (), {}, self.plan, self.strategy, start_timeout=120.0)
+        job = make_job(None, (), {}, self.plan, self.strategy, start_timeout=120.0, start=self.placement)
         display = QuietDisplay()
         if note:
             display.note(note)
@@ -110,14 +150,21 @@ class Ranks:
 
     @property
     def world_size(self) -> int:
+        """How many ranks."""
         return self.plan.world_size
 
     @property
     def closed(self) -> bool:
+        """True once `close` was called."""
         return self._pool is None
 
     def close(self) -> None:
-        """Stop the ranks (their state is gone). Also at kernel exit, and by `with`."""
+        """Stop the ranks; their state is gone. Also done at kernel exit, and by ``with``.
+
+        Returns
+        -------
+        None
+        """
         self._close("closed by .close()")
 
     def _close(self, why: str) -> None:
@@ -127,7 +174,12 @@ class Ranks:
             pool.close(True, QuietDisplay(), why)
 
     def restart(self) -> None:
-        """Fresh ranks in place of these (their state is lost): after a crash, or to start over."""
+        """Fresh ranks in place of these, their state lost: after a crash, or to start over.
+
+        Returns
+        -------
+        None
+        """
         self._close("restarted by .restart()")
         self._start()
 
@@ -149,7 +201,17 @@ class Ranks:
 
     @classmethod
     def current(cls) -> "Ranks":
-        """The pool `%%ranks` uses: the last one started and not closed."""
+        """The Ranks that ``%%ranks`` cells use: the last started and not closed.
+
+        Returns
+        -------
+        Ranks
+
+        Raises
+        ------
+        LookupError
+            No live ranks.
+        """
         alive = [r for _, r in sorted(_open.items()) if not r.closed]
         if not alive:
             raise LookupError("no live ranks: start them with `ranks = nbtrain.Ranks(devices=2)` or `%nbtrain start`.")
@@ -166,8 +228,33 @@ class Ranks:
     # -- the calls -----------------------------------------------------------------------
     def exec(self, code: str, *, ranks: list[int] | None = None, timeout: float | None = None,
              _namespace: dict | None = None, _filename: str | None = None, _show: bool = False) -> None:
-        """Run `code` in every rank's namespace (state kept). Names it reads that a rank lacks
-        are taken from the caller's namespace (modules as imports), never overwriting the rank's."""
+        """Run code in every rank's namespace, as a cell there; its names stay.
+
+        Names the code reads that a rank lacks are taken from the caller's namespace (modules as
+        imports), never overwriting the rank's own.
+
+        Parameters
+        ----------
+        code : str
+            Python source.
+        ranks : list of int, optional
+            Run on these ranks only; default every rank.
+        timeout : float, optional
+            Seconds before the call is stopped, with every rank's stack; default the Ranks' own.
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        SyntaxError
+            The code is not Python; no rank ran it.
+        WorkerError
+            A rank failed (``%debug`` opens pdb there).
+        TypeError
+            ``code`` is not a str.
+        """
         if not isinstance(code, str):
             raise TypeError(f"exec(code) takes Python source as a str, got {type(code).__name__}.")
         namespace = _namespace if _namespace is not None else sys._getframe(1).f_globals
@@ -182,7 +269,31 @@ class Ranks:
                     print(f"[rank {rank}] {state.values[rank]}" if len(state.ranks) > 1 else state.values[rank])
 
     def eval(self, expression: str, *, ranks: list[int] | None = None, timeout: float | None = None) -> list:
-        """`expression`'s value on every rank, in rank order."""
+        """An expression's value on every rank.
+
+        Parameters
+        ----------
+        expression : str
+            A Python expression, evaluated in each rank's namespace.
+        ranks : list of int, optional
+            Run on these ranks only; default every rank.
+        timeout : float, optional
+            Seconds before the call is stopped, with every rank's stack; default the Ranks' own.
+
+        Returns
+        -------
+        list
+            Each rank's value, in rank order.
+
+        Raises
+        ------
+        SyntaxError
+            Not an expression; no rank ran it.
+        WorkerError
+            A rank failed.
+        TypeError
+            ``expression`` is not a str.
+        """
         if not isinstance(expression, str):
             raise TypeError(f"eval(expression) takes Python source as a str, got {type(expression).__name__}.")
         mistake = syntax_error(expression, "<nbtrain eval>", "eval")
@@ -192,7 +303,30 @@ class Ranks:
         return [state.values.get(r) for r in sorted(state.ranks)]
 
     def push(self, *, ranks: list[int] | None = None, **objects) -> None:
-        """Put objects into every rank's namespace (dill: notebook classes and lambdas travel)."""
+        """Put objects into every rank's namespace, by name (dill: notebook classes and lambdas travel).
+
+        Large tensors go through shared memory, mapped by every rank on this machine.
+
+        Parameters
+        ----------
+        ranks : list of int, optional
+            Run on these ranks only; default every rank.
+        **objects
+            The objects, by the names they get on the ranks: ``push(lr=3e-4, data=batch)``.
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        TypeError
+            Nothing to push.
+        ValueError
+            A name that is not an identifier, or one the ranks keep (``ctx``).
+        UnpicklableError
+            An object cannot be sent; the message names the part.
+        """
         if not objects:
             raise TypeError("push(name=value, ...) needs at least one object to send.")
         for name in objects:
@@ -222,7 +356,27 @@ class Ranks:
         return RankFiles.from_environ(PUSH_FILES, {**os.environ, **pool.files.environ})  # NBTRAIN_SHARED_MEMORY=0 too
 
     def pull(self, name: str, *, ranks: list[int] | None = None) -> list:
-        """`name`'s value from every rank, in rank order (modules come back on CPU, unwrapped)."""
+        """A variable's value from every rank (models come back on the CPU, unwrapped).
+
+        Parameters
+        ----------
+        name : str
+            The variable's name on the ranks.
+        ranks : list of int, optional
+            Run on these ranks only; default every rank.
+
+        Returns
+        -------
+        list
+            Each rank's value, in rank order.
+
+        Raises
+        ------
+        ValueError
+            ``name`` is not a variable name.
+        WorkerError
+            A rank lacks it, or its value cannot travel back.
+        """
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"pull(name) takes a variable name such as 'loss', got {name!r}.")
         state = self._command("pull", name, ranks=ranks)
@@ -230,9 +384,48 @@ class Ranks:
 
     def run(self, fn, *args, progress=None, timeout: float | None = None, ranks: list[int] | None = None,
             trackers=None, profile=None, run_dir=None, **kwargs):
-        """`fn(*args, **kwargs)` on every rank, with the rank's namespace as its globals (so it
-        sees `model`, `opt`, ... defined there); a `Result`, with the live dashboard. `trackers`,
-        `profile` and `run_dir` as for `launch`."""
+        """``fn(*args, **kwargs)`` on every rank, with the rank's namespace as its globals.
+
+        So ``fn`` sees ``model``, ``opt``... defined on the ranks; names it reads that a rank lacks
+        come from the notebook. Shown with the live view, as a launch is.
+
+        Parameters
+        ----------
+        fn : function
+            A Python function (defined in the notebook, say).
+        *args
+            Positional arguments for ``fn``.
+        progress : bool or str, optional
+            The live view, as for `launch`; default the Ranks' own.
+        timeout : float, optional
+            Seconds before the call is stopped, with every rank's stack; default the Ranks' own.
+        ranks : list of int, optional
+            Run on these ranks only; default every rank.
+        trackers : str, tracker or list, optional
+            As for `launch`.
+        profile : bool or Profile, optional
+            As for `launch`.
+        run_dir : str or Path, optional
+            As for `launch`.
+        **kwargs
+            Keyword arguments for ``fn``.
+
+        Returns
+        -------
+        Result
+            As `launch` returns it (``start`` reads 'live (fork)' and the like).
+
+        Raises
+        ------
+        WorkerError
+            A rank failed.
+        TypeError
+            ``fn`` is not a Python function.
+        UnpicklableError
+            ``fn`` or its arguments cannot be sent.
+        ValueError
+            ``ranks`` with trackers or a profile (they need every rank).
+        """
         import dill
 
 
@@ -258,24 +451,87 @@ class Ranks:
         display = make_display(self.progress if progress is None else progress)
         state = self._command("call", payload, ranks=ranks, timeout=timeout, namespace=fn.__globals__,
                               display=display, title=f"{fn.__qualname__} on live ranks")
-        return Result.from_state(state, f"live ({self.placement})", self.plan.describe())
+        return Result.from_state(state, self.strategy, self.plan.describe(), f"live ({self.placement})")
 
     def map(self, fn, items, *, batch_size: int = 1, run_dir=None, progress=None, timeout: float | None = None) -> list:
-        """`[fn(item) for item in items]` on these ranks, in input order: each rank takes the next
-        items whenever it is free, and `fn` runs with the rank's namespace as its globals (a model
-        loaded or trained there is used as it is). `batch_size`, `run_dir` and the `MapError` of
-        a failing item as for `nbtrain.map`; the ranks keep their state."""
+        """``[fn(item) for item in items]`` on these ranks, results in input order.
+
+        Each rank takes the next items whenever it is free, and ``fn`` runs with the rank's
+        namespace as its globals (a model loaded or trained there is used as it is). The ranks
+        keep their state.
+
+        Parameters
+        ----------
+        fn : function
+            The function.
+        items : iterable
+            What to map over.
+        batch_size : int, default 1
+            As for `map`.
+        run_dir : str or Path, optional
+            As for `map`.
+        progress : bool or str, optional
+            As for `launch`; default the Ranks' own.
+        timeout : float, optional
+            Seconds before the call is stopped, with every rank's stack; default the Ranks' own.
+
+        Returns
+        -------
+        list
+            ``fn``'s result for each item, in input order.
+
+        Raises
+        ------
+        MapError
+            An item failed: its index, traceback and the results so far.
+        TypeError
+            ``fn`` is not a Python function.
+        """
         return map_on_ranks(self, fn, items, batch_size=batch_size, run_dir=run_dir, timeout=timeout,
                             progress=self.progress if progress is None else progress)
 
     def profile(self, fn, *args, profile=True, **kwargs):
-        """`run(fn, ...)` with torch.profiler on every rank: the `Result`'s `profile` is the table."""
+        """`run` with torch.profiler on every rank: the Result's ``profile`` is the table.
+
+        Parameters
+        ----------
+        fn : function
+            As for `run`.
+        *args
+            As for `run`.
+        profile : bool or Profile, default True
+            What to record.
+        **kwargs
+            As for `run`.
+
+        Returns
+        -------
+        Result
+        """
         return self.run(fn, *args, profile=profile, **kwargs)
 
     def debug(self, rank: int | None = None, commands: list[str] | None = None) -> None:
-        """pdb in `rank`'s last failure (default: the rank that failed last), from this notebook.
-        `commands` are typed for you first (["p x.shape", "up", "q"]); the prompt follows unless
-        they end the session, so a notebook run top to bottom does not stop at it."""
+        """pdb in a rank's last failure, from this notebook (``%debug`` after a WorkerError does it too).
+
+        Parameters
+        ----------
+        rank : int, optional
+            Default: the rank that failed last.
+        commands : list of str, optional
+            pdb commands typed for you first (``["p x.shape", "up", "q"]``); the prompt follows
+            unless they end the session, so a notebook run top to bottom does not stop at it.
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        RuntimeError
+            No rank has failed yet.
+        TypeError
+            ``commands`` is not a list of str.
+        """
         rank = self._last_failure if rank is None else rank
         if rank is None:
             raise RuntimeError("no rank has failed yet: there is nothing to debug. (breakpoint() in code run on "

@@ -1,6 +1,6 @@
 """Magics for live ranks, loaded with the others by `%load_ext nbtrain`.
 
-    %nbtrain start [--devices 2] [--accelerator cpu] [--backend gloo] [--strategy ddp|fsdp] [--start auto|fork|template|spawn]
+    %nbtrain start [--devices 2] [--accelerator cpu] [--backend gloo] [--strategy auto|ddp|fsdp] [--start auto|fork|template|spawn]
                    [--cluster slurm|ray [--partition P --time T --account A --sbatch K=V --address A --num-workers N]]
     %%ranks [--rank 0] [--timeout S] [--no-progress]   the cell runs in every live rank (or those named)
     %nbtrain stop                                       close the live ranks
@@ -19,7 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from .magic_options import ACCELERATORS, CLUSTER_ARGUMENTS, DEFAULTS, _seconds, make_cluster
 from ..placements.template_process import warm_up
-from .ranks import Ranks
+from .ranks import START_METHODS, WRAPPINGS, Ranks
 
 
 def _rank_list(text: str) -> list[int]:
@@ -39,8 +39,9 @@ START_ARGUMENTS = [
              "with --cluster, ranks per node"),
     argument("--accelerator", default="auto", choices=ACCELERATORS, help="cpu, gpu or auto"),
     argument("--backend", default=None, help="gloo, nccl, ... (default: nccl on GPU, gloo on CPU)"),
-    argument("--strategy", default="ddp", choices=("ddp", "fsdp"), help="how ctx.setup wraps a model"),
-    argument("--start", default="auto", choices=("auto", "fork", "template", "spawn"), help="how the ranks start"),
+    argument("--strategy", default="auto", choices=WRAPPINGS, help="how ctx.setup wraps a model (auto: ddp)"),
+    argument("--start", default="auto", choices=START_METHODS, help="where the ranks come from: auto (a fork of the "
+             "kernel when safe, else the warm template), fork, template, spawn"),
     argument("--timeout", type=_seconds, default=None, help="default limit, in seconds, of each cell on the ranks"),
     *CLUSTER_ARGUMENTS,
 ]

@@ -11,6 +11,39 @@ from ..display.runstate import Metric, RunState, Vital
 
 @dataclass
 class Result:
+    """What a run gave back: every rank's return value, the logged metrics, and how it ran.
+
+    Returned by `launch` (and a ``%%nbtrain`` cell, as ``_nbtrain_result``), `Ranks.run`,
+    ``Run.result()`` and each trial of a `sweep`.
+
+    Parameters
+    ----------
+    value : object
+        Rank 0's return value (a model comes back on the CPU, unwrapped from DDP; a sharded one
+        whole).
+    values : list
+        Every rank's return value on this machine, in rank order.
+    history : list of Metric
+        Every ``ctx.log`` call: ``(step, rank, name, value, synced)`` rows, in order.
+    elapsed : float
+        Wall time of the run, in seconds.
+    strategy : str, default ''
+        How models were wrapped: 'single' (one device in the kernel), 'dp', 'ddp', 'fsdp' or
+        'deepspeed'.
+    effective_batch_size : int, optional
+        What one step saw: the loader's batch size times the ranks, as ``ctx.loader`` reported it.
+    devices : str, default ''
+        The devices, in words ("2 CPU ranks, gloo").
+    vitals : list of Vital
+        Each rank's step rate and memory, sampled about once a second.
+    profile : ProfileTable, optional
+        With ``profile=``: a row per rank, the slowest named.
+    restarts : list of str
+        Why each restart happened (``max_restarts``), in order.
+    start : str, default ''
+        Where the ranks came from: 'kernel' (no rank processes), 'fork', 'template', 'spawn',
+        'torchrun', 'slurm', 'ray'; for a command on live ranks 'live (fork)' and the like.
+    """
     value: Any  # rank 0's return value
     values: list[Any]  # every rank's return value on this node, in rank order
     history: list[Metric]  # logged metrics: step, rank, name, value, synced
@@ -21,26 +54,74 @@ class Result:
     vitals: list[Vital] = field(default_factory=list)  # per-rank step rate and memory, about once a second
     profile: ProfileTable | None = None  # launch(..., profile=...): a row per rank, the slowest named
     restarts: list[str] = field(default_factory=list)  # why each restart of a submitted run's ranks happened
+    start: str = ""  # last, and a class attribute too: a Result pickled by an earlier release reads ""
 
     @classmethod
-    def from_state(cls, state: RunState, strategy: str, devices: str) -> "Result":
+    def from_state(cls, state: RunState, strategy: str, devices: str, start: str = "") -> "Result":
+        """The Result of a run whose ranks reported into ``state`` (the launchers make it).
+
+        Parameters
+        ----------
+        state : RunState
+            What the ranks reported.
+        strategy : str
+            How models were wrapped.
+        devices : str
+            The devices, in words.
+        start : str, default ''
+            Where the ranks came from.
+
+        Returns
+        -------
+        Result
+        """
         values = [state.values.get(r) for r in sorted(state.ranks)]
         return cls(values[0] if values else None, values, list(state.history), state.elapsed,
                    strategy, state.effective_batch_size, devices, list(state.vitals),
-                   ProfileTable(state.profiles) if state.profiles else None)
+                   ProfileTable(state.profiles) if state.profiles else None, start=start)
 
     def metrics(self, name: str, rank: int | None = 0) -> list[float]:
-        """The values logged under `name` (by `rank`; None for every rank), in order."""
+        """The values logged under one name, in order.
+
+        Parameters
+        ----------
+        name : str
+            The name given to ``ctx.log``.
+        rank : int or None, default 0
+            Whose values: a rank, or None for every rank's (in the order they were logged).
+
+        Returns
+        -------
+        list of float
+            Empty when nothing was logged under `name` (by `rank`).
+        """
         return [m.value for m in self.history if m.name == name and (rank is None or m.rank == rank)]
 
     def plot(self, *names: str):
-        """A matplotlib Figure of the logged metrics (all, or those named): a panel per metric, a
-        line per rank or the mean over ranks, losses on a log scale. Needs `nbtrain[plot]`."""
+        """The logged metrics as a figure: a panel per metric, a line per rank (or one for a
+        ``sync_dist=True`` mean), losses on a log scale.
+
+        Parameters
+        ----------
+        *names : str
+            The metrics to draw; none given: all of them.
+
+        Returns
+        -------
+        matplotlib.figure.Figure
+            Shown by Jupyter when it is a cell's value.
+
+        Raises
+        ------
+        ImportError
+            matplotlib is not installed (``pip install 'nbtrain[plot]'``).
+        """
         fig = metrics_figure(self.history, names, title=f"{self.strategy} on {self.devices}")
         make_displayable()
         return fig
 
     def __repr__(self) -> str:
         batch = f", effective_batch_size={self.effective_batch_size}" if self.effective_batch_size else ""
-        return (f"Result(strategy={self.strategy!r}, devices={self.devices!r}, elapsed={self.elapsed:.2f}s, "
+        start = f", start={self.start!r}" if self.start else ""
+        return (f"Result(strategy={self.strategy!r}{start}, devices={self.devices!r}, elapsed={self.elapsed:.2f}s, "
                 f"value={type(self.value).__name__}, {len(self.history)} metrics{batch})")

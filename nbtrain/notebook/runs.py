@@ -62,7 +62,26 @@ def _check_timeout(timeout, call: str):
 
 
 class Run:
-    """A run started by `nbtrain.submit`, or found again with `nbtrain.attach(run_dir)`."""
+    """A run that outlives the kernel: returned by `submit`, found again by `attach`.
+
+    Everything is read back from the run's directory, so a Run works from any later kernel.
+    Shown as a cell's value in Jupyter, it draws the run's live view (as `launch` does) until
+    the run ends; elsewhere its repr.
+
+    Parameters
+    ----------
+    run_dir : str or Path
+        The run's directory.
+    progress : bool or str, default True
+        How it draws itself, as ``launch(progress=...)``.
+
+    Raises
+    ------
+    ValueError
+        ``run_dir`` is not a run directory, or is damaged (named with the file).
+    PermissionError
+        ``run_dir`` is another user's, or reached through a symbolic link.
+    """
 
     def __init__(self, run_dir, progress=True):
         self.dir, self.progress = _run_dir(run_dir), progress
@@ -144,7 +163,7 @@ class Run:
 
     @property
     def status(self) -> str:
-        """queued, running, restarting, finished, failed or cancelled."""
+        """Where the run stands: 'queued', 'running', 'restarting', 'finished', 'failed' or 'cancelled'."""
         return self._status()["status"]
 
     @property
@@ -159,10 +178,29 @@ class Run:
 
     @property
     def function(self) -> str:
+        """The name of the function the run runs ('cell' for a ``%%nbtrain --submit`` cell)."""
         return self.spec["function"]
 
     def wait(self, timeout: float | None = None) -> str:
-        """Wait until the run ends (or `timeout` seconds pass); its status."""
+        """Wait until the run ends.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait at most; None: as long as it takes.
+
+        Returns
+        -------
+        str
+            Its status: 'finished', 'failed' or 'cancelled'.
+
+        Raises
+        ------
+        TimeoutError
+            It is still running after ``timeout`` seconds.
+        ValueError
+            ``timeout`` is not a positive number, or the run directory is damaged.
+        """
         _check_timeout(timeout, "wait")
         return self._wait(timeout)
 
@@ -175,7 +213,29 @@ class Run:
         return status
 
     def result(self, timeout: float | None = None) -> Result:
-        """Wait for the end; the `Result` (as `launch` returns it), or raise its `WorkerError`."""
+        """Wait for the end and return what the run gave back.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait at most; None: as long as it takes.
+
+        Returns
+        -------
+        Result
+            As `launch` returns it; ``restarts`` says why each restart happened.
+
+        Raises
+        ------
+        WorkerError
+            The run failed: its error, as `launch` would have raised it.
+        RuntimeError
+            It was cancelled, or failed without an error to raise (the reason says why).
+        TimeoutError
+            It is still running after ``timeout`` seconds.
+        ValueError
+            ``timeout`` is not a positive number, or the run directory is damaged.
+        """
         _check_timeout(timeout, "result")
         status = self._wait(timeout)
         if status == "finished":
@@ -189,8 +249,14 @@ class Run:
         raise RuntimeError(f"the run in {self.dir} failed: {self.reason}")
 
     def cancel(self) -> None:
-        """Stop the run: its ranks are stopped as a Ctrl-C stops a launch, and nothing of its
-        processes is left. A run that has ended stays as it is."""
+        """Stop the run: its ranks stop as a Ctrl-C stops a launch, and nothing of its processes is left.
+
+        A run that has ended stays as it is. With SLURM, its jobs are cancelled (``scancel``).
+
+        Returns
+        -------
+        None
+        """
         try:
             if self._status()["status"] in runlog.ENDED:
                 return
@@ -250,7 +316,22 @@ class Run:
         return summary
 
     def logs(self, rank: int = 0) -> str:
-        """What `rank` printed, every attempt's, as text."""
+        """What a rank printed, every attempt's, as text.
+
+        Parameters
+        ----------
+        rank : int, default 0
+            The rank.
+
+        Returns
+        -------
+        str
+
+        Raises
+        ------
+        ValueError
+            The run has no such rank.
+        """
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"logs(rank={rank!r}): give a rank number (0 is the first).")
         ranks = self._summary()["ranks"]
@@ -262,7 +343,23 @@ class Run:
         return "".join(f"{line}\n" for line in lines)
 
     def export(self, path) -> Path:
-        """This run's job as a directory that runs with no notebook (see `nbtrain.export`)."""
+        """This run's job as a directory that runs with no notebook, as `export` writes it.
+
+        Parameters
+        ----------
+        path : str or Path
+            A new directory for the job.
+
+        Returns
+        -------
+        Path
+            The directory: ``bash run.sh`` or ``sbatch sbatch.sh`` there.
+
+        Raises
+        ------
+        ValueError
+            The run keeps no job of its own (an exported job's run), or it cannot be read back.
+        """
         job = self.dir / runlog.JOB
         if not os.path.lexists(job):
             raise ValueError(f"{self.dir} was run by an exported job's run.sh, which keeps no job of its own: "
@@ -279,8 +376,20 @@ class Run:
 
     # -- the live view -------------------------------------------------------------------
     def watch(self, progress=None, output: bool = True) -> str:
-        """Show the run as `launch` does, until it ends (Ctrl-C stops watching, not the run);
-        `progress` as for `launch` (default: the Run's own, given to submit or attach)."""
+        """Show the run as `launch` does, until it ends; Ctrl-C stops watching, not the run.
+
+        Parameters
+        ----------
+        progress : bool or str, optional
+            As for `launch`; default the Run's own (given to `submit` or `attach`).
+        output : bool, default True
+            Show what the ranks print, too.
+
+        Returns
+        -------
+        str
+            Its status when the watching stopped.
+        """
         follower = Follower(self.dir, make_display(self.progress if progress is None else progress), output)
         try:
             while not follower.poll(self._status()):
@@ -323,9 +432,29 @@ class Run:
 
 
 def attach(run_dir, progress=True) -> Run:
-    """The run in `run_dir`, from any kernel: its status, live view, result, logs and cancel;
-    `progress` is how it draws itself (as `launch(progress=...)`). Only a run directory of your
-    own, not reached through a symbolic link, is read."""
+    """A submitted run again, from any kernel: its status, live view, result, logs, cancel.
+
+    Only a run directory of your own, not reached through a symbolic link, is read.
+
+    Parameters
+    ----------
+    run_dir : str or Path
+        The run's directory (`runs` lists them).
+    progress : bool or str, default True
+        How the Run draws itself, as ``launch(progress=...)``.
+
+    Returns
+    -------
+    Run
+
+    Raises
+    ------
+    ValueError
+        ``run_dir`` is not a run directory, or is damaged (named with the file), or ``progress``
+        is not a progress setting.
+    PermissionError
+        ``run_dir`` is another user's, or reached through a symbolic link.
+    """
     check_progress(progress)
     return Run(run_dir, progress)
 
@@ -439,10 +568,32 @@ PROBLEMS = ("damaged", "refused")  # a row's status when the run cannot be read,
 
 
 def runs(path="nbtrain-runs") -> RunTable:
-    """The runs under `path`, oldest first: function, started, devices, status, last metrics
-    (each read from the run's summary.json, not its logs). A run that cannot be read is listed as
-    damaged, one of another user or behind a symbolic link as refused, each with its reason;
-    what an interrupted submit left is removed."""
+    """The submitted runs under a folder, oldest first, as a table.
+
+    Each row: function, started, devices, status and rank 0's last metrics, read from the
+    run's summary (not its logs). A run that cannot be read is listed as damaged, one of
+    another user or behind a symbolic link as refused, each with its reason; what an
+    interrupted submit left behind is removed.
+
+    Parameters
+    ----------
+    path : str or Path, default 'nbtrain-runs'
+        The folder that holds run directories.
+
+    Returns
+    -------
+    RunTable
+        A list of rows (dicts), shown as a table.
+
+    Raises
+    ------
+    TypeError
+        ``path`` is not a path.
+    ValueError
+        ``path`` is a file.
+    PermissionError
+        ``path`` is another user's, or a symbolic link.
+    """
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise TypeError(f"runs(path={path!r}): give the folder that holds run directories (str or Path; by "
                         "default 'nbtrain-runs').")

@@ -24,6 +24,7 @@ from typing import Callable
 
 from ..common.devices import plan_devices
 from ..placements.template_process import template
+from .choices import words
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +81,22 @@ def plan_slots(devices="auto", per_slot: int = 1, accelerator: str = "auto",
     return slots, note
 
 
-def slot_strategy(strategy: str, per_slot: int) -> tuple[str, dict | None]:
-    """(strategy, launcher_options) for a launch in a slot: ranks from the template (see the module
-    docstring); 'fsdp' under torchrun, which starts its ranks by exec, never by a fork of this kernel."""
-    if strategy in ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "fork", "spawn"):
-        return "ddp_spawn", None
-    if strategy == "fsdp":
-        return "fsdp", {}
-    raise ValueError(f"strategy={strategy!r}: runs in slots take 'auto' (DDP when a slot has several devices) "
-                     "or 'fsdp'.")
+def slot_start(strategy: str = "auto", start: str = "auto") -> tuple[str, str]:
+    """(strategy, start) for a launch in a slot: ranks from the template (see the module docstring),
+    'fsdp' under torchrun by default (it starts its ranks by exec); never a fork of this kernel."""
+    asked = words(strategy, start)
+    if asked.strategy not in ("auto", "ddp", "fsdp"):
+        raise ValueError(f"strategy={strategy!r}: runs in slots take 'auto' or 'ddp' (DDP when a slot has several "
+                         "devices) or 'fsdp'.")
+    if asked.start == "fork":
+        raise ValueError(f"start={start!r} with strategy={strategy!r}: runs in slots start from threads, and a fork "
+                         "of this kernel from a thread can hang on a lock another thread holds; give start='auto', "
+                         "'template', 'spawn' or 'torchrun'.")
+    asked.say()
+    wrap = "ddp" if asked.strategy == "auto" else asked.strategy
+    if asked.start == "auto":
+        return wrap, "torchrun" if wrap == "fsdp" else "template"
+    return wrap, asked.start
 
 
 class SlotRunner:

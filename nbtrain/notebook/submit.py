@@ -25,7 +25,8 @@ from ..display import check_progress
 from ..placements.clusters import Slurm, check_cluster
 from ..rank.profiling import Profile
 from ..rank.trackers import check_trackers
-from .launch import check_timeout, resolve_strategy
+from .choices import choose, words
+from .launch import check_cluster_words, check_timeout
 from .restarts import check_restarts
 from .runs import Run
 
@@ -44,28 +45,87 @@ _DETACH = ("import subprocess, sys; from pathlib import Path; from nbtrain.commo
 _SUPERVISE = "import sys; from nbtrain.notebook.detached import main; sys.exit(main(sys.argv[1]))"
 
 
-def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelerator: str = "auto",
-           num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
+def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", devices="auto",
+           accelerator: str = "auto", num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
            launcher_options: dict | None = None, cluster=None, trackers=None, profile=None, run_dir=None,
            max_restarts: int = 0, progress=True, **kwargs) -> Run:
-    """Run `fn(*args, **kwargs)` as `launch` would, in processes that outlive this kernel; return
-    a `Run` at once. What the ranks report, and the result, go to `run_dir` (default: a new
-    directory under ./nbtrain-runs/); `nbtrain.attach(run_dir)` follows the run from any later
-    kernel; `progress` is how the `Run` draws itself (as `launch(progress=...)`); `trackers` and
-    `profile` are launch's, writing under the run directory. With `max_restarts=N`, a failed attempt starts all ranks again, up to N times;
-    `ctx.run_dir` is where the training code keeps the checkpoints it resumes from. With
-    `cluster=nbtrain.Slurm(...)` the supervisor is a SLURM batch job itself, which submits the
-    ranks' job: the run outlives this machine's session too. With Ray, the supervisor runs on
-    this machine and the run outlives the kernel (not this machine)."""
+    """Run ``fn(*args, **kwargs)`` as `launch` would, in processes that outlive this kernel.
+
+    Returns at once. A supervisor process of its own (a SLURM batch job with ``cluster=Slurm(...)``)
+    runs the launch; what the ranks report, the result or the error go to the run directory, so
+    `attach` follows the run from any later kernel, and `runs` lists it.
+
+    Parameters
+    ----------
+    fn : callable
+        The training function, as for `launch`; it is pickled now (with what it uses).
+    *args
+        Positional arguments for ``fn``.
+    strategy : {'auto', 'ddp', 'fsdp', 'dp', 'deepspeed'}, default 'auto'
+        How ``ctx.setup`` wraps a model, as for `launch` (the earlier names work too).
+    start : {'auto', 'fork', 'template', 'spawn', 'torchrun'}, default 'auto'
+        Where the rank processes come from, as for `launch`; 'auto' is decided by the supervisor
+        (a fresh process: a fork of it is safe).
+    devices : int, str or list, default 'auto'
+        As for `launch`.
+    accelerator : {'auto', 'gpu', 'cpu'}, default 'auto'
+        As for `launch`.
+    num_nodes : int, default 1
+        As for `launch`.
+    backend : str, optional
+        As for `launch`.
+    timeout : float, optional
+        Seconds before the run is stopped (each attempt), with every rank's stack in its logs.
+    launcher_options : dict, optional
+        torchrun's settings with start='torchrun', as for `launch`.
+    cluster : Slurm or Ray, optional
+        With `Slurm`, the supervisor is a SLURM batch job itself, which submits the ranks' job: the
+        run outlives this machine's session too. With `Ray`, the supervisor runs on this machine
+        and the run outlives the kernel (not this machine).
+    trackers : str, tracker or list, optional
+        As for `launch`, writing under the run directory.
+    profile : bool or Profile, optional
+        As for `launch`, writing under the run directory.
+    run_dir : str or Path, optional
+        A new or empty directory of yours for the run; default a new one under ./nbtrain-runs/.
+        ``ctx.run_dir`` in the ranks, where the code keeps the checkpoints it resumes from.
+    max_restarts : int, default 0
+        A failed attempt starts all ranks again, after a back-off, up to this many times.
+    progress : bool or str, default True
+        How the returned `Run` draws itself (as ``launch(progress=...)``).
+    **kwargs
+        Keyword arguments for ``fn``.
+
+    Returns
+    -------
+    Run
+        The run, followed from its directory: its live view when shown, ``result()`` to wait.
+
+    Raises
+    ------
+    ValueError
+        A setting is not accepted (as in `launch`); nothing was written or started.
+    TypeError
+        ``fn`` is not callable, or ``run_dir`` is not a path.
+    FileExistsError
+        ``run_dir`` exists and is not empty.
+    UnpicklableError
+        ``fn`` or its arguments cannot be pickled; nothing was written.
+    RuntimeError
+        sbatch refused the supervisor's job (with ``cluster=Slurm(...)``).
+    """
     if not callable(fn):
         raise TypeError(f"submit(fn=...) needs a callable training function, got {type(fn).__name__}.")
     check_restarts(max_restarts)
     check_timeout(timeout)
     check_progress(progress)
+    asked = words(strategy, start, launcher_options)
     if cluster is None:  # bad settings fail here, before anything starts
-        resolve_strategy(strategy, plan_devices(devices, accelerator, backend, num_nodes))
+        choose(asked, plan_devices(devices, accelerator, backend, num_nodes))
     else:
-        check_cluster(cluster).plan(devices, accelerator, backend, num_nodes)
+        check_cluster_words(asked, check_cluster(cluster))
+        cluster.plan(devices, accelerator, backend, num_nodes)
+    asked.say()
     name = getattr(fn, "__name__", type(fn).__name__)
     given = None if run_dir is None else _given_run_dir(run_dir)
     # Pickled before any directory is made: a job that does not pickle leaves nothing behind.
@@ -73,8 +133,9 @@ def submit(fn: Callable, *args, strategy: str = "auto", devices="auto", accelera
     # profiles write under the run directory.
     job = pack_job(fn, args, kwargs)
     objects = ship_bytes({"cluster": cluster, "trackers": check_trackers(trackers), "profile": Profile.check(profile)})
-    options = {"strategy": strategy, "devices": devices, "accelerator": accelerator, "num_nodes": num_nodes,
-               "backend": backend, "timeout": timeout, "launcher_options": launcher_options}
+    # In the new words (an earlier name was said here, once): the supervisor resolves 'auto' itself.
+    options = {"strategy": asked.strategy, "start": asked.start, "devices": devices, "accelerator": accelerator,
+               "num_nodes": num_nodes, "backend": backend, "timeout": timeout, "launcher_options": asked.options}
     # ./nbtrain-runs is ours and no link (made 0700), as each run directory in it.
     base = private_dir(Path(RUNS).absolute()) if given is None else given.parent
     partial = runlog.partial_dir(base, name if given is None else given.name)

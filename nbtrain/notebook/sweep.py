@@ -22,10 +22,11 @@ from collections import deque
 from ..common.errors import WorkerError
 from ..display.sweep_view import SweepState, TrialRow, make_view, summary_html, summary_text
 from .insight import _name
-from .launch import check_timeout, launch
+from .choices import words
+from .launch import check_cluster_words, check_timeout, launch
 from .restarts import why
 from .result import Result
-from .slots import Slot, SlotRunner, check_count, plan_slots, slot_strategy
+from .slots import Slot, SlotRunner, check_count, plan_slots, slot_start
 from .sweep_study import ERROR, INTERRUPTED, KERNEL, SLOT, TRACEBACK, TRACEBACK_CHARS, open_study, resume, this_kernel
 
 OPTUNA_MISSING = "nbtrain.sweep runs on Optuna, which is not installed: pip install 'nbtrain[sweep]' (or optuna)."
@@ -49,11 +50,25 @@ class _Pruned(Exception):
 
 
 class Sweep:
-    """What `nbtrain.sweep` returns: the Optuna study, its best trial, and the best trial's Result.
+    """What `sweep` returns: the Optuna study, its best trial, and the best trial's Result.
 
-    `best_result` is the `Result` of the best trial, kept in this kernel when that trial ran here
-    (its `value` is what `fn` returned: the trained model); None when the best trial ran in an
-    earlier session. `dataframe()` is Optuna's table of every trial (needs pandas).
+    Shown as a cell's value, the sweep's summary: a row per trial and the best.
+
+    Parameters
+    ----------
+    study : optuna.Study
+        The study the trials were told to.
+    state : SweepState
+        What the sweep's view drew.
+    best : tuple of (int, Result), optional
+        The best trial's number and Result, when it ran in this kernel.
+    run_dir : str, optional
+        Where the study is kept (its SQLite file), when nbtrain chose the storage.
+
+    Attributes
+    ----------
+    study : optuna.Study
+    run_dir : str or None
     """
 
     def __init__(self, study, state: SweepState, best: tuple[int, Result] | None, run_dir: str | None):
@@ -62,28 +77,44 @@ class Sweep:
 
     @property
     def metric(self) -> str:
+        """The metric the trials were judged by."""
         return self.state.metric
 
     @property
     def best_trial(self):
+        """Optuna's best trial (a ``FrozenTrial``); raises ValueError while no trial is complete."""
         return self.study.best_trial
 
     @property
     def best_params(self) -> dict:
+        """The best trial's parameters."""
         return self.study.best_params
 
     @property
     def best_value(self) -> float:
+        """The best trial's value."""
         return self.study.best_value
 
     @property
     def best_result(self) -> Result | None:
+        """The best trial's `Result` (its ``value`` is what ``fn`` returned: the trained model),
+        kept when that trial ran in this kernel; None when it ran in an earlier session."""
         if self._best is None or self._best[0] != self.study.best_trial.number:
             return None
         return self._best[1]
 
     def dataframe(self, **kwargs):
-        """Every trial as a pandas DataFrame (Optuna's `trials_dataframe`)."""
+        """Every trial as a pandas DataFrame (Optuna's ``trials_dataframe``; needs pandas).
+
+        Parameters
+        ----------
+        **kwargs
+            Optuna's ``trials_dataframe`` options (``attrs=``, ``multi_index=``).
+
+        Returns
+        -------
+        pandas.DataFrame
+        """
         return self.study.trials_dataframe(**kwargs)
 
     def _repr_html_(self) -> str:
@@ -161,11 +192,11 @@ class _Reporter:
 class _SweepRun:
     """One call of `sweep`: the study, the slots' work, the state the view draws."""
 
-    def __init__(self, optuna, study, fn, space, metric, catch, remaining: int, deadline, strategy, options,
+    def __init__(self, optuna, study, fn, space, metric, catch, remaining: int, deadline, strategy, start,
                  cluster, state: SweepState, view):
         self.optuna, self.study, self.fn, self.space, self.metric = optuna, study, fn, space, metric
         self.catch, self.remaining, self.deadline = catch, remaining, deadline
-        self.strategy, self.options, self.cluster = strategy, options, cluster
+        self.strategy, self.start, self.cluster = strategy, start, cluster
         self.state, self.view = state, view
         self.started = 0
         self.best: tuple[int, Result] | None = None
@@ -210,7 +241,7 @@ class _SweepRun:
                                           on_output=functools.partial(self._say, trial.number),
                                           on_note=functools.partial(self._note, trial.number))
             result = launch(functools.partial(self.fn, **trial.params), devices=slot.launch_devices,
-                            accelerator=slot.accelerator, strategy=self.strategy, launcher_options=self.options,
+                            accelerator=slot.accelerator, strategy=self.strategy, start=self.start,
                             cluster=self.cluster, progress=display)
         except _Pruned as pruned:
             self._end(trial, row, "pruned", f"pruned at step {pruned.step}", TrialState.PRUNED)
@@ -271,25 +302,78 @@ class _SweepRun:
 def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_per_trial: int = 1,
           direction: str | None = None, sampler=None, pruner=None, study=None, timeout: float | None = None,
           catch=(Exception,), run_dir=None, progress=True, accelerator: str = "auto", strategy: str = "auto",
-          cluster=None) -> Sweep:
-    """Run Optuna trials of `fn(**params)` on slots of `devices_per_trial` devices, packed onto `devices`.
+          start: str = "auto", cluster=None) -> Sweep:
+    """Hyper-parameter trials of ``fn(**params)``, packed onto the devices, run on Optuna.
 
-    `space` maps parameter names to Optuna distributions. Each trial is a launch on a free slot
-    (one process on one device, or a normal launch on several: DDP, or strategy='fsdp'); inside
-    `fn`, `ctx.log(metric, value, step=)` reports to the trial and Optuna's `pruner` (default:
-    the study's, MedianPruner) may stop it, freeing the slot at once. The trial's value is the
-    last `metric` it logged (or what `fn` returned, if a number). A trial that raises is recorded
-    as failed, with its traceback in the trial's user attributes, and the sweep goes on while
-    the error is one of `catch` (Exception by default; `()` stops at the first failure).
+    Each trial is a launch on a free slot of ``devices_per_trial`` devices (one process on one
+    device, or a normal launch on several); inside ``fn``, ``ctx.log(metric, value, step=)``
+    reports to the trial, and Optuna's pruner may stop it, freeing the slot at once. A trial's
+    value is the last ``metric`` it logged (or what ``fn`` returned, if a number). One live view
+    shows a row per trial; Ctrl-C stops every trial, leaving nothing, and running the cell again
+    resumes the study.
 
-    `trials`: how many finished trials the study should hold when the sweep ends; those it holds
-    already count, so running the cell again after an interruption resumes (interrupted trials run
-    again first). `study`: an `optuna.Study` to continue (its enqueued trials first) or a storage
-    URL; by default a SQLite study in `run_dir` (default ./nbtrain-runs/sweep-<fn>/, private to
-    you). `devices`: launch's grammar ("auto": every visible GPU; on CPU, a number of CPU
-    processes). `timeout`: seconds after which no new trial starts. `cluster`
-    (`nbtrain.Slurm`/`nbtrain.Ray`): each trial a job or actors there; `devices` is then how many
-    devices the sweep holds at once. Returns a `Sweep`; Ctrl-C stops every trial, leaving nothing.
+    Parameters
+    ----------
+    fn : callable
+        The trial function; it takes the parameters as keyword arguments.
+    space : dict
+        Parameter names mapped to Optuna distributions:
+        ``{"lr": optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)}``.
+    trials : int
+        How many finished trials the study should hold when the sweep ends; those it holds
+        already count (so a resumed sweep runs the rest; interrupted trials run again first).
+    metric : str
+        The name ``fn`` logs with ``ctx.log`` that judges a trial.
+    devices : int, str or list, default 'auto'
+        As for `launch`: every visible GPU, or on CPU a number of CPU processes. With
+        ``cluster``, how many devices the sweep holds at once.
+    devices_per_trial : int, default 1
+        Devices (ranks) per trial.
+    direction : {'minimize', 'maximize'}, optional
+        Default the study's (minimize for a new one).
+    sampler : optuna.samplers.BaseSampler, optional
+        Which parameters a trial gets; default the study's (TPE).
+    pruner : optuna.pruners.BasePruner, optional
+        Whether a trial is stopped early; default the study's (MedianPruner).
+    study : optuna.Study or str, optional
+        A study to continue (its enqueued trials first), or a storage URL; default a SQLite
+        study in ``run_dir``.
+    timeout : float, optional
+        Seconds after which no new trial starts.
+    catch : exception class or tuple, default (Exception,)
+        A trial raising one of these is recorded as failed (traceback in its user attributes)
+        and the sweep goes on; ``()`` stops at the first failure.
+    run_dir : str or Path, optional
+        Where the default study is kept; default ./nbtrain-runs/sweep-<fn>/, private to you.
+    progress : bool or str, default True
+        As for `launch`.
+    accelerator : {'auto', 'gpu', 'cpu'}, default 'auto'
+        As for `launch`.
+    strategy : {'auto', 'ddp', 'fsdp'}, default 'auto'
+        How ``ctx.setup`` wraps a model in a trial of several devices ('auto': DDP).
+    start : {'auto', 'template', 'spawn', 'torchrun'}, default 'auto'
+        Where a trial's ranks come from; 'auto': the warm template ('fsdp': torchrun). A fork of
+        this kernel is refused: trials start from threads, where a fork can hang on a lock.
+    cluster : Slurm or Ray, optional
+        Each trial a job or actors there.
+
+    Returns
+    -------
+    Sweep
+        The study, the best trial's parameters and value, and its `Result` when it ran here.
+
+    Raises
+    ------
+    ImportError
+        Optuna is not installed (``pip install 'nbtrain[sweep]'``).
+    ValueError
+        A setting is not accepted, or a trial logged no ``metric`` and returned no number.
+    TypeError
+        ``fn`` is not callable.
+    WorkerError
+        A trial failed with an error not in ``catch``.
+    KeyboardInterrupt
+        Ctrl-C: every running trial was stopped; the finished ones are kept in the study.
     """
     optuna = _optuna()
     if not callable(fn):
@@ -309,10 +393,10 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
     view = make_view(progress)
     if cluster is None:
         slots, idle = plan_slots(devices, devices_per_trial, accelerator)
-        strategy, options = slot_strategy(strategy, devices_per_trial)
+        strategy, start = slot_start(strategy, start)
     else:
+        check_cluster_words(words(strategy, start), cluster)  # refused here, not by every trial
         slots, idle = cluster_slots(devices, devices_per_trial, accelerator), None
-        options = None
     study, run_dir = open_study(optuna, study, fn, direction=direction, sampler=sampler, pruner=pruner, metric=metric,
                                 run_dir=run_dir)
     done = resume(optuna, study)
@@ -321,7 +405,7 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
         f" of {devices_per_trial}" if devices_per_trial > 1 else "")
     state = SweepState(f"sweep of {_name(fn)}", metric, study.direction.name.lower(), where, trials, done)
     run = _SweepRun(optuna, study, fn, space, metric, catch, trials - done,
-                    None if timeout is None else time.monotonic() + timeout, strategy, options, cluster, state, view)
+                    None if timeout is None else time.monotonic() + timeout, strategy, start, cluster, state, view)
     run._best()
     view.start(state)
     if idle:

@@ -28,12 +28,28 @@ log = logging.getLogger(__name__)
 
 
 class MapError(RuntimeError):
-    """An item of a map failed, or the worker running it died.
+    """An item of a map failed, or the worker running it died (raised by `map` and ``Ranks.map``).
 
-    `index`: the item's position in the input (with batch_size > 1, the first of its batch;
-    `batch` lists them all); `summary`: its first line; `traceback`: the worker's own; `results`:
-    {index: result} of the items finished before the map stopped (all of them saved in `run_dir`,
-    when one was given: running the map again starts where it stopped).
+    Parameters
+    ----------
+    index : int
+        The item's position in the input (with ``batch_size`` > 1, the first of its batch).
+    summary : str
+        The failure in one line.
+    traceback : str, default ''
+        The worker's own traceback.
+    results : dict, optional
+        ``{index: result}`` of the items finished before the map stopped (all of them saved in
+        ``run_dir``, when one was given: running the map again starts where it stopped).
+    total : int, default 0
+        Items in the map.
+    batch : tuple of int, default ()
+        Every index of the failed item's batch (default: ``(index,)``).
+
+    Attributes
+    ----------
+    index, summary, traceback, results, total, batch
+        As given.
     """
 
     def __init__(self, index: int, summary: str, traceback: str = "", results: dict | None = None, total: int = 0,

@@ -39,6 +39,7 @@ class Job:
     options: dict[str, Any] = field(default_factory=dict)  # launcher-specific settings
     first: tuple | None = None  # the ranks' first command: a launch's ("run", 0, True, job), live ranks' ("start", 0, True)
     live: bool = False  # live ranks serve commands until stopped; a launch's ranks exit after the first
+    start: str = ""  # where the ranks come from, in launch's words (fork, template, spawn, torchrun, slurm, ray)
 
     @property
     def ranks(self) -> list[int]:

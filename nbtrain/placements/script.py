@@ -68,7 +68,7 @@ _DIE_WITH_KERNEL = (
 )
 
 _BOOTSTRAP_TEXT = '''\
-# One rank of an nbtrain launch (strategy "ddp"); written for this launch only, removed after it.
+# One rank of an nbtrain launch (start="torchrun"); written for this launch only, removed after it.
 import ctypes, os, signal, sys
 parent = os.getppid()
 try:  # die with the launcher from here on, not only once torch is imported
@@ -340,7 +340,7 @@ class ScriptLauncher(ProcessLauncher):
         self.note(f"its ranks start once every node has joined at {endpoint} (waiting up to "
                    f"{RENDEZVOUS_WAIT // 60} minutes)")
         template = self.options["rerun_as"] or (
-            f"the same launch(..., strategy='ddp', num_nodes={job.plan.num_nodes}, "
+            f"the same launch(..., strategy='{job.strategy}', start='torchrun', num_nodes={job.plan.num_nodes}, "
             f"launcher_options={{'node_rank': {{node_rank}}, 'rdzv_endpoint': '{endpoint}'}})")
         for other in range(job.plan.num_nodes):
             if other != job.node_rank:

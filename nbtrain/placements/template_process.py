@@ -191,13 +191,36 @@ def template(start: bool = True) -> Template | None:
 
 
 def warm_up(restart: bool = False, preload=None, wait: bool = True) -> float:
-    """Start this kernel's template now, so the first CUDA-safe launch is as fast as later ones.
+    """Start this kernel's warm template now, so the first CUDA-safe launch is as fast as the later ones.
 
-    `preload`: more packages for it to import once (third-party ones every rank imports, e.g.
-    `["transformers"]`; never your own modules, which ranks import fresh); None keeps the last
-    list, `[]` has none. `restart=True`
-    replaces a running one (after changing a variable torch reads at import). Returns the
-    seconds since the template was started, once it is ready.
+    The template is a clean process (never a fork of the kernel) that imports torch and its
+    distributed parts once and forks ranks on request: start='template', and start='auto' once
+    CUDA is initialised in the kernel. It starts by itself at the first launch that needs it;
+    calling this first moves those seconds to a moment of your choosing. It dies with the kernel.
+
+    Parameters
+    ----------
+    restart : bool, default False
+        Replace a running template (after setting an environment variable that torch reads when
+        imported).
+    preload : list of str, optional
+        More packages for the template to import once, e.g. ``["transformers"]``: third-party
+        packages every rank imports, never your own modules (ranks import those fresh). None
+        keeps the last list; ``[]`` has none. A new list restarts the template.
+    wait : bool, default True
+        Wait until it is ready; False starts it and returns at once (0.0).
+
+    Returns
+    -------
+    float
+        Seconds since the template was started, once it is ready.
+
+    Raises
+    ------
+    TypeError
+        ``preload`` is not a list of module names.
+    RuntimeError
+        The template could not start, or does not answer; launches then use plain spawn.
     """
     global _preload, _failed
     if preload is not None:
@@ -206,7 +229,7 @@ def warm_up(restart: bool = False, preload=None, wait: bool = True) -> float:
         if tuple(preload) != _preload:
             _preload, restart = tuple(preload), True
     if restart:
-        stop()
+        stop_template()
     _failed = None
     if not wait:
         with _guard:
@@ -217,8 +240,16 @@ def warm_up(restart: bool = False, preload=None, wait: bool = True) -> float:
     return time.monotonic() - handle.started
 
 
-def stop() -> None:
-    """Stop this kernel's template (the ranks it forked stay until their launch ends)."""
+def stop_template() -> None:
+    """Stop this kernel's warm template now, rather than when the kernel ends.
+
+    The ranks it forked stay until their launch ends or their live `Ranks` are closed. The next
+    launch that needs a template starts a new one (or `warm_up` does).
+
+    Returns
+    -------
+    None
+    """
     global _template
     with _guard:
         if _template is not None:
@@ -228,4 +259,4 @@ def stop() -> None:
             _unresponsive.pop().close()
 
 
-atexit.register(stop)
+atexit.register(stop_template)

@@ -31,7 +31,40 @@ class _NoSink:
 
 
 class Context:
-    """This rank's place in the run and its helpers (`setup`, `loader`, `log`, `progress`, ...)."""
+    """This rank's place in the run, and the helpers a training function needs.
+
+    Get it with `nbtrain.context()` inside the function a launch runs; it is built from the
+    torchrun-standard environment, so it is the same whether the rank was forked, started from
+    the warm template, spawned, started by torchrun or runs in the kernel itself. Its process
+    group (gloo on CPU, nccl on GPU) is created on first need and destroyed when the rank ends.
+
+    Parameters
+    ----------
+    rank : int, default 0
+        This rank's global rank, 0 .. world_size - 1.
+    local_rank : int, default 0
+        Its rank on this machine.
+    world_size : int, default 1
+        Ranks in the run.
+    local_world_size : int, default 1
+        Ranks on this machine.
+    device : torch.device or str, default 'cpu'
+        The device this rank computes on (``cuda:<local_rank>`` on GPUs).
+    strategy : str, default 'local'
+        How `setup` wraps a model: 'single', 'dp', 'ddp', 'fsdp', 'deepspeed'; 'local' outside
+        a launch.
+    backend : str, default 'gloo'
+        The process group's backend.
+    sink : object, optional
+        Where events go (progress, metrics); the launch sets it.
+    dp_device_ids : tuple of int, default ()
+        The GPUs of strategy 'dp'.
+
+    Attributes
+    ----------
+    rank, local_rank, world_size, local_world_size, device, strategy, backend
+        As given.
+    """
 
     def __init__(self, rank: int = 0, local_rank: int = 0, world_size: int = 1, local_world_size: int = 1,
                  device: torch.device | str = "cpu", strategy: str = "local", backend: str = "gloo",
@@ -56,7 +89,19 @@ class Context:
 
     @classmethod
     def from_environ(cls, environ=os.environ, sink=None) -> "Context":
-        """A rank started with the torchrun-standard environment (RANK, LOCAL_RANK, ...)."""
+        """The Context of a rank started with the torchrun-standard environment.
+
+        Parameters
+        ----------
+        environ : mapping, default os.environ
+            Where RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (and nbtrain's own settings) are read.
+        sink : object, optional
+            Where events go.
+
+        Returns
+        -------
+        Context
+        """
         local_rank = int(environ.get("LOCAL_RANK", 0))
         accelerator = environ.get("NBTRAIN_ACCELERATOR") or ("gpu" if torch.cuda.is_available() else "cpu")
         device = torch.device("cuda", local_rank) if accelerator == "gpu" else torch.device("cpu")
@@ -78,10 +123,12 @@ class Context:
 
     @property
     def is_global_zero(self) -> bool:
+        """True on global rank 0."""
         return self.rank == 0
 
     @property
     def num_nodes(self) -> int:
+        """Machines in the run."""
         return max(1, self.world_size // max(1, self.local_world_size))
 
     def __repr__(self) -> str:
@@ -99,8 +146,11 @@ class Context:
         self._owns_group = True
 
     def start_group(self) -> None:
-        """Create the default process group now (live ranks do, so plain torch.distributed works
-        in their first cell); a no-op for a single non-distributed rank or an existing group."""
+        """Create the default process group now rather than on first need.
+
+        Live ranks do, so plain torch.distributed works in their first cell. A no-op for a
+        single non-distributed rank, or when a group exists.
+        """
         self._ensure_group()
 
     def _observe(self, trackers, recorder) -> None:
@@ -111,8 +161,10 @@ class Context:
             recorder.start()
 
     def step(self) -> None:
-        """Mark the end of one training step, for a profile's window (`launch(..., profile=...)`).
-        Without calls to it, each iteration of the innermost `progress` loop is a step."""
+        """Mark the end of one training step, for a profile's window (``launch(..., profile=...)``).
+
+        Without calls to it, each iteration of the innermost `progress` loop is a step.
+        """
         self._explicit_steps = True
         if self._recorder is not None:
             self._recorder.step()
@@ -122,6 +174,7 @@ class Context:
         self._depth = 0
 
     def close(self) -> None:
+        """Destroy the process group this Context created (the rank does it when it ends)."""
         if self._owns_group:
             destroy_group_now()
         self._owns_group = False
@@ -133,45 +186,144 @@ class Context:
     # -- model and data -----------------------------------------------------------------
     def setup(self, module: torch.nn.Module, *, shard=None, min_params: int = DEFAULT_MIN_PARAMS,
               mixed_precision=None, cpu_offload=False, reshard_after_forward: bool = True) -> torch.nn.Module:
-        """Move to this rank's device and wrap for the strategy (FSDP2, DDP, DataParallel or none).
+        """Move a model to this rank's device and wrap it as the run's strategy says.
 
-        The keyword options configure FSDP (strategy 'fsdp'): `shard` names the module classes
-        sharded as units of their own (default: each submodule with at least `min_params`
-        parameters), `mixed_precision` 'bf16'/'fp16' or a MixedPrecisionPolicy, `cpu_offload`
-        True or a CPUOffloadPolicy, `reshard_after_forward` as FSDP2's. Other strategies check
-        them and leave them unused, so one training function runs under ddp and fsdp alike.
+        DistributedDataParallel under 'ddp' (``device_ids`` set on GPUs), DataParallel under
+        'dp', FSDP2 sharding under 'fsdp', nothing on one device. The keyword options configure
+        FSDP; other strategies check them and leave them unused, so one training function runs
+        under ddp and fsdp alike.
+
+        Parameters
+        ----------
+        module : torch.nn.Module
+            The model.
+        shard : type or tuple of types, optional
+            Under fsdp: the module classes sharded as units of their own (say, a transformer
+            block). Default: each submodule with at least ``min_params`` parameters.
+        min_params : int
+            Under fsdp, without ``shard``: the smallest submodule sharded on its own.
+        mixed_precision : {'bf16', 'fp16'} or MixedPrecisionPolicy, optional
+            Under fsdp: compute in this precision, parameters kept in float32.
+        cpu_offload : bool or CPUOffloadPolicy, default False
+            Under fsdp: keep the sharded parameters on the CPU.
+        reshard_after_forward : bool, default True
+            Under fsdp: free a unit's gathered weights after its forward pass, as FSDP2's option.
+
+        Returns
+        -------
+        torch.nn.Module
+            The wrapped model (the same module on one device).
+
+        Raises
+        ------
+        TypeError
+            ``module`` is not a torch.nn.Module.
+        ValueError
+            An option is not accepted (a ``shard`` that is not a module class, an unknown
+            precision), or the module is already sharded.
         """
         options = strategies.ShardOptions.check(shard, min_params, mixed_precision, cpu_offload, reshard_after_forward)
         return strategies.wrap(module, self, options)
 
     def prepare_return(self, value):
-        """The training function's return value, ready to leave this rank: under fsdp, sharded
-        modules are gathered whole to CPU on rank 0 (None on other ranks). Collective there:
-        every rank calls it. Other strategies: `value` itself."""
+        """The training function's return value, ready to leave this rank (the launch calls it).
+
+        Parameters
+        ----------
+        value : object
+            What the function returned.
+
+        Returns
+        -------
+        object
+            Under fsdp, sharded modules gathered whole to CPU on rank 0 (None on the others; a
+            collective: every rank calls it); under other strategies, ``value`` itself.
+        """
         if self.strategy in SHARDED_STRATEGIES:
             return strategies.gather_returned(value, self)
         return value
 
     @property
     def run_dir(self) -> Path | None:
-        """A submitted run's directory (`nbtrain.submit`): checkpoints kept there survive a
-        restart of the ranks. None in a plain launch."""
+        """The run's directory (`nbtrain.submit`, or ``launch(run_dir=...)`` with trackers or a
+        profile): checkpoints kept there survive a restart of the ranks. None when there is none."""
         where = os.environ.get("NBTRAIN_RUN_DIR")
         return Path(where) if where else None
 
     # -- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, path, **objects) -> None:
-        """Save models, optimizers and plain state (`model=m, optimizer=opt, step=3`) to the
-        directory `path`, each rank writing its own shard (torch.distributed.checkpoint)."""
+        """Save models, optimizers and plain state to a checkpoint directory.
+
+        Every rank calls it and writes its own shard (torch.distributed.checkpoint); the
+        checkpoint loads onto any number of ranks and any strategy.
+
+        Parameters
+        ----------
+        path : str or Path
+            The checkpoint's directory (made if missing).
+        **objects
+            What to save, by name: ``model=m, optimizer=opt, step=3``.
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        ValueError
+            Nothing to save, or ``path`` is not a checkpoint's place.
+        FileExistsError
+            ``path`` exists and is not a checkpoint (nbtrain replaces only its own).
+        CheckpointError
+            The write failed (a full disk...): an OSError saying which rank and where.
+        """
         save(self, path, objects)
 
     def load_checkpoint(self, path, **objects) -> dict:
-        """Load what `save_checkpoint` saved into the given models and optimizers (in place),
-        on any number of ranks; returns every name's loaded value (plain state included)."""
+        """Load what `save_checkpoint` saved, into the given models and optimizers, in place.
+
+        Parameters
+        ----------
+        path : str or Path
+            The checkpoint's directory.
+        **objects
+            The models and optimizers to load into, and plain names to read, by the names they
+            were saved under: ``model=m, optimizer=opt, step=0``.
+
+        Returns
+        -------
+        dict
+            Every name's loaded value, plain state included (``loaded["step"]``).
+
+        Raises
+        ------
+        FileNotFoundError
+            No checkpoint at ``path``.
+        CheckpointError
+            The checkpoint lacks a name asked for, or cannot be read: an OSError saying which.
+        """
         return load(self, path, objects)
 
     def loader(self, dataset, **dataloader_kwargs) -> "EpochLoader":
-        """A DataLoader that gives each rank its own shard (DistributedSampler) and reshuffles per epoch."""
+        """A DataLoader that gives each rank its own part of the data, reshuffled every epoch.
+
+        With several ranks, a DistributedSampler is added (unless a sampler is given) and its
+        ``set_epoch`` called on every new pass. The effective batch size (batch x ranks) is
+        reported once, as ``Result.effective_batch_size``.
+
+        Parameters
+        ----------
+        dataset : Dataset
+            The data.
+        **dataloader_kwargs
+            DataLoader's own (``batch_size``, ``shuffle``, ``num_workers``...); ``shuffle`` goes
+            to the sampler.
+
+        Returns
+        -------
+        EpochLoader
+            Iterates as the DataLoader; other attributes are the DataLoader's.
+        """
         from torch.utils.data import DataLoader, DistributedSampler
 
         sampler = None
@@ -194,10 +346,29 @@ class Context:
 
     # -- metrics and collectives ---------------------------------------------------------
     def log(self, name: str, value, sync_dist: bool = False, step: int | None = None) -> float:
-        """Record a metric; with `sync_dist` the mean over ranks is recorded (and returned).
+        """Record a metric: shown live, kept in ``Result.history``, sent to the run's trackers.
 
-        `step`: where on the x axis (a resumed run passes its own, so its curve goes on from
-        there); by default one more than this metric's last.
+        Parameters
+        ----------
+        name : str
+            The metric's name.
+        value : float or tensor
+            Its value (a tensor is reduced to its mean).
+        sync_dist : bool, default False
+            Record the mean over ranks (every rank must call it: a collective).
+        step : int, optional
+            Where on the x axis; by default one more than this metric's last. A resumed run
+            passes its own, so its curve goes on where it stopped.
+
+        Returns
+        -------
+        float
+            The value recorded (the mean over ranks with ``sync_dist``).
+
+        Raises
+        ------
+        ValueError
+            ``step`` is not an int >= 0.
         """
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"ctx.log({name!r}, step={step!r}): step must be an int >= 0, or None for the next one")
@@ -217,7 +388,19 @@ class Context:
         return value
 
     def all_gather(self, x):
-        """Tensors: stacked along a new first dimension, one row per rank. Other objects: a list."""
+        """Every rank's ``x`` (a collective: every rank calls it).
+
+        Parameters
+        ----------
+        x : tensor or object
+            This rank's part; objects must pickle.
+
+        Returns
+        -------
+        tensor or list
+            Tensors stacked along a new first dimension, one row per rank; other objects a list
+            in rank order.
+        """
         if not isinstance(x, torch.Tensor):
             if self.world_size == 1:
                 return [x]
@@ -234,25 +417,52 @@ class Context:
         return torch.stack(parts).to(x.device)
 
     def barrier(self) -> None:
+        """Wait until every rank has reached this line (a no-op on one rank)."""
         if self.world_size > 1:
             self._ensure_group()
             dist.barrier()
 
     def print(self, *args, **kwargs) -> None:
-        """`print` on global rank 0 only."""
+        """``print`` on global rank 0 only (flushed).
+
+        Parameters
+        ----------
+        *args
+            As for ``print``.
+        **kwargs
+            As for ``print``.
+        """
         if self.is_global_zero:
             builtins.print(*args, **{"flush": True, **kwargs})
 
     # -- progress ------------------------------------------------------------------------
     def progress(self, iterable: Iterable, desc: str | None = None, total: int | None = None,
                  initial: int = 0) -> Iterator:
-        """Iterate, reporting this rank's progress to the notebook (nested calls nest).
+        """Iterate, reporting this rank's progress to the notebook's live view (nested calls nest).
 
-        `initial`: the iterations done before this loop, as in tqdm: a loop resumed from a
-        checkpoint, `ctx.progress(range(start, steps), initial=start)`, reads start..steps, and its
-        rate and ETA count only the iterations done now. Unlike tqdm, a `total` not given is
-        `initial + len(iterable)`, not `len(iterable)`: the iterable of a resumed loop is what is
-        left, so its length alone would end the bar short of its last step.
+        Parameters
+        ----------
+        iterable : iterable
+            What to iterate over.
+        desc : str, optional
+            The bar's label; default 'epoch' for the outer loop, 'batch' inside it.
+        total : int, optional
+            Iterations in all; default ``initial + len(iterable)`` when it has a length (unlike
+            tqdm: the iterable of a resumed loop is what is left).
+        initial : int, default 0
+            Iterations done before this loop, as in tqdm: a loop resumed from a checkpoint,
+            ``ctx.progress(range(start, steps), initial=start)``, reads start..steps, and its
+            rate and ETA count only the iterations done now.
+
+        Returns
+        -------
+        iterator
+            The iterable's items.
+
+        Raises
+        ------
+        ValueError
+            ``initial`` is not an int >= 0.
         """
         try:  # numpy's integers and a 0-d integer tensor (a step read back from a checkpoint) are ints too
             count = None if isinstance(initial, bool) else operator.index(initial)
@@ -326,7 +536,16 @@ def set_current(ctx: Context | None) -> Context | None:
 
 
 def context() -> Context:
-    """This rank's Context; outside a launch, one built from the environment (rank 0 of 1 if unset)."""
+    """This rank's `Context`: where it stands in the run, and its helpers.
+
+    Inside a launched function, the running rank's. Outside a launch, one built from the
+    torchrun environment (rank 0 of 1 when it is unset), so a function runs alike when called
+    directly.
+
+    Returns
+    -------
+    Context
+    """
     global _current
     if _current is None:
         _current = Context.from_environ(os.environ) if "RANK" in os.environ else Context()
@@ -334,7 +553,17 @@ def context() -> Context:
 
 
 def rank_zero_only(fn):
-    """Run `fn` on global rank 0 only; elsewhere it returns None."""
+    """Decorate a function to run on global rank 0 only; elsewhere it returns None.
+
+    Parameters
+    ----------
+    fn : callable
+        The function.
+
+    Returns
+    -------
+    callable
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

@@ -33,11 +33,28 @@ WHY_MAX = ("The profiler keeps every operator of the window in each rank's memor
 
 @dataclass(frozen=True)
 class Profile:
-    """What `launch(..., profile=...)` records: `steps` (how many steps, at most MAX_STEPS, after
-    two skipped: the first steps set things up; or a `range` of step numbers counted from 0),
-    `activities` (a list of "cpu", "cuda"; default both where the rank has a GPU), `memory`
-    (operators' memory, and on CUDA a memory snapshot; default: on CUDA ranks only). Bad settings
-    are refused here, where they are written."""
+    """What ``launch(fn, profile=nbtrain.Profile(...))`` records on every rank with torch.profiler.
+
+    Each rank writes its trace (for Perfetto or TensorBoard) under the run directory; the
+    summary, the ranks side by side with the slowest named, is ``Result.profile``.
+    ``profile=True`` is this with its defaults. A step is one ``ctx.step()`` call, or else one
+    iteration of the innermost ``ctx.progress`` loop.
+
+    Parameters
+    ----------
+    steps : int or range, default 5
+        How many steps, after two skipped (the first steps set things up), at most 100; or a
+        ``range`` of step numbers counted from 0 (``range(100, 105)``).
+    activities : list of {'cpu', 'cuda'}, optional
+        What to record; default both where the rank has a GPU, else 'cpu'.
+    memory : bool, optional
+        Operators' memory, and on CUDA a memory snapshot; default on CUDA ranks only.
+
+    Raises
+    ------
+    ValueError
+        A setting is not accepted; said here, where it is written.
+    """
     steps: int | range = 5
     activities: tuple[str, ...] | list[str] | None = None
     memory: bool | None = None
@@ -67,6 +84,22 @@ class Profile:
 
     @classmethod
     def check(cls, profile) -> "Profile | None":
+        """``profile=`` as given to `launch`, as a Profile (None: no profile).
+
+        Parameters
+        ----------
+        profile : bool, Profile or None
+            True: a Profile with its defaults; False or None: none.
+
+        Returns
+        -------
+        Profile or None
+
+        Raises
+        ------
+        ValueError
+            ``profile`` is none of these.
+        """
         if profile is None or profile is False:
             return None
         if profile is True:
@@ -78,6 +111,7 @@ class Profile:
 
     @property
     def window(self) -> range:
+        """The step numbers recorded."""
         return self.steps if isinstance(self.steps, range) else range(2, 2 + self.steps)
 
 

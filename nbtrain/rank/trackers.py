@@ -59,8 +59,24 @@ def _require(module: str, extra: str, what: str) -> None:
 
 @dataclass(frozen=True)
 class TensorBoard:
-    """TensorBoard event files (torch.utils.tensorboard's SummaryWriter) in `log_dir` (default: the
-    run directory's `tensorboard/`); rank 0 writes there, rank N>0 in its `rank{N}/`."""
+    """TensorBoard event files of a run: ``launch(fn, trackers=[nbtrain.TensorBoard(...)])``.
+
+    Written by torch.utils.tensorboard's SummaryWriter in the ranks: values logged with
+    ``sync_dist=True`` by rank 0 under their name, the others by each rank as ``name/rank{N}``.
+    The run's settings (strategy, devices, the function's arguments) are its hyper-parameters.
+    ``trackers="tensorboard"`` is this with its defaults.
+
+    Parameters
+    ----------
+    log_dir : str or Path, optional
+        Where rank 0 writes (rank N > 0 in its ``rank{N}/``); default the run directory's
+        ``tensorboard/``.
+
+    Raises
+    ------
+    ValueError
+        ``log_dir`` is not a path.
+    """
     log_dir: str | None = None
     name = "tensorboard"
     extra = "tensorboard"
@@ -73,16 +89,58 @@ class TensorBoard:
                              "pathlib.Path), or None for the run directory's tensorboard/.")
 
     def opened(self, run) -> "_TensorBoardWriter":
+        """This rank's writer for the run (a rank calls it).
+
+        Parameters
+        ----------
+        run : RunInfo
+            The run (its directory), as the rank knows it.
+
+        Returns
+        -------
+        writer
+        """
         return _TensorBoardWriter(self, run)
 
     def where(self, run) -> str:
+        """Where it writes, in words (errors name it).
+
+        Parameters
+        ----------
+        run : RunInfo
+            The run (its directory), as the rank knows it.
+
+        Returns
+        -------
+        str
+        """
         return f"TensorBoard in {os.fspath(self.log_dir or f'{run.dir}/tensorboard')}"
 
 
 @dataclass(frozen=True)
 class MLflow:
-    """One MLflow run in `experiment` (default "nbtrain") at `tracking_uri` (default:
-    MLFLOW_TRACKING_URI as the notebook has it, else a SQLite file in the run directory)."""
+    """One MLflow run for a launch: ``launch(fn, trackers=[nbtrain.MLflow(...)])``.
+
+    Every rank writes into rank 0's MLflow run: values logged with ``sync_dist=True`` under
+    their name, the others as ``name/rank{N}``; the run's settings are its parameters. A
+    tracking server that does not answer fails the run within a minute, naming it.
+    ``trackers="mlflow"`` is this with its defaults.
+
+    Parameters
+    ----------
+    tracking_uri : str, optional
+        ``'http://host:5000'``, ``'sqlite:///path/mlflow.db'``...; default ``MLFLOW_TRACKING_URI``
+        as the notebook has it, else a SQLite file in the run directory.
+    experiment : str, default 'nbtrain'
+        The experiment's name.
+    run_name : str, optional
+        The MLflow run's name; default the run directory's name.
+
+    Raises
+    ------
+    ValueError
+        A setting is not a non-empty str.
+    """
     tracking_uri: str | None = None
     experiment: str = "nbtrain"
     run_name: str | None = None
@@ -105,19 +163,73 @@ class MLflow:
                              "directory's name.")
 
     def opened(self, run) -> "_MLflowWriter":
+        """This rank's writer for the run (a rank calls it).
+
+        Parameters
+        ----------
+        run : RunInfo
+            The run (its directory), as the rank knows it.
+
+        Returns
+        -------
+        writer
+        """
         return _MLflowWriter(self, run)
 
     def uri(self, run) -> str:
+        """The tracking URI the run writes to.
+
+        Parameters
+        ----------
+        run : RunInfo
+            The run (its directory), as the rank knows it.
+
+        Returns
+        -------
+        str
+        """
         return self.tracking_uri or f"sqlite:///{run.dir}/mlflow.db"
 
     def where(self, run) -> str:
+        """Where it writes, in words (errors name it).
+
+        Parameters
+        ----------
+        run : RunInfo
+            The run (its directory), as the rank knows it.
+
+        Returns
+        -------
+        str
+        """
         return f"MLflow at {self.uri(run)}"
 
 
 @dataclass(frozen=True)
 class WandB:
-    """Weights & Biases runs, one per rank writing, grouped under the run's name; `mode="offline"`
-    writes only local files (`wandb sync` uploads them later)."""
+    """Weights & Biases runs for a launch: ``launch(fn, trackers=[nbtrain.WandB(...)])``.
+
+    One W&B run per rank that writes, grouped under the launch's name: values logged with
+    ``sync_dist=True`` by rank 0, the others by each rank. ``trackers="wandb"`` is this with its
+    defaults.
+
+    Parameters
+    ----------
+    project : str, default 'nbtrain'
+        The W&B project.
+    mode : {'online', 'offline', 'disabled', 'shared'}, optional
+        W&B's mode; 'offline' writes only local files (``wandb sync`` uploads them later). None:
+        ``WANDB_MODE``, else W&B's default.
+    entity : str, optional
+        The W&B user or team; None: your default.
+    dir : str or Path, optional
+        Where W&B writes its files; default the run directory.
+
+    Raises
+    ------
+    ValueError
+        A setting is not accepted.
+    """
     project: str = "nbtrain"
     mode: str | None = None  # "online", "offline", "disabled"; None: W&B's own default (WANDB_MODE)
     entity: str | None = None
@@ -141,9 +253,31 @@ class WandB:
                              "the run directory.")
 
     def opened(self, run) -> "_WandBWriter":
+        """This rank's writer for the run (a rank calls it).
+
+        Parameters
+        ----------
+        run : RunInfo
+            The run (its directory), as the rank knows it.
+
+        Returns
+        -------
+        writer
+        """
         return _WandBWriter(self, run)
 
     def where(self, run) -> str:
+        """Where it writes, in words (errors name it).
+
+        Parameters
+        ----------
+        run : RunInfo
+            The run (its directory), as the rank knows it.
+
+        Returns
+        -------
+        str
+        """
         mode = self.mode or os.environ.get("WANDB_MODE") or "online"
         server = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
         return f"W&B ({mode}{f', {server}' if mode in ('online', 'shared') else ''}) in {self.dir or run.dir}"

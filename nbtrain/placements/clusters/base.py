@@ -48,18 +48,56 @@ class Cluster:
         self.notebook_address = notebook_address.strip() if notebook_address else None
 
     def plan(self, devices, accelerator: str, backend: str | None, num_nodes: int) -> "ClusterPlan":
+        """The devices of a run on this cluster (what `launch` calls with its own arguments).
+
+        Parameters
+        ----------
+        devices : int or 'auto'
+            Ranks per node.
+        accelerator : {'auto', 'gpu', 'cpu'}
+            As for `launch`.
+        backend : str or None
+            The process group's backend; None: nccl on GPUs, gloo on CPU.
+        num_nodes : int
+            Nodes.
+
+        Returns
+        -------
+        ClusterPlan
+
+        Raises
+        ------
+        ValueError
+            The devices do not fit this cluster's settings.
+        """
         raise NotImplementedError
 
     def placement(self) -> ProcessLauncher:
+        """What starts this cluster's ranks, for one run (nbtrain calls it).
+
+        Returns
+        -------
+        ProcessLauncher
+        """
         raise NotImplementedError
 
     def where(self) -> str:
-        """The engine and its settings, in words (shown in the run's title)."""
+        """The engine and its settings, in words (shown in the run's title).
+
+        Returns
+        -------
+        str
+        """
         return self.engine
 
     def supervisor_environ(self) -> dict[str, str]:
         """What a submitted run's supervisor (another process) needs in its environment to reach
-        the cluster this kernel uses."""
+        the cluster this kernel uses.
+
+        Returns
+        -------
+        dict
+        """
         return {}
 
 

@@ -26,13 +26,31 @@ GCS_LOOK = 1.0  # seconds between looks at whether Ray's cluster still answers (
 
 
 class Ray(Cluster):
-    """Ranks as Ray actors (`pip install 'nbtrain[ray]'`), on the Ray this kernel is connected to.
+    """Run the ranks as Ray actors: ``launch(fn, cluster=nbtrain.Ray(...))`` (``pip install 'nbtrain[ray]'``).
 
-    `address=None` joins the Ray that `ray.init` already started in this kernel, or starts a
-    local one (or joins RAY_ADDRESS); 'auto' or 'ray://...' join a running cluster.
-    `num_workers` is the number of ranks, placed wherever they fit; without it, launch's
-    `devices` ranks on each of `num_nodes` different nodes. Each rank reserves
-    `resources_per_worker` (default {'CPU': 1}, plus {'GPU': 1} with `use_gpu`).
+    The actors are placed with a Ray placement group; the run is the same as on this machine:
+    live view, metrics, errors, Ctrl-C. A Ray cluster that goes away ends the run, said in words.
+
+    Parameters
+    ----------
+    address : str, optional
+        None joins the Ray that ``ray.init`` already started in this kernel, or starts a local
+        one (or joins ``RAY_ADDRESS``); 'auto', 'HOST:6379' or 'ray://HOST:10001' join a
+        running cluster.
+    num_workers : int, optional
+        Ranks, placed wherever they fit. Without it, launch's ``devices`` ranks on each of
+        ``num_nodes`` different nodes.
+    use_gpu : bool, default False
+        Each rank reserves a GPU.
+    resources_per_worker : dict, optional
+        What each rank reserves; default ``{'CPU': 1}``, plus ``{'GPU': 1}`` with ``use_gpu``.
+    notebook_address : str, optional
+        The address the actors reach this notebook by; default the one Ray's nodes use.
+
+    Raises
+    ------
+    ValueError
+        A setting is not accepted (more than one GPU per rank, a resource that is not a number).
     """
 
     engine = "Ray"

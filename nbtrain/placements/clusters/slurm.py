@@ -76,17 +76,47 @@ NEVER_RUNS = {
 
 
 class Slurm(Cluster):
-    """Ranks as the tasks of one SLURM job, submitted with submitit (`pip install 'nbtrain[slurm]'`).
+    """Run the ranks as the tasks of one SLURM job: ``launch(fn, cluster=nbtrain.Slurm(...))``.
 
-    `devices` (launch's, or the cell's --devices) is tasks per node, `num_nodes` (or `nodes`
-    here) the job's nodes. `time` is sbatch's (minutes, or 'HH:MM:SS'; None: the partition's
-    default). Other sbatch options go as keywords (`qos='high'`, `mem='32G'`,
-    `cpus_per_task=8`, `constraint='a100'`); `setup` lines run before the tasks (`module load
-    ...`). A job that can never start (it asks for more than its partition has: SLURM's
-    PartitionConfig, ...) is cancelled at once, saying why; `queue_timeout` (seconds) bounds
-    the wait for the others (Resources, Priority).
-    `folder` holds submitit's files (the pickled job, logs) for the job's life: it must
-    be on a file system the nodes share (default ~/.cache/nbtrain/slurm, private to you).
+    The job is submitted with submitit (``pip install 'nbtrain[slurm]'``) from the machine the
+    notebook runs on (a login node, or a node of an interactive job). ``devices`` (launch's,
+    or the cell's ``--devices``) is tasks per node, ``num_nodes`` (or ``nodes`` here) the
+    job's nodes. The run is the same as on this machine: live view, metrics, errors, Ctrl-C.
+    A job that can never start (it asks for more than its partition has) is cancelled at
+    once, saying why.
+
+    Parameters
+    ----------
+    partition : str, optional
+        The partition; None: the cluster's default.
+    time : int or str, optional
+        The job's time limit: minutes, or a SLURM time such as '2:00:00'; None: the
+        partition's default.
+    account : str, optional
+        The account charged.
+    nodes : int, optional
+        Nodes (or give ``num_nodes`` to `launch`).
+    gpus_per_node : int, optional
+        GPUs per node (and the default ranks per node).
+    folder : str or Path, optional
+        Where submitit keeps the job's files (the pickled job, logs) for the job's life; on a
+        file system the nodes share. Default ~/.cache/nbtrain/slurm, private to you.
+    setup : list of str, optional
+        Shell lines run before the tasks (``module load cuda/12.4``).
+    notebook_address : str, optional
+        The address the nodes reach this notebook by; default chosen (the interface toward
+        SLURM's controller).
+    queue_timeout : float, optional
+        Seconds a job may wait in the queue (for resources, priority) before it is cancelled;
+        None waits as long as it takes.
+    **sbatch_options
+        Other sbatch options: ``qos='high'``, ``mem='32G'``, ``cpus_per_task=8``,
+        ``constraint='a100'``; a flag as ``exclusive=True``.
+
+    Raises
+    ------
+    ValueError
+        A setting is not accepted, or is one nbtrain sets itself (``ntasks_per_node``...).
     """
 
     engine = "SLURM"
