@@ -5,6 +5,7 @@ import re
 import pytest
 
 from nbtrain.common.lines import Screen
+from nbtrain.common.protocol import Output
 
 ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-ln-z]|\x1b\]|\x1b\[\?")  # anything but colour (SGR, "...m")
 
@@ -155,9 +156,9 @@ def test_the_output_pump_sends_lines_and_live_redraws():
     while not inbox.empty():
         messages.append(inbox.get())
     # A bar read in one piece with what follows is a line; read apart, a live line: either way once.
-    stays = [m[3] for m in messages if m[0] == "output" or m[4]]
+    stays = [m.text for m in messages if isinstance(m, Output) or m.done]
     assert stays == ["plain", " 2/2", "\x00nbtrain-done 1"]
-    assert all(m[1:3] == (3, "stderr") for m in messages) and not any("\r" in str(m) for m in messages)
+    assert all((m.rank, m.stream) == (3, "stderr") for m in messages) and not any("\r" in str(m) for m in messages)
 
 
 def test_forwarded_output_redraws_and_says_when_drained():
@@ -170,7 +171,9 @@ def test_forwarded_output_redraws_and_says_when_drained():
         def __init__(self):
             self.sent = []
 
-        def emit(self, *message):
+        rank = 0
+
+        def emit(self, message):
             self.sent.append(message)
 
     link, drained = Link(), threading.Event()
@@ -181,5 +184,5 @@ def test_forwarded_output_redraws_and_says_when_drained():
     assert drained.wait(5.0)
     os.close(write)
     thread.join(5.0)
-    stays = [m[2] for m in link.sent if m[0] == "output" or m[3]]
+    stays = [m.text for m in link.sent if isinstance(m, Output) or m.done]
     assert stays == [" 2/2", "plain", "partial"]

@@ -20,6 +20,7 @@ from nbtrain.common import runlog, session
 from nbtrain.common.private import IncompleteWrite, NotYours, write_private
 from nbtrain.common.errors import WorkerError
 from nbtrain.display.recorder import RunRecorder
+from nbtrain.common.protocol import Metric, Note, Output
 from nbtrain.display.runstate import RunState
 
 from conftest import Kernel
@@ -288,32 +289,33 @@ class _FileSizeLimit:
 
 def test_an_event_line_the_disk_cuts_is_an_incomplete_write(tmp_path):
     log = runlog.EventLog(tmp_path / "e.jsonl")
-    log.write(0, "note", None, "fits")
+    log.write(0, Note("fits"))
     try:
         with _FileSizeLimit(os.path.getsize(tmp_path / "e.jsonl") + 10), pytest.raises(IncompleteWrite) as cut:
-            log.write(0, "note", None, "does not fit in ten bytes")
+            log.write(0, Note("does not fit in ten bytes"))
     finally:
         log.close()
     assert str(cut.value).startswith("e.jsonl: file too large (wrote 10 of ")
-    assert runlog.Tail(tmp_path / "e.jsonl").read() == [[0, "note", None, "fits"]]
+    assert runlog.Tail(tmp_path / "e.jsonl").read() == [(0, Note("fits"))]
 
 
 def test_a_log_write_that_fails_stops_the_logs_says_so_once_and_never_raises(tmp_path):
     said = []
     recorder, state = RunRecorder(tmp_path, 0, stopped=said.append), RunState("ddp on 2 CPU ranks, gloo", [0, 1])
     recorder.start(state)
-    state.handle(("metric", 0, 0, "loss", 1.0, False))
+    state.handle(Metric(0, 0, "loss", 1.0, False))
     with _FileSizeLimit(os.path.getsize(tmp_path / runlog.rank_events(0)) + 300):
         for step in range(1, 200):
             for rank in (0, 1):
-                state.handle(("metric", rank, step, "loss", 1.0 / step, False))
+                state.handle(Metric(step, rank, "loss", 1.0 / step, False))
                 recorder.output(rank, "stdout", f"step {step}")
         recorder.finish(state, True)
         recorder.close()
     [reason] = said
     assert reason.startswith("rank-0.jsonl: file too large (wrote ") or reason.startswith("rank-1.jsonl"), reason
     assert state.ranks[0].metrics["loss"].value == 1.0 / 199  # the run's own state went on
-    assert all(isinstance(e, list) for e in runlog.Tail(tmp_path / runlog.rank_events(0)).read())
+    logged = [event for _, event in runlog.Tail(tmp_path / runlog.rank_events(0)).read()]
+    assert logged and all(isinstance(e, (Metric, Output)) for e in logged)  # whole events, the cut line skipped
     summary = json.loads((tmp_path / runlog.SUMMARY).read_text())
     assert summary["ranks"] == [0, 1] and summary["devices"] == "2 CPU ranks, gloo"
 

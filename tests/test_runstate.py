@@ -11,6 +11,7 @@ import nbtrain
 from nbtrain.common import runlog
 from nbtrain.display import widgets
 from nbtrain.display.recorder import RunRecorder
+from nbtrain.common.protocol import Progress
 from nbtrain.display.runstate import RunState
 from nbtrain.display.text import LineDisplay, rank_line
 from nbtrain.rank.context import Context
@@ -25,7 +26,7 @@ def test_events_that_arrive_together_keep_the_ranks_own_timing():
     # events reached the notebook in one late batch, rank 0's as they happened.
     for rank, offset in ((0, 1000.0), (1, -5.0)):
         for n in range(0, 101, 10):
-            state.handle(("progress", rank, 0, "batch", n, 100, n == 100, offset + n / 50))
+            state.handle(Progress(rank, 0, "batch", n, 100, n == 100, offset + n / 50))
     assert state.ranks[0].step_rate == pytest.approx(50.0)
     assert state.ranks[1].step_rate == pytest.approx(50.0)
     now = time.monotonic()
@@ -112,16 +113,16 @@ class _Into:
     def __init__(self, state: RunState, rank: int = 0):
         self.state, self.rank, self.events = state, rank, []
 
-    def emit(self, kind, *payload):
-        self.events.append((kind, *payload))
-        self.state.handle((kind, self.rank, *payload))
+    def emit(self, message):
+        self.events.append(message)
+        self.state.handle(message)
 
 
 def test_a_resumed_loop_reads_from_initial_to_total_and_its_rate_counts_only_new_steps():
     state = RunState("x", [0])
     # 100 steps done before; 50 more over 1 s of the rank's clock: 50 steps/s, not 150.
     for n in range(100, 151, 5):
-        state.handle(("progress", 0, 0, "step", n, 150, n == 150, 7.0 + (n - 100) / 50, 100))
+        state.handle(Progress(0, 0, "step", n, 150, n == 150, 7.0 + (n - 100) / 50, 100))
     view = state.ranks[0]
     bar = view.bars[0]
     assert (bar.n, bar.total, bar.initial) == (150, 150, 100)
@@ -129,20 +130,20 @@ def test_a_resumed_loop_reads_from_initial_to_total_and_its_rate_counts_only_new
     assert rank_line(view, state, final=True) == "rank 0  stopped (interrupted)  step 150/150  50 it/s"
     # The same loop begun again, resumed at 120 while its bar reads 150: a new bar, from 120.
     for n in (120, 130):
-        state.handle(("progress", 0, 0, "step", n, 150, False, 20.0 + (n - 120) / 50, 120))
+        state.handle(Progress(0, 0, "step", n, 150, False, 20.0 + (n - 120) / 50, 120))
     bar = view.bars[0]
     assert (bar.n, bar.initial, bar.started, bar.rate) == (130, 120, 20.0, pytest.approx(50.0))
     assert view.steps == 50 + 10
     midway = RunState("x", [0])
     for n in (100, 110, 125):
-        midway.handle(("progress", 0, 0, "step", n, 150, False, (n - 100) / 50, 100))
+        midway.handle(Progress(0, 0, "step", n, 150, False, (n - 100) / 50, 100))
     assert midway.ranks[0].bars[0].eta == pytest.approx(0.5)  # 25 left at 50/s
 
 
 def test_events_logged_before_initial_existed_still_begin_at_0():
     state = RunState("x", [0])  # a run directory written by an older nbtrain: six fields
     for n in range(0, 51, 10):
-        state.handle(("progress", 0, 0, "epoch", n, 50, n == 50, n / 50))
+        state.handle(Progress(0, 0, "epoch", n, 50, n == 50, n / 50))
     bar = state.ranks[0].bars[0]
     assert (bar.n, bar.total, bar.initial) == (50, 50, 0) and bar.rate == pytest.approx(50.0)
 
@@ -177,7 +178,7 @@ def test_nested_resumed_loops_still_nest():
     assert seen[0] == (1, 4, 6) and seen[2][1:] == (0, 6)  # each loop starts where it resumed
     assert [(b.desc, b.n, b.total) for _, b in sorted(view.bars.items())] == [("epoch", 3, 3), ("batch", 6, 6)]
     assert view.step_level == 1 and view.steps == 2 + 6  # the batches done now, not the 4 before
-    assert [e[1] for e in sink.events if e[0] == "progress"][:2] == [0, 1]
+    assert [e.level for e in sink.events if isinstance(e, Progress)][:2] == [0, 1]
 
 
 def test_a_recorded_resumed_loop_replays_as_it_ran(tmp_path):
@@ -186,16 +187,17 @@ def test_a_recorded_resumed_loop_replays_as_it_ran(tmp_path):
     recorder, state = RunRecorder(tmp_path, 0), RunState("x", [0])
     recorder.start(state)
     for n in range(4):  # a first loop here, then the same loop resumed at 30, all within a second:
-        state.handle(("progress", 0, 0, "step", n, 3, n == 3, float(n), 0))
+        state.handle(Progress(0, 0, "step", n, 3, n == 3, float(n), 0))
     for n in range(30, 41):  # each loop's first event and its end are written, no other
-        state.handle(("progress", 0, 0, "step", n, 40, n == 40, float(n), 30))
+        state.handle(Progress(0, 0, "step", n, 40, n == 40, float(n), 30))
     recorder.finish(state, True)
     recorder.close()
-    logged = [e[3:] for e in runlog.Tail(tmp_path / runlog.rank_events(0)).read() if e[1] == "progress"]
-    assert [e[2] for e in logged] == [0, 3, 30, 40]
+    logged = [event for _, event in runlog.Tail(tmp_path / runlog.rank_events(0)).read()
+              if isinstance(event, Progress)]
+    assert [e.n for e in logged] == [0, 3, 30, 40]
     replayed = RunState("x", [0])
     for event in logged:
-        replayed.handle(("progress", 0, *event))
+        replayed.handle(event)
     assert replayed.ranks[0].bars[0] == state.ranks[0].bars[0]
     assert replayed.ranks[0].steps == state.ranks[0].steps == 3 + 10
 
@@ -218,7 +220,7 @@ class _Watched(LineDisplay):
 
         def handled(message):
             handle(message)
-            if message[0] == "progress" and message[1] == 0:
+            if isinstance(message, Progress) and message.rank == 0:
                 self.seen.append({lv: (b.n, b.total) for lv, b in state.ranks[0].bars.items()})
 
         state.handle = handled

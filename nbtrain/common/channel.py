@@ -7,8 +7,8 @@ environment, so forked, spawned, template-forked, torchrun-,
 SLURM- and Ray-started ranks speak the same protocol. The authkey is the security boundary:
 a connection that fails its challenge is dropped before anything is read from it.
 
-Ranks -> notebook: tuples whose first item is the kind and second the sender's rank, batched
-on a thread of the rank's own so a slow notebook never slows a training step; replies are
+Ranks -> notebook: `protocol` records, each naming its sender's rank, batched on a thread of
+the rank's own so a slow notebook never slows a training step; replies (`protocol.URGENT`) are
 flushed at once. Notebook -> rank: commands (`Hub.send`), read on a second thread of the rank.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from multiprocessing.reduction import ForkingPickler
 
+from . import protocol
 from .happy_eyeballs import NoneAnswered, first_to_answer
 from .lines import Screen
 
@@ -44,8 +45,6 @@ SWEEP_SECONDS = 1.0  # how often the accept loop looks for strangers past AUTH_S
 BACKLOG = 4096
 CONNECT_SECONDS = 30.0  # a rank that cannot reach the notebook by then gives up and says why
 HANDSHAKE_SECONDS = 5.0  # one attempt: connect and the authkey challenge, both ways
-# Sent without batching delay (a rank's new rich output too: it keeps its place among the lines printed around it).
-URGENT = frozenset({"hello", "begin", "result", "error", "need", "prompt", "display", "clear_output"})
 WRITE_CHUNK = 1 << 20
 SEND_STALL = 10.0  # after a Ctrl-C, how long a message being sent may make no progress before its link is cut
 
@@ -53,7 +52,7 @@ SEND_STALL = 10.0  # after a Ctrl-C, how long a message being sent may make no p
 class Hub:
     """Notebook side: accepts rank connections, puts every message on `inbox`, sends commands.
 
-    A closed connection is reported as ("closed", rank) so the notebook knows that nothing
+    A closed connection is reported as `protocol.Closed(rank)` so the notebook knows that nothing
     more will come from that rank. `host` is the address to bind (loopback by default);
     `advertise` the address ranks are told to dial, when it differs (0.0.0.0 bound, say), or
     several, best first: each rank tries them in order until one passes the authkey challenge.
@@ -138,7 +137,7 @@ class Hub:
                 self._served.pop(conn, None)
             conn.close()  # after it left `_served`: nobody shuts a closed (reusable) descriptor
             if rank is not None:
-                self.inbox.put(("closed", rank))
+                self.inbox.put(protocol.Closed(rank))
 
     def _authenticate(self, conn) -> bool:
         """The authkey's challenge, both ways; nothing is unpickled from a peer before it passes."""
@@ -167,7 +166,7 @@ class Hub:
                 batch = conn.recv()
                 for message in batch:
                     if rank is None:
-                        rank = message[1]
+                        rank = message.rank
                         self._by_rank[rank] = conn
                     self.inbox.put(message)
         except (EOFError, OSError):
@@ -341,10 +340,11 @@ class Link:
                                           name="nbtrain-commands", daemon=True)
         self._receiver.start()
 
-    def emit(self, kind: str, *payload) -> None:
+    def emit(self, message) -> None:
+        """Send a `protocol` record (its `rank` this link's): in the next batch, or at once if urgent."""
         with self._lock:
-            self._pending.append((kind, self.rank, *payload))
-            if kind in URGENT or len(self._pending) >= BATCH_LIMIT:
+            self._pending.append(message)
+            if type(message) in protocol.URGENT or len(self._pending) >= BATCH_LIMIT:
                 self._urgent = True
                 self._lock.notify()
 
@@ -370,10 +370,10 @@ class Link:
             if not self._closing:
                 on_lost()
 
-    def close(self, *final: tuple) -> None:
+    def close(self, *final) -> None:
         """Send what is pending, then `final` messages, and wait until they are written."""
         with self._lock:
-            self._pending.extend((kind, self.rank, *payload) for kind, *payload in final)
+            self._pending.extend(final)
             self._closing = True
             self._lock.notify()
         self._thread.join()
@@ -508,9 +508,9 @@ def _receive_timeout(conn, seconds: float) -> None:
 
 
 class OutputPump:
-    """Reads ranks' stdout/stderr pipes on one thread and puts ("output", rank, stream, line)
-    on the inbox, and ("live", rank, stream, text, done) for the lines a progress bar redraws
-    (`lines.Screen`); `rank_of` may map a line to its rank (torchrun prefixes lines with it)."""
+    """Reads ranks' stdout/stderr pipes on one thread and puts `protocol.Output` on the inbox
+    for each line, and `protocol.Live` for the lines a progress bar redraws (`lines.Screen`);
+    `rank_of` may map a line to its rank (torchrun prefixes lines with it)."""
 
     def __init__(self, inbox: queue.Queue):
         import selectors
@@ -558,9 +558,9 @@ class OutputPump:
         for event in events:
             if event[0] == "line":
                 who, text = rank_of(event[1]) if rank_of else (rank, event[1])
-                self.inbox.put(("output", who, stream, text))
+                self.inbox.put(protocol.Output(who, stream, text))
             else:  # lines a progress bar redraws
-                self.inbox.put(("live", rank, stream, *event[1:]))
+                self.inbox.put(protocol.Live(rank, stream, *event[1:]))
 
     def drain(self, timeout: float) -> None:
         """Wait (bounded) until every pipe reached end of file."""

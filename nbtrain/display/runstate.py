@@ -9,8 +9,10 @@ import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
+from ..common import protocol
+from ..common.protocol import Metric, Vital
 from ..common.transfer import unpack_result
 
 
@@ -18,25 +20,6 @@ RECENT = 10.0  # seconds of (time, steps) kept per rank for its recent step rate
 STALLED = 1.0  # seconds a rank may be silent before the notebook's clock counts against its rate
 
 _MISSING_CLASS = re.compile(r"Can't get attribute '([\w.]+)' on <module '__main__'")
-
-
-class Metric(NamedTuple):
-    step: int
-    rank: int
-    name: str
-    value: float
-    synced: bool
-
-
-class Vital(NamedTuple):
-    """One rank's vital signs at one moment, sampled in the notebook at most about once a second."""
-    time: float  # seconds since the run started
-    rank: int
-    step_rate: float | None  # steps/s at the innermost progress level, over the last few seconds
-    rss: int | None  # bytes: the rank process's resident memory
-    gpu_memory: int | None  # bytes: GPU memory held by the rank's process (NVML)
-    gpu_util: int | None  # percent: utilisation of the rank's GPU (NVML)
-    gpu: int | None  # physical index of the rank's GPU
 
 
 @dataclass
@@ -62,12 +45,6 @@ class Bar:
         if rate is None or self.total is None or self.done:
             return None
         return max(0.0, (self.total - self.n) / rate)
-
-
-def starts_loop(n: int, done: bool, initial: int = 0) -> bool:
-    """A progress event (level, desc, n, total, done, at, initial) that begins a loop: a loop's later
-    events are sent only after a step, and its last is `done`."""
-    return n == initial and not done
 
 
 # An error that only says a peer went away (gloo, NCCL, the TCP store): a consequence of
@@ -181,49 +158,47 @@ class RunState:
     def elapsed(self) -> float:
         return (self.ended or time.monotonic()) - self.started
 
-    def handle(self, message: tuple) -> None:
-        kind, rank, *payload = message
-        view = self.ranks.get(rank)
+    def handle(self, message) -> None:
+        """A `protocol` record from a rank (or a run event read back from a log)."""
+        view = self.ranks.get(message.rank)
         if view is None:
             return
         self.version += 1
-        getattr(self, f"_on_{kind}", self._on_unknown)(view, *payload)
+        handler = getattr(self, f"_on_{message.kind}", None)
+        if handler is not None:
+            handler(view, message)
 
-    def _on_unknown(self, view, *payload) -> None:
-        pass
-
-    def _on_hello(self, view: RankView, pid: int, host: str | None = None) -> None:
-        view.pid, view.host = pid, host or view.host
+    def _on_hello(self, view: RankView, hello: protocol.Hello) -> None:
+        view.pid, view.host = hello.pid, hello.host or view.host
         view.status = "running"
 
-    def _on_progress(self, view: RankView, level: int, desc: str, n: int, total, done: bool,
-                     at: float | None = None, initial: int = 0) -> None:
-        # `initial` (where the loop began) came later: events logged before it, with six fields, began at 0.
+    def _on_progress(self, view: RankView, event: protocol.Progress) -> None:
+        # `initial` (where the loop began) came later: events logged before it began at 0.
         arrived = time.monotonic()
-        at = arrived if at is None else at  # the rank's own clock (an in-process run shares the kernel's)
-        bar = view.bars.get(level)
-        if bar is None or starts_loop(n, done, initial) or bar.desc != desc:
-            bar = view.bars[level] = Bar(desc, n=initial, total=total, started=at, updated=at, initial=initial)
-            for deeper in [lv for lv in view.bars if lv > level]:
+        at = arrived if event.at is None else event.at  # the rank's own clock (an in-process run shares the kernel's)
+        bar = view.bars.get(event.level)
+        if bar is None or event.begins or bar.desc != event.desc:
+            bar = view.bars[event.level] = Bar(event.desc, n=event.initial, total=event.total, started=at, updated=at,
+                                               initial=event.initial)
+            for deeper in [lv for lv in view.bars if lv > event.level]:
                 del view.bars[deeper]
-        view.count_steps(level, n, bar.n, at, arrived)
-        bar.n, bar.total, bar.done, bar.updated = n, total, done, at
+        view.count_steps(event.level, event.n, bar.n, at, arrived)
+        bar.n, bar.total, bar.done, bar.updated = event.n, event.total, event.done, at
 
-    def _on_metric(self, view: RankView, step: int, name: str, value: float, synced: bool) -> None:
-        metric = Metric(step, view.rank, name, value, synced)
-        view.metrics[name] = metric
+    def _on_metric(self, view: RankView, metric: Metric) -> None:
+        view.metrics[metric.name] = metric
         self.history.append(metric)
 
-    def _on_profile(self, view: RankView, summary: dict) -> None:
-        self.profiles[view.rank] = summary
+    def _on_profile(self, view: RankView, profile: protocol.Profile) -> None:
+        self.profiles[view.rank] = profile.summary
 
-    def _on_batch_size(self, view: RankView, per_rank: int, effective: int) -> None:
+    def _on_batch_size(self, view: RankView, event: protocol.BatchSize) -> None:
         if self.effective_batch_size is None:
-            self.per_rank_batch_size, self.effective_batch_size = per_rank, effective
+            self.per_rank_batch_size, self.effective_batch_size = event.per_rank, event.effective
 
-    def _on_result(self, view: RankView, payload: bytes, where: str = "") -> None:
+    def _on_result(self, view: RankView, returned: protocol.Returned) -> None:
         try:
-            self.values[view.rank] = unpack_result(payload)
+            value = unpack_result(returned.payload)
         except AttributeError as exc:  # a class only the rank has: "Can't get attribute 'MLP' on <module '__main__'>"
             missing = _MISSING_CLASS.search(str(exc))
             if missing is None:
@@ -233,18 +208,29 @@ class RunState:
                       f"in the notebook too (run its code in a notebook cell), or return plain data (a state_dict, "
                       f"tensors, numbers).")
             return
-        self._finished(view, where)
+        self.finish(view.rank, value, returned.where)
 
-    def _on_value(self, view: RankView, value) -> None:
-        # In-process runs hand the value over directly: nothing to unpack.
-        self.values[view.rank] = value
-        self._finished(view, "")
+    def _on_finished(self, view: RankView, finished: protocol.Finished) -> None:
+        self.finish(view.rank, None, finished.where)  # read back from a log: the value is in result.pkl
 
-    def _finished(self, view: RankView, where: str) -> None:
+    def finish(self, rank: int, value, where: str = "") -> None:
+        """`rank` returned `value` (unpacked already: an in-process run hands it over directly)."""
+        view = self.ranks[rank]
+        self.values[rank] = value
         view.status, view.ended_at, view.ended_where = "finished", time.monotonic(), where
+        self.version += 1
 
-    def _on_error(self, view: RankView, summary: str, traceback: str, exception: bytes | None = None) -> None:
-        self.fail(view.rank, summary, traceback, exception=exception)
+    def _on_error(self, view: RankView, raised: protocol.Raised) -> None:
+        self.fail(view.rank, raised.summary, raised.traceback, exception=raised.exception)
+
+    def _on_failed(self, view: RankView, failed: protocol.Failed) -> None:
+        self.fail(view.rank, failed.summary, failed.traceback, failed.crashed)
+
+    def _on_stopped(self, view: RankView, stopped: protocol.Stopped) -> None:
+        self.stop(view.rank, stopped.why, stopped.stack)
+
+    def _on_vital(self, view: RankView, vital: Vital) -> None:
+        self.vitals.append(vital)
 
     def fail(self, rank: int, summary: str, traceback: str = "", crashed: bool = False, ended_early: bool = False,
              exception: bytes | None = None, even_if_stopped: bool = False) -> None:

@@ -171,8 +171,8 @@ class QuietDisplay:
     def live(self, rank, stream: str, text: str, done: bool) -> None:
         self.rank_output.live(rank, stream, text, done)
 
-    def rich(self, rank, kind: str, *payload) -> None:
-        self.rank_output.rich(rank, kind, *payload)
+    def rich(self, message) -> None:
+        self.rank_output.rich(message)
 
     def update(self, state) -> None:
         self.vitals.maybe_sample(state)

@@ -12,7 +12,8 @@ import os
 import time
 
 from ..common import inventory
-from .runstate import RunState, Vital
+from ..common.protocol import Vital
+from .runstate import RunState
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 
+from ..common import protocol
 from ..common.channel import Hub, OutputPump, SendInterrupted
 from ..rank.loop import MARK
 from ..display.rank_output import KINDS as RANK_OUTPUT, deliver
@@ -87,7 +88,7 @@ class Pool:
         self.launcher.note = display.note
         self.launcher._prepare(job)
         job.live = self.live
-        job.first = ("start", 0, True) if self.live else ("run", 0, True, self.launcher._first_job(job))
+        job.first = protocol.Start(0, True) if self.live else protocol.Run(0, True, self.launcher._first_job(job))
         self.launcher._apply_nccl_quirks(job, display)
         if self.launcher.local:
             self.store = PrivateStore()
@@ -124,7 +125,7 @@ class Pool:
         try:
             if self.live and self.any_alive():
                 for rank in self.ranks:
-                    self.hub.send(rank, ("stop",))
+                    self.hub.send(rank, protocol.Stop())
             if ok or self.live:
                 self._wait_exits(EXIT_WAIT if ok else 1.0)
             self.stop_processes()
@@ -175,23 +176,23 @@ class Pool:
             except queue.Empty:
                 return
 
-    def shown(self, rank, stream: str, text: str) -> bool:
+    def shown(self, output: protocol.Output) -> bool:
         """Whether a rank's output line goes to the cell. faulthandler's report of a fatal signal
         (every thread's stack, the kernel's inherited frames, the extension modules: ~70 lines)
         is kept for the error, which shows the part that matters, and not streamed."""
-        if stream == "stderr" and rank is not None:
-            if text.startswith("Fatal Python error"):
-                self.dying.add(rank)
-            return rank not in self.dying
+        if output.stream == "stderr" and output.rank is not None:
+            if output.text.startswith("Fatal Python error"):
+                self.dying.add(output.rank)
+            return output.rank not in self.dying
         return True
 
     def drain_output(self, display) -> None:
         """Hand what is still queued (the ranks' last output lines) to the display."""
         for message in self._queued():
-            if message[0] == "output" and display is not None and not message[3].startswith(MARK):
-                if self.shown(*message[1:]):
-                    display.output(*message[1:])
-            elif message[0] in RANK_OUTPUT and display is not None:
+            if isinstance(message, protocol.Output) and display is not None and not message.text.startswith(MARK):
+                if self.shown(message):
+                    display.output(message.rank, message.stream, message.text)
+            elif isinstance(message, RANK_OUTPUT) and display is not None:
                 deliver(display, message)
 
     def any_alive(self) -> bool:
@@ -215,12 +216,13 @@ class Pool:
         self._namespace, self._answers = namespace or {}, {}
         state = RunState(title or f"{kind} on live ranks {targets}", targets)
         for rank in targets:
-            state.handle(("hello", rank, self.pids.get(rank), self.hosts.get(rank)))
+            state.handle(protocol.Hello(rank, self.pids.get(rank), self.hosts.get(rank)))
         self.drain_idle_output(display)
         display.start(state)
         ok = False
         try:
-            interrupt = self._send_command(state, targets, (kind, self.seq, len(targets) == len(self.ranks), *args))
+            command = protocol.command(kind, self.seq, len(targets) == len(self.ranks), *args)
+            interrupt = self._send_command(state, targets, command)
             self._watch(state, display, timeout, None, interrupt)
             ok = True
         finally:
@@ -229,7 +231,7 @@ class Pool:
             display.finish(state, ok)
         return state
 
-    def _send_command(self, state: RunState, targets: list[int], command: tuple) -> KeyboardInterrupt | None:
+    def _send_command(self, state: RunState, targets: list[int], command) -> KeyboardInterrupt | None:
         """Send `command` to every target; a Ctrl-C meanwhile, returned for the supervisor to
         handle as one that came while the ranks ran: the ranks that have the command are
         interrupted, those that do not are stopped. A message is never half sent (Hub.send)."""
@@ -274,13 +276,13 @@ class Pool:
         """Output a live rank wrote between commands (a thread of its own, say) goes to the next cell."""
         pending = []
         for message in self._queued():
-            if message[0] == "output":
-                if not message[3].startswith(MARK) and self.shown(*message[1:]):
-                    display.output(*message[1:])
-            elif message[0] in RANK_OUTPUT:
+            if isinstance(message, protocol.Output):
+                if not message.text.startswith(MARK) and self.shown(message):
+                    display.output(message.rank, message.stream, message.text)
+            elif isinstance(message, RANK_OUTPUT):
                 deliver(display, message)
-            elif message[0] == "closed":
-                self.closed.add(message[1])
+            elif isinstance(message, protocol.Closed):
+                self.closed.add(message.rank)
             else:
                 pending.append(message)
         for message in pending:  # anything else belongs to the command about to start
@@ -351,20 +353,20 @@ class Pool:
                 message = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            if message[0] == "output" and message[2] == "stderr" and message[1] is not None \
-                    and not message[3].startswith(MARK):
-                self.stderr[message[1]].append(message[3])
+            if isinstance(message, protocol.Output) and message.stream == "stderr" and message.rank is not None \
+                    and not message.text.startswith(MARK):
+                self.stderr[message.rank].append(message.text)
             self._held.append(message)
 
     # -- what the supervisor asks of the pool ------------------------------------------------
     def interrupt(self, ranks: list[int]) -> None:
         for rank in ranks:
-            self.hub.send(rank, ("interrupt", self.seq))
+            self.hub.send(rank, protocol.Interrupt(self.seq))
 
     def ask_stacks(self, pids: dict[int, int | None]) -> None:
         for rank, pid in pids.items():
             if self.launcher.remote or not pid:
-                self.hub.send(rank, ("stacks",))
+                self.hub.send(rank, protocol.Stacks())
                 continue
             try:
                 os.kill(pid, STACKS_SIGNAL)
@@ -401,7 +403,7 @@ class Pool:
         if key not in self._answers:
             self._answers[key] = self._pack_names(fresh, display)
         sent.update((n, self._namespace[n]) for n in fresh if n in self._namespace)
-        self.hub.send(rank, ("names", seq, self._answers[key]))
+        self.hub.send(rank, protocol.Names(seq, self._answers[key]))
 
     def _pack_names(self, names: list[str], display) -> bytes | None:
         found = {n: self._namespace[n] for n in names if n in self._namespace and shippable(n, ())}
@@ -425,7 +427,7 @@ class Pool:
         except (EOFError, RuntimeError, NotImplementedError) as exc:  # no stdin here (a script, nbconvert)
             print(f"nbtrain: no input available for rank {rank}'s debugger ({type(exc).__name__}); quitting it.")
             line = "q"
-        self.hub.send(rank, ("stdin", line))
+        self.hub.send(rank, protocol.Stdin(line))
 
 
 def _indented(text: str) -> str:

@@ -18,6 +18,7 @@ import subprocess
 import time
 from collections import defaultdict, deque
 
+from ..common import protocol
 from ..common.errors import WorkerError, interrupt_report
 from ..rank.loop import MARK
 from ..display.rank_output import KINDS as RANK_OUTPUT, deliver
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 TICK = 0.05  # seconds between checks of the processes
 OUTPUT_WAIT = 2.0  # live ranks that replied: how long their last output may take to follow
-SETTLING = ("result", "error", "closed")
+SETTLING = (protocol.Returned, protocol.Raised, protocol.Closed)
 EXIT_DRAIN = 1.0  # after a process exits, how long its last messages may take to arrive
 PEER_ERRORS = 0.3  # after a failure, how long to listen for the others' before naming the cause
 CULPRIT_WAIT = 5.0  # when every failure so far is a lost peer: how long to wait for the rank that was lost
@@ -155,18 +156,17 @@ class Supervisor:
             except queue.Empty:
                 return
             self._handle(message)
-            if until_settled and message[0] in SETTLING:
+            if until_settled and isinstance(message, SETTLING):
                 return
             if self.pool.inbox.empty() and time.monotonic() >= deadline:
                 return
 
-    def _handle(self, message: tuple) -> None:
-        kind, rank = message[0], message[1]
-        pool = self.pool
-        if kind == "closed":
+    def _handle(self, message) -> None:
+        rank, pool = message.rank, self.pool
+        if isinstance(message, protocol.Closed):
             pool.closed.add(rank)
-        elif kind == "output":
-            _, rank, stream, text = message
+        elif isinstance(message, protocol.Output):
+            stream, text = message.stream, message.text
             if text.startswith(MARK):
                 pool.marks[(rank, stream)] = int(text[len(MARK):])
                 return
@@ -177,25 +177,25 @@ class Supervisor:
             elif self._capturing is not None and rank in self._capturing and stream == "stderr":
                 self._capturing[rank].append(text)
                 self._heard[rank] = time.monotonic()
-            elif pool.shown(rank, stream, text):
+            elif pool.shown(message):
                 self.display.output(rank, stream, text)
-        elif kind in RANK_OUTPUT:  # lines a bar redraws, rich display
+        elif isinstance(message, RANK_OUTPUT):  # lines a bar redraws, rich display
             deliver(self.display, message)
-        elif kind == "begin":
-            pool.current[rank] = message[2]
-        elif kind == "hello":
+        elif isinstance(message, protocol.Begin):
+            pool.current[rank] = message.seq
+        elif isinstance(message, protocol.Hello):
             self.state.handle(message)
         elif pool.current.get(rank) != pool.seq:
             return  # a late word about an earlier command
-        elif kind == "need":
-            pool.answer_need(rank, message[2], message[3], self.display)
-        elif kind == "prompt":
-            pool.answer_prompt(rank, message[2])
+        elif isinstance(message, protocol.Need):
+            pool.answer_need(rank, message.seq, message.names, self.display)
+        elif isinstance(message, protocol.Prompt):
+            pool.answer_prompt(rank, message.text)
+        elif isinstance(message, protocol.Raised) and rank in self.state.interrupted \
+                and message.summary.startswith("KeyboardInterrupt"):
+            self._interrupted_at[rank] = message.traceback
+            self.state.stop(rank)  # interrupted by us, because another rank failed or time ran out
         else:
-            if kind == "error" and rank in self.state.interrupted and message[2].startswith("KeyboardInterrupt"):
-                self._interrupted_at[rank] = message[3]
-                self.state.stop(rank)  # interrupted by us, because another rank failed or time ran out
-                return
             self.state.handle(message)
 
     def _await_output(self) -> None:

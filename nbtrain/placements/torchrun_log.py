@@ -12,6 +12,8 @@ import re
 import select
 import threading
 
+from ..common import protocol
+
 
 class LauncherLog:
     """The launcher's own stderr, read on a thread of its own.
@@ -73,7 +75,7 @@ class LauncherLog:
             if self._section == "root" and self.root is None:
                 self.root = self._rank
         elif not self.quiet and text:
-            self.inbox.put(("output", None, "stderr", text))
+            self.inbox.put(protocol.Output(None, "stderr", text))
 
     def close(self) -> None:
         self._stop.set()

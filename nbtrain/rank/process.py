@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+from ..common import protocol
 from ..common.lines import Screen
 from ..common.process_tree import end_descendants, watch_rank
 
@@ -86,8 +87,8 @@ _forwarded: list[threading.Event] = []  # one per forwarded stream: set when its
 
 def forward_output(link) -> None:
     """For ranks with no pipe to the notebook (another machine): fds 1 and 2 become pipes
-    read by threads that send each line over the channel as ("output", rank, stream, line),
-    and the lines a progress bar redraws as ("live", rank, stream, text, done). Lines that only
+    read by threads that send each line over the channel as `protocol.Output`, and the lines a
+    progress bar redraws as `protocol.Live`. Lines that only
     a rank on another machine writes, and that say nothing is wrong (`UNHEARD`), are dropped."""
     for fd, stream in ((1, "stdout"), (2, "stderr")):
         read, write = os.pipe()
@@ -116,11 +117,11 @@ def _forward(fd: int, stream: str, link, drained: threading.Event) -> None:
         chunk = os.read(fd, 65536)
         for event in screen.feed(chunk) if chunk else screen.flush():
             if event[0] != "line":  # lines a progress bar redraws
-                link.emit("live", stream, *event[1:])
+                link.emit(protocol.Live(link.rank, stream, *event[1:]))
             elif event[1] == marker:
                 drained.set()
             elif not UNHEARD.search(event[1]):
-                link.emit("output", stream, event[1])
+                link.emit(protocol.Output(link.rank, stream, event[1]))
         if not chunk:
             return
 
