@@ -10,7 +10,7 @@ import pytest
 from nbtrain import Gpu, GpuProcess, StaticInventory, gpus
 from nbtrain.display.text import LineDisplay, QuietDisplay, gpu_table, rank_line, summary_lines
 from nbtrain.common.protocol import BatchSize, Hello, Metric, Progress
-from nbtrain.display.runstate import RunState
+from nbtrain.notebook.runmodel import RunState
 
 GiB = 2**30
 
@@ -143,7 +143,7 @@ def test_progress_switched_off_by_environment(tmp_path):
 
 
 def test_a_rank_before_its_first_step_reads_first_step_not_a_rate():
-    from nbtrain.display.runstate import RunState
+    from nbtrain.notebook.runmodel import RunState
     from nbtrain.display.text import rank_line
 
     state = RunState("ddp on 2 CPU ranks", [0, 1])

@@ -11,7 +11,7 @@ from nbtrain.common.protocol import (AttemptEnded, AttemptStarted, BatchSize, Fa
 
 EVENTS = [AttemptStarted("ddp on 2 CPU ranks, gloo", [0, 1], 1.7e9), Note("restarting (1 of 2): rank 1 failed"),
           Hello(0, 123, "node"), Progress(0, 1, "batch", 3, 10, False, 12.5, 2), Metric(4, 1, "loss", 0.25, True),
-          Metric(5, 0, ["a", 1], 2.0, False), BatchSize(1, 8, 16), Output(1, "stderr", "warning"),
+          Metric(5, 0, ("a", 1), 2.0, False), BatchSize(1, 8, 16), Output(1, "stderr", "warning"),
           Vital(3.5, 1, 12.0, 2**20, None, None, None), Finished(0, "returned from train()"),
           Failed(1, "ValueError: no", "Traceback ...", False), Stopped(0, "stopped (rank 1 failed)", ""),
           AttemptEnded(False, 1.7e9 + 5)]

@@ -21,7 +21,7 @@ from nbtrain.common.private import IncompleteWrite, NotYours, write_private
 from nbtrain.common.errors import WorkerError
 from nbtrain.display.recorder import RunRecorder
 from nbtrain.common.protocol import Metric, Note, Output
-from nbtrain.display.runstate import RunState
+from nbtrain.notebook.runmodel import RunState
 
 from conftest import Kernel
 

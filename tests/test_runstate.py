@@ -1,6 +1,7 @@
 """Step rates are told by the ranks' own clocks, never by when their events reach the notebook.
 A loop resumed at `initial` reads initial..total, and its rate counts only the steps done now."""
 import io
+import json
 import time
 
 import numpy as np
@@ -8,11 +9,11 @@ import pytest
 import torch
 
 import nbtrain
-from nbtrain.common import runlog
+from nbtrain.common import protocol, runlog
 from nbtrain.display import widgets
 from nbtrain.display.recorder import RunRecorder
 from nbtrain.common.protocol import Progress
-from nbtrain.display.runstate import RunState
+from nbtrain.notebook.runmodel import RunState
 from nbtrain.display.text import LineDisplay, rank_line
 from nbtrain.rank.context import Context
 from nbtrain.display.vitals import latest, slowest
@@ -216,14 +217,12 @@ class _Watched(LineDisplay):
 
     def start(self, state):
         self.state, self.seen = state, []
-        handle = state.handle
 
-        def handled(message):
-            handle(message)
-            if isinstance(message, Progress) and message.rank == 0:
+        def heard(event):
+            if isinstance(event, Progress) and event.rank == 0:
                 self.seen.append({lv: (b.n, b.total) for lv, b in state.ranks[0].bars.items()})
 
-        state.handle = handled
+        state.subscribe(heard)
         super().start(state)
 
 
@@ -244,3 +243,43 @@ def test_a_resumed_launch_reads_initial_to_total_and_counts_only_new_steps(no_le
     rates = [v.step_rate for v in display.state.ranks.values()]
     rates += [v.step_rate for v in result.vitals if v.step_rate is not None]
     assert rates and all(0 < r <= 1 / pause for r in rates if r is not None), rates
+
+
+# -- the model's observers ------------------------------------------------------------------------
+
+def test_observers_hear_every_change_and_its_replay_rebuilds_the_same_run():
+    """What a submitted run's recorder hears is all `attach` needs: the events, fed to a new
+    state, give the same statuses, blame and metrics."""
+    from nbtrain.common.protocol import Failed, Finished, Hello, Metric, Raised, Returned, Stopped
+    from nbtrain.common.transfer import pack_result
+
+    state, heard = RunState("ddp on 3 CPU ranks, gloo", [0, 1, 2]), []
+    state.subscribe(heard.append)
+    for rank in (0, 1, 2):
+        state.handle(Hello(rank, 100 + rank, "node"))
+    state.handle(Progress(0, 0, "batch", 3, 10, False, 1.0))
+    state.handle(Metric(0, 0, "loss", 0.5, False))
+    state.handle(Metric(0, 0, ("a", 1), 2.0, False))  # a name that is not a str: a JSON list in the log
+    state.handle(Raised(2, "RuntimeError: Connection closed by peer", "gloo ..."))  # only a lost peer
+    state.fail(1, "rank 1 ended: killed by SIGKILL", crashed=True)  # the cause
+    state.fail(1, "said twice", crashed=True)  # no change: not heard
+    state.handle(Returned(0, pack_result(7, 0), "returned from train()"))
+    assert [type(e) for e in heard] == [Hello, Hello, Hello, Progress, Metric, Metric, Failed, Failed, Finished]
+    assert heard[-1] == Finished(0, "returned from train()") and heard[6].summary.startswith("RuntimeError")
+
+    replayed = RunState("ddp on 3 CPU ranks, gloo", [0, 1, 2])
+    for event in heard:  # through a log, as attach reads it
+        [(_, event)] = [protocol.read_event(json.loads(protocol.event_line(0, event)), protocol.VERSION)]
+        replayed.handle(event)
+    for state_ in (state, replayed):
+        assert [state_.outcome(r, final=True)[:2] for r in (0, 1, 2)] == [
+            ("finished", ""), ("failed", "rank 1 ended: killed by SIGKILL"), ("stopped", "stopped (rank 1 failed)")]
+        assert state_.root_cause().rank == 1 and state_.verdict(False) == "failed"
+        assert state_.ranks[0].metrics["loss"].value == 0.5 and state_.ranks[0].metrics[("a", 1)].value == 2.0
+        assert state_.ranks[2].pid == 102
+    assert state.values == {0: 7} and replayed.values == {0: None}  # a replay's values are in result.pkl
+
+    running = RunState("x", [0])
+    running.subscribe(heard.append)
+    running.stop(0, "interrupted", "stack")
+    assert heard[-1] == Stopped(0, "interrupted", "stack") and running.outcome(0, final=True)[0] == "stopped"

@@ -22,7 +22,7 @@ from nbtrain.common.inventory import NvmlInventory
 from nbtrain.display import chart, make_display, widgets
 from nbtrain.display.text import LineDisplay, QuietDisplay, summary_lines
 from nbtrain.common.protocol import BatchSize, Hello, Metric, Progress
-from nbtrain.display.runstate import RunState
+from nbtrain.notebook.runmodel import RunState
 
 GiB = 2**30
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"

@@ -106,7 +106,7 @@ class Metric(NamedTuple):
     """A logged value (`ctx.log`); in `Result.history` too, in this order."""
     step: int
     rank: int
-    name: Any  # a str, or whatever the user logged under (a tuple: a JSON list in the logs)
+    name: Any  # a str, or whatever the user logged under (a tuple: a JSON list in the logs, a tuple again read back)
     value: float
     synced: bool
     kind = "metric"
@@ -464,6 +464,8 @@ def read_event(value, version: int) -> Logged | None:
         return None
     if not isinstance(attempt, int):
         return None
+    if kind == "metric" and isinstance(fields.get("name"), list):  # a tuple, as JSON holds it
+        fields["name"] = tuple(fields["name"])
     try:
         return Logged(attempt, LOGGED[kind](**fields))
     except TypeError:  # fields missing, or not this kind's

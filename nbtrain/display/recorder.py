@@ -1,9 +1,10 @@
 """A display that draws nothing and writes what it is given to a run directory's event logs.
 
-A submitted run's supervisor runs `launch` with this as its display: what the ranks report
-(progress, metrics, output, failures, vitals) goes to one file per rank, the run's notes to the
-run's own file, and a notebook that attaches later feeds them to a `RunState` of its own
-(`notebook/runs.py`). It has no `live` or `rich`: a redrawn bar arrives as its last lines.
+A submitted run's supervisor runs `launch` with this as its display. It subscribes to the run's
+model (`notebook/runmodel.RunState`): every run event (progress, metrics, failures, vitals) goes
+to one file per rank, with the ranks' output; the run's notes to the run's own file. A notebook
+that attaches later feeds them to a `RunState` of its own (`notebook/runs.py`). It has no `live`
+or `rich`: a redrawn bar arrives as its last lines.
 
 The logs are best effort: a write that fails (a full disk) stops them, says so once (`stopped`,
 which the supervisor puts in status.json) and never reaches the training. It also keeps
@@ -17,7 +18,6 @@ import time
 from pathlib import Path
 
 from ..common import protocol, runlog
-from .runstate import RunState
 from .vitals import VitalsSampler
 
 # Logged as they come; a bar's progress is thinned (PROGRESS_INTERVAL), a profile not logged.
@@ -43,7 +43,6 @@ class RunRecorder:
         self.queued, self._queued_seen = queued, ...
         self.logs: dict[int | None, runlog.EventLog] = {}  # rank -> its log; None -> the run's own
         self.vitals = VitalsSampler()
-        self._vitals_written = 0
         # A bar's updates, at most one a second each: a ranks' bar reports up to ten a second, and a
         # run of hours would otherwise log millions of them. Each carries the bar's whole position,
         # so the one held back is written before anything else of its rank, and at the end.
@@ -82,34 +81,16 @@ class RunRecorder:
         except OSError:
             pass
 
-    def start(self, state: RunState) -> None:
+    def start(self, state) -> None:
         self._write(None, protocol.AttemptStarted(state.title, sorted(state.ranks), time.time()))
         self.summary.update(devices=state.title.split(" on ", 1)[-1], ranks=sorted(state.ranks))
         self._summarise()
         if self.echo is not None:
             self.echo.start(state)
-        handle, fail, stop = state.handle, state.fail, state.stop
-
-        # The state's own methods, recorded as they are called: every change the pool makes.
-        def handled(message) -> None:
-            if isinstance(message, protocol.Returned):
-                self._record(protocol.Finished(message.rank, message.where))
-            else:
-                self._record(message)
-            handle(message)
-
-        def failed(rank: int, summary: str, traceback: str = "", crashed: bool = False, **more) -> None:
-            self._record(protocol.Failed(rank, summary, traceback, crashed))
-            fail(rank, summary, traceback, crashed, **more)
-
-        def stopped(rank: int, why: str = "", stack: str = "") -> None:
-            self._record(protocol.Stopped(rank, why, stack))
-            stop(rank, why, stack)
-
-        state.handle, state.fail, state.stop = handled, failed, stopped
+        state.subscribe(self._record)
 
     def _record(self, event) -> None:
-        """A run event (`protocol`) into its rank's log."""
+        """A run event (`protocol`) into its rank's log: every change the ranks and the supervisor make."""
         if isinstance(event, protocol.Progress):
             self._progress(event)
         elif isinstance(event, PLAIN):
@@ -152,20 +133,17 @@ class RunRecorder:
         if self.echo is not None:
             self.echo.output(rank, stream, text)
 
-    def update(self, state: RunState) -> None:
+    def update(self, state) -> None:
         if self.queued is not None and state.queued != self._queued_seen:
             self._queued_seen = state.queued
             self.queued(state.queued)
         self._flush(due=PROGRESS_INTERVAL)
-        self.vitals.maybe_sample(state)
-        for vital in state.vitals[self._vitals_written:]:
-            self._write(vital.rank, vital)
-        self._vitals_written = len(state.vitals)
+        self.vitals.maybe_sample(state)  # the samples come back as events
         self._summarise(due=SUMMARY_INTERVAL)
         if self.echo is not None:
             self.echo.update(state)
 
-    def finish(self, state: RunState, ok: bool) -> None:
+    def finish(self, state, ok: bool) -> None:
         self._flush()
         self.update(state)
         self._write(None, protocol.AttemptEnded(ok, time.time()))

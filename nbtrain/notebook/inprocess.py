@@ -12,7 +12,7 @@ from ..common import protocol
 from ..rank.context import Context, set_current
 from ..common.errors import WorkerError
 from .result import Result
-from ..display.runstate import RunState
+from .runmodel import RunState
 from ..common.transfer import to_cpu
 from ..placements.base import Job
 
@@ -52,7 +52,6 @@ class _Alarm:
 
 class InProcessLauncher:
     strategy = "single"
-    is_interactive_compatible = True
 
     def launch(self, job: Job, display) -> Result:
         plan = job.plan

@@ -18,7 +18,7 @@ from ..common import protocol
 from ..common.channel import Hub, OutputPump, SendInterrupted
 from ..rank.loop import MARK
 from ..display.rank_output import KINDS as RANK_OUTPUT, deliver
-from ..display.runstate import RunState
+from .runmodel import RunState
 from .supervisor import CONNECTION_CLOSED, NOT_SENT, Supervisor, stderr_tails
 from ..common.tensor_files import LaunchFiles
 from ..common.pickling import explain_pickling, ship_bytes

@@ -7,7 +7,7 @@ from typing import Any
 from ..display.figure import make_displayable, metrics_figure
 from ..display.profile import ProfileTable
 from ..common.protocol import Metric, Vital
-from ..display.runstate import RunState
+from .runmodel import RunState
 
 
 @dataclass

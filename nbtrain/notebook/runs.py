@@ -23,7 +23,7 @@ from ..common import protocol, runlog, session
 from ..common.private import NotYours, check_own
 from ..display import check_progress, in_jupyter, make_display
 from ..display.widgets import WidgetDisplay
-from ..display.runstate import RunState
+from .runmodel import RunState
 from .export import export, load_job
 from .result import Result
 
@@ -379,8 +379,7 @@ class Follower:
                 self.state = RunState(title, ranks)
                 self.display.start(self.state)
             else:  # a restart: the same state object, begun again, so the display keeps drawing it
-                self.state.__init__(title if self.output else f"{title} · {self.restart.replace('ing', 'ed', 1)}",
-                                    ranks)
+                self.state.reset(title if self.output else f"{title} · {self.restart.replace('ing', 'ed', 1)}", ranks)
             self.state.started = time.monotonic() - (time.time() - self.t0)
             for rank in ranks:
                 self.tails.setdefault(rank, runlog.Tail(self.dir / runlog.rank_events(rank)))

@@ -22,7 +22,7 @@ from ..common import protocol
 from ..common.errors import WorkerError, interrupt_report
 from ..rank.loop import MARK
 from ..display.rank_output import KINDS as RANK_OUTPUT, deliver
-from ..display.runstate import RunState, brief
+from .runmodel import RunState, brief
 from ..common.tracebacks import name_cells_in_pdb, plain_native_stack
 from ..common.transfer import unpack_exception
 
@@ -269,9 +269,7 @@ class Supervisor:
                 self.display.note(line)
                 self._placement_line = line
         held = (self._placement_line or "the cluster places the ranks") if waiting else None
-        if held != self.state.queued:  # a submitted run's status reads "queued" while this is set
-            self.state.queued = held
-            self.state.version += 1
+        self.state.set_queued(held)  # a submitted run's status reads "queued" while this is set
         now = time.monotonic()
         if waiting and self._queued_since is None:
             self._queued_since = now
@@ -441,14 +439,6 @@ class Supervisor:
         node = self.state.ranks[cause.rank].host if self.pool.launcher.remote else None  # named where ranks are elsewhere
         return WorkerError.from_failure(cause.rank, summary, cause.traceback, others,
                                         original=unpack_exception(cause.exception), node=node)
-
-    def flush(self) -> None:
-        """Hand what is still queued (the ranks' last output lines) to the display."""
-        while True:
-            try:
-                self._handle(self.pool.inbox.get_nowait())
-            except queue.Empty:
-                return
 
 
 def native_stack(pid: int, lines: int = NATIVE_LINES) -> str | None:

@@ -191,7 +191,6 @@ class ProcessLauncher:
     """Starts ranks as processes and supervises them; variants implement `_start` only."""
 
     strategy = ""
-    is_interactive_compatible = True
     local = False  # every rank on this machine: the caller gives them a PrivateStore
 
     def _start(self, job: Job, channel_env: dict[str, str], pump, started: list[RankProcess]) -> None:

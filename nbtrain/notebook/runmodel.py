@@ -1,7 +1,11 @@
-"""What the notebook knows about a run: each rank's status, progress bars and metrics.
+"""The model of a run: what the notebook knows of it, and what it makes of it.
 
-Messages from the ranks update this state; displays read it at their own pace, so the rate
-at which ranks report never sets the rate at which anything is drawn.
+Each rank's status, progress bars, metrics, vitals and returned value; who failed first, and who
+only lost a peer (the blame); how each rank reads once the run has ended. The ranks' messages
+(`common/protocol.py`) and the supervisor's verdicts update it; displays (`display/`) read it at
+their own pace and decide nothing, so the rate at which ranks report never sets the rate at which
+anything is drawn. Observers (`subscribe`) hear every change as a run event: a submitted run's
+recorder writes them to its logs, and a notebook that attaches feeds them back to a RunState.
 """
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..common import protocol
 from ..common.protocol import Metric, Vital
@@ -139,13 +143,18 @@ class Failure:
 
 class RunState:
     def __init__(self, title: str, ranks: list[int]):
+        self._observers: list[Callable] = []
+        self.reset(title, ranks)
+
+    def reset(self, title: str, ranks: list[int]) -> None:
+        """Begin again (a restarted run's next attempt), keeping the observers."""
         self.title = title
         self.started = time.monotonic()
         self.ranks = {r: RankView(r) for r in ranks}
         self.history: list[Metric] = []
         self.values: dict[int, Any] = {}
         self.failures: list[Failure] = []
-        self.vitals: list[Vital] = []  # sampled by the display, kept in Result.vitals
+        self.vitals: list[Vital] = []  # sampled for the displays (display/vitals.py), kept in Result.vitals
         self.profiles: dict[int, dict] = {}  # each profiled rank's summary (rank/profiling.py)
         self.effective_batch_size: int | None = None
         self.per_rank_batch_size: int | None = None
@@ -154,19 +163,31 @@ class RunState:
         self.interrupted: set[int] = set()  # ranks interrupted by nbtrain (live ranks), not by their own fault
         self.queued: str | None = None  # while an engine holds the ranks in its queue: where and why
 
+    # -- observers -----------------------------------------------------------------------
+    def subscribe(self, observer: Callable) -> None:
+        """Call `observer(event)` with each run event (`protocol`: Hello, Progress, Metric, BatchSize,
+        Profile, Finished, Failed, Stopped, Vital) once the state has taken it in."""
+        self._observers.append(observer)
+
+    def _changed(self, event=None) -> None:
+        self.version += 1
+        if event is not None:
+            for observer in self._observers:
+                observer(event)
+
     @property
     def elapsed(self) -> float:
         return (self.ended or time.monotonic()) - self.started
 
+    # -- what the ranks report -----------------------------------------------------------
     def handle(self, message) -> None:
-        """A `protocol` record from a rank (or a run event read back from a log)."""
+        """A `protocol` record from a rank, or a run event read back from a log."""
         view = self.ranks.get(message.rank)
-        if view is None:
-            return
-        self.version += 1
         handler = getattr(self, f"_on_{message.kind}", None)
-        if handler is not None:
-            handler(view, message)
+        if view is None or handler is None:
+            return
+        if handler(view, message) is not False:  # False: it turned into another event, told already
+            self._changed(message)
 
     def _on_hello(self, view: RankView, hello: protocol.Hello) -> None:
         view.pid, view.host = hello.pid, hello.host or view.host
@@ -196,7 +217,7 @@ class RunState:
         if self.effective_batch_size is None:
             self.per_rank_batch_size, self.effective_batch_size = event.per_rank, event.effective
 
-    def _on_result(self, view: RankView, returned: protocol.Returned) -> None:
+    def _on_result(self, view: RankView, returned: protocol.Returned) -> bool:
         try:
             value = unpack_result(returned.payload)
         except AttributeError as exc:  # a class only the rank has: "Can't get attribute 'MLP' on <module '__main__'>"
@@ -207,30 +228,46 @@ class RunState:
                       f"the ranks only (a %%ranks cell or ranks.exec): the notebook cannot rebuild it. Define the class "
                       f"in the notebook too (run its code in a notebook cell), or return plain data (a state_dict, "
                       f"tensors, numbers).")
-            return
+            return False
         self.finish(view.rank, value, returned.where)
+        return False
 
-    def _on_finished(self, view: RankView, finished: protocol.Finished) -> None:
+    def _on_finished(self, view: RankView, finished: protocol.Finished) -> bool:
         self.finish(view.rank, None, finished.where)  # read back from a log: the value is in result.pkl
+        return False
 
+    def _on_error(self, view: RankView, raised: protocol.Raised) -> bool:
+        self.fail(view.rank, raised.summary, raised.traceback, exception=raised.exception)
+        return False
+
+    def _on_failed(self, view: RankView, failed: protocol.Failed) -> bool:
+        self.fail(view.rank, failed.summary, failed.traceback, failed.crashed)
+        return False
+
+    def _on_stopped(self, view: RankView, stopped: protocol.Stopped) -> bool:
+        self.stop(view.rank, stopped.why, stopped.stack)
+        return False
+
+    def _on_vital(self, view: RankView, vital: Vital) -> None:
+        self.vitals.append(vital)
+
+    # -- what the notebook finds ---------------------------------------------------------
     def finish(self, rank: int, value, where: str = "") -> None:
         """`rank` returned `value` (unpacked already: an in-process run hands it over directly)."""
         view = self.ranks[rank]
         self.values[rank] = value
         view.status, view.ended_at, view.ended_where = "finished", time.monotonic(), where
-        self.version += 1
+        self._changed(protocol.Finished(rank, where))
 
-    def _on_error(self, view: RankView, raised: protocol.Raised) -> None:
-        self.fail(view.rank, raised.summary, raised.traceback, exception=raised.exception)
+    def add_vital(self, vital: Vital) -> None:
+        """A rank's vital signs, sampled by a display (`display/vitals.py`)."""
+        self.handle(vital)
 
-    def _on_failed(self, view: RankView, failed: protocol.Failed) -> None:
-        self.fail(view.rank, failed.summary, failed.traceback, failed.crashed)
-
-    def _on_stopped(self, view: RankView, stopped: protocol.Stopped) -> None:
-        self.stop(view.rank, stopped.why, stopped.stack)
-
-    def _on_vital(self, view: RankView, vital: Vital) -> None:
-        self.vitals.append(vital)
+    def set_queued(self, where: str | None) -> None:
+        """Where an engine holds the ranks in its queue (a SLURM job's state); None once they run."""
+        if where != self.queued:
+            self.queued = where
+            self._changed()
 
     def fail(self, rank: int, summary: str, traceback: str = "", crashed: bool = False, ended_early: bool = False,
              exception: bytes | None = None, even_if_stopped: bool = False) -> None:
@@ -244,6 +281,7 @@ class RunState:
             self.values.pop(rank, None)
         self.failures.append(Failure(rank, summary, traceback, crashed, lost, exception))
         self._blame()
+        self._changed(protocol.Failed(rank, summary, traceback, crashed))
 
     def stop(self, rank: int, why: str = "", stack: str = "") -> None:
         """`rank` was stopped (or interrupted) because of another rank's failure or a time-out."""
@@ -255,10 +293,10 @@ class RunState:
         if stack:
             view.reason += f"\n{stack}"
         self._blame()
+        self._changed(protocol.Stopped(rank, why, stack))
 
     def _blame(self) -> None:
         """Ranks whose only fault is a lost peer, or that were stopped, read as stopped by the cause."""
-        self.version += 1
         if not self.failures:
             for view in self.ranks.values():
                 if view.status == "stopped":
@@ -311,10 +349,22 @@ class RunState:
                 lines.append(f"rank {rank}: {view.status}")
         return lines
 
-    def latest_metrics(self) -> dict[str, Metric]:
-        latest: dict[str, Metric] = {}
-        for view in self.ranks.values():
-            for name, metric in view.metrics.items():
-                if name not in latest or metric.rank == 0:
-                    latest[name] = metric
-        return latest
+    # -- how the run reads once it ended -------------------------------------------------
+    def verdict(self, ok: bool) -> str:
+        """How the run ended: finished, failed (a rank failed or timed out) or interrupted (Ctrl-C)."""
+        return "finished" if ok else ("failed" if self.failures else "interrupted")
+
+    def outcome(self, rank: int, final: bool) -> tuple[str, str, str]:
+        """(status, detail, reason) of `rank` as a reader should see them.
+
+        A rank still running when the run ended (`final`) was stopped by nbtrain: it reads
+        "stopped (rank N failed)" (or "interrupted"), never "failed". `reason` is a stopped rank's
+        own message (often a peer's disconnect), shown folded.
+        """
+        view = self.ranks[rank]
+        status, detail, reason = view.status, view.detail, view.reason
+        if final and status in ("starting", "running"):
+            status = "stopped"
+        if status == "stopped" and not detail:
+            detail = f"stopped (rank {self.root_cause().rank} failed)" if self.failures else "stopped (interrupted)"
+        return status, detail, reason
