@@ -27,7 +27,6 @@ from multiprocessing.reduction import ForkingPickler
 
 from . import protocol
 from .happy_eyeballs import NoneAnswered, first_to_answer
-from .lines import Screen
 
 log = logging.getLogger(__name__)
 
@@ -505,76 +504,3 @@ def _receive_timeout(conn, seconds: float) -> None:
     with socket.socket(fileno=os.dup(conn.fileno())) as sock:
         whole = int(seconds)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
-
-
-class OutputPump:
-    """Reads ranks' stdout/stderr pipes on one thread and puts `protocol.Output` on the inbox
-    for each line, and `protocol.Live` for the lines a progress bar redraws (`lines.Screen`);
-    `rank_of` may map a line to its rank (torchrun prefixes lines with it)."""
-
-    def __init__(self, inbox: queue.Queue):
-        import selectors
-
-        self.inbox = inbox
-        self._selector = selectors.DefaultSelector()
-        self._screens: dict[int, Screen] = {}
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-
-    def add(self, fd: int, rank: int | None, stream: str, rank_of=None) -> None:
-        import selectors
-
-        os.set_blocking(fd, False)
-        self._selector.register(fd, selectors.EVENT_READ, (rank, stream, rank_of))
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="nbtrain-output", daemon=True)
-            self._thread.start()
-
-    def _loop(self) -> None:
-        # Pipes may be added while it runs (a restarted pool): wait for them, do not end.
-        while not self._stop.is_set():
-            if not self._selector.get_map():
-                self._stop.wait(0.05)
-                continue
-            for key, _ in self._selector.select(timeout=0.1):
-                self._read(key)
-
-    def _read(self, key) -> None:
-        fd, (rank, stream, rank_of) = key.fd, key.data
-        try:
-            chunk = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        if chunk:
-            events = self._screens.setdefault(fd, Screen()).feed(chunk)
-        else:  # end of file: the last partial line is still output
-            self._selector.unregister(fd)
-            os.close(fd)
-            events = self._screens.pop(fd, Screen()).flush()
-        for event in events:
-            if event[0] == "line":
-                who, text = rank_of(event[1]) if rank_of else (rank, event[1])
-                self.inbox.put(protocol.Output(who, stream, text))
-            else:  # lines a progress bar redraws
-                self.inbox.put(protocol.Live(rank, stream, *event[1:]))
-
-    def drain(self, timeout: float) -> None:
-        """Wait (bounded) until every pipe reached end of file."""
-        import time
-
-        deadline = time.monotonic() + timeout
-        while self._selector.get_map() and time.monotonic() < deadline and self._thread is not None:
-            time.sleep(0.005)
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
-        for key in list(self._selector.get_map().values()):
-            self._selector.unregister(key.fd)
-            os.close(key.fd)
-        self._selector.close()

@@ -38,13 +38,12 @@ from .compat import become_torchrun_worker, destroy_asked_group
 from .rendezvous import use_private_store
 from .context import Context, set_current
 from .output import show_in_notebook
-from .process import drain_output, enable_stacks
+from .process import end_output, enable_stacks
 from .process import forward_output as forward
 from .process import limit_threads
 from .strategies import contains_sharded
 
 NOTHING = object()  # an exec whose code ends without an expression
-MARK = "\x00nbtrain-done "  # written to both output streams after each command: the output before it is all there
 
 
 class RankLoop:
@@ -127,13 +126,12 @@ class RankLoop:
                 self._running, self._interrupting = None, False
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        drain_output()  # output that travels over the channel: all of it before the reply
+        # Printed output travels on pipes of its own: the end mark lets the notebook show all of a
+        # live rank's in this command's cell (a launch's ends with its process).
+        end_output(seq, marked=not once)
         if once:
-            self.link.close(reply)  # its output ends with the process: nothing to mark
+            self.link.close(reply)
         else:
-            # Output travels on its own pipe: the mark lets the notebook show all of it in this cell.
-            for fd in (1, 2):
-                os.write(fd, f"{MARK}{seq}\n".encode())
             self.link.emit(reply)
         return code
 
