@@ -7,11 +7,15 @@
 - interrupt: a `%%ranks` cell sleeping on both ranks, the kernel interrupted from the client:
   seconds until the cell ends with KeyboardInterrupt (the ranks keep their state).
 
-    pip install -e ".[bench]" && python benchmarks/live_ranks.py [--calls 300] [--starts 5]
+`--before DIR` times the round trip of another checkout of nbtrain too (e.g. `git archive <commit>
+| tar -x -C DIR`), in a second kernel, interleaved with the rest.
+
+    pip install -e ".[bench]" && python benchmarks/live_ranks.py [--calls 300] [--starts 5] [--before DIR]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -53,9 +57,16 @@ def main() -> None:
     parser.add_argument("--starts", type=int, default=5)
     parser.add_argument("--interrupts", type=int, default=5)
     parser.add_argument("--note", default="")
+    parser.add_argument("--before", help="another checkout of nbtrain: its round trip too, in a second kernel")
     args = parser.parse_args()
     kernel = Kernel()
+    before = None
     try:
+        if args.before:  # its nbtrain first on the path, and no checkout in its working directory
+            path = os.path.abspath(args.before)
+            before = Kernel(cwd=path, env={**os.environ, "PYTHONPATH": path})
+            before.run(SETUP.replace("import ipyparallel as ipp", ""))
+            before.run("start_nbtrain()")
         kernel.run(SETUP)
         kernel.run("start_nbtrain(); ranks.close()")  # the kernel's first fork imports what ranks need (cold)
         nb_starts, ipp_starts = [], []
@@ -69,10 +80,16 @@ def main() -> None:
         calls = {"nbtrain ranks.eval('1')": "ranks.eval('1')",
                  "ipyparallel view.apply_sync(lambda: 1)": "view.apply_sync(lambda: 1)",
                  "ipyparallel view.execute('x = 1')": "view.execute('x = 1')"}
+        if before is not None:
+            trips["nbtrain ranks.eval('1') (before)"] = []
+            calls["nbtrain ranks.eval('1') (before)"] = "ranks.eval('1')"
         for _ in range(5):  # interleaved blocks
             for name, call in calls.items():
-                out = kernel.run(f"print(statistics.median(timed(lambda: {call}, {args.calls // 5})))")
+                runs_in = before if name.endswith("(before)") else kernel
+                out = runs_in.run(f"print(statistics.median(timed(lambda: {call}, {args.calls // 5})))")
                 trips[name].append(float(out.split()[-1]))
+        if before is not None:
+            before.run("ranks.close()")
         kernel.run("cluster.stop_cluster_sync()")
         interrupts = []
         for _ in range(args.interrupts):
@@ -87,6 +104,8 @@ def main() -> None:
         kernel.run("ranks.close()")
     finally:
         kernel.close()
+        if before is not None:
+            before.close()
     ipp_trip = median(trips["ipyparallel view.apply_sync(lambda: 1)"])
     rows = [["start, nbtrain.Ranks(devices=2) (fork, group ready)", f"{median(nb_starts) * 1000:.0f} ms", str(len(nb_starts)), ""],
             ["start, ipyparallel Cluster(n=2) (engines, no group)", f"{median(ipp_starts) * 1000:.0f} ms", str(len(ipp_starts)), ""]]

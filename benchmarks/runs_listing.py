@@ -9,7 +9,6 @@ they are on a machine that just wrote them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 
 import nbtrain
-from nbtrain.common import runlog
+from nbtrain.common import protocol, runlog
 from nbtrain.notebook.runs import Run
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -30,16 +29,16 @@ LAUNCH = {"strategy": "ddp", "devices": 2, "accelerator": "cpu", "num_nodes": 1,
 
 def rank_log(megabytes: float) -> bytes:
     """A rank's event log as a long run leaves it: progress, metrics and output lines."""
-    lines, size, step = [], 0, 0
+    lines, size, step = [protocol.header_line()], 0, 0
     while size < megabytes * 1e6:
-        for event in ([0, "progress", 0, 0, "epoch", step, 100000, False, 12.5 + step, 0],
-                      [0, "metric", 0, step, "loss", 1.0 / (step + 1), False],
-                      [0, "output", 0, "stdout", f"step {step}: loss {1.0 / (step + 1):.6f}"]):
-            line = json.dumps(event) + "\n"
+        for event in (protocol.Progress(0, 0, "epoch", step, 100000, False, 12.5 + step, 0),
+                      protocol.Metric(step, 0, "loss", 1.0 / (step + 1), False),
+                      protocol.Output(0, "stdout", f"step {step}: loss {1.0 / (step + 1):.6f}")):
+            line = protocol.event_line(0, event)
             lines.append(line)
             size += len(line)
         step += 1
-    return "".join(lines).encode()
+    return b"".join(lines)
 
 
 def make_runs(base: Path, count: int, megabytes: float) -> None:
@@ -50,8 +49,8 @@ def make_runs(base: Path, count: int, megabytes: float) -> None:
         runlog.write_json(where / runlog.SPEC, {"function": "train", "started": time.time(), "max_restarts": 0,
                                                 "launch": LAUNCH})
         runlog.write_json(where / runlog.STATUS, {"status": "finished", "restarts": [], "reason": "", "ended": 0})
-        (where / runlog.EVENTS).write_text(json.dumps([0, "start", None, "ddp on 2 CPU ranks, gloo", [0, 1],
-                                                       time.time()]) + "\n")
+        started = protocol.AttemptStarted("ddp on 2 CPU ranks, gloo", [0, 1], time.time())
+        (where / runlog.EVENTS).write_bytes(protocol.header_line() + protocol.event_line(0, started))
         for rank in (0, 1):
             (where / runlog.rank_events(rank)).write_bytes(log)
         # What the recorder writes at the run's end: the same values runs() would read from the logs.

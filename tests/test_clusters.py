@@ -8,6 +8,7 @@ import psutil
 import pytest
 
 import nbtrain
+from nbtrain.common.protocol import Closed, Hello
 from nbtrain.common.channel import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable, Hub, Link
 from nbtrain.placements.clusters import base
 
@@ -31,8 +32,8 @@ def test_a_silent_stranger_does_not_hold_up_the_ranks(hub):
     strangers = [dial(hub) for _ in range(3)]  # connect, and never answer the challenge
     try:
         link = Link(0, hub.environ)
-        link.emit("hello", os.getpid())
-        assert inbox.get(timeout=10)[:2] == ("hello", 0)
+        link.emit(Hello(0, os.getpid()))
+        assert inbox.get(timeout=10) == Hello(0, os.getpid())
         link.close()
     finally:
         for s in strangers:
@@ -47,10 +48,10 @@ def test_a_wrong_authkey_is_refused_and_nothing_it_sends_is_heard(hub):
     garbage.sendall(b"\x00\x00\x00\x10" + b"not a challenge!")
     garbage.close()
     link = Link(1, hub.environ)
-    link.emit("hello", 1)
-    assert inbox.get(timeout=10)[:2] == ("hello", 1)
+    link.emit(Hello(1, 1))
+    assert inbox.get(timeout=10) == Hello(1, 1)
     link.close()
-    assert inbox.empty() or inbox.get(timeout=1)[0] == "closed"
+    assert inbox.empty() or isinstance(inbox.get(timeout=1), Closed)
 
 
 def test_a_flood_of_strangers_is_bounded_forgotten_and_never_delays_a_rank(hub, monkeypatch):
@@ -67,8 +68,8 @@ def test_a_flood_of_strangers_is_bounded_forgotten_and_never_delays_a_rank(hub, 
         dial(hub).close()
     started = time.monotonic()
     link = Link(0, hub.environ)  # a rank, in the middle of it
-    link.emit("hello", os.getpid())
-    assert inbox.get(timeout=10)[:2] == ("hello", 0)
+    link.emit(Hello(0, os.getpid()))
+    assert inbox.get(timeout=10) == Hello(0, os.getpid())
     assert time.monotonic() - started < 5  # no queue of strangers ahead of it
     assert len(hub._strangers) <= channel.MAX_STRANGERS  # bounded: the oldest made room for the newest
     assert threading.active_count() <= threads + channel.MAX_STRANGERS + 10
@@ -152,8 +153,8 @@ def test_a_rank_tries_the_notebook_s_addresses_in_order_until_one_passes_the_cha
             environ = {**hub.environ, ADDRESS_VAR: f"127.0.0.1:{dead.getsockname()[1]},"
                                                    f"{stranger.environ[ADDRESS_VAR]},{private_address}:{port}"}
             link = Link(3, environ)
-        link.emit("hello", os.getpid())
-        assert inbox.get(timeout=10)[:2] == ("hello", 3)
+        link.emit(Hello(3, os.getpid()))
+        assert inbox.get(timeout=10) == Hello(3, os.getpid())
         link.close()
         assert other.empty()  # the other notebook heard nothing from it
     finally:

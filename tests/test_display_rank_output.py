@@ -3,9 +3,10 @@ shown rank's rich output as its text, the others' counted and said once. (In Jup
 tests/test_rank_output.py, in a real kernel.)"""
 import io
 
+from nbtrain.common.protocol import ClearOutput, Display, Live, UpdateDisplay
 from nbtrain.display.lazy import LazyDisplay
 from nbtrain.display.rank_output import deliver
-from nbtrain.display.runstate import RunState
+from nbtrain.notebook.runmodel import RunState
 from nbtrain.display.text import LineDisplay, QuietDisplay
 
 HTML_BUNDLE = {"text/plain": "<IPython.core.display.HTML object>", "text/html": "<b>hi</b>"}
@@ -28,12 +29,12 @@ def test_rich_output_of_the_shown_rank_as_text_others_counted_once():
     display = LineDisplay(file=out)
     state = RunState("fit on 2 CPU ranks", [0, 1, 2])
     display.start(state)
-    display.rich(0, "display", HTML_BUNDLE, {}, {"display_id": "a"})
-    display.rich(0, "update_display", {"text/plain": "updated"}, {}, {"display_id": "a"})
-    display.rich(0, "clear_output", True)
+    display.rich(Display(0, HTML_BUNDLE, {}, {"display_id": "a"}))
+    display.rich(UpdateDisplay(0, {"text/plain": "updated"}, {}, {"display_id": "a"}))
+    display.rich(ClearOutput(0, True))
     for rank in (1, 2, 2):
-        display.rich(rank, "display", HTML_BUNDLE, {}, {})
-    display.rich(2, "update_display", HTML_BUNDLE, {}, {"display_id": "b"})
+        display.rich(Display(rank, HTML_BUNDLE, {}, {}))
+    display.rich(UpdateDisplay(2, HTML_BUNDLE, {}, {"display_id": "b"}))
     display.finish(state, True)
     lines = out.getvalue().splitlines()
     assert lines[1] == "[rank 0] <IPython.core.display.HTML object>"
@@ -48,8 +49,8 @@ def test_rich_output_of_the_shown_rank_as_text_others_counted_once():
 def test_a_command_to_some_ranks_shows_the_lowest_of_them(capsys):
     display = LazyDisplay(progress=False)  # what live ranks' short commands use
     display.start(RunState("exec on live ranks [2, 3]", [2, 3]))
-    display.rich(2, "display", {"text/plain": "from two"}, {}, {})
-    display.rich(3, "display", {"text/plain": "from three"}, {}, {})
+    display.rich(Display(2, {"text/plain": "from two"}, {}, {}))
+    display.rich(Display(3, {"text/plain": "from three"}, {}, {}))
     display.finish(None, True)
     assert capsys.readouterr().out.splitlines() == [
         "[rank 2] from two",
@@ -66,9 +67,9 @@ def test_a_display_of_ones_own_gets_a_bars_last_lines_as_output():
             self.lines.append((rank, stream, text))
 
     mine = Mine()
-    deliver(mine, ("live", 0, "stderr", "bar 10%", False))
-    deliver(mine, ("display", 0, HTML_BUNDLE, {}, {}))
-    deliver(mine, ("live", 0, "stderr", "bar 100%", True))
+    deliver(mine, Live(0, "stderr", "bar 10%", False))
+    deliver(mine, Display(0, HTML_BUNDLE, {}, {}))
+    deliver(mine, Live(0, "stderr", "bar 100%", True))
     assert mine.lines == [(0, "stderr", "bar 100%")]
 
 
@@ -86,8 +87,8 @@ def test_a_subclass_of_ones_own_that_skips_init_still_shows_rank_output():
     display = Recorder()
     display.start(RunState("t", [0, 1]))
     display.live(0, "stderr", "bar 100%", True)
-    display.rich(0, "display", HTML_BUNDLE, {}, {})
-    display.rich(1, "display", HTML_BUNDLE, {}, {})
+    display.rich(Display(0, HTML_BUNDLE, {}, {}))
+    display.rich(Display(1, HTML_BUNDLE, {}, {}))
     display.finish(None, True)
     assert display.lines == [(0, "stderr", "bar 100%"), (0, "stdout", HTML_BUNDLE["text/plain"])]
     assert display.notes[0].startswith("rank 1 displayed 1 rich output")

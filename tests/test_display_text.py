@@ -10,7 +10,8 @@ import pytest
 from nbtrain import gpus
 from nbtrain.common.inventory import Gpu, GpuProcess, StaticInventory
 from nbtrain.display.text import LineDisplay, QuietDisplay, gpu_table, rank_line, summary_lines
-from nbtrain.display.runstate import RunState
+from nbtrain.common.protocol import BatchSize, Hello, Metric, Progress
+from nbtrain.notebook.runmodel import RunState
 
 GiB = 2**30
 
@@ -31,11 +32,11 @@ def test_gpu_table_shows_remapping_memory_and_processes(monkeypatch):
 def _state() -> RunState:
     state = RunState("ddp_fork on 2 CPU ranks, gloo", [0, 1])
     for rank in (0, 1):
-        state.handle(("hello", rank, 10 + rank))
-        state.handle(("batch_size", rank, 8, 16))
-        state.handle(("progress", rank, 0, "epoch", 1, 3, False))
-        state.handle(("progress", rank, 1, "batch", 5, 10, False))
-        state.handle(("metric", rank, 0, "loss", 0.5, True))
+        state.handle(Hello(rank, 10 + rank))
+        state.handle(BatchSize(rank, 8, 16))
+        state.handle(Progress(rank, 0, "epoch", 1, 3, False))
+        state.handle(Progress(rank, 1, "batch", 5, 10, False))
+        state.handle(Metric(0, rank, "loss", 0.5, True))
     state.fail(1, "RuntimeError: out of patience\nmore detail")
     return state
 
@@ -59,13 +60,13 @@ def test_stopped_and_interrupted_ranks_read_as_such():
     assert line.endswith("…") and len(line) < 160  # its own message, clipped
     assert summary_lines(state, ok=False)[0].startswith("nbtrain: ddp_fork on 2 CPU ranks, gloo: failed in ")
     interrupted = RunState("single on CPU", [0])
-    interrupted.handle(("hello", 0, None))
+    interrupted.handle(Hello(0, None))
     head, row = summary_lines(interrupted, ok=False)
     assert ": interrupted in " in head and row == "  rank 0  stopped (interrupted)"
 
 
 def test_rank_line_shows_step_rate_and_memory():
-    from nbtrain.display.runstate import Vital
+    from nbtrain.common.protocol import Vital
 
     state = _state()
     vital = Vital(3.0, 0, 12.5, 300 * 2**20, None, None, None)
@@ -143,11 +144,11 @@ def test_progress_switched_off_by_environment(tmp_path):
 
 
 def test_a_rank_before_its_first_step_reads_first_step_not_a_rate():
-    from nbtrain.display.runstate import RunState
+    from nbtrain.notebook.runmodel import RunState
     from nbtrain.display.text import rank_line
 
     state = RunState("ddp on 2 CPU ranks", [0, 1])
-    state.handle(("hello", 0, 123, "node"))
-    state.handle(("progress", 0, 0, "step", 0, 10, False))
+    state.handle(Hello(0, 123, "node"))
+    state.handle(Progress(0, 0, "step", 0, 10, False))
     line = rank_line(state.ranks[0], state)
     assert "first step..." in line and "it/s" not in line, line

@@ -360,7 +360,7 @@ def test_unshippable_function_does_not_start_the_template(no_leftovers):
 
 
 def test_stack_dumps_lead_with_the_users_code():
-    from nbtrain.notebook.supervisor import tidy_stacks
+    from nbtrain.notebook.stacks import tidy_stacks
 
     dump = ("Thread 0x1 (most recent call first):\n  File \"nbtrain/channel.py\", line 125 in _send_loop\n\n"
             "Current thread 0x2 (most recent call first):\n  File \"cell.py\", line 5 in train\n"

@@ -5,6 +5,7 @@ import re
 import pytest
 
 from nbtrain.common.lines import Screen
+from nbtrain.common.protocol import Live, Output, OutputEnd
 
 ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-ln-z]|\x1b\]|\x1b\[\?")  # anything but colour (SGR, "...m")
 
@@ -134,52 +135,90 @@ def test_rich_progress_is_one_block():
     assert not any("\r" in e[1] or ESCAPE.search(e[1]) for e in events)
 
 
-# -- the two readers that replay rank streams with it ------------------------------------------
+# -- the one reader that replays rank streams with it, on either side ------------------------------
 
-def test_the_output_pump_sends_lines_and_live_redraws():
+def _read_all(write_to_pipes, *pipes, rank_of=None):
+    """What an OutputReader hands on for what `write_to_pipes(fds)` writes to fresh pipes."""
     import os
-    import queue
 
-    from nbtrain.common.channel import OutputPump
+    from nbtrain.common.output_reader import OutputReader
 
-    inbox = queue.Queue()
-    pump = OutputPump(inbox)
-    read, write = os.pipe()
-    pump.add(read, 3, "stderr")
-    pump.start()
-    os.write(write, b"plain\n\r 1/2\r 2/2\n\x00nbtrain-done 1\n")  # the mark ends the bar's line
-    os.close(write)
-    pump.drain(5.0)
-    pump.close()
-    messages = []
-    while not inbox.empty():
-        messages.append(inbox.get())
+    records = []
+    reader = OutputReader(records.append)
+    ends = []
+    for rank, stream in pipes:
+        read, write = os.pipe()
+        reader.add(read, rank, stream, rank_of)
+        ends.append(write)
+    reader.start()
+    write_to_pipes(ends)
+    for fd in ends:
+        os.close(fd)
+    reader.drain(5.0)
+    reader.close()
+    return records
+
+
+def test_the_output_reader_sends_lines_live_redraws_and_the_end_mark():
+    import os
+
+    from nbtrain.common.output_reader import end_mark
+
+    records = _read_all(lambda fds: os.write(fds[0], b"plain\n\r 1/2\r 2/2\n" + end_mark(1)), (3, "stderr"))
     # A bar read in one piece with what follows is a line; read apart, a live line: either way once.
-    stays = [m[3] for m in messages if m[0] == "output" or m[4]]
-    assert stays == ["plain", " 2/2", "\x00nbtrain-done 1"]
-    assert all(m[1:3] == (3, "stderr") for m in messages) and not any("\r" in str(m) for m in messages)
+    stays = [m.text for m in records if isinstance(m, Output) or (isinstance(m, Live) and m.done)]
+    assert stays == ["plain", " 2/2"] and records[-1] == OutputEnd(3, "stderr", 1)
+    assert all((m.rank, m.stream) == (3, "stderr") for m in records) and not any("\r" in str(m) for m in records)
 
 
-def test_forwarded_output_redraws_and_says_when_drained():
+def test_a_launchers_prefixed_lines_name_their_rank_and_only_a_whole_mark_ends_output():
     import os
-    import threading
 
-    from nbtrain.rank.process import _DRAINED, _forward
+    from nbtrain.common.output_reader import end_mark
 
-    class Link:  # the channel's side of it: what would travel
-        def __init__(self):
-            self.sent = []
+    def rank_of(line):  # as torchrun's --tee prefixes them: "[1]:text"
+        return int(line[1]), line[4:]
 
-        def emit(self, *message):
-            self.sent.append(message)
+    records = _read_all(lambda fds: os.write(fds[0], b"[1]:hello\n[0]:bye\n"), (None, "stdout"), rank_of=rank_of)
+    assert records == [Output(1, "stdout", "hello"), Output(0, "stdout", "bye")]
+    records = _read_all(lambda fds: os.write(fds[0], end_mark(3)[:-3] + b"x\n" + end_mark(4)), (2, "stdout"))
+    assert records == [Output(2, "stdout", end_mark(3)[:-3].decode() + "x"), OutputEnd(2, "stdout", 4)]
 
-    link, drained = Link(), threading.Event()
-    read, write = os.pipe()
-    thread = threading.Thread(target=_forward, args=(read, "stdout", link, drained), daemon=True)
-    thread.start()
-    os.write(write, b"\r 1/2\r 2/2\nplain\npartial" + _DRAINED + b"\n")
-    assert drained.wait(5.0)
-    os.close(write)
-    thread.join(5.0)
-    stays = [m[2] for m in link.sent if m[0] == "output" or m[3]]
-    assert stays == [" 2/2", "plain", "partial"]
+
+FORWARDS = """
+import os, sys, time
+from nbtrain.rank import process
+
+out = os.fdopen(os.dup(1), "w", buffering=1)  # the test's own view, before fds 1 and 2 become pipes
+
+
+class Link:  # what would travel over the channel, in order
+    rank = 4
+
+    def emit(self, record):
+        out.write(repr(record) + "\\n")
+
+
+process.forward_output(Link())
+print("\\r 1/2\\r 2/2\\nplain")
+print("[c10d] The hostname of the client socket cannot be retrieved. err=-3", file=sys.stderr)
+sys.stdout.write("partial")
+sys.stdout.flush()
+process.end_output(7, marked=False)  # a forwarding rank marks the end anyway, and waits for it
+out.write("the reply\\n")
+"""
+
+
+@pytest.mark.slow
+def test_forwarded_output_redraws_drops_the_unheard_and_goes_before_the_reply():
+    import subprocess
+    import sys
+
+    lines = subprocess.run([sys.executable, "-c", FORWARDS], capture_output=True, text=True, timeout=60,
+                           check=True).stdout.splitlines()
+    assert lines[-1] == "the reply"
+    records = [eval(line, {"Output": Output, "Live": Live, "OutputEnd": OutputEnd}) for line in lines[:-1]]
+    stays = [(m.stream, m.text) for m in records if isinstance(m, Output) or (isinstance(m, Live) and m.done)]
+    assert stays == [("stdout", " 2/2"), ("stdout", "plain"), ("stdout", "partial")]
+    assert {m for m in records if isinstance(m, OutputEnd)} == {OutputEnd(4, "stdout", 7), OutputEnd(4, "stderr", 7)}
+    assert all(m.rank == 4 for m in records)

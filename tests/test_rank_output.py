@@ -200,7 +200,7 @@ hub.close()
 messages = []
 while not inbox.empty():
     messages.append(inbox.get())
-print(json.dumps({"imported_before": before, "messages": [m for m in messages if m[0] != "closed"],
+print(json.dumps({"imported_before": before, "messages": [[m.kind, *m] for m in messages if m.kind != "closed"],
                   "bar": bar_file.getvalue(), "rich": [console.is_jupyter, console.is_terminal],
                   "record_rank": records[0].rank}))
 '''

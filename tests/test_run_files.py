@@ -18,8 +18,10 @@ import pytest
 import nbtrain
 from nbtrain.common import runlog, session
 from nbtrain.common.private import IncompleteWrite, NotYours, write_private
+from nbtrain.common.errors import WorkerError
 from nbtrain.display.recorder import RunRecorder
-from nbtrain.display.runstate import RunState
+from nbtrain.common.protocol import Metric, Note, Output
+from nbtrain.notebook.runmodel import RunState
 
 from conftest import Kernel
 
@@ -153,6 +155,69 @@ def test_runs_reads_a_runs_summary_not_its_logs(tmp_path):
     assert nbtrain.runs(tmp_path)[0]["metrics"] == "loss=9"
 
 
+# -- run directories an older nbtrain wrote ---------------------------------------------------------
+
+V1_RUNS = Path(__file__).parent / "data" / "v1_runs"  # written by nbtrain before its logs had a version
+
+
+def _old_run(tmp_path: Path, name: str) -> Path:
+    """A copy of an unversioned run directory (2 CPU ranks, 2 epochs of 3 batches), ours and private."""
+    where = tmp_path / name
+    where.mkdir(mode=0o700)
+    for file in (V1_RUNS / name).iterdir():
+        write_private(where / file.name, file.read_bytes())
+    return where
+
+
+class _Kept:
+    """A display that keeps the state it was given and what it was told."""
+
+    def __init__(self):
+        self.lines, self.state, self.ok = [], None, None
+
+    def start(self, state):
+        self.state = state
+
+    def note(self, text):
+        self.lines.append(text)
+
+    def output(self, rank, stream, text):
+        self.lines.append(f"[rank {rank}] {text}")
+
+    def update(self, state):
+        pass
+
+    def finish(self, state, ok):
+        self.ok = ok
+
+
+def test_a_run_an_older_nbtrain_wrote_still_lists_replays_and_reads_back(tmp_path):
+    finished, failed = _old_run(tmp_path, "finished"), _old_run(tmp_path, "failed")
+    rows = {r["run"]: r for r in nbtrain.runs(tmp_path)}
+    assert (rows["finished"]["status"], rows["failed"]["status"]) == ("finished", "failed")
+    assert rows["finished"]["devices"] == "2 CPU ranks, gloo" and rows["finished"]["metrics"].startswith("loss=0.1667")
+    result = nbtrain.attach(finished).result()  # its pickle names the classes where they were then
+    assert result.values == [{"rank": 0}, {"rank": 1}]
+    assert result.metrics("loss", rank=1) == pytest.approx([1 / n for n in range(1, 7)])
+    assert result.history[0].step == 0 and result.history[0].name == "loss" and {v.rank for v in result.vitals} == {0, 1}
+    with pytest.raises(WorkerError, match="rank 1 cannot go on") as raised:
+        nbtrain.attach(failed).result()
+    assert raised.value.rank == 1
+    assert nbtrain.attach(failed).logs(1) == "rank 1 epoch 0 done\nrank 1 epoch 1 done\n"
+    for run, ok in ((finished, True), (failed, False)):
+        display = _Kept()
+        nbtrain.attach(run).watch(progress=display)
+        state = display.state
+        assert display.ok is ok and state.title == "ddp on 2 CPU ranks, gloo" and "[rank 0] rank 0 epoch 1 done" in display.lines
+        assert [(b.desc, b.n, b.total, b.done) for _, b in sorted(state.ranks[0].bars.items())] == \
+            [("epoch", 2, 2, True), ("batch", 3, 3, True)]
+        assert [m.value for m in state.history if m.rank == 0] == pytest.approx([1 / n for n in range(1, 7)])
+        assert state.ranks[0].status == "finished" and state.ranks[0].ended_where == "returned from train()"
+        assert state.ranks[0].pid is not None and state.vitals and state.ranks[0].steps == 6
+    assert state.ranks[1].status == "failed" and state.ranks[1].detail == "ValueError: rank 1 cannot go on"
+    assert [f.rank for f in state.failures] == [1] and "line 10, in train" in state.failures[0].traceback
+
+
 # -- links, partial directories ------------------------------------------------------------------
 
 def test_a_run_reached_through_a_link_is_refused_before_anything_is_read(tmp_path):
@@ -235,32 +300,33 @@ class _FileSizeLimit:
 
 def test_an_event_line_the_disk_cuts_is_an_incomplete_write(tmp_path):
     log = runlog.EventLog(tmp_path / "e.jsonl")
-    log.write(0, "note", None, "fits")
+    log.write(0, Note("fits"))
     try:
         with _FileSizeLimit(os.path.getsize(tmp_path / "e.jsonl") + 10), pytest.raises(IncompleteWrite) as cut:
-            log.write(0, "note", None, "does not fit in ten bytes")
+            log.write(0, Note("does not fit in ten bytes"))
     finally:
         log.close()
     assert str(cut.value).startswith("e.jsonl: file too large (wrote 10 of ")
-    assert runlog.Tail(tmp_path / "e.jsonl").read() == [[0, "note", None, "fits"]]
+    assert runlog.Tail(tmp_path / "e.jsonl").read() == [(0, Note("fits"))]
 
 
 def test_a_log_write_that_fails_stops_the_logs_says_so_once_and_never_raises(tmp_path):
     said = []
     recorder, state = RunRecorder(tmp_path, 0, stopped=said.append), RunState("ddp on 2 CPU ranks, gloo", [0, 1])
     recorder.start(state)
-    state.handle(("metric", 0, 0, "loss", 1.0, False))
+    state.handle(Metric(0, 0, "loss", 1.0, False))
     with _FileSizeLimit(os.path.getsize(tmp_path / runlog.rank_events(0)) + 300):
         for step in range(1, 200):
             for rank in (0, 1):
-                state.handle(("metric", rank, step, "loss", 1.0 / step, False))
+                state.handle(Metric(step, rank, "loss", 1.0 / step, False))
                 recorder.output(rank, "stdout", f"step {step}")
         recorder.finish(state, True)
         recorder.close()
     [reason] = said
     assert reason.startswith("rank-0.jsonl: file too large (wrote ") or reason.startswith("rank-1.jsonl"), reason
     assert state.ranks[0].metrics["loss"].value == 1.0 / 199  # the run's own state went on
-    assert all(isinstance(e, list) for e in runlog.Tail(tmp_path / runlog.rank_events(0)).read())
+    logged = [event for _, event in runlog.Tail(tmp_path / runlog.rank_events(0)).read()]
+    assert logged and all(isinstance(e, (Metric, Output)) for e in logged)  # whole events, the cut line skipped
     summary = json.loads((tmp_path / runlog.SUMMARY).read_text())
     assert summary["ranks"] == [0, 1] and summary["devices"] == "2 CPU ranks, gloo"
 

@@ -1,6 +1,7 @@
 """Step rates are told by the ranks' own clocks, never by when their events reach the notebook.
 A loop resumed at `initial` reads initial..total, and its rate counts only the steps done now."""
 import io
+import json
 import time
 
 import numpy as np
@@ -8,10 +9,11 @@ import pytest
 import torch
 
 import nbtrain
-from nbtrain.common import runlog
+from nbtrain.common import protocol, runlog
 from nbtrain.display import widgets
 from nbtrain.display.recorder import RunRecorder
-from nbtrain.display.runstate import RunState
+from nbtrain.common.protocol import Progress
+from nbtrain.notebook.runmodel import RunState
 from nbtrain.display.text import LineDisplay, rank_line
 from nbtrain.rank.context import Context
 from nbtrain.display.vitals import latest, slowest
@@ -25,7 +27,7 @@ def test_events_that_arrive_together_keep_the_ranks_own_timing():
     # events reached the notebook in one late batch, rank 0's as they happened.
     for rank, offset in ((0, 1000.0), (1, -5.0)):
         for n in range(0, 101, 10):
-            state.handle(("progress", rank, 0, "batch", n, 100, n == 100, offset + n / 50))
+            state.handle(Progress(rank, 0, "batch", n, 100, n == 100, offset + n / 50))
     assert state.ranks[0].step_rate == pytest.approx(50.0)
     assert state.ranks[1].step_rate == pytest.approx(50.0)
     now = time.monotonic()
@@ -112,16 +114,16 @@ class _Into:
     def __init__(self, state: RunState, rank: int = 0):
         self.state, self.rank, self.events = state, rank, []
 
-    def emit(self, kind, *payload):
-        self.events.append((kind, *payload))
-        self.state.handle((kind, self.rank, *payload))
+    def emit(self, message):
+        self.events.append(message)
+        self.state.handle(message)
 
 
 def test_a_resumed_loop_reads_from_initial_to_total_and_its_rate_counts_only_new_steps():
     state = RunState("x", [0])
     # 100 steps done before; 50 more over 1 s of the rank's clock: 50 steps/s, not 150.
     for n in range(100, 151, 5):
-        state.handle(("progress", 0, 0, "step", n, 150, n == 150, 7.0 + (n - 100) / 50, 100))
+        state.handle(Progress(0, 0, "step", n, 150, n == 150, 7.0 + (n - 100) / 50, 100))
     view = state.ranks[0]
     bar = view.bars[0]
     assert (bar.n, bar.total, bar.initial) == (150, 150, 100)
@@ -129,20 +131,20 @@ def test_a_resumed_loop_reads_from_initial_to_total_and_its_rate_counts_only_new
     assert rank_line(view, state, final=True) == "rank 0  stopped (interrupted)  step 150/150  50 it/s"
     # The same loop begun again, resumed at 120 while its bar reads 150: a new bar, from 120.
     for n in (120, 130):
-        state.handle(("progress", 0, 0, "step", n, 150, False, 20.0 + (n - 120) / 50, 120))
+        state.handle(Progress(0, 0, "step", n, 150, False, 20.0 + (n - 120) / 50, 120))
     bar = view.bars[0]
     assert (bar.n, bar.initial, bar.started, bar.rate) == (130, 120, 20.0, pytest.approx(50.0))
     assert view.steps == 50 + 10
     midway = RunState("x", [0])
     for n in (100, 110, 125):
-        midway.handle(("progress", 0, 0, "step", n, 150, False, (n - 100) / 50, 100))
+        midway.handle(Progress(0, 0, "step", n, 150, False, (n - 100) / 50, 100))
     assert midway.ranks[0].bars[0].eta == pytest.approx(0.5)  # 25 left at 50/s
 
 
 def test_events_logged_before_initial_existed_still_begin_at_0():
     state = RunState("x", [0])  # a run directory written by an older nbtrain: six fields
     for n in range(0, 51, 10):
-        state.handle(("progress", 0, 0, "epoch", n, 50, n == 50, n / 50))
+        state.handle(Progress(0, 0, "epoch", n, 50, n == 50, n / 50))
     bar = state.ranks[0].bars[0]
     assert (bar.n, bar.total, bar.initial) == (50, 50, 0) and bar.rate == pytest.approx(50.0)
 
@@ -177,7 +179,7 @@ def test_nested_resumed_loops_still_nest():
     assert seen[0] == (1, 4, 6) and seen[2][1:] == (0, 6)  # each loop starts where it resumed
     assert [(b.desc, b.n, b.total) for _, b in sorted(view.bars.items())] == [("epoch", 3, 3), ("batch", 6, 6)]
     assert view.step_level == 1 and view.steps == 2 + 6  # the batches done now, not the 4 before
-    assert [e[1] for e in sink.events if e[0] == "progress"][:2] == [0, 1]
+    assert [e.level for e in sink.events if isinstance(e, Progress)][:2] == [0, 1]
 
 
 def test_a_recorded_resumed_loop_replays_as_it_ran(tmp_path):
@@ -186,16 +188,17 @@ def test_a_recorded_resumed_loop_replays_as_it_ran(tmp_path):
     recorder, state = RunRecorder(tmp_path, 0), RunState("x", [0])
     recorder.start(state)
     for n in range(4):  # a first loop here, then the same loop resumed at 30, all within a second:
-        state.handle(("progress", 0, 0, "step", n, 3, n == 3, float(n), 0))
+        state.handle(Progress(0, 0, "step", n, 3, n == 3, float(n), 0))
     for n in range(30, 41):  # each loop's first event and its end are written, no other
-        state.handle(("progress", 0, 0, "step", n, 40, n == 40, float(n), 30))
+        state.handle(Progress(0, 0, "step", n, 40, n == 40, float(n), 30))
     recorder.finish(state, True)
     recorder.close()
-    logged = [e[3:] for e in runlog.Tail(tmp_path / runlog.rank_events(0)).read() if e[1] == "progress"]
-    assert [e[2] for e in logged] == [0, 3, 30, 40]
+    logged = [event for _, event in runlog.Tail(tmp_path / runlog.rank_events(0)).read()
+              if isinstance(event, Progress)]
+    assert [e.n for e in logged] == [0, 3, 30, 40]
     replayed = RunState("x", [0])
     for event in logged:
-        replayed.handle(("progress", 0, *event))
+        replayed.handle(event)
     assert replayed.ranks[0].bars[0] == state.ranks[0].bars[0]
     assert replayed.ranks[0].steps == state.ranks[0].steps == 3 + 10
 
@@ -214,14 +217,12 @@ class _Watched(LineDisplay):
 
     def start(self, state):
         self.state, self.seen = state, []
-        handle = state.handle
 
-        def handled(message):
-            handle(message)
-            if message[0] == "progress" and message[1] == 0:
+        def heard(event):
+            if isinstance(event, Progress) and event.rank == 0:
                 self.seen.append({lv: (b.n, b.total) for lv, b in state.ranks[0].bars.items()})
 
-        state.handle = handled
+        state.subscribe(heard)
         super().start(state)
 
 
@@ -242,3 +243,43 @@ def test_a_resumed_launch_reads_initial_to_total_and_counts_only_new_steps(no_le
     rates = [v.step_rate for v in display.state.ranks.values()]
     rates += [v.step_rate for v in result.vitals if v.step_rate is not None]
     assert rates and all(0 < r <= 1 / pause for r in rates if r is not None), rates
+
+
+# -- the model's observers ------------------------------------------------------------------------
+
+def test_observers_hear_every_change_and_its_replay_rebuilds_the_same_run():
+    """What a submitted run's recorder hears is all `attach` needs: the events, fed to a new
+    state, give the same statuses, blame and metrics."""
+    from nbtrain.common.protocol import Failed, Finished, Hello, Metric, Raised, Returned, Stopped
+    from nbtrain.common.transfer import pack_result
+
+    state, heard = RunState("ddp on 3 CPU ranks, gloo", [0, 1, 2]), []
+    state.subscribe(heard.append)
+    for rank in (0, 1, 2):
+        state.handle(Hello(rank, 100 + rank, "node"))
+    state.handle(Progress(0, 0, "batch", 3, 10, False, 1.0))
+    state.handle(Metric(0, 0, "loss", 0.5, False))
+    state.handle(Metric(0, 0, ("a", 1), 2.0, False))  # a name that is not a str: a JSON list in the log
+    state.handle(Raised(2, "RuntimeError: Connection closed by peer", "gloo ..."))  # only a lost peer
+    state.fail(1, "rank 1 ended: killed by SIGKILL", crashed=True)  # the cause
+    state.fail(1, "said twice", crashed=True)  # no change: not heard
+    state.handle(Returned(0, pack_result(7, 0), "returned from train()"))
+    assert [type(e) for e in heard] == [Hello, Hello, Hello, Progress, Metric, Metric, Failed, Failed, Finished]
+    assert heard[-1] == Finished(0, "returned from train()") and heard[6].summary.startswith("RuntimeError")
+
+    replayed = RunState("ddp on 3 CPU ranks, gloo", [0, 1, 2])
+    for event in heard:  # through a log, as attach reads it
+        [(_, event)] = [protocol.read_event(json.loads(protocol.event_line(0, event)), protocol.VERSION)]
+        replayed.handle(event)
+    for state_ in (state, replayed):
+        assert [state_.outcome(r, final=True)[:2] for r in (0, 1, 2)] == [
+            ("finished", ""), ("failed", "rank 1 ended: killed by SIGKILL"), ("stopped", "stopped (rank 1 failed)")]
+        assert state_.root_cause().rank == 1 and state_.verdict(False) == "failed"
+        assert state_.ranks[0].metrics["loss"].value == 0.5 and state_.ranks[0].metrics[("a", 1)].value == 2.0
+        assert state_.ranks[2].pid == 102
+    assert state.values == {0: 7} and replayed.values == {0: None}  # a replay's values are in result.pkl
+
+    running = RunState("x", [0])
+    running.subscribe(heard.append)
+    running.stop(0, "interrupted", "stack")
+    assert heard[-1] == Stopped(0, "interrupted", "stack") and running.outcome(0, final=True)[0] == "stopped"

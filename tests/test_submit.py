@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import nbtrain
-from nbtrain.common import runlog, session
+from nbtrain.common import protocol, runlog, session
 from nbtrain.display.text import LineDisplay
 
 from conftest import Kernel
@@ -97,7 +97,8 @@ def _ended_cleanly(run) -> None:
 
 
 def _rank_pids(run) -> list[int]:
-    return [e[3] for r in (0, 1) for e in runlog.Tail(run.dir / runlog.rank_events(r)).read() if e[1] == "hello"]
+    return [e.pid for r in (0, 1) for _, e in runlog.Tail(run.dir / runlog.rank_events(r)).read()
+            if isinstance(e, protocol.Hello)]
 
 
 def test_a_directory_that_is_not_a_run_is_refused(tmp_path):
@@ -121,15 +122,18 @@ def test_bad_submit_settings_are_refused_before_anything_starts(tmp_path):
 
 
 def test_event_log_lines_are_whole_or_absent(tmp_path):
+    from nbtrain.common.protocol import Metric, event_line
+
     log = runlog.EventLog(tmp_path / "e.jsonl")
     tail = runlog.Tail(tmp_path / "e.jsonl")
-    log.write(0, "metric", 0, 1, "loss", 0.5, False)
+    log.write(0, Metric(1, 0, "loss", 0.5, False))
+    line = event_line(0, Metric(2, 0, "loss", 0.25, False))
     with open(tmp_path / "e.jsonl", "ab") as file:
-        file.write(b'[0, "metric", 0, 2, "lo')  # a writer killed mid-line
-    assert tail.read() == [[0, "metric", 0, 1, "loss", 0.5, False]]
+        file.write(line[:20])  # a writer killed mid-line
+    assert tail.read() == [(0, Metric(1, 0, "loss", 0.5, False))]
     with open(tmp_path / "e.jsonl", "ab") as file:
-        file.write(b'ss", 0.25, false]\n')
-    assert tail.read() == [[0, "metric", 0, 2, "loss", 0.25, False]]
+        file.write(line[20:])
+    assert tail.read() == [(0, Metric(2, 0, "loss", 0.25, False))]
     log.close()
 
 
@@ -382,18 +386,19 @@ def test_a_slurm_run_outlives_the_kernel_and_attach_collects_it(slurm, tmp_path)
 
 def test_bar_updates_are_logged_at_most_once_a_second_and_none_is_lost_at_the_end(tmp_path):
     from nbtrain.display.recorder import RunRecorder
-    from nbtrain.display.runstate import RunState
+    from nbtrain.common.protocol import Metric, Progress
+    from nbtrain.notebook.runmodel import RunState
 
     recorder, state = RunRecorder(tmp_path, 0), RunState("ddp on 1 CPU rank", [0])
     recorder.start(state)
     for n in range(50):  # as a fast loop reports them: all within a second
-        state.handle(("progress", 0, 0, "epoch", n, 50, False))
-    state.handle(("metric", 0, 3, "loss", 0.5, False))
-    state.handle(("progress", 0, 0, "epoch", 50, 50, True))
+        state.handle(Progress(0, 0, "epoch", n, 50, False))
+    state.handle(Metric(3, 0, "loss", 0.5, False))
+    state.handle(Progress(0, 0, "epoch", 50, 50, True))
     recorder.finish(state, True)
     recorder.close()
-    logged = [e[3:] for e in runlog.Tail(tmp_path / runlog.rank_events(0)).read() if e[1] == "progress"]
-    assert logged == [[0, "epoch", 0, 50, False], [0, "epoch", 49, 50, False], [0, "epoch", 50, 50, True]]
+    logged = [(e.n, e.done) for _, e in runlog.Tail(tmp_path / runlog.rank_events(0)).read() if isinstance(e, Progress)]
+    assert logged == [(0, False), (49, False), (50, True)]
 
 
 @pytest.mark.slow

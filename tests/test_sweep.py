@@ -96,7 +96,7 @@ def test_cpu_slots():
 
 
 def test_a_trials_value_is_its_last_logged_metric_else_a_returned_number():
-    from nbtrain.display.runstate import Metric
+    from nbtrain.common.protocol import Metric
     from nbtrain.notebook.result import Result
 
     logged = Result(None, [None], [Metric(0, 0, "loss", 2.0, False), Metric(1, 1, "loss", 9.0, False),

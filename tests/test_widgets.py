@@ -21,7 +21,8 @@ from nbtrain.common.devices import plan_devices
 from nbtrain.common.inventory import NvmlInventory
 from nbtrain.display import chart, make_display, widgets
 from nbtrain.display.text import LineDisplay, QuietDisplay, summary_lines
-from nbtrain.display.runstate import RunState
+from nbtrain.common.protocol import BatchSize, Hello, Metric, Progress
+from nbtrain.notebook.runmodel import RunState
 
 GiB = 2**30
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -42,20 +43,20 @@ def two_rank_run(fail_rank: int | None = None) -> RunState:
     """A RunState as two ranks of 2 epochs x 4 batches would leave it."""
     state = RunState("ddp_fork on 2 CPU ranks, gloo", [0, 1])
     for rank in (0, 1):
-        state.handle(("hello", rank, 100 + rank))
-        state.handle(("batch_size", rank, 8, 16))
+        state.handle(Hello(rank, 100 + rank))
+        state.handle(BatchSize(rank, 8, 16))
         for epoch in range(2):
-            state.handle(("progress", rank, 0, "epoch", epoch, 2, False))
-            state.handle(("progress", rank, 1, "batch", 0, 4, False))
+            state.handle(Progress(rank, 0, "epoch", epoch, 2, False))
+            state.handle(Progress(rank, 1, "batch", 0, 4, False))
             for i in range(4):
-                state.handle(("progress", rank, 1, "batch", i + 1, 4, i == 3))
-                state.handle(("metric", rank, epoch * 4 + i, "loss", 1 / (1 + epoch * 4 + i), True))
-                state.handle(("metric", rank, epoch * 4 + i, "acc", 0.5 + 0.05 * i + 0.01 * rank, False))
-        state.handle(("progress", rank, 0, "epoch", 2, 2, True))
+                state.handle(Progress(rank, 1, "batch", i + 1, 4, i == 3))
+                state.handle(Metric(epoch * 4 + i, rank, "loss", 1 / (1 + epoch * 4 + i), True))
+                state.handle(Metric(epoch * 4 + i, rank, "acc", 0.5 + 0.05 * i + 0.01 * rank, False))
+        state.handle(Progress(rank, 0, "epoch", 2, 2, True))
         if rank == fail_rank:
             state.fail(rank, "ValueError: boom on rank 1\nsecond line", "Traceback ...")
         elif fail_rank is None:
-            state.handle(("value", rank, rank))
+            state.finish(rank, rank)
     state.ended = time.monotonic()
     return state
 
@@ -151,7 +152,7 @@ def test_a_stopped_ranks_own_message_is_folded():
 
 def test_interrupted_run_reads_interrupted_and_its_ranks_stopped():
     state = RunState("ddp_fork on 2 CPU ranks, gloo", [0, 1])
-    state.handle(("hello", 0, 100))
+    state.handle(Hello(0, 100))
     display = finished_dashboard(state, False)  # Ctrl-C: no rank failed, nbtrain stopped them
     shown = display.snapshot()
     assert "interrupted" in shown["header"] and "interrupted" in display.summary
@@ -168,7 +169,7 @@ def test_redraws_are_throttled_and_skipped_when_nothing_changed(monkeypatch):
     monkeypatch.setattr(display, "_draw", lambda *a, **k: (draws.append(1), real_draw(*a, **k)))
     started = time.monotonic()
     for i in range(20000):  # as fast as a training loop can report
-        state.handle(("progress", 0, 0, "batch", i, 20000, False))
+        state.handle(Progress(0, 0, "batch", i, 20000, False))
         display.update(state)
     elapsed = time.monotonic() - started
     assert len(draws) <= elapsed / widgets.REDRAW_INTERVAL + 1
@@ -184,7 +185,7 @@ def test_redraws_are_throttled_and_skipped_when_nothing_changed(monkeypatch):
 def test_non_finite_metrics_still_draw():
     state = two_rank_run()
     for step, value in ((8, float("nan")), (9, float("inf")), (10, 0.1)):
-        state.handle(("metric", 0, step, "loss", value, True))
+        state.handle(Metric(step, 0, "loss", value, True))
     display = finished_dashboard(state, True)
     assert display.plot_png.startswith(PNG)
     assert "loss (mean over ranks): 1 -> 0.1" in widgets.plot_bundle(state.history)["text/plain"]
@@ -214,7 +215,7 @@ def test_chart_draws_synced_metrics_once_and_others_per_rank_with_axes():
 
 
 def test_a_chart_of_one_mean_line_still_says_what_the_line_and_the_x_axis_are():
-    from nbtrain.display.runstate import Metric
+    from nbtrain.common.protocol import Metric
 
     series = chart.MetricSeries()
     series.consume([Metric(s, 0, "loss", 1 / (s + 1), True) for s in range(5)])
@@ -224,7 +225,7 @@ def test_a_chart_of_one_mean_line_still_says_what_the_line_and_the_x_axis_are():
 
 def test_a_loss_within_one_decade_gets_more_than_one_labelled_tick():
     from nbtrain.display.figure import metrics_figure
-    from nbtrain.display.runstate import Metric
+    from nbtrain.common.protocol import Metric
 
     # 07 and 08 saved a log axis labelled "1" alone: the loss stayed between 0.3 and 0.9.
     fig = metrics_figure([Metric(s, 0, "loss", 0.9 - 0.04 * s, True) for s in range(15)])
@@ -236,7 +237,7 @@ def test_a_loss_within_one_decade_gets_more_than_one_labelled_tick():
 
 def test_metrics_are_drawn_in_the_order_rank_0_logged_them():
     from nbtrain.display.figure import lines_by_metric
-    from nbtrain.display.runstate import Metric
+    from nbtrain.common.protocol import Metric
 
     # Rank 1's messages may arrive first; the panels still follow rank 0's order.
     history = [Metric(0, 1, "acc", 0.5, False), Metric(0, 0, "loss", 2.0, True), Metric(0, 0, "acc", 0.4, False)]
@@ -311,10 +312,10 @@ def test_step_rate_counts_the_innermost_loop_across_epochs():
 
 def test_a_resumed_loop_draws_from_initial_and_its_eta_counts_only_new_steps():
     state = RunState("x", [0])
-    state.handle(("hello", 0, os.getpid()))
+    state.handle(Hello(0, os.getpid()))
     t0 = time.monotonic() - 2.0
     for n in range(1000, 1101, 10):  # resumed at 1000 of 2025; 100 steps over the last 2 s: 50/s
-        state.handle(("progress", 0, 0, "step", n, 2025, False, t0 + (n - 1000) / 50, 1000))
+        state.handle(Progress(0, 0, "step", n, 2025, False, t0 + (n - 1000) / 50, 1000))
     display = widgets.WidgetDisplay()
     display.vitals.maybe_sample(state, now=t0 + 2.0 + state.ranks[0].lag)  # sampled as the last event came
     display.start(state)
@@ -333,15 +334,15 @@ def test_vitals_find_each_ranks_gpu_by_pid_and_memory_otherwise(monkeypatch):
     from nbtrain.notebook.result import Result
 
     state = RunState("ddp_fork on 2 GPUs, nccl", [0, 1])
-    state.handle(("hello", 0, os.getpid()))  # rank 0: this process, which "holds" GPU 1 below
-    state.handle(("hello", 1, 2**22 + 7))  # rank 1: a pid that is not running
+    state.handle(Hello(0, os.getpid()))  # rank 0: this process, which "holds" GPU 1 below
+    state.handle(Hello(1, 2**22 + 7))  # rank 1: a pid that is not running
     use_inventory(StaticInventory([a100(0), a100(1, GpuProcess(os.getpid(), "python", 3 * GiB), used=3 * GiB)]))
     try:
         sampler = VitalsSampler(interval=0.0)
         assert sampler.maybe_sample(state, now=100.0)
         for n in (0, 50, 100):  # each event carries the rank's clock: 100.0, 101.0, 102.0
-            state.handle(("progress", 0, 0, "batch", n, 1000, False, 100.0 + n / 50))
-            state.handle(("progress", 1, 0, "batch", n // 2, 1000, False, 100.0 + n / 50))
+            state.handle(Progress(0, 0, "batch", n, 1000, False, 100.0 + n / 50))
+            state.handle(Progress(1, 0, "batch", n // 2, 1000, False, 100.0 + n / 50))
         assert sampler.maybe_sample(state, now=102.0)
     finally:
         use_inventory(None)
@@ -356,9 +357,9 @@ def test_vitals_find_each_ranks_gpu_by_pid_and_memory_otherwise(monkeypatch):
     sampler = VitalsSampler()
     assert sampler.maybe_sample(state) and not sampler.maybe_sample(state)  # at most once a second
     late, sampler = RunState("x", [0, 1]), VitalsSampler()
-    late.handle(("hello", 0, os.getpid()))
+    late.handle(Hello(0, os.getpid()))
     assert sampler.maybe_sample(late, now=1000.0) and [v.rank for v in late.vitals] == [0]
-    late.handle(("hello", 1, os.getpid()))  # a rank that starts later is sampled as soon as it runs
+    late.handle(Hello(1, os.getpid()))  # a rank that starts later is sampled as soon as it runs
     assert sampler.maybe_sample(late, now=1000.1) and [v.rank for v in late.vitals] == [0, 1]
     assert not sampler.maybe_sample(late, now=1000.2)
 
@@ -390,12 +391,12 @@ def test_live_view_shows_rate_memory_and_marks_the_slowest_rank():
     display = widgets.WidgetDisplay()
     state = RunState("ddp_fork on 2 CPU ranks, gloo", [0, 1])
     for rank in (0, 1):
-        state.handle(("hello", rank, os.getpid()))
+        state.handle(Hello(rank, os.getpid()))
     display.start(state)
     display.vitals.maybe_sample(state, now=0.0)
     for rank, n in ((0, 100), (1, 40)):
         for step, at in ((0, 0.0), (n // 2, 1.0), (n, 2.0)):  # at: the rank's clock
-            state.handle(("progress", rank, 0, "batch", step, 1000, False, at))
+            state.handle(Progress(rank, 0, "batch", step, 1000, False, at))
     display.vitals.maybe_sample(state, now=2.0)
     display._draw(state, time.monotonic())
     rows = display.snapshot()["ranks"]

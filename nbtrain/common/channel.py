@@ -7,8 +7,8 @@ environment, so forked, spawned, template-forked, torchrun-,
 SLURM- and Ray-started ranks speak the same protocol. The authkey is the security boundary:
 a connection that fails its challenge is dropped before anything is read from it.
 
-Ranks -> notebook: tuples whose first item is the kind and second the sender's rank, batched
-on a thread of the rank's own so a slow notebook never slows a training step; replies are
+Ranks -> notebook: `protocol` records, each naming its sender's rank, batched on a thread of
+the rank's own so a slow notebook never slows a training step; replies (`protocol.URGENT`) are
 flushed at once. Notebook -> rank: commands (`Hub.send`), read on a second thread of the rank.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from multiprocessing.reduction import ForkingPickler
 
+from . import protocol
 from .happy_eyeballs import NoneAnswered, first_to_answer
-from .lines import Screen
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,6 @@ SWEEP_SECONDS = 1.0  # how often the accept loop looks for strangers past AUTH_S
 BACKLOG = 4096
 CONNECT_SECONDS = 30.0  # a rank that cannot reach the notebook by then gives up and says why
 HANDSHAKE_SECONDS = 5.0  # one attempt: connect and the authkey challenge, both ways
-# Sent without batching delay (a rank's new rich output too: it keeps its place among the lines printed around it).
-URGENT = frozenset({"hello", "begin", "result", "error", "need", "prompt", "display", "clear_output"})
 WRITE_CHUNK = 1 << 20
 SEND_STALL = 10.0  # after a Ctrl-C, how long a message being sent may make no progress before its link is cut
 
@@ -53,7 +51,7 @@ SEND_STALL = 10.0  # after a Ctrl-C, how long a message being sent may make no p
 class Hub:
     """Notebook side: accepts rank connections, puts every message on `inbox`, sends commands.
 
-    A closed connection is reported as ("closed", rank) so the notebook knows that nothing
+    A closed connection is reported as `protocol.Closed(rank)` so the notebook knows that nothing
     more will come from that rank. `host` is the address to bind (loopback by default);
     `advertise` the address ranks are told to dial, when it differs (0.0.0.0 bound, say), or
     several, best first: each rank tries them in order until one passes the authkey challenge.
@@ -138,7 +136,7 @@ class Hub:
                 self._served.pop(conn, None)
             conn.close()  # after it left `_served`: nobody shuts a closed (reusable) descriptor
             if rank is not None:
-                self.inbox.put(("closed", rank))
+                self.inbox.put(protocol.Closed(rank))
 
     def _authenticate(self, conn) -> bool:
         """The authkey's challenge, both ways; nothing is unpickled from a peer before it passes."""
@@ -167,7 +165,7 @@ class Hub:
                 batch = conn.recv()
                 for message in batch:
                     if rank is None:
-                        rank = message[1]
+                        rank = message.rank
                         self._by_rank[rank] = conn
                     self.inbox.put(message)
         except (EOFError, OSError):
@@ -341,10 +339,11 @@ class Link:
                                           name="nbtrain-commands", daemon=True)
         self._receiver.start()
 
-    def emit(self, kind: str, *payload) -> None:
+    def emit(self, message) -> None:
+        """Send a `protocol` record (its `rank` this link's): in the next batch, or at once if urgent."""
         with self._lock:
-            self._pending.append((kind, self.rank, *payload))
-            if kind in URGENT or len(self._pending) >= BATCH_LIMIT:
+            self._pending.append(message)
+            if type(message) in protocol.URGENT or len(self._pending) >= BATCH_LIMIT:
                 self._urgent = True
                 self._lock.notify()
 
@@ -370,10 +369,10 @@ class Link:
             if not self._closing:
                 on_lost()
 
-    def close(self, *final: tuple) -> None:
+    def close(self, *final) -> None:
         """Send what is pending, then `final` messages, and wait until they are written."""
         with self._lock:
-            self._pending.extend((kind, self.rank, *payload) for kind, *payload in final)
+            self._pending.extend(final)
             self._closing = True
             self._lock.notify()
         self._thread.join()
@@ -505,76 +504,3 @@ def _receive_timeout(conn, seconds: float) -> None:
     with socket.socket(fileno=os.dup(conn.fileno())) as sock:
         whole = int(seconds)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
-
-
-class OutputPump:
-    """Reads ranks' stdout/stderr pipes on one thread and puts ("output", rank, stream, line)
-    on the inbox, and ("live", rank, stream, text, done) for the lines a progress bar redraws
-    (`lines.Screen`); `rank_of` may map a line to its rank (torchrun prefixes lines with it)."""
-
-    def __init__(self, inbox: queue.Queue):
-        import selectors
-
-        self.inbox = inbox
-        self._selector = selectors.DefaultSelector()
-        self._screens: dict[int, Screen] = {}
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-
-    def add(self, fd: int, rank: int | None, stream: str, rank_of=None) -> None:
-        import selectors
-
-        os.set_blocking(fd, False)
-        self._selector.register(fd, selectors.EVENT_READ, (rank, stream, rank_of))
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="nbtrain-output", daemon=True)
-            self._thread.start()
-
-    def _loop(self) -> None:
-        # Pipes may be added while it runs (a restarted pool): wait for them, do not end.
-        while not self._stop.is_set():
-            if not self._selector.get_map():
-                self._stop.wait(0.05)
-                continue
-            for key, _ in self._selector.select(timeout=0.1):
-                self._read(key)
-
-    def _read(self, key) -> None:
-        fd, (rank, stream, rank_of) = key.fd, key.data
-        try:
-            chunk = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        if chunk:
-            events = self._screens.setdefault(fd, Screen()).feed(chunk)
-        else:  # end of file: the last partial line is still output
-            self._selector.unregister(fd)
-            os.close(fd)
-            events = self._screens.pop(fd, Screen()).flush()
-        for event in events:
-            if event[0] == "line":
-                who, text = rank_of(event[1]) if rank_of else (rank, event[1])
-                self.inbox.put(("output", who, stream, text))
-            else:  # lines a progress bar redraws
-                self.inbox.put(("live", rank, stream, *event[1:]))
-
-    def drain(self, timeout: float) -> None:
-        """Wait (bounded) until every pipe reached end of file."""
-        import time
-
-        deadline = time.monotonic() + timeout
-        while self._selector.get_map() and time.monotonic() < deadline and self._thread is not None:
-            time.sleep(0.005)
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
-        for key in list(self._selector.get_map().values()):
-            self._selector.unregister(key.fd)
-            os.close(key.fd)
-        self._selector.close()

@@ -17,6 +17,7 @@ writer is gone.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import re
@@ -26,12 +27,12 @@ from pathlib import Path
 
 import dill
 
-from . import session
+from . import protocol, session
 from .private import IncompleteWrite, check_own, private_dir, read_own, read_own_json, write_private
 
 JOB = "job.pkl"  # the function and its arguments, pickled as launch ships them
 OBJECTS = "launch.pkl"  # launch's settings that are objects: cluster, trackers, profile
-SPEC = "run.json"  # what was asked: function, devices, strategy, max_restarts, when
+SPEC = "run.json"  # what was asked: function, devices, strategy, max_restarts, when; the formats' version
 STATUS = "status.json"  # queued, running, restarting, finished, failed, cancelled; who submitted it
 EVENTS = "events.jsonl"  # run-level events: each attempt's start, notes, restarts, the end
 RESULT = "result.pkl"  # the Result, pickled (a finished run)
@@ -145,12 +146,30 @@ def read_json(path: Path, *keys: str) -> dict:
     return value
 
 
+def write_spec(path: Path, value: dict) -> None:
+    """run.json, with the version of the run directory's formats (`protocol.VERSION`)."""
+    write_json(path, protocol.spec(value))
+
+
+def read_spec(path: Path, *keys: str) -> dict:
+    """run.json as this version reads it (`protocol.read_spec` upgrades an older one)."""
+    return protocol.read_spec(read_json(path, *keys), str(path))
+
+
+class _Unpickler(dill.Unpickler):
+    """Finds the classes an older nbtrain's pickle names where they were then (`protocol.MOVED`)."""
+
+    def find_class(self, module: str, name: str):
+        moved = protocol.MOVED.get((module, name))
+        return moved if moved is not None else super().find_class(module, name)
+
+
 def read_pickle(path: Path):
     """A run file's pickle, read only from a file this user owns (`private.read_own`); one that
     cannot be unpickled is a ValueError naming the file, and why."""
     data = read_own(path)
     try:
-        return dill.loads(data)
+        return _Unpickler(io.BytesIO(data)).load()
     except Exception as error:  # truncated, overwritten, or a class this kernel cannot import
         raise ValueError(f"{str(path)!r} cannot be read back ({type(error).__name__}: {error}; "
                          f"{len(data):,} bytes)") from error
@@ -170,17 +189,26 @@ def metric_name(name) -> str:
 
 
 class EventLog:
-    """Appends events (JSON-able lists) to one file, each as one whole line."""
+    """Appends a log's events (`protocol` records), each as one whole line; a new log begins with
+    the header that names its format's version."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        if os.fstat(self.fd).st_size == 0:  # a restart's attempt appends to the log its first began
+            try:
+                self._write(protocol.header_line())
+            except OSError:
+                self.close()
+                raise
 
-    def write(self, *event) -> None:
+    def write(self, attempt: int, event) -> None:
         """One line; IncompleteWrite if the disk takes only part of it (the line stays cut and
         unread: `Tail` skips it)."""
+        self._write(protocol.event_line(attempt, event))
+
+    def _write(self, data: bytes) -> None:
         # One write call per line: O_APPEND puts it at the end whole, even with other writers.
-        data = (json.dumps(event, default=repr) + "\n").encode()
         wrote = 0
         try:
             while wrote < len(data):  # a full disk takes part of a write, then fails the rest
@@ -195,25 +223,34 @@ class EventLog:
 
 
 class Tail:
-    """Reads the whole lines appended to a file since the last read; a partial last line waits.
-    Only a file this user owns, reached through no link, is read (`private.read_own`)."""
+    """Reads the events appended to a log since the last read, as `protocol.Logged` records of
+    whatever version the log is; a partial last line waits. Only a file this user owns, reached
+    through no link, is read (`private.read_own`)."""
 
     def __init__(self, path: Path):
         self.path, self.offset = path, 0
+        self.version = 1  # until the first line says otherwise: version 1 had no header
 
-    def read(self) -> list[list]:
+    def read(self) -> list[protocol.Logged]:
         try:
             data = read_own(self.path, self.offset)
         except FileNotFoundError:
             return []
         end = data.rfind(b"\n") + 1
-        self.offset += end
+        first, self.offset = self.offset == 0, self.offset + end
         events = []
         for line in data[:end].splitlines():
             try:
-                event = json.loads(line)
+                value = json.loads(line)
             except ValueError:  # a line cut by a full disk: skip it, keep the rest
                 continue
-            if isinstance(event, list) and len(event) >= 3:  # (attempt, kind, rank, ...): anything else is not ours
+            if first:
+                first = False
+                version = protocol.log_version(value)
+                if version is not None:
+                    self.version = version
+                    continue
+            event = protocol.read_event(value, self.version)
+            if event is not None:  # anything else is not ours
                 events.append(event)
         return events

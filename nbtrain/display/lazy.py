@@ -5,6 +5,7 @@ noise. Once a rank reports progress or a metric, the real display (`make_display
 """
 from __future__ import annotations
 
+from ..common import protocol
 from . import make_display
 from .rank_output import deliver
 from .text import QuietDisplay
@@ -30,10 +31,10 @@ class LazyDisplay:
         self._current.output(rank, stream, text)
 
     def live(self, rank, stream: str, text: str, done: bool) -> None:
-        deliver(self._current, ("live", rank, stream, text, done))
+        deliver(self._current, protocol.Live(rank, stream, text, done))
 
-    def rich(self, rank, kind: str, *payload) -> None:
-        deliver(self._current, (kind, rank, *payload))
+    def rich(self, message) -> None:
+        deliver(self._current, message)
 
     def update(self, state) -> None:
         if self._inner is None and (state.history or any(v.bars for v in state.ranks.values())):

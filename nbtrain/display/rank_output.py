@@ -17,9 +17,10 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
+from ..common import protocol
+
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-RICH = ("display", "update_display", "clear_output")
-KINDS = ("live", *RICH)  # the messages `deliver` takes
+KINDS = (protocol.Live, *protocol.RICH)  # the messages `deliver` takes
 
 
 def jupyter_shell():
@@ -33,22 +34,20 @@ def tagged(rank, text: str) -> str:
     return text if rank is None else "\n".join(f"[rank {rank}] {line}" for line in text.split("\n"))
 
 
-def deliver(display, message: tuple) -> None:
-    """A ("live" | "display" | "update_display" | "clear_output", rank, ...) message to `display`.
-    A display of the caller's own without `live` and `rich` gets a bar's last lines as output."""
-    kind, rank, *payload = message
-    if kind == "live":
+def deliver(display, message) -> None:
+    """A `protocol.Live`, `Display`, `UpdateDisplay` or `ClearOutput` message to `display`. A
+    display of the caller's own without `live` and `rich` gets a bar's last lines as output."""
+    if isinstance(message, protocol.Live):
         live = getattr(display, "live", None)
         if live is not None:
-            live(rank, *payload)
-        elif payload[2]:
-            stream, text = payload[0], payload[1]
-            for line in text.split("\n") if text else ():
-                display.output(rank, stream, line)
+            live(message.rank, message.stream, message.text, message.done)
+        elif message.done:
+            for line in message.text.split("\n") if message.text else ():
+                display.output(message.rank, message.stream, line)
         return
     rich = getattr(display, "rich", None)
     if rich is not None:
-        rich(rank, kind, *payload)
+        rich(message)
 
 
 class RankOutput:
@@ -90,29 +89,31 @@ class RankOutput:
             self._live[key] = display(bundle, raw=True, display_id=True)
 
     # -- rich display --------------------------------------------------------------------
-    def rich(self, rank, kind: str, *payload) -> None:
+    def rich(self, message) -> None:
+        """A rank's `protocol.Display`, `UpdateDisplay` or `ClearOutput`."""
+        rank, new = message.rank, isinstance(message, protocol.Display)
         if rank != self.shown_rank:
-            self._unshown[rank] += kind == "display"
+            self._unshown[rank] += new
             return
         if jupyter_shell() is None:
-            text = payload[0].get("text/plain") if kind == "display" else None
+            text = message.data.get("text/plain") if new else None
             for line in text.split("\n") if text else ():
                 self._output(rank, "stdout", line)
             return
-        if kind == "clear_output":
+        if isinstance(message, protocol.ClearOutput):
             from IPython.display import clear_output
 
-            clear_output(wait=payload[0])
+            clear_output(wait=message.wait)
             self._live.clear()  # their outputs are gone: a bar still drawing starts a new one
             self._shown_again()
             return
         from IPython.display import publish_display_data
 
-        data, metadata, transient = payload
-        data = {mime: value for mime, value in data.items() if mime != WIDGET_VIEW} or {"text/plain": ""}
+        data = {mime: value for mime, value in message.data.items() if mime != WIDGET_VIEW} or {"text/plain": ""}
+        transient = message.transient
         if "display_id" in transient:
             transient = {**transient, "display_id": f"nbtrain-rank{rank}-{transient['display_id']}"}
-        publish_display_data(data, metadata, transient=transient, update=kind == "update_display")
+        publish_display_data(data, message.metadata, transient=transient, update=not new)
 
     def end(self) -> str | None:
         """What was not shown, said once (the display notes it at the end of the command)."""

@@ -1,9 +1,10 @@
 """A display that draws nothing and writes what it is given to a run directory's event logs.
 
-A submitted run's supervisor runs `launch` with this as its display: what the ranks report
-(progress, metrics, output, failures, vitals) goes to one file per rank, the run's notes to the
-run's own file, and a notebook that attaches later feeds them to a `RunState` of its own
-(`notebook/runs.py`). It has no `live` or `rich`: a redrawn bar arrives as its last lines.
+A submitted run's supervisor runs `launch` with this as its display. It subscribes to the run's
+model (`notebook/runmodel.RunState`): every run event (progress, metrics, failures, vitals) goes
+to one file per rank, with the ranks' output; the run's notes to the run's own file. A notebook
+that attaches later feeds them to a `RunState` of its own (`notebook/runs.py`). It has no `live`
+or `rich`: a redrawn bar arrives as its last lines.
 
 The logs are best effort: a write that fails (a full disk) stops them, says so once (`stopped`,
 which the supervisor puts in status.json) and never reaches the training. It also keeps
@@ -16,13 +17,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..common import runlog
-from .runstate import RunState, starts_loop
+from ..common import protocol, runlog
 from .vitals import VitalsSampler
 
-# RunState messages kept as they are; "result" carries the pickled value, which goes to
-# result.pkl whole, so only that the rank finished (and where) is logged.
-PLAIN = ("hello", "metric", "batch_size")
+# Logged as they come; a bar's progress is thinned (PROGRESS_INTERVAL), a profile not logged.
+PLAIN = (protocol.Hello, protocol.Metric, protocol.BatchSize, protocol.Failed, protocol.Finished,
+         protocol.Stopped, protocol.Vital)
 PROGRESS_INTERVAL = 1.0  # seconds between the logged updates of one bar
 SUMMARY_INTERVAL = 5.0  # seconds between the rewrites of summary.json while the run goes on
 
@@ -43,11 +43,10 @@ class RunRecorder:
         self.queued, self._queued_seen = queued, ...
         self.logs: dict[int | None, runlog.EventLog] = {}  # rank -> its log; None -> the run's own
         self.vitals = VitalsSampler()
-        self._vitals_written = 0
         # A bar's updates, at most one a second each: a ranks' bar reports up to ten a second, and a
         # run of hours would otherwise log millions of them. Each carries the bar's whole position,
         # so the one held back is written before anything else of its rank, and at the end.
-        self._held: dict[tuple[int, int], tuple] = {}  # (rank, level): the latest unwritten update
+        self._held: dict[tuple[int, int], protocol.Progress] = {}  # (rank, level): the latest unwritten update
         self._written: dict[tuple[int, int], float] = {}  # (rank, level): when one was last written
 
     def _log(self, rank) -> runlog.EventLog:
@@ -55,11 +54,12 @@ class RunRecorder:
             self.logs[rank] = runlog.EventLog(self.dir / (runlog.EVENTS if rank is None else runlog.rank_events(rank)))
         return self.logs[rank]
 
-    def _write(self, rank, kind: str, *payload) -> None:
+    def _write(self, rank, event) -> None:
+        """`event` into `rank`'s log (None: the run's own)."""
         if self.stopped:
             return
         try:
-            self._log(rank).write(self.attempt, kind, rank, *payload)
+            self._log(rank).write(self.attempt, event)
         except OSError as error:  # the run goes on without its logs: never the training's failure
             name = runlog.EVENTS if rank is None else runlog.rank_events(rank)
             self.stopped = str(error) if isinstance(error, runlog.IncompleteWrite) else \
@@ -81,54 +81,38 @@ class RunRecorder:
         except OSError:
             pass
 
-    def start(self, state: RunState) -> None:
-        self._write(None, "start", state.title, sorted(state.ranks), time.time())
+    def start(self, state) -> None:
+        self._write(None, protocol.AttemptStarted(state.title, sorted(state.ranks), time.time()))
         self.summary.update(devices=state.title.split(" on ", 1)[-1], ranks=sorted(state.ranks))
         self._summarise()
         if self.echo is not None:
             self.echo.start(state)
-        handle, fail, stop = state.handle, state.fail, state.stop
+        state.subscribe(self._record)
 
-        # The state's own methods, recorded as they are called: every change the pool makes.
-        def handled(message: tuple) -> None:
-            kind, rank, *payload = message
-            if kind == "progress":
-                self._progress(rank, payload)
-            elif kind in PLAIN:
-                self._flush(rank)
-                self._write(rank, kind, *payload)
-                if kind == "metric" and rank == 0:  # (step, name, value, ...)
-                    value = payload[2]
-                    self.summary["metrics"][runlog.metric_name(payload[1])] = \
-                        value if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
-            elif kind == "result":
-                self._flush(rank)
-                self._write(rank, "finished", payload[1] if len(payload) > 1 else "")
-            handle(message)
+    def _record(self, event) -> None:
+        """A run event (`protocol`) into its rank's log: every change the ranks and the supervisor make."""
+        if isinstance(event, protocol.Progress):
+            self._progress(event)
+        elif isinstance(event, PLAIN):
+            if not isinstance(event, (protocol.Stopped, protocol.Vital)):  # the bars' positions before it
+                self._flush(event.rank)
+            self._write(event.rank, event)
+            if isinstance(event, protocol.Metric) and event.rank == 0:
+                value = event.value
+                self.summary["metrics"][runlog.metric_name(event.name)] = \
+                    value if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
 
-        def failed(rank: int, summary: str, traceback: str = "", crashed: bool = False, **more) -> None:
-            self._flush(rank)
-            self._write(rank, "failed", summary, traceback, crashed)
-            fail(rank, summary, traceback, crashed, **more)
-
-        def stopped(rank: int, why: str = "", stack: str = "") -> None:
-            self._write(rank, "stopped", why, stack)
-            stop(rank, why, stack)
-
-        state.handle, state.fail, state.stop = handled, failed, stopped
-
-    def _progress(self, rank: int, payload: list) -> None:
-        level, n, done = payload[0], payload[2], payload[4]  # (level, desc, n, total, done, the rank's clock, initial)
-        key, now = (rank, level), time.monotonic()
-        if key in self._held and self._held[key][1] != payload[1]:  # a new bar here: the old one's end first
-            self._flush(rank)
-        begins = starts_loop(n, done, *payload[6:7])  # a loop's first event is never held back
-        if not begins and not done and now - self._written.get(key, float("-inf")) < PROGRESS_INTERVAL:
-            self._held[key] = payload
+    def _progress(self, event: protocol.Progress) -> None:
+        key, now = (event.rank, event.level), time.monotonic()
+        if key in self._held and self._held[key].desc != event.desc:  # a new bar here: the old one's end first
+            self._flush(event.rank)
+        # A loop's first event is never held back, nor its last.
+        if not event.begins and not event.done and now - self._written.get(key, float("-inf")) < PROGRESS_INTERVAL:
+            self._held[key] = event
             return
         self._held.pop(key, None)  # this one says where the bar is now
-        self._flush(rank)
-        self._write(rank, "progress", *payload)
+        self._flush(event.rank)
+        self._write(event.rank, event)
         self._written[key] = now
 
     def _flush(self, rank=None, due: float | None = None) -> None:
@@ -136,36 +120,33 @@ class RunRecorder:
         now = time.monotonic()
         for key in [k for k in self._held if rank is None or k[0] == rank]:
             if due is None or now - self._written.get(key, float("-inf")) >= due:
-                self._write(key[0], "progress", *self._held.pop(key))
+                self._write(key[0], self._held.pop(key))
                 self._written[key] = now
 
     def note(self, text: str) -> None:
-        self._write(None, "note", text)
+        self._write(None, protocol.Note(text))
         if self.echo is not None:
             self.echo.note(text)
 
     def output(self, rank, stream: str, text: str) -> None:
-        self._write(rank, "output", stream, text)
+        self._write(rank, protocol.Output(rank, stream, text))
         if self.echo is not None:
             self.echo.output(rank, stream, text)
 
-    def update(self, state: RunState) -> None:
+    def update(self, state) -> None:
         if self.queued is not None and state.queued != self._queued_seen:
             self._queued_seen = state.queued
             self.queued(state.queued)
         self._flush(due=PROGRESS_INTERVAL)
-        self.vitals.maybe_sample(state)
-        for vital in state.vitals[self._vitals_written:]:
-            self._write(vital.rank, "vital", *vital[:1], *vital[2:])
-        self._vitals_written = len(state.vitals)
+        self.vitals.maybe_sample(state)  # the samples come back as events
         self._summarise(due=SUMMARY_INTERVAL)
         if self.echo is not None:
             self.echo.update(state)
 
-    def finish(self, state: RunState, ok: bool) -> None:
+    def finish(self, state, ok: bool) -> None:
         self._flush()
         self.update(state)
-        self._write(None, "end", ok, time.time())
+        self._write(None, protocol.AttemptEnded(ok, time.time()))
         self._summarise()
         if self.echo is not None:
             self.echo.finish(state, ok)

@@ -75,33 +75,13 @@ def _metric_text(metrics: dict) -> str:
     return " ".join(f"{name}={m.value:.4g}" for name, m in metrics.items())
 
 
-def verdict(state, ok: bool) -> str:
-    """How a run ended: finished, failed (a rank failed or timed out) or interrupted (Ctrl-C)."""
-    return "finished" if ok else ("failed" if state.failures else "interrupted")
-
-
-def final_status(view, state, final: bool) -> tuple[str, str, str]:
-    """(status, detail, reason) as a reader should see them.
-
-    A rank still running when the run ended was stopped by nbtrain: it reads
-    "stopped (rank N failed)" (or "interrupted"), never "failed". `reason` is a stopped rank's
-    own message (often a peer's disconnect), shown folded.
-    """
-    status, detail, reason = view.status, view.detail, getattr(view, "reason", "")
-    if final and status in ("starting", "running"):
-        status = "stopped"
-    if status == "stopped" and not detail:
-        detail = f"stopped (rank {state.root_cause().rank} failed)" if state.failures else "stopped (interrupted)"
-    return status, detail, reason
-
-
 def _clip(text: str, width: int = 80) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def rank_line(view, state=None, final: bool = False, vital=None) -> str:
     """One line for one rank: status, every progress level, step rate, memory, latest metrics."""
-    status, detail, reason = final_status(view, state, final) if state is not None else (view.status, view.detail, "")
+    status, detail, reason = state.outcome(view.rank, final) if state is not None else (view.status, view.detail, "")
     if detail.startswith(status):  # "stopped (rank 1 failed)" says the status and why
         status, detail = detail, ""
     bars = " ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in sorted(view.bars.items()))
@@ -120,7 +100,7 @@ def batch_text(state, times: str = "x") -> str:
 
 
 def summary_lines(state, ok: bool) -> list[str]:
-    head = f"nbtrain: {state.title}: {verdict(state, ok)} in {state.elapsed:.2f} s"
+    head = f"nbtrain: {state.title}: {state.verdict(ok)} in {state.elapsed:.2f} s"
     batch = batch_text(state)
     head += f"; {batch}" if batch else ""
     vitals = latest(state)
@@ -171,8 +151,8 @@ class QuietDisplay:
     def live(self, rank, stream: str, text: str, done: bool) -> None:
         self.rank_output.live(rank, stream, text, done)
 
-    def rich(self, rank, kind: str, *payload) -> None:
-        self.rank_output.rich(rank, kind, *payload)
+    def rich(self, message) -> None:
+        self.rank_output.rich(message)
 
     def update(self, state) -> None:
         self.vitals.maybe_sample(state)

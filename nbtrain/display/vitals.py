@@ -14,7 +14,7 @@ import time
 import psutil
 
 from ..common import inventory
-from .runstate import RunState, Vital
+from ..common.protocol import Vital
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ class VitalsSampler:
         self._last = float("-inf")
         self._sampled: set[int] = set()  # ranks sampled at least once
 
-    def maybe_sample(self, state: RunState, now: float | None = None) -> bool:
+    def maybe_sample(self, state, now: float | None = None) -> bool:
+        """Sample the running ranks into `state` (`notebook/runmodel.RunState.add_vital`) if due."""
         now = time.monotonic() if now is None else now
         due = now - self._last >= self.interval
         if not due and len(self._sampled) == len(state.ranks):
@@ -70,9 +71,8 @@ class VitalsSampler:
         at = now - state.started
         for rank, pid in pids.items():
             index, gpu_memory, util = gpu.get(pid, (None, None, None))
-            state.vitals.append(Vital(round(at, 3), rank, self._rate(rank, state.ranks[rank], now),
-                                      _rss(pid), gpu_memory, util, index))
-        state.version += 1
+            state.add_vital(Vital(round(at, 3), rank, self._rate(rank, state.ranks[rank], now),
+                                  _rss(pid), gpu_memory, util, index))
         return True
 
     def _rate(self, rank: int, view, now: float) -> float | None:
@@ -81,7 +81,7 @@ class VitalsSampler:
         return view.recent_rate(RATE_WINDOW, now)
 
 
-def latest(state: RunState) -> dict[int, Vital]:
+def latest(state) -> dict[int, Vital]:
     """Each rank's most recent sample."""
     found: dict[int, Vital] = {}
     for vital in reversed(state.vitals):

@@ -23,7 +23,7 @@ import time
 
 from .chart import MetricSeries, chart_html
 from .figure import MISSING_MATPLOTLIB, have_matplotlib, metrics_figure, metrics_text, png
-from .text import QuietDisplay, _fraction, _metric_text, batch_text, final_status, summary_lines, verdict
+from .text import QuietDisplay, _fraction, _metric_text, batch_text, summary_lines
 from .vitals import latest, memory_text, rate_text, slowest
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class _RankRow:
 
     def draw(self, view, state, final: bool, vital, straggler: bool) -> bool:
         """Show `view`; True when widgets had to be created (a one-off cost)."""
-        status, detail, reason = final_status(view, state, final)
+        status, detail, reason = state.outcome(view.rank, final)
         if self.status.value != status:
             self.status.value = status
             self.status.style.text_color = STATUS_COLOURS.get(status, "")
@@ -332,7 +332,7 @@ class WidgetDisplay(QuietDisplay):
         self._charted, self._drawn, self._chart_stale = now, now, False
 
     def _draw_header(self, state) -> None:
-        word = "running" if self.ok is None else verdict(state, self.ok)
+        word = "running" if self.ok is None else state.verdict(self.ok)
         parts = [f"<b>nbtrain</b> {html.escape(state.title)}",
                  f'<span style="color:{STATUS_COLOURS[word]}">{word}</span>', f"{_duration(state.elapsed)} elapsed",
                  batch_text(state, "×")]
@@ -348,7 +348,7 @@ class WidgetDisplay(QuietDisplay):
 def summary_html(state, ok: bool) -> str:
     """The run's end state as a static HTML table: how it ended, and each rank's progress,
     step rate (the slowest marked), memory, metrics and failure or stop reason."""
-    word = verdict(state, ok)
+    word = state.verdict(ok)
     head = (f'<b>nbtrain</b> {html.escape(state.title)}: <span style="color:{STATUS_COLOURS[word]}">'
             f"{word}</span> in {state.elapsed:.2f} s")
     batch = batch_text(state, "×")
@@ -358,7 +358,7 @@ def summary_html(state, ok: bool) -> str:
     cells = ["rank", "status", "progress", "steps/s", "memory", "metrics", ""]
     rows = ["<tr>" + "".join(f"<th style='text-align:left'>{c}</th>" for c in cells) + "</tr>"]
     for rank, view in sorted(state.ranks.items()):
-        status, detail, reason = final_status(view, state, final=True)
+        status, detail, reason = state.outcome(rank, final=True)
         label = detail if detail.startswith(status) else status  # "stopped (rank 1 failed)"
         why = detail_html(status, "" if label == detail else detail, reason)
         progress = ", ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in sorted(view.bars.items()))

@@ -163,7 +163,7 @@ def _supervise(run_dir: Path, load, echo) -> int:
         # settings (srun reads SLURM_CPUS_PER_TASK, SLURM_NTASKS... from its environment).
         for name in [n for n in os.environ if n.startswith(("SLURM_", "SBATCH_", "SRUN_")) and n != "SLURM_CONF"]:
             del os.environ[name]
-    spec = runlog.read_json(run_dir / runlog.SPEC, "max_restarts", "launch")
+    spec = runlog.read_spec(run_dir / runlog.SPEC, "max_restarts", "launch")
     status = Status(run_dir, spec["max_restarts"])
     os.environ["NBTRAIN_RUN_DIR"] = str(run_dir)  # ctx.run_dir, in every rank (their environment starts from ours)
     try:

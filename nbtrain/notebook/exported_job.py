@@ -33,7 +33,7 @@ def main(here: str) -> int:
         old.unlink(missing_ok=True)
     me = session.identity(os.getpid())  # the supervisor is this process: for Run.cancel, and "alive"
     runlog.write_json(run_dir / runlog.SUPERVISOR, me)
-    runlog.write_json(run_dir / runlog.SPEC, {"function": plan["function"] or "cell", "started": time.time(),
+    runlog.write_spec(run_dir / runlog.SPEC, {"function": plan["function"] or "cell", "started": time.time(),
                                               "max_restarts": 0, "launch": plan["launch"]})
     runlog.write_json(run_dir / runlog.STATUS, {"status": "queued", "restarts": [], "max_restarts": 0,
                                                 "submitter": me})

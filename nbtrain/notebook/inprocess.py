@@ -8,10 +8,11 @@ import traceback
 
 import torch
 
+from ..common import protocol
 from ..rank.context import Context, set_current
 from ..common.errors import WorkerError
 from .result import Result
-from ..display.runstate import RunState
+from .runmodel import RunState
 from ..common.transfer import to_cpu
 from ..placements.base import Job
 
@@ -24,8 +25,8 @@ class _StateSink:
     def __init__(self, state: RunState, display):
         self.state, self.display = state, display
 
-    def emit(self, kind: str, *payload) -> None:
-        self.state.handle((kind, 0, *payload))
+    def emit(self, message) -> None:
+        self.state.handle(message)
         self.display.update(self.state)  # the display throttles itself
 
 
@@ -61,13 +62,13 @@ class InProcessLauncher:
         ctx = Context(device=device, strategy=job.strategy, backend=plan.backend,
                       sink=_StateSink(state, display), dp_device_ids=dp_ids)
         display.start(state)
-        state.handle(("hello", 0, None))
+        state.handle(protocol.Hello(0, None))
         previous = set_current(ctx)
         ok = False
         try:
             with _Alarm(job.timeout):
                 value = job.fn(*job.args, **job.kwargs)
-            state.handle(("value", 0, to_cpu(value)))
+            state.finish(0, to_cpu(value))
             ok = True
         except _TimedOut as stuck:
             state.fail(0, f"timed out after {job.timeout:g} s")

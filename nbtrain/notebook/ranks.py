@@ -351,7 +351,7 @@ class Ranks:
     def _push_files(self) -> RankFiles | None:
         """Where a push's large tensors go: shared memory that ranks on this machine map."""
         pool = self._pool
-        if pool is None or pool.launcher.remote or not pool.files or not pool.files.prefixes:
+        if pool is None or pool.remote or not pool.files or not pool.files.prefixes:
             return None
         return RankFiles.from_environ(PUSH_FILES, {**os.environ, **pool.files.environ})  # NBTRAIN_SHARED_MEMORY=0 too
 

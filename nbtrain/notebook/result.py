@@ -6,7 +6,8 @@ from typing import Any
 
 from ..display.figure import make_displayable, metrics_figure
 from ..display.profile import ProfileTable
-from ..display.runstate import Metric, RunState, Vital
+from ..common.protocol import Metric, Vital
+from .runmodel import RunState
 
 
 @dataclass

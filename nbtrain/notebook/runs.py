@@ -19,11 +19,11 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from ..common import runlog, session
+from ..common import protocol, runlog, session
 from ..common.private import NotYours, check_own
 from ..display import check_progress, in_jupyter, make_display
 from ..display.widgets import WidgetDisplay
-from ..display.runstate import RunState, Vital
+from .runmodel import RunState
 from .export import export, load_job
 from .result import Result
 
@@ -86,7 +86,7 @@ class Run:
     def __init__(self, run_dir, progress=True):
         self.dir, self.progress = _run_dir(run_dir), progress
         path = self.dir / runlog.SPEC
-        self.spec = runlog.read_json(path, "function", "started", "max_restarts", "launch")
+        self.spec = runlog.read_spec(path, "function", "started", "max_restarts", "launch")
         if not isinstance(self.spec["started"], (int, float)) or not isinstance(self.spec["launch"], dict):
             raise ValueError(f"{str(path)!r} is damaged: its 'started' is not a time or its 'launch' not an object")
         self._watcher: threading.Thread | None = None
@@ -307,12 +307,13 @@ class Run:
 
     def _summary_from_logs(self) -> dict:
         summary = {"devices": "", "ranks": [], "metrics": {}}
-        for event in runlog.Tail(self.dir / runlog.EVENTS).read():
-            if event[1] == "start" and len(event) >= 5 and isinstance(event[3], str) and isinstance(event[4], list):
-                summary.update(devices=event[3].split(" on ", 1)[-1], ranks=event[4])
-        for event in runlog.Tail(self.dir / runlog.rank_events(0)).read():
-            if event[1] == "metric" and len(event) >= 6:
-                summary["metrics"][runlog.metric_name(event[4])] = event[5]
+        for _, event in runlog.Tail(self.dir / runlog.EVENTS).read():
+            if isinstance(event, protocol.AttemptStarted) and isinstance(event.title, str) \
+                    and isinstance(event.ranks, list):
+                summary.update(devices=event.title.split(" on ", 1)[-1], ranks=event.ranks)
+        for _, event in runlog.Tail(self.dir / runlog.rank_events(0)).read():
+            if isinstance(event, protocol.Metric):
+                summary["metrics"][runlog.metric_name(event.name)] = event.value
         return summary
 
     def logs(self, rank: int = 0) -> str:
@@ -338,8 +339,8 @@ class Run:
         if ranks and rank not in ranks:
             raise ValueError(f"logs(rank={rank}): the run has rank{'s' if len(ranks) > 1 else ''} "
                              f"{', '.join(map(str, ranks))}.")
-        lines = [e[4] for e in runlog.Tail(self.dir / runlog.rank_events(rank)).read()
-                 if e[1] == "output" and len(e) >= 5]
+        lines = [event.text for _, event in runlog.Tail(self.dir / runlog.rank_events(rank)).read()
+                 if isinstance(event, protocol.Output)]
         return "".join(f"{line}\n" for line in lines)
 
     def export(self, path) -> Path:
@@ -482,13 +483,13 @@ class Follower:
             self.stopped = status["events_stopped"]
             self.display.note(f"the run's event logging stopped ({self.stopped}): the run goes on, this view no "
                               "longer follows it; its status and result still come")
-        for event in self.run_events.read():
-            self._run_event(*event)
+        for attempt, event in self.run_events.read():
+            self._run_event(attempt, event)
         if self.state is not None:
-            for rank, tail in self.tails.items():
-                for attempt, kind, _, *payload in tail.read():
+            for tail in self.tails.values():
+                for attempt, event in tail.read():
                     if attempt == self.attempt:
-                        self._rank_event(kind, rank, payload)
+                        self._rank_event(event)
             self.display.update(self.state)
         if ended:
             if self.state is not None:
@@ -499,46 +500,34 @@ class Follower:
             self.done = True
         return self.done
 
-    def _run_event(self, attempt: int, kind: str, _, *payload) -> None:
-        if kind == "start":
-            title, ranks, self.t0 = payload
+    def _run_event(self, attempt: int, event) -> None:
+        if isinstance(event, protocol.AttemptStarted):
+            title, ranks, self.t0 = event.title, event.ranks, event.time
             self.attempt = attempt
             if self.state is None:
                 self.state = RunState(title, ranks)
                 self.display.start(self.state)
             else:  # a restart: the same state object, begun again, so the display keeps drawing it
-                self.state.__init__(title if self.output else f"{title} · {self.restart.replace('ing', 'ed', 1)}",
-                                    ranks)
+                self.state.reset(title if self.output else f"{title} · {self.restart.replace('ing', 'ed', 1)}", ranks)
             self.state.started = time.monotonic() - (time.time() - self.t0)
             for rank in ranks:
                 self.tails.setdefault(rank, runlog.Tail(self.dir / runlog.rank_events(rank)))
-        elif kind == "note" and self.output:
-            self.display.note(payload[0])
-        elif kind == "note" and payload[0].startswith("restarting") and self.state is not None:
+        elif isinstance(event, protocol.Note) and self.output:
+            self.display.note(event.text)
+        elif isinstance(event, protocol.Note) and event.text.startswith("restarting") and self.state is not None:
             # Drawn by a thread, a note would print into whichever cell runs: the title says it.
-            self.restart = payload[0]
+            self.restart = event.text
             self.state.title = f"{self.state.title.split(' · ')[0]} · {self.restart}"
             self.state.version += 1
-        elif kind == "end" and attempt == self.attempt and self.state is not None:
-            self.state.ended = self.state.started + (payload[1] - self.t0)
+        elif isinstance(event, protocol.AttemptEnded) and attempt == self.attempt and self.state is not None:
+            self.state.ended = self.state.started + (event.time - self.t0)
 
-    def _rank_event(self, kind: str, rank: int, payload: list) -> None:
-        state = self.state
-        if kind == "output":
+    def _rank_event(self, event) -> None:
+        if isinstance(event, protocol.Output):
             if self.output:
-                self.display.output(rank, *payload)
-        elif kind == "finished":
-            state.handle(("value", rank, None))
-            state.ranks[rank].ended_where = payload[0]
-        elif kind == "failed":
-            state.fail(rank, *payload)
-        elif kind == "stopped":
-            state.stop(rank, *payload)
-        elif kind == "vital":
-            state.vitals.append(Vital(payload[0], rank, *payload[1:]))
-            state.version += 1
-        else:
-            state.handle((kind, rank, *payload))
+                self.display.output(event.rank, event.stream, event.text)
+        else:  # what the ranks reported, and what the supervisor made of it: the state takes it as it did then
+            self.state.handle(event)
 
 
 class RunTable(list):

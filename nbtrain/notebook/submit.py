@@ -143,7 +143,7 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
     try:
         runlog.write_whole(partial / runlog.JOB, job)
         runlog.write_whole(partial / runlog.OBJECTS, objects)
-        runlog.write_json(partial / runlog.SPEC, {"function": name, "started": time.time(),
+        runlog.write_spec(partial / runlog.SPEC, {"function": name, "started": time.time(),
                                                   "max_restarts": max_restarts, "launch": options})
         # Who submitted it: a run whose submitter died before its supervisor started reads failed.
         runlog.write_json(partial / runlog.STATUS, {"status": "queued", "restarts": [], "max_restarts": max_restarts,

@@ -6,43 +6,35 @@ closed by the caller); live ranks are interrupted and keep their state, and only
 cannot be interrupted (stuck in C code or a collective) are diagnosed by their stacks and the
 pool restarted. A wait that can never complete — a rank ended while another waits for it in
 a collective — is recognised from the waiting rank's stack within seconds, not left to hang.
+
+The supervisor keeps no state of the pool's: it asks the pool (`Watched`, what `Pool` offers it)
+and tells the run's model (`RunState`) what it finds; the stacks are read by `stacks.py`.
 """
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import re
-import shutil
-import subprocess
 import time
-from collections import defaultdict, deque
+from typing import Protocol
 
+from ..common import protocol
 from ..common.errors import WorkerError, interrupt_report
-from ..rank.loop import MARK
-from ..display.rank_output import KINDS as RANK_OUTPUT, deliver
-from ..display.runstate import RunState, brief
-from ..common.tracebacks import name_cells_in_pdb, plain_native_stack
+from ..common.tracebacks import name_cells_in_pdb
 from ..common.transfer import unpack_exception
+from ..display.rank_output import KINDS as RANK_OUTPUT, deliver
+from .runmodel import RunState, brief
+from .stacks import blocked_on_peers, native_note, tidy_stacks
 
 log = logging.getLogger(__name__)
 
 TICK = 0.05  # seconds between checks of the processes
 OUTPUT_WAIT = 2.0  # live ranks that replied: how long their last output may take to follow
-SETTLING = ("result", "error", "closed")
+SETTLING = (protocol.Returned, protocol.Raised, protocol.Closed)
 EXIT_DRAIN = 1.0  # after a process exits, how long its last messages may take to arrive
 PEER_ERRORS = 0.3  # after a failure, how long to listen for the others' before naming the cause
 CULPRIT_WAIT = 5.0  # when every failure so far is a lost peer: how long to wait for the rank that was lost
 INTERRUPT_GRACE = 2.0  # live ranks: how long an interrupted rank may take to return
 STACK_WAIT = 1.0  # for faulthandler's dumps after asking for them
 STACK_QUIET = 0.15  # a dump is complete once its rank has been silent this long
-NATIVE_LINES = 25  # frames of a stuck rank's native stack shown
-PY_FRAME = re.compile(r"\([^()]*\.py:\d+\)$")  # py-spy's "function (file.py:12)"
-NATIVE_WIDTH = 160  # characters of one native frame shown (a C++ template's name runs to thousands)
-NATIVE_WAIT = 20.0  # py-spy's reading of one process, at most
-NATIVE_HINT = ("(Frames in C/C++ that do not return: a collective waiting for a rank that is elsewhere, a process "
-               "group destroyed while a DDP model still used it, or a library's own teardown.)")
-STDERR_TAIL = 300  # lines of a rank's stderr kept to explain a crash
 EARLY_EXIT_AFTER = 1.0  # a rank ended this long ago while others still run: look at where they wait
 EARLY_EXIT_PROBES = 2  # consecutive stacks showing the same wait before it counts as a deadlock
 PROBE_INTERVAL = 1.0
@@ -50,48 +42,39 @@ PROBE_INTERVAL = 1.0
 CONNECTION_CLOSED = ("its connection to the notebook closed (its process exited or was killed, or its machine "
                      "went away)")
 NOT_SENT = "the command was not sent"  # a rank's reason, when Ctrl-C came before its command went out
-OWN_THREADS = ("in _send_loop", "in _receive_loop", "in _watch_parent", "in _forward")  # nbtrain's threads in a rank
-RANK_ENTRY = re.compile(r"in (serve|_execute|_do_\w+|_user_code)$")  # below it: nbtrain's loop, the launcher, the kernel
-LOOP_FILE = "nbtrain/rank/loop.py"  # the command loop's file, as a rank's stack names it (any machine)
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
-# Where a rank blocks on its peers: torch.distributed's collectives, rendezvous and DDP's start-up syncs.
-_DIST_FILES = re.compile(r"torch/distributed/|torch/nn/parallel/distributed\.py")
-_BLOCKING = re.compile(r"^(barrier|monitored_barrier|all_reduce|all_gather\w*|broadcast\w*|reduce\w*|gather\w*|"
-                       r"scatter\w*|all_to_all\w*|send|recv|isend|irecv|wait|init_process_group|new_group|"
-                       r"_store_based_barrier|rendezvous|_env_rendezvous_handler|_create_c10d_store|"
-                       r"_verify_param_shape_across_processes|_sync_module_states|_sync_params_and_buffers)$")
 
 
-def tidy_stacks(dump: str) -> str:
-    """faulthandler's dump without nbtrain's own threads and frames, so the user's code leads."""
-    blocks = []
-    for block in dump.split("\n\n"):
-        if any(marker in block for marker in OWN_THREADS):
-            continue
-        lines = block.splitlines()
-        entry = next((i for i, line in enumerate(lines) if RANK_ENTRY.search(line) and LOOP_FILE in line), None)
-        blocks.append("\n".join(lines if entry is None else lines[:entry]))
-    return "\n\n".join(b for b in blocks if b.strip() and not b.startswith("Extension modules"))
+class Watched(Protocol):
+    """What a Supervisor asks of the pool whose command it watches (`pool.Pool` offers it)."""
 
+    live: bool  # live ranks: interrupted and kept, never stopped for another's failure
+    remote: bool  # the ranks run elsewhere: no pids to signal, no py-spy
+    processes: tuple  # the rank processes' handles (`placements.base`)
+    ended_by: str | None  # who closed the pool under this command ("restarted by .restart()")
+    broken: str | None  # why the live ranks take no more work
+    restart_reason: str | None  # why the live ranks will be restarted
 
-def blocked_on_peers(stack: str) -> str | None:
-    """'all_reduce (cell.py line 7 in train)' when the rank's main thread waits on other ranks."""
-    for block in stack.split("\n\n"):
-        frames = [m for m in map(_FRAME.match, block.splitlines()) if m]
-        waits = [i for i, m in enumerate(frames) if _DIST_FILES.search(m["file"]) and _BLOCKING.match(m["func"])]
-        if not waits:
-            continue
-        op = frames[waits[-1]]["func"]  # the outermost torch.distributed call: the one the user made
-        caller = next((m for m in frames[waits[-1] + 1:] if "/torch/" not in m["file"]), None)
-        where = f" ({os.path.basename(caller['file'])} line {caller['line']} in {caller['func']})" if caller else ""
-        return f"{op}{where}"
-    return None
+    def receive(self, timeout: float): ...  # the next message (the pool noted it), or None
+    def process_of(self, rank: int): ...
+    def closed(self, rank: int) -> bool: ...  # its link closed
+    def closed_ranks(self) -> list[int]: ...
+    def began(self, rank: int) -> bool: ...  # it began this command: its words are about it
+    def output_done(self, rank: int) -> bool: ...  # all it printed during this command has come
+    def shows(self, output) -> bool: ...  # an output line goes to the cell
+    def last_words(self, rank: int) -> str: ...  # what a crashed rank said last
+    def answer(self, message, display) -> None: ...  # a Need or a Prompt
+    def interrupt(self, ranks: list[int]) -> None: ...
+    def ask_stacks(self, pids: dict[int, int | None]) -> None: ...
+    def lost(self, proc, code: int, how: str | None = None) -> None: ...  # a rank's process ended
+    def stuck(self, ranks: list[int], why: str) -> None: ...  # ranks an interrupt did not free
+    def restart_note(self) -> str: ...
+    def any_alive(self) -> bool: ...
 
 
 class Supervisor:
     """Watches the ranks of `state` for one command of `pool`."""
 
-    def __init__(self, pool, state: RunState, display, timeout: float | None, start_timeout: float | None = None,
+    def __init__(self, pool: Watched, state: RunState, display, timeout: float | None, start_timeout: float | None = None,
                  interrupt: KeyboardInterrupt | None = None):
         self.pool = pool
         self.interrupt = interrupt  # a Ctrl-C that came while the command was being sent
@@ -108,10 +91,6 @@ class Supervisor:
         self._queued_since: float | None = None
         self._placement_line = ""  # the engine's latest word on where the ranks are (a SLURM job's state)
         self._interrupted_at: dict[int, str] = {}  # rank: its traceback when our interrupt reached it
-
-    @property
-    def processes(self):
-        return self.pool.processes
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -149,53 +128,38 @@ class Supervisor:
         """Handle messages for up to `timeout` s; with `until_settled`, return as soon as one
         may have ended the command (a result, an error, a closed channel), so no tick is wasted."""
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                message = self.pool.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return
+        while (message := self.pool.receive(deadline - time.monotonic())) is not None:
             self._handle(message)
-            if until_settled and message[0] in SETTLING:
-                return
-            if self.pool.inbox.empty() and time.monotonic() >= deadline:
+            if until_settled and isinstance(message, SETTLING):
                 return
 
-    def _handle(self, message: tuple) -> None:
-        kind, rank = message[0], message[1]
-        pool = self.pool
-        if kind == "closed":
-            pool.closed.add(rank)
-        elif kind == "output":
-            _, rank, stream, text = message
-            if text.startswith(MARK):
-                pool.marks[(rank, stream)] = int(text[len(MARK):])
-                return
-            if stream == "stderr" and rank is not None:
-                pool.stderr[rank].append(text)
+    def _handle(self, message) -> None:
+        """One message (the pool has noted what it keeps of it: closed links, end marks, begun commands)."""
+        rank, pool = message.rank, self.pool
+        if isinstance(message, (protocol.Closed, protocol.OutputEnd, protocol.Begin)):
+            return
+        if isinstance(message, protocol.Output):
+            stream, text = message.stream, message.text
             if stream == "debug":  # pdb on a rank talking to the user: untagged, cells named as IPython names them
                 print(name_cells_in_pdb(text), flush=True)
             elif self._capturing is not None and rank in self._capturing and stream == "stderr":
                 self._capturing[rank].append(text)
                 self._heard[rank] = time.monotonic()
-            elif pool.shown(rank, stream, text):
+            elif pool.shows(message):
                 self.display.output(rank, stream, text)
-        elif kind in RANK_OUTPUT:  # lines a bar redraws, rich display
+        elif isinstance(message, RANK_OUTPUT):  # lines a bar redraws, rich display
             deliver(self.display, message)
-        elif kind == "begin":
-            pool.current[rank] = message[2]
-        elif kind == "hello":
+        elif isinstance(message, protocol.Hello):
             self.state.handle(message)
-        elif pool.current.get(rank) != pool.seq:
+        elif not pool.began(rank):
             return  # a late word about an earlier command
-        elif kind == "need":
-            pool.answer_need(rank, message[2], message[3], self.display)
-        elif kind == "prompt":
-            pool.answer_prompt(rank, message[2])
+        elif isinstance(message, (protocol.Need, protocol.Prompt)):
+            pool.answer(message, self.display)
+        elif isinstance(message, protocol.Raised) and rank in self.state.interrupted \
+                and message.summary.startswith("KeyboardInterrupt"):
+            self._interrupted_at[rank] = message.traceback
+            self.state.stop(rank)  # interrupted by us, because another rank failed or time ran out
         else:
-            if kind == "error" and rank in self.state.interrupted and message[2].startswith("KeyboardInterrupt"):
-                self._interrupted_at[rank] = message[3]
-                self.state.stop(rank)  # interrupted by us, because another rank failed or time ran out
-                return
             self.state.handle(message)
 
     def _await_output(self) -> None:
@@ -203,23 +167,22 @@ class Supervisor:
         what they printed lands in this cell and not in the next one."""
         if not self.pool.live:
             return  # a launch's ranks end: their pipes' end of file says the same
-        seq, deadline = self.pool.seq, time.monotonic() + OUTPUT_WAIT
+        deadline = time.monotonic() + OUTPUT_WAIT
         replied = [r for r, v in self.state.ranks.items() if v.status in ("finished", "failed", "stopped")
-                   and self.pool.current.get(r) == seq and r not in self.pool.closed]
-        while time.monotonic() < deadline and any(
-                self.pool.marks.get((r, stream)) != seq for r in replied for stream in ("stdout", "stderr")):
+                   and self.pool.began(r) and not self.pool.closed(r)]
+        while time.monotonic() < deadline and not all(self.pool.output_done(r) for r in replied):
             self._pump(0.01)
 
     # -- failures ------------------------------------------------------------------------
     def _check_processes(self) -> None:
         now = time.monotonic()
-        for proc in self.processes:
+        for proc in self.pool.processes:
             code = proc.poll()
             if code is None:
                 continue
             proc.exited_at = proc.exited_at or now
             missing = [r for r in proc.ranks if r in self.state.ranks and self.state.ranks[r].status in ("starting", "running")]
-            drained = all(r in self.pool.closed for r in missing)
+            drained = all(self.pool.closed(r) for r in missing)
             if not missing or (not drained and now - proc.exited_at < EXIT_DRAIN):
                 continue  # its own result or error report may still be on the way
             for r in missing:
@@ -227,39 +190,34 @@ class Supervisor:
                 if self.pool.ended_by:  # closed under this command, by another thread
                     summary = f"the live ranks were {self.pool.ended_by} while this command ran ({summary})"
                 if crashed:
-                    self.state.fail(r, summary, self._last_words(r), crashed=True)
+                    self.state.fail(r, summary, self.pool.last_words(r), crashed=True)
                 else:
                     self.state.stop(r, summary)
             self.pool.lost(proc, code)
-        if self.pool.launcher.remote:
+        if self.pool.remote:
             self._check_connections(now)
 
     def _check_connections(self, now: float) -> None:
         """A remote rank whose connection closed without a reply has ended: its process is the
         engine's, not ours to watch (one SLURM task of several can die while the job runs)."""
-        for rank in sorted(self.pool.closed):
+        for rank in self.pool.closed_ranks():
             view = self.state.ranks.get(rank)
             if view is None or view.status not in ("starting", "running"):
                 continue
             if now - self._closed_at.setdefault(rank, now) < EXIT_DRAIN:
                 continue  # its reply may still be on the way
-            proc = next((p for p in self.processes if rank in p.ranks), None)
+            proc = self.pool.process_of(rank)
             how = (proc.lost_reason(rank) if proc is not None else None) or CONNECTION_CLOSED
-            self.state.fail(rank, f"rank {rank} ended without a reply: {how}", self._last_words(rank), crashed=True)
+            self.state.fail(rank, f"rank {rank} ended without a reply: {how}", self.pool.last_words(rank),
+                            crashed=True)
             if proc is not None:
                 self.pool.lost(proc, 1, how)
-
-    def _last_words(self, rank: int) -> str:
-        # faulthandler's report of a fatal signal, if the rank wrote one; else its last stderr lines.
-        lines = list(self.pool.stderr[rank])
-        starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
-        return tidy_stacks("\n".join(lines[starts[-1]:] if starts else lines[-40:]))
 
     def _check_placement(self) -> None:
         """Say where an engine holds the ranks (a SLURM job's queue state), and stop the clocks
         while they wait there: queue time is not a stall."""
         waiting = False
-        for proc in self.processes:
+        for proc in self.pool.processes:
             status = proc.status()
             if status is None:
                 continue
@@ -269,9 +227,7 @@ class Supervisor:
                 self.display.note(line)
                 self._placement_line = line
         held = (self._placement_line or "the cluster places the ranks") if waiting else None
-        if held != self.state.queued:  # a submitted run's status reads "queued" while this is set
-            self.state.queued = held
-            self.state.version += 1
+        self.state.set_queued(held)  # a submitted run's status reads "queued" while this is set
         now = time.monotonic()
         if waiting and self._queued_since is None:
             self._queued_since = now
@@ -307,7 +263,7 @@ class Supervisor:
         done = [r for r, v in self.state.ranks.items() if v.status == "finished"]
         summary = f"{why}; still running: ranks {running}" + (f"; finished: ranks {done}" if done else "")
         text = "\n\n".join(f"--- rank {r} stack ---\n" + (stacks.get(r) or "(no stack: the rank did not answer)")
-                           + self._native(r) for r in running)
+                           + native_note(r, self.state.ranks[r].pid, self.pool.remote) for r in running)
         self.state.fail(running[0], summary, text)
         for r in running[1:]:
             self.state.fail(r, why)
@@ -343,17 +299,6 @@ class Supervisor:
         for r in waiting:
             self.state.stop(r, f"waiting for rank {culprit} in {self._probes[r][0]}")
         self.pool.stuck(waiting, summary)
-
-    def _native(self, rank: int) -> str:
-        """The rank's native stack, where Python's cannot say where it hangs (in C++: a collective,
-        a process group's teardown); by py-spy, on this machine's ranks, where it is installed."""
-        pid = self.state.ranks[rank].pid
-        if self.pool.launcher.remote or not pid:
-            return ""
-        stack = native_stack(pid)
-        if stack is None:
-            return "\n(its native stack: `pip install py-spy` and nbtrain shows it here)"
-        return f"\n--- rank {rank} native stack (py-spy) ---\n{stack}\n{NATIVE_HINT}"
 
     def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Every listed rank's Python stacks (faulthandler), before anything is stopped."""
@@ -438,41 +383,6 @@ class Supervisor:
         others = tuple(self.state.outcome_lines(cause))
         note = self.pool.restart_note()
         summary = cause.summary + (f"\n{note}" if note else "")
-        node = self.state.ranks[cause.rank].host if self.pool.launcher.remote else None  # named where ranks are elsewhere
+        node = self.state.ranks[cause.rank].host if self.pool.remote else None  # named where ranks are elsewhere
         return WorkerError.from_failure(cause.rank, summary, cause.traceback, others,
                                         original=unpack_exception(cause.exception), node=node)
-
-    def flush(self) -> None:
-        """Hand what is still queued (the ranks' last output lines) to the display."""
-        while True:
-            try:
-                self._handle(self.pool.inbox.get_nowait())
-            except queue.Empty:
-                return
-
-
-def native_stack(pid: int, lines: int = NATIVE_LINES) -> str | None:
-    """The main thread's native and Python frames of `pid` (py-spy dump --native), or None
-    where py-spy is missing or cannot read the process."""
-    spy = shutil.which("py-spy")
-    if spy is None:
-        return None
-    try:
-        dump = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
-                              timeout=NATIVE_WAIT)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if dump.returncode != 0:
-        return f"(py-spy could not read PID {pid}: {dump.stderr.strip()[:200]})"
-    main = plain_native_stack(dump.stdout).split("\nThread ")[1:2]  # the first thread py-spy lists is the main one
-    frames = [line.strip() for line in ("Thread " + main[0]).splitlines()[1:] if line.strip()] if main else []
-    mine = next((i for i, frame in enumerate(frames) if LOOP_FILE in frame), len(frames))  # below: nbtrain's loop
-    # Down to the first Python frame (where the native code was entered): below it, the Python
-    # stack shown above says the rest better.
-    python = next((i + 1 for i, frame in enumerate(frames) if PY_FRAME.search(frame)), mine)
-    frames = [f if len(f) <= NATIVE_WIDTH else f[:NATIVE_WIDTH - 3] + "..." for f in frames[:min(mine, python)]]
-    return "\n".join(frames[:lines]) + ("\n..." if len(frames) > lines else "")
-
-
-def stderr_tails():
-    return defaultdict(lambda: deque(maxlen=STDERR_TAIL))

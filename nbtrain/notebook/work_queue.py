@@ -17,6 +17,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from ..common import protocol
 from ..common.channel import Hub
 from ..common.private import check_own, private_dir, read_own, read_own_json, write_private_json
 from ..common.tracebacks import readable
@@ -193,30 +194,28 @@ class WorkQueue:
             except Exception as exc:  # a result that does not unpickle here: the map cannot go on
                 log.debug("map queue", exc_info=True)
                 with self._lock:
-                    indices = message[2] if message[0] == "result" else [-1]
+                    indices = message.indices if isinstance(message, protocol.ItemsDone) else [-1]
                     self._fail(indices, f"its result cannot be read in the notebook: {type(exc).__name__}: {exc}")
 
-    def _handle(self, message: tuple) -> None:
-        kind, worker = message[0], message[1]
-        if kind == "need":
-            self.hub.send(worker, self._hand_out(worker, message[2]))
-        elif kind == "result":
+    def _handle(self, message) -> None:
+        worker = message.rank
+        if isinstance(message, protocol.WantItems):
+            self.hub.send(worker, self._hand_out(worker, message.count))
+        elif isinstance(message, protocol.ItemsDone):
             import dill
 
-            indices, payload = message[2], message[3]
-            values = dill.loads(payload)
+            values = dill.loads(message.payload)
             with self._lock:
                 if self.saved is not None:
-                    self.saved.add(indices, payload)
-                self.results.update(zip(indices, values))
+                    self.saved.add(message.indices, message.payload)
+                self.results.update(zip(message.indices, values))
                 self.in_flight.pop(worker, None)
-        elif kind == "error":
-            indices, summary, traceback = message[2], message[3], message[4]
+        elif isinstance(message, protocol.ItemsFailed):
             with self._lock:
                 self.in_flight.pop(worker, None)
-                self._fail(indices, summary, traceback)
+                self._fail(message.indices, message.summary, message.traceback)
 
-    def _hand_out(self, worker: int, count: int) -> tuple:
+    def _hand_out(self, worker: int, count: int):
         import dill
 
         with self._lock:
@@ -232,9 +231,9 @@ class WorkQueue:
                 self.pending.popleft()
                 batch.append((index, payload))
             if not batch:
-                return ("done",)
+                return protocol.NoMoreItems()
             self.in_flight[worker] = [index for index, _ in batch]
-            return ("items", batch)
+            return protocol.Items(batch)
 
     def _fail(self, indices: list[int], summary: str, traceback: str = "") -> None:
         if self.failure is None:
@@ -262,7 +261,7 @@ class WorkQueue:
         try:
             while True:  # results that came while the queue was closing are still results
                 message = self.inbox.get_nowait()
-                if message[0] == "result":
+                if isinstance(message, protocol.ItemsDone):
                     self._handle(message)
         except queue.Empty:
             pass

@@ -37,7 +37,7 @@ class Job:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     options: dict[str, Any] = field(default_factory=dict)  # launcher-specific settings
-    first: tuple | None = None  # the ranks' first command: a launch's ("run", 0, True, job), live ranks' ("start", 0, True)
+    first: object = None  # the ranks' first command (`protocol`): a launch's Run, live ranks' Start
     live: bool = False  # live ranks serve commands until stopped; a launch's ranks exit after the first
     start: str = ""  # where the ranks come from, in launch's words (fork, template, spawn, torchrun, slurm, ray)
 

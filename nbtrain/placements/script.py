@@ -303,7 +303,7 @@ class ScriptLauncher(ProcessLauncher):
         self._loose.remove(out_r)
         pump.add(out_r, None, "stdout")  # the pump closes it
         self._loose.remove(err_r)
-        log = LauncherLog(err_r, pump.inbox)  # the log closes it
+        log = LauncherLog(err_r, pump.put)  # the log closes it
         started.append(LauncherProcess(popen, job.ranks, launcher, log, self._holds))
 
     def _launcher_tmp(self) -> str:

@@ -15,11 +15,13 @@ import time
 
 import psutil
 
+from ..common import protocol
 from ..rank.template_main import READY_TIMEOUT, _receive, _send
 from .processes import parent_thread
 
 ANSWER_SECONDS = 5.0  # a ready template answers a ping in milliseconds: one that does not is unusable
 FORK_SECONDS = 10.0  # ... and a fork request in well under a second
+GONE = None  # the answer of a template that went away
 
 
 class TemplateUnresponsive(RuntimeError):
@@ -57,16 +59,16 @@ class Template:
             while True:
                 message, _ = _receive(self._sock)
                 with self._changed:
-                    if message[0] == "exited":
-                        self.exits[message[1]] = message[2]
-                    elif message[0] == "ready":
-                        self.pid = message[1]
+                    if isinstance(message, protocol.Exited):
+                        self.exits[message.pid] = message.code
+                    elif isinstance(message, protocol.TemplateReady):
+                        self.pid = message.pid
                     else:
                         self._replies.append(message)
                     self._changed.notify_all()
         except (EOFError, OSError):
             with self._changed:
-                self._replies.append(("gone",))
+                self._replies.append(GONE)
                 self._changed.notify_all()
 
     def alive(self) -> bool:
@@ -76,7 +78,7 @@ class Template:
         with self._changed:
             self._changed.wait_for(lambda: self.pid is not None or not self.alive() or self._replies, timeout)
         if self.pid is None:
-            ended = not self.alive() or ("gone",) in self._replies
+            ended = not self.alive() or GONE in self._replies
             self._log.seek(0)
             said = self._log.read().decode(errors="replace").strip().splitlines()[-1:]
             raise RuntimeError("nbtrain's template process " + ("ended before it was ready" if ended else
@@ -89,30 +91,31 @@ class Template:
                    "path": [os.getcwd() if p == "" else p for p in sys.path],
                    "first": pickle.dumps(first), "live": live, "template": self.pid}
         reply = self._ask(request, fds, FORK_SECONDS)
-        if reply[0] != "forked":
+        if not isinstance(reply, protocol.Forked):
             raise RuntimeError("nbtrain's template process went away while forking a rank")
-        return reply[1]
+        return reply.pid
 
     def ping(self, timeout: float = ANSWER_SECONDS) -> None:
         """Make sure the template answers; TemplateUnresponsive (saying why, where it can) if not."""
         self.wait_ready()
-        if self._ask("ping", (), timeout)[0] == "gone":
+        if self._ask("ping", (), timeout) is GONE:
             raise RuntimeError("nbtrain's template process went away")
 
-    def _ask(self, request, fds, timeout: float) -> tuple:
+    def _ask(self, request, fds, timeout: float):
+        """The template's answer (a `protocol` record), or GONE."""
         with self._lock:
             with self._changed:
                 self._replies.clear()
             try:
                 _send(self._sock, request, fds)
             except OSError:
-                return ("gone",)
+                return GONE
             with self._changed:
                 self._changed.wait_for(lambda: self._replies, timeout)
                 if self._replies:
                     return self._replies.pop(0)
         if not self.alive():
-            return ("gone",)
+            return GONE
         raise TemplateUnresponsive(f"nbtrain's template process (PID {self.process.pid}) did not answer within "
                                    f"{timeout:g} s: {_state(self.process.pid)}")
 

@@ -12,6 +12,8 @@ import re
 import select
 import threading
 
+from ..common import protocol
+
 
 class LauncherLog:
     """The launcher's own stderr, read on a thread of its own.
@@ -26,8 +28,8 @@ class LauncherLog:
     _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
     _EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
 
-    def __init__(self, fd: int, inbox):
-        self.inbox = inbox
+    def __init__(self, fd: int, put):
+        self.put = put  # where its lines go (the notebook's output reader's)
         self.tail: collections.deque[str] = collections.deque(maxlen=self.TAIL)
         self.exits: dict[int, tuple[int, int]] = {}  # rank: (exit code, pid)
         self.root: int | None = None  # torchrun's "root cause" rank
@@ -73,7 +75,7 @@ class LauncherLog:
             if self._section == "root" and self.root is None:
                 self.root = self._rank
         elif not self.quiet and text:
-            self.inbox.put(("output", None, "stderr", text))
+            self.put(protocol.Output(None, "stderr", text))
 
     def close(self) -> None:
         self._stop.set()

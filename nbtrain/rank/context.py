@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from ..common import protocol
 from . import strategies
 from .checkpoint import load, save
 from .compat import destroy_group_now
@@ -26,7 +27,7 @@ PROGRESS_INTERVAL = 0.1  # seconds between progress events of one bar
 
 
 class _NoSink:
-    def emit(self, kind: str, *payload) -> None:
+    def emit(self, message) -> None:
         pass
 
 
@@ -342,7 +343,7 @@ class Context:
         self._reported_batch = True
         # DataParallel splits the loader's batch across GPUs: the loader's batch is the effective one.
         effective = per_rank if self._dp_device_ids else per_rank * self.world_size
-        self._sink.emit("batch_size", per_rank, effective)
+        self._sink.emit(protocol.BatchSize(self.rank, per_rank, effective))
 
     # -- metrics and collectives ---------------------------------------------------------
     def log(self, name: str, value, sync_dist: bool = False, step: int | None = None) -> float:
@@ -382,7 +383,7 @@ class Context:
             value = total.item() / self.world_size
         step = self._steps[name] if step is None else step
         self._steps[name] = step + 1
-        self._sink.emit("metric", step, name, value, bool(sync_dist))
+        self._sink.emit(protocol.Metric(step, self.rank, name, value, bool(sync_dist)))
         if self._trackers is not None:
             self._trackers.log(name, value, step, bool(sync_dist) or self.world_size == 1)
         return value
@@ -484,12 +485,12 @@ class Context:
         desc = desc or ("epoch" if level == 0 else "batch")
         self._depth += 1
         self._deepest = max(self._deepest, level)
-        emit = self._sink.emit
+        emit, rank = self._sink.emit, self.rank
         # Each event carries this rank's own clock: rates are told from when the steps happened
         # here, not from when batches of events reached the notebook. Each also carries `initial`,
         # where this loop began: the notebook tells a new loop by it, and counts only the steps after it.
         n, last = initial, time.monotonic()
-        emit("progress", level, desc, n, total, False, last, initial)
+        emit(protocol.Progress(rank, level, desc, n, total, False, last, initial))
         try:
             for item in iterable:
                 yield item
@@ -498,11 +499,11 @@ class Context:
                     self._recorder.step()
                 now = time.monotonic()
                 if now - last >= PROGRESS_INTERVAL:
-                    emit("progress", level, desc, n, total, False, now, initial)
+                    emit(protocol.Progress(rank, level, desc, n, total, False, now, initial))
                     last = now
         finally:
             self._depth -= 1
-            emit("progress", level, desc, n, total, True, time.monotonic(), initial)
+            emit(protocol.Progress(rank, level, desc, n, total, True, time.monotonic(), initial))
 
 
 class EpochLoader:

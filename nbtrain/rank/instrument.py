@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..common import protocol
 from ..common.private import new_private_dir
 from .context import context
 from .profiling import Profile, Recorder
@@ -54,6 +55,6 @@ class Instrumented:
             if recorder is not None and recorder.started:
                 summary = recorder.stop()
                 if not failed:
-                    ctx._sink.emit("profile", summary)
+                    ctx._sink.emit(protocol.Profile(ctx.rank, summary))
             if trackers is not None:
                 trackers.close(failed)

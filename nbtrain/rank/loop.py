@@ -5,22 +5,12 @@ until `stop`), whatever started the rank. Commands run on the main thread, so an
 (SIGINT, raised only while user code runs) lands in the user's code as KeyboardInterrupt; the
 channel's second thread receives commands, interrupts, stack requests and debugger input.
 
-Commands (notebook -> rank), each `(kind, seq, everyone, ...)` (`everyone`: sent to every rank, so
-collectives — the gather of a sharded model — may run):
-  run    (job)                 launch's function, with its own globals: fork hands (fn, args, kwargs)
-                               over in memory, other placements a dill payload
-  call   (payload)             a notebook function run with this rank's namespace as its globals
-  exec   (source, filename, want_repr)   code in this rank's namespace; the last expression's repr back
-  eval   (source)              an expression's value back
-  push   (payload)             {name: object} into the namespace
-  pull   (name)                a name's value back
-  debug  ()                    pdb on the last failure's traceback, its prompt and input via the notebook
-  names  (payload)             answer to this rank's "need": names it lacked, from the notebook
-Messages besides commands: ("interrupt", seq), ("stacks",), ("stdin", line), ("stop",).
-Replies (rank -> notebook): ("begin", seq) then ("result", payload, where) or
-("error", summary, traceback, exception payload); ("need", seq, names); ("prompt", text).
-What user code displays travels beside them (`output.py`): ("display" | "update_display", data,
-metadata, transient) and ("clear_output", wait).
+The messages both ways are `common/protocol.py`'s records. A command (`Run`, `Call`, `Exec`,
+`Eval`, `Push`, `Pull`, `Start`, `Debug`) carries its `seq` and `everyone` (sent to every rank, so
+collectives — the gather of a sharded model — may run); `_do_<kind>` runs it. The rank answers
+`Begin`, then `Returned` or `Raised`; code that reads a name the rank lacks sends `Need` (answered
+by `Names`), its debugger `Prompt` (answered by `Stdin`). `Interrupt`, `Stacks` and `Stop` come on
+the same link. What user code displays travels beside them (`output.py`).
 """
 from __future__ import annotations
 
@@ -37,6 +27,7 @@ import threading
 import traceback
 import types
 
+from ..common import protocol
 from ..common.process_tree import become_subreaper, end_descendants
 from ..common.channel import ChannelUnreachable, Link
 from ..common.pickling import code_global_names
@@ -47,13 +38,12 @@ from .compat import become_torchrun_worker, destroy_asked_group
 from .rendezvous import use_private_store
 from .context import Context, set_current
 from .output import show_in_notebook
-from .process import drain_output, enable_stacks
+from .process import end_output, enable_stacks
 from .process import forward_output as forward
 from .process import limit_threads
 from .strategies import contains_sharded
 
 NOTHING = object()  # an exec whose code ends without an expression
-MARK = "\x00nbtrain-done "  # written to both output streams after each command: the output before it is all there
 
 
 class RankLoop:
@@ -74,18 +64,17 @@ class RankLoop:
             sys.breakpointhook = self._breakpoint
 
     # -- the receiving thread ------------------------------------------------------------
-    def on_message(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "interrupt":
+    def on_message(self, message) -> None:
+        if isinstance(message, protocol.Interrupt):
             with self._lock:
-                if self._running is not None and self._running == message[1]:
+                if self._running is not None and self._running == message.seq:
                     self._interrupting = True
                     signal.pthread_kill(self._main, signal.SIGINT)
-        elif kind == "stacks":  # remote ranks; local ones are asked by signal (works even when the GIL is held)
+        elif isinstance(message, protocol.Stacks):  # remote ranks; local ones are asked by signal (works even when the GIL is held)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        elif kind == "stdin":
-            self.stdin.put(message[1])
-        elif kind == "names":
+        elif isinstance(message, protocol.Stdin):
+            self.stdin.put(message.line)
+        elif isinstance(message, protocol.Names):
             self.names.put(message)
         else:
             self.commands.put(message)
@@ -98,52 +87,52 @@ class RankLoop:
             raise KeyboardInterrupt
 
     # -- the main thread -----------------------------------------------------------------
-    def serve(self, first: tuple | None = None, once: bool = False) -> int:
-        """Run commands until `stop` (or, with `once`, after the first); the exit code."""
+    def serve(self, first=None, once: bool = False) -> int:
+        """Run commands until `Stop` (or, with `once`, after the first); the exit code."""
         if first is not None:
             self.commands.put(first)
         code = 0
         while True:
             command = self.commands.get()
-            if command[0] == "stop":
+            if isinstance(command, protocol.Stop):
                 return code
             code = self._execute(command, once)
             del command  # a pushed 500 MB payload, unpickled already, is not kept until the next command
             if once:
                 return code
 
-    def _execute(self, command: tuple, once: bool) -> int:
-        kind, seq, everyone, *args = command
+    def _execute(self, command, once: bool) -> int:
+        rank, seq = self.link.rank, command.seq
         self.ctx._begin_command()
-        self.link.emit("begin", seq)
-        handler = getattr(self, f"_do_{kind}", None)
+        self.link.emit(protocol.Begin(rank, seq))
+        handler = getattr(self, f"_do_{command.kind}", None)
         try:
             if handler is None:
-                raise ValueError(f"unknown command {kind!r}")
-            value, where = handler(seq, *args)
+                raise ValueError(f"unknown command {command.kind!r}")
+            value, where = handler(command)
             destroy_asked_group()  # the user's destroy_process_group(), now that the command's objects are freed
-            if once or kind in ("call", "pull", "eval"):
-                value = self._ready_to_leave(value, everyone)
+            if once or isinstance(command, (protocol.Call, protocol.Pull, protocol.Eval)):
+                value = self._ready_to_leave(value, command.everyone)
             if once:
                 self.ctx.close()
-            reply, code = ("result", self._pack(value), where), 0
+            reply, code = protocol.Returned(rank, self._pack(value), where), 0
         except BaseException as exc:  # KeyboardInterrupt included: the notebook must hear of it
             _cut_inherited(exc)
             self.last_traceback = _user_frames(exc.__traceback__)
-            reply, code = ("error", f"{type(exc).__name__}: {exc}", user_traceback(exc), pack_exception(exc)), 1
+            reply, code = protocol.Raised(rank, f"{type(exc).__name__}: {exc}", user_traceback(exc),
+                                          pack_exception(exc)), 1
         finally:
             with self._lock:
                 self._running, self._interrupting = None, False
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        drain_output()  # output that travels over the channel: all of it before the reply
+        # Printed output travels on pipes of its own: the end mark lets the notebook show all of a
+        # live rank's in this command's cell (a launch's ends with its process).
+        end_output(seq, marked=not once)
         if once:
-            self.link.close(reply)  # its output ends with the process: nothing to mark
+            self.link.close(reply)
         else:
-            # Output travels on its own pipe: the mark lets the notebook show all of it in this cell.
-            for fd in (1, 2):
-                os.write(fd, f"{MARK}{seq}\n".encode())
-            self.link.emit(*reply)
+            self.link.emit(reply)
         return code
 
     def _ready_to_leave(self, value, everyone: bool):
@@ -172,13 +161,14 @@ class RankLoop:
         return pack_result(_detached(value) if self.live else value, self.ctx.rank)
 
     # -- commands ------------------------------------------------------------------------
-    def _do_run(self, seq, job):
+    def _do_run(self, command: protocol.Run):
+        job = command.job
         if isinstance(job, bytes):
             job = unpack_job(job)
         elif callable(job):  # a loader (script mode reads the payload from its job directory)
             job = job()
         fn, args, kwargs = job
-        with self._user_code(seq):
+        with self._user_code(command.seq):
             try:
                 value = fn(*args, **kwargs)
             except SystemExit as exc:
@@ -187,61 +177,61 @@ class RankLoop:
                 return None, f"called sys.exit({exc.code if exc.code is not None else ''}) at {_exit_site(exc)}"
         return value, f"returned from {getattr(fn, '__qualname__', 'the function')}()"
 
-    def _do_call(self, seq, payload):
+    def _do_call(self, command: protocol.Call):
         import dill
 
-        bare, args, kwargs, *insight = dill.loads(payload)
-        insight = insight[0] if insight else None  # trackers and a profile around the call (Ranks.run), or None
-
-        self._fetch_missing(seq, code_global_names(bare.__code__))
+        # trackers and a profile around the call (Ranks.run), or None
+        bare, args, kwargs, insight = dill.loads(command.payload)
+        self._fetch_missing(command.seq, code_global_names(bare.__code__))
         fn = types.FunctionType(bare.__code__, self.namespace, bare.__name__, bare.__defaults__, bare.__closure__)
         fn.__kwdefaults__, fn.__qualname__ = bare.__kwdefaults__, bare.__qualname__
-        with self._user_code(seq):
+        with self._user_code(command.seq):
             value = fn(*args, **kwargs) if insight is None else insight.around(lambda: fn(*args, **kwargs))
         return value, f"returned from {fn.__qualname__}()"
 
-    def _do_exec(self, seq, source: str, filename: str, want_repr: bool):
+    def _do_exec(self, command: protocol.Exec):
+        source, filename = command.source, command.filename
         lines = source.splitlines(keepends=True)
         linecache.cache[filename] = (len(source), None, lines, filename)
-        self._fetch_missing(seq, free_names(source, filename))
+        self._fetch_missing(command.seq, free_names(source, filename))
         code = _compile_cell(source, filename)
-        with self._user_code(seq):
+        with self._user_code(command.seq):
             exec(code, self.namespace)
         value = self.namespace.pop(_LAST, NOTHING)
-        if value is NOTHING or value is None or not want_repr:
+        if value is NOTHING or value is None or not command.want_repr:
             return None, ""
         return repr(value), ""
 
-    def _do_eval(self, seq, source: str):
-        filename = "<nbtrain eval>"
+    def _do_eval(self, command: protocol.Eval):
+        source, filename = command.source, "<nbtrain eval>"
         linecache.cache[filename] = (len(source), None, [source], filename)
 
-        self._fetch_missing(seq, free_names(source, filename))
+        self._fetch_missing(command.seq, free_names(source, filename))
         code = compile(source, filename, "eval")
-        with self._user_code(seq):
+        with self._user_code(command.seq):
             return eval(code, self.namespace), ""
 
-    def _do_push(self, seq, payload: bytes):
-        self.namespace.update(unpack_push(payload))
+    def _do_push(self, command: protocol.Push):
+        self.namespace.update(unpack_push(command.payload))
         return None, ""
 
-    def _do_pull(self, seq, name: str):
-        if name not in self.namespace:
-            raise NameError(f"name {name!r} is not defined on rank {self.ctx.rank}")
-        return self.namespace[name], ""
+    def _do_pull(self, command: protocol.Pull):
+        if command.name not in self.namespace:
+            raise NameError(f"name {command.name!r} is not defined on rank {self.ctx.rank}")
+        return self.namespace[command.name], ""
 
-    def _do_start(self, seq):
-        with self._user_code(seq):  # a rendezvous that never completes can be interrupted
+    def _do_start(self, command: protocol.Start):
+        with self._user_code(command.seq):  # a rendezvous that never completes can be interrupted
             self.ctx.start_group()
         return None, ""
 
-    def _do_debug(self, seq, commands=()):
+    def _do_debug(self, command: protocol.Debug):
         if self.last_traceback is None:
             raise RuntimeError(f"rank {self.ctx.rank} has no failure to debug: nothing raised since the ranks started.")
         debugger = RemoteDebugger(self)
-        debugger.cmdqueue.extend(commands)  # typed before the prompt, as if by the user
-        debugger.typed = list(commands)
-        with self._user_code(seq):
+        debugger.cmdqueue.extend(command.commands)  # typed before the prompt, as if by the user
+        debugger.typed = list(command.commands)
+        with self._user_code(command.seq):
             debugger.reset()
             debugger.interaction(None, self.last_traceback)
         return None, ""
@@ -265,16 +255,16 @@ class RankLoop:
         missing = [n for n in names if (n not in self.namespace and not hasattr(builtins, n)) or n in self.borrowed]
         if not missing:
             return
-        self.link.emit("need", seq, missing)
+        self.link.emit(protocol.Need(self.link.rank, seq, missing))
         with self._user_code(seq):
             while True:
-                _, answered, payload = self.names.get()
-                if answered == seq:
+                answer = self.names.get()
+                if answer.seq == seq:
                     break
-        if payload is not None:
+        if answer.payload is not None:
             import dill
 
-            received = dill.loads(payload)
+            received = dill.loads(answer.payload)
             self.namespace.update(received)
             self.borrowed.update(received)
 
@@ -322,7 +312,7 @@ class _DebugIO:
         self._text += text
         if "\n" in self._text:
             done, self._text = self._text.rsplit("\n", 1)
-            self.loop.link.emit("output", "debug", done)
+            self.loop.link.emit(protocol.Output(self.loop.link.rank, "debug", done))
         return len(text)
 
     def flush(self) -> None:
@@ -330,7 +320,7 @@ class _DebugIO:
 
     def readline(self) -> str:
         prompt, self._text = self._text, ""
-        self.loop.link.emit("prompt", prompt)
+        self.loop.link.emit(protocol.Prompt(self.loop.link.rank, prompt))
         return self.loop.stdin.get() + "\n"
 
 
@@ -432,7 +422,7 @@ def _exit_site(exc: SystemExit) -> str:
 NOTICE_VAR = "NBTRAIN_NOTICE"  # a line for the notebook from a remote rank's start (see serve)
 
 
-def serve(first: tuple | None = None, once: bool = False, live: bool = False, forward_output: bool = False) -> int:
+def serve(first=None, once: bool = False, live: bool = False, forward_output: bool = False) -> int:
     """Be a rank (environment already set): connect, say hello, run commands; the exit code.
 
     `forward_output`: this rank has no pipe to the notebook (another machine): its fds 1 and 2
@@ -457,7 +447,7 @@ def serve(first: tuple | None = None, once: bool = False, live: bool = False, fo
     set_current(ctx)
     loop = RankLoop(ctx, link, live)
     link.listen(loop.on_message, _notebook_gone)
-    link.emit("hello", os.getpid(), socket.gethostname())
+    link.emit(protocol.Hello(rank, os.getpid(), socket.gethostname()))
     become_subreaper()  # what the code starts, in a session of its own or orphaned, stays in reach
     try:
         return loop.serve(first, once)
@@ -472,7 +462,7 @@ def _notebook_gone() -> None:
     os._exit(1)
 
 
-def remote_main(environ: dict, first: tuple | None, live: bool) -> int:
+def remote_main(environ: dict, first, live: bool) -> int:
     """A rank started by a remote engine (a SLURM task, a Ray actor) in a process of its own:
     `environ` holds the torchrun-standard variables and the channel's address and authkey."""
     os.environ.update(environ)

@@ -26,7 +26,10 @@ import pickle
 import sys
 import types
 
+from ..common import protocol
 from ..common.import_hooks import when_imported
+
+log = logging.getLogger(__name__)
 
 # tqdm.notebook.tqdm_notebook's own members: without them it is the text tqdm it derives from.
 _TQDM_NOTEBOOK_MEMBERS = ("status_printer", "display", "colour", "__init__", "__iter__", "update", "close", "clear",
@@ -67,17 +70,18 @@ def _channel_publisher(shell, link):
 
         def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs):
             self._validate_data(data, metadata)
-            message = (data, metadata or {}, transient or {})
+            kind = protocol.UpdateDisplay if update else protocol.Display
+            message = kind(link.rank, data, metadata or {}, transient or {})
             try:
                 pickle.dumps(message)
             except Exception:  # display data should be JSON-able; what is not must not break the channel
-                message = ({"text/plain": str(data.get("text/plain", ""))}, {}, transient or {})
+                message = kind(link.rank, {"text/plain": str(data.get("text/plain", ""))}, {}, transient or {})
             _flush_streams()  # what the rank printed before it comes first
-            link.emit("update_display" if update else "display", *message)
+            link.emit(message)
 
         def clear_output(self, wait=False):
             _flush_streams()
-            link.emit("clear_output", bool(wait))
+            link.emit(protocol.ClearOutput(link.rank, bool(wait)))
 
     return ChannelPublisher(shell=shell)
 

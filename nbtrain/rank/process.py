@@ -15,7 +15,8 @@ import sys
 import threading
 import time
 
-from ..common.lines import Screen
+from ..common import protocol
+from ..common.output_reader import OutputReader, end_mark
 from ..common.process_tree import end_descendants, watch_rank
 
 STACKS_SIGNAL = signal.SIGUSR1  # the notebook sends it to see where a rank is stuck
@@ -80,49 +81,45 @@ def _follow(old, new) -> None:
 # c10d's store asks reverse DNS for each peer that connects, and warns where there is none (nodes
 # known by address only, as on many clusters): a line per connection per rank, and nothing wrong.
 UNHEARD = re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved")
-_DRAINED = b"\x00nbtrain-drained\x00"  # written after a command's output; its arrival means all came before
-_forwarded: list[threading.Event] = []  # one per forwarded stream: set when its marker is read
+_forwarded: dict[str, threading.Event] = {}  # stream: set when its end mark has gone (forwarded output only)
 
 
 def forward_output(link) -> None:
-    """For ranks with no pipe to the notebook (another machine): fds 1 and 2 become pipes
-    read by threads that send each line over the channel as ("output", rank, stream, line),
-    and the lines a progress bar redraws as ("live", rank, stream, text, done). Lines that only
-    a rank on another machine writes, and that say nothing is wrong (`UNHEARD`), are dropped."""
+    """For ranks with no pipe to the notebook (another machine): fds 1 and 2 become pipes, read
+    here by the reader the notebook uses for its own ranks (`common/output_reader.py`), whose
+    records go over the channel. Lines that only a rank on another machine writes, and that say
+    nothing is wrong (`UNHEARD`), are dropped."""
+    def send(record) -> None:
+        if isinstance(record, protocol.Output) and UNHEARD.search(record.text):
+            return
+        link.emit(record)
+        if isinstance(record, protocol.OutputEnd):
+            _forwarded[record.stream].set()
+
+    reader = OutputReader(send)
     for fd, stream in ((1, "stdout"), (2, "stderr")):
         read, write = os.pipe()
         os.dup2(write, fd)
         os.close(write)
-        drained = threading.Event()
-        _forwarded.append(drained)
-        threading.Thread(target=_forward, args=(read, stream, link, drained), name=f"nbtrain-{stream}",
-                         daemon=True).start()
+        _forwarded[stream] = threading.Event()
+        reader.add(read, link.rank, stream)
+    reader.start()
     redirect_output(1, 2)
 
 
-def drain_output(timeout: float = 2.0) -> None:
-    """Forwarded output: wait until what fds 1 and 2 received so far is on its way (a command's
-    last lines must precede its reply). Nothing to do where the notebook reads the pipes itself."""
-    for fd, drained in zip((1, 2), _forwarded):
+def end_output(seq: int, marked: bool, timeout: float = 2.0) -> None:
+    """After the command `seq`: its end mark on fds 1 and 2 (`marked`: live ranks, whose next
+    command's output must not land in this one's cell). A rank that forwards its own output
+    writes it in any case, and waits until everything before it is on its way: a command's last
+    lines precede its reply. (Streams are flushed by the caller.)"""
+    if not (marked or _forwarded):
+        return  # a launch's rank on the notebook's machine: its output ends with its process
+    for drained in _forwarded.values():
         drained.clear()
-        os.write(fd, _DRAINED + b"\n")
-    for drained in _forwarded:
+    for fd in (1, 2):
+        os.write(fd, end_mark(seq))
+    for drained in _forwarded.values():
         drained.wait(timeout)
-
-
-def _forward(fd: int, stream: str, link, drained: threading.Event) -> None:
-    screen, marker = Screen(), _DRAINED.decode()
-    while True:
-        chunk = os.read(fd, 65536)
-        for event in screen.feed(chunk) if chunk else screen.flush():
-            if event[0] != "line":  # lines a progress bar redraws
-                link.emit("live", stream, *event[1:])
-            elif event[1] == marker:
-                drained.set()
-            elif not UNHEARD.search(event[1]):
-                link.emit("output", stream, event[1])
-        if not chunk:
-            return
 
 
 def enable_stacks() -> None:

@@ -11,6 +11,7 @@ import os
 import sys
 import traceback
 
+from ..common import protocol
 from ..common.transfer import unpack_job
 from .loop import serve
 from .process import die_with_parent, enable_stacks, limit_threads, redirect_output
@@ -46,7 +47,7 @@ def rank_main(job_dir: str, parent: int) -> None:
         fn, args, kwargs = unpack_job(payload)
         return (_leave_to_launcher(fn) if _restarts_left() else fn), args, kwargs
 
-    _exit(serve(("run", 0, True, load_job), once=True))
+    _exit(serve(protocol.Run(0, True, load_job), once=True))
 
 
 def _exit(code: int) -> None:

@@ -19,9 +19,9 @@ rank ends with the channel to the notebook. The template reaps its ranks and rep
 status, since the kernel is not their parent.
 
 Protocol, over a Unix socket pair: the kernel sends a length-prefixed pickle with the rank's
-two output pipes attached (SCM_RIGHTS); the template answers ("forked", pid), and later
-("exited", pid, exit code) for each rank, on the same socket. Its first message is ("ready",).
-A request "ping" is answered ("pong",): the kernel asks before a launch, so a template that
+two output pipes attached (SCM_RIGHTS); the template answers `protocol.Forked`, and later
+`protocol.Exited` for each rank, on the same socket. Its first message is `protocol.TemplateReady`.
+A request "ping" is answered `protocol.Pong`: the kernel asks before a launch, so a template that
 cannot answer (stopped, say) is noticed in seconds and plain spawn used instead.
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ import sys
 import importlib
 import traceback
 
+from ..common import protocol
 from .loop import serve
 from .process import die_with_parent, enable_stacks, limit_threads, redirect_output
 
@@ -86,7 +87,7 @@ def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
 
     if torch.cuda.is_initialized():  # a preloaded package did it: forks could not use CUDA
         raise SystemExit("nbtrain template: CUDA was initialised while preloading; refusing to serve")
-    _send(sock, ("ready", os.getpid()))
+    _send(sock, protocol.TemplateReady(os.getpid()))
     children: set[int] = set()
     while True:
         readable, _, _ = select.select([sock], [], [], 0.05)
@@ -96,7 +97,7 @@ def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
             except (EOFError, OSError):
                 break  # the kernel is gone
             if request == "ping":
-                _send(sock, ("pong",))
+                _send(sock, protocol.Pong())
             else:
                 pid = os.fork()  # from the main thread, with no other thread: nothing held in the child
                 if pid == 0:
@@ -105,7 +106,7 @@ def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
                 for fd in fds:
                     os.close(fd)
                 children.add(pid)
-                _send(sock, ("forked", pid))
+                _send(sock, protocol.Forked(pid))
         for pid in list(children):
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)
@@ -113,7 +114,7 @@ def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
                 done, status = pid, 0
             if done:
                 children.discard(pid)
-                _send(sock, ("exited", pid, os.waitstatus_to_exitcode(status)))
+                _send(sock, protocol.Exited(pid, os.waitstatus_to_exitcode(status)))
     os._exit(0)
 
 

@@ -15,6 +15,7 @@ import types
 from dataclasses import dataclass
 from typing import Callable
 
+from ..common import protocol
 from ..common.channel import Link
 from ..common.transfer import pack_exception
 from .context import context
@@ -47,20 +48,21 @@ def serve_items(spec: WorkSpec, namespace: dict | None = None) -> int:
     count = 0
     try:
         while True:
-            link.emit("need", spec.batch_size)
+            link.emit(protocol.WantItems(worker, spec.batch_size))
             answer = answers.get()
             if answer is None:
                 raise ConnectionError("the notebook's work queue closed its connection (the map was stopped)")
-            if answer[0] == "done":
+            if isinstance(answer, protocol.NoMoreItems):
                 return count
-            indices = [index for index, _ in answer[1]]
+            indices = [index for index, _ in answer.batch]
             try:
-                items = [dill.loads(payload) for _, payload in answer[1]]
+                items = [dill.loads(payload) for _, payload in answer.batch]
                 payload = pack_values(call(fn, items, spec.batch_size))
             except Exception as exc:
-                link.emit("error", indices, f"{type(exc).__name__}: {exc}", own_traceback(exc), pack_exception(exc))
+                link.emit(protocol.ItemsFailed(worker, indices, f"{type(exc).__name__}: {exc}", own_traceback(exc),
+                                               pack_exception(exc)))
                 return count
-            link.emit("result", indices, payload)
+            link.emit(protocol.ItemsDone(worker, indices, payload))
             count += len(indices)
     finally:
         link.close()

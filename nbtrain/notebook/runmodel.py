@@ -1,7 +1,11 @@
-"""What the notebook knows about a run: each rank's status, progress bars and metrics.
+"""The model of a run: what the notebook knows of it, and what it makes of it.
 
-Messages from the ranks update this state; displays read it at their own pace, so the rate
-at which ranks report never sets the rate at which anything is drawn.
+Each rank's status, progress bars, metrics, vitals and returned value; who failed first, and who
+only lost a peer (the blame); how each rank reads once the run has ended. The ranks' messages
+(`common/protocol.py`) and the supervisor's verdicts update it; displays (`display/`) read it at
+their own pace and decide nothing, so the rate at which ranks report never sets the rate at which
+anything is drawn. Observers (`subscribe`) hear every change as a run event: a submitted run's
+recorder writes them to its logs, and a notebook that attaches feeds them back to a RunState.
 """
 from __future__ import annotations
 
@@ -9,8 +13,10 @@ import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Callable
 
+from ..common import protocol
+from ..common.protocol import Metric, Vital
 from ..common.transfer import unpack_result
 
 
@@ -18,25 +24,6 @@ RECENT = 10.0  # seconds of (time, steps) kept per rank for its recent step rate
 STALLED = 1.0  # seconds a rank may be silent before the notebook's clock counts against its rate
 
 _MISSING_CLASS = re.compile(r"Can't get attribute '([\w.]+)' on <module '__main__'")
-
-
-class Metric(NamedTuple):
-    step: int
-    rank: int
-    name: str
-    value: float
-    synced: bool
-
-
-class Vital(NamedTuple):
-    """One rank's vital signs at one moment, sampled in the notebook at most about once a second."""
-    time: float  # seconds since the run started
-    rank: int
-    step_rate: float | None  # steps/s at the innermost progress level, over the last few seconds
-    rss: int | None  # bytes: the rank process's resident memory
-    gpu_memory: int | None  # bytes: GPU memory held by the rank's process (NVML)
-    gpu_util: int | None  # percent: utilisation of the rank's GPU (NVML)
-    gpu: int | None  # physical index of the rank's GPU
 
 
 @dataclass
@@ -62,12 +49,6 @@ class Bar:
         if rate is None or self.total is None or self.done:
             return None
         return max(0.0, (self.total - self.n) / rate)
-
-
-def starts_loop(n: int, done: bool, initial: int = 0) -> bool:
-    """A progress event (level, desc, n, total, done, at, initial) that begins a loop: a loop's later
-    events are sent only after a step, and its last is `done`."""
-    return n == initial and not done
 
 
 # An error that only says a peer went away (gloo, NCCL, the TCP store): a consequence of
@@ -162,13 +143,18 @@ class Failure:
 
 class RunState:
     def __init__(self, title: str, ranks: list[int]):
+        self._observers: list[Callable] = []
+        self.reset(title, ranks)
+
+    def reset(self, title: str, ranks: list[int]) -> None:
+        """Begin again (a restarted run's next attempt), keeping the observers."""
         self.title = title
         self.started = time.monotonic()
         self.ranks = {r: RankView(r) for r in ranks}
         self.history: list[Metric] = []
         self.values: dict[int, Any] = {}
         self.failures: list[Failure] = []
-        self.vitals: list[Vital] = []  # sampled by the display, kept in Result.vitals
+        self.vitals: list[Vital] = []  # sampled for the displays (display/vitals.py), kept in Result.vitals
         self.profiles: dict[int, dict] = {}  # each profiled rank's summary (rank/profiling.py)
         self.effective_batch_size: int | None = None
         self.per_rank_batch_size: int | None = None
@@ -177,53 +163,63 @@ class RunState:
         self.interrupted: set[int] = set()  # ranks interrupted by nbtrain (live ranks), not by their own fault
         self.queued: str | None = None  # while an engine holds the ranks in its queue: where and why
 
+    # -- observers -----------------------------------------------------------------------
+    def subscribe(self, observer: Callable) -> None:
+        """Call `observer(event)` with each run event (`protocol`: Hello, Progress, Metric, BatchSize,
+        Profile, Finished, Failed, Stopped, Vital) once the state has taken it in."""
+        self._observers.append(observer)
+
+    def _changed(self, event=None) -> None:
+        self.version += 1
+        if event is not None:
+            for observer in self._observers:
+                observer(event)
+
     @property
     def elapsed(self) -> float:
         return (self.ended or time.monotonic()) - self.started
 
-    def handle(self, message: tuple) -> None:
-        kind, rank, *payload = message
-        view = self.ranks.get(rank)
-        if view is None:
+    # -- what the ranks report -----------------------------------------------------------
+    def handle(self, message) -> None:
+        """A `protocol` record from a rank, or a run event read back from a log."""
+        view = self.ranks.get(message.rank)
+        handler = getattr(self, f"_on_{message.kind}", None)
+        if view is None or handler is None:
             return
-        self.version += 1
-        getattr(self, f"_on_{kind}", self._on_unknown)(view, *payload)
+        if handler(view, message) is not False:  # False: it turned into another event, told already
+            self._changed(message)
 
-    def _on_unknown(self, view, *payload) -> None:
-        pass
-
-    def _on_hello(self, view: RankView, pid: int, host: str | None = None) -> None:
-        view.pid, view.host = pid, host or view.host
+    def _on_hello(self, view: RankView, hello: protocol.Hello) -> None:
+        view.pid, view.host = hello.pid, hello.host or view.host
         view.status = "running"
 
-    def _on_progress(self, view: RankView, level: int, desc: str, n: int, total, done: bool,
-                     at: float | None = None, initial: int = 0) -> None:
-        # `initial` (where the loop began) came later: events logged before it, with six fields, began at 0.
+    def _on_progress(self, view: RankView, event: protocol.Progress) -> None:
+        # `initial` (where the loop began) came later: events logged before it began at 0.
         arrived = time.monotonic()
-        at = arrived if at is None else at  # the rank's own clock (an in-process run shares the kernel's)
-        bar = view.bars.get(level)
-        if bar is None or starts_loop(n, done, initial) or bar.desc != desc:
-            bar = view.bars[level] = Bar(desc, n=initial, total=total, started=at, updated=at, initial=initial)
-            for deeper in [lv for lv in view.bars if lv > level]:
+        at = arrived if event.at is None else event.at  # the rank's own clock (an in-process run shares the kernel's)
+        bar = view.bars.get(event.level)
+        if bar is None or event.begins or bar.desc != event.desc:
+            bar = view.bars[event.level] = Bar(event.desc, n=event.initial, total=event.total, started=at, updated=at,
+                                               initial=event.initial)
+            for deeper in [lv for lv in view.bars if lv > event.level]:
                 del view.bars[deeper]
-        view.count_steps(level, n, bar.n, at, arrived)
-        bar.n, bar.total, bar.done, bar.updated = n, total, done, at
+        view.count_steps(event.level, event.n, bar.n, at, arrived)
+        bar.n, bar.total, bar.done, bar.updated = event.n, event.total, event.done, at
 
-    def _on_metric(self, view: RankView, step: int, name: str, value: float, synced: bool) -> None:
-        metric = Metric(step, view.rank, name, value, synced)
-        view.metrics[name] = metric
+    def _on_metric(self, view: RankView, metric: Metric) -> None:
+        view.metrics[metric.name] = metric
         self.history.append(metric)
 
-    def _on_profile(self, view: RankView, summary: dict) -> None:
-        self.profiles[view.rank] = summary
+    def _on_profile(self, view: RankView, profile: protocol.Profile) -> None:
+        self.profiles[view.rank] = profile.summary
 
-    def _on_batch_size(self, view: RankView, per_rank: int, effective: int) -> None:
+    def _on_batch_size(self, view: RankView, event: protocol.BatchSize) -> None:
         if self.effective_batch_size is None:
-            self.per_rank_batch_size, self.effective_batch_size = per_rank, effective
+            self.per_rank_batch_size, self.effective_batch_size = event.per_rank, event.effective
 
-    def _on_result(self, view: RankView, payload: bytes, where: str = "") -> None:
+    def _on_result(self, view: RankView, returned: protocol.Returned) -> bool:
         try:
-            self.values[view.rank] = unpack_result(payload)
+            value = unpack_result(returned.payload)
         except AttributeError as exc:  # a class only the rank has: "Can't get attribute 'MLP' on <module '__main__'>"
             missing = _MISSING_CLASS.search(str(exc))
             if missing is None:
@@ -232,19 +228,46 @@ class RunState:
                       f"the ranks only (a %%ranks cell or ranks.exec): the notebook cannot rebuild it. Define the class "
                       f"in the notebook too (run its code in a notebook cell), or return plain data (a state_dict, "
                       f"tensors, numbers).")
-            return
-        self._finished(view, where)
+            return False
+        self.finish(view.rank, value, returned.where)
+        return False
 
-    def _on_value(self, view: RankView, value) -> None:
-        # In-process runs hand the value over directly: nothing to unpack.
-        self.values[view.rank] = value
-        self._finished(view, "")
+    def _on_finished(self, view: RankView, finished: protocol.Finished) -> bool:
+        self.finish(view.rank, None, finished.where)  # read back from a log: the value is in result.pkl
+        return False
 
-    def _finished(self, view: RankView, where: str) -> None:
+    def _on_error(self, view: RankView, raised: protocol.Raised) -> bool:
+        self.fail(view.rank, raised.summary, raised.traceback, exception=raised.exception)
+        return False
+
+    def _on_failed(self, view: RankView, failed: protocol.Failed) -> bool:
+        self.fail(view.rank, failed.summary, failed.traceback, failed.crashed)
+        return False
+
+    def _on_stopped(self, view: RankView, stopped: protocol.Stopped) -> bool:
+        self.stop(view.rank, stopped.why, stopped.stack)
+        return False
+
+    def _on_vital(self, view: RankView, vital: Vital) -> None:
+        self.vitals.append(vital)
+
+    # -- what the notebook finds ---------------------------------------------------------
+    def finish(self, rank: int, value, where: str = "") -> None:
+        """`rank` returned `value` (unpacked already: an in-process run hands it over directly)."""
+        view = self.ranks[rank]
+        self.values[rank] = value
         view.status, view.ended_at, view.ended_where = "finished", time.monotonic(), where
+        self._changed(protocol.Finished(rank, where))
 
-    def _on_error(self, view: RankView, summary: str, traceback: str, exception: bytes | None = None) -> None:
-        self.fail(view.rank, summary, traceback, exception=exception)
+    def add_vital(self, vital: Vital) -> None:
+        """A rank's vital signs, sampled by a display (`display/vitals.py`)."""
+        self.handle(vital)
+
+    def set_queued(self, where: str | None) -> None:
+        """Where an engine holds the ranks in its queue (a SLURM job's state); None once they run."""
+        if where != self.queued:
+            self.queued = where
+            self._changed()
 
     def fail(self, rank: int, summary: str, traceback: str = "", crashed: bool = False, ended_early: bool = False,
              exception: bytes | None = None, even_if_stopped: bool = False) -> None:
@@ -258,6 +281,7 @@ class RunState:
             self.values.pop(rank, None)
         self.failures.append(Failure(rank, summary, traceback, crashed, lost, exception))
         self._blame()
+        self._changed(protocol.Failed(rank, summary, traceback, crashed))
 
     def stop(self, rank: int, why: str = "", stack: str = "") -> None:
         """`rank` was stopped (or interrupted) because of another rank's failure or a time-out."""
@@ -269,10 +293,10 @@ class RunState:
         if stack:
             view.reason += f"\n{stack}"
         self._blame()
+        self._changed(protocol.Stopped(rank, why, stack))
 
     def _blame(self) -> None:
         """Ranks whose only fault is a lost peer, or that were stopped, read as stopped by the cause."""
-        self.version += 1
         if not self.failures:
             for view in self.ranks.values():
                 if view.status == "stopped":
@@ -325,10 +349,22 @@ class RunState:
                 lines.append(f"rank {rank}: {view.status}")
         return lines
 
-    def latest_metrics(self) -> dict[str, Metric]:
-        latest: dict[str, Metric] = {}
-        for view in self.ranks.values():
-            for name, metric in view.metrics.items():
-                if name not in latest or metric.rank == 0:
-                    latest[name] = metric
-        return latest
+    # -- how the run reads once it ended -------------------------------------------------
+    def verdict(self, ok: bool) -> str:
+        """How the run ended: finished, failed (a rank failed or timed out) or interrupted (Ctrl-C)."""
+        return "finished" if ok else ("failed" if self.failures else "interrupted")
+
+    def outcome(self, rank: int, final: bool) -> tuple[str, str, str]:
+        """(status, detail, reason) of `rank` as a reader should see them.
+
+        A rank still running when the run ended (`final`) was stopped by nbtrain: it reads
+        "stopped (rank N failed)" (or "interrupted"), never "failed". `reason` is a stopped rank's
+        own message (often a peer's disconnect), shown folded.
+        """
+        view = self.ranks[rank]
+        status, detail, reason = view.status, view.detail, view.reason
+        if final and status in ("starting", "running"):
+            status = "stopped"
+        if status == "stopped" and not detail:
+            detail = f"stopped (rank {self.root_cause().rank} failed)" if self.failures else "stopped (interrupted)"
+        return status, detail, reason

@@ -1,0 +1,491 @@
+"""Every message between the notebook and its ranks, and every event of a run, as named records.
+
+Each record is a NamedTuple: fields have names (no code reads a message by position), and it is
+still a tuple, cheap to pickle in a batch. Its class attribute `kind` is its name in a run's
+event log and in the handlers that dispatch on it (`_on_<kind>`, `_do_<kind>`).
+
+Ranks -> notebook, on the run's channel (`channel.Link.emit`), each naming its sender's `rank`:
+  Hello, Begin, Returned, Raised, Need, Prompt        a rank's life and one command's
+  Progress, Metric, BatchSize, Profile                 what the training reports
+  Display, UpdateDisplay, ClearOutput                  its rich output (IPython display)
+  Output, Live, OutputEnd                              its printed lines, redrawn lines, a command's
+                                                       output end (`output_reader.py`; read from
+                                                       its pipes by the notebook, or forwarded)
+  Closed                                               the notebook's own word: the link ended
+Notebook -> rank: a command (`Run`, `Call`, `Exec`, `Eval`, `Push`, `Pull`, `Start`, `Debug`),
+each with its `seq` and `everyone` (sent to every rank, so collectives may run in it), and
+`Names` (the answer to a `Need`), `Interrupt`, `Stacks`, `Stdin`, `Stop`.
+A map's work queue, on a channel of its own: `WantItems`, `ItemsDone`, `ItemsFailed` from a
+worker; `Items`, `NoMoreItems` back. The warm template, on its socket: `TemplateReady`, `Forked`,
+`Exited`, `Pong`.
+
+Run events: what a run's model (`notebook/runmodel.py`) tells its observers, and a submitted
+run's event logs hold, one JSON object a line (`event_line`): `Hello`, `Progress`, `Metric`,
+`BatchSize`, `Finished`, `Failed`, `Stopped`, `Vital`, `Output` per rank, and `AttemptStarted`,
+`Note`, `AttemptEnded` for the run. Every log begins with a header naming its format's VERSION,
+and so does run.json; `read_event` and `read_spec` are the one reader of every version: a log
+without a header (version 1) holds `[attempt, kind, rank, *fields]` lists.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+VERSION = 2  # of a run directory's formats: the event logs and run.json
+
+
+# -- ranks -> notebook ---------------------------------------------------------------------------
+
+class Hello(NamedTuple):
+    """A rank started: its process id and the machine it runs on, as it names itself."""
+    rank: int
+    pid: int | None
+    host: str | None = None
+    kind = "hello"
+
+
+class Begin(NamedTuple):
+    """A rank began the command `seq`."""
+    rank: int
+    seq: int
+    kind = "begin"
+
+
+class Returned(NamedTuple):
+    """A command's value (`transfer.pack_result`), and how the rank's code ended."""
+    rank: int
+    payload: bytes
+    where: str = ""
+    kind = "result"
+
+
+class Raised(NamedTuple):
+    """A command's exception: its first line, its traceback, and itself (`transfer.pack_exception`)."""
+    rank: int
+    summary: str
+    traceback: str
+    exception: bytes | None = None
+    kind = "error"
+
+
+class Need(NamedTuple):
+    """The command `seq` reads names this rank lacks: the notebook answers with `Names`."""
+    rank: int
+    seq: int
+    names: list[str]
+    kind = "need"
+
+
+class Prompt(NamedTuple):
+    """A rank's debugger waits for a line of input: the notebook answers with `Stdin`."""
+    rank: int
+    text: str
+    kind = "prompt"
+
+
+class Progress(NamedTuple):
+    """One progress level's position; `at` is the rank's own clock (None: the notebook's, in
+    process), `initial` where the loop began (a loop resumed from a checkpoint)."""
+    rank: int
+    level: int
+    desc: str
+    n: int
+    total: int | None
+    done: bool
+    at: float | None = None
+    initial: int = 0
+    kind = "progress"
+
+    @property
+    def begins(self) -> bool:
+        """This event begins a loop: a loop's later events come only after a step, its last is `done`."""
+        return self.n == self.initial and not self.done
+
+
+class Metric(NamedTuple):
+    """A logged value (`ctx.log`); in `Result.history` too, in this order."""
+    step: int
+    rank: int
+    name: Any  # a str, or whatever the user logged under (a tuple: a JSON list in the logs, a tuple again read back)
+    value: float
+    synced: bool
+    kind = "metric"
+
+
+class BatchSize(NamedTuple):
+    rank: int
+    per_rank: int
+    effective: int
+    kind = "batch_size"
+
+
+class Profile(NamedTuple):
+    """A profiled rank's summary (`rank/profiling.py`)."""
+    rank: int
+    summary: dict
+    kind = "profile"
+
+
+class Display(NamedTuple):
+    """IPython display data a rank published (`rank/output.py`)."""
+    rank: int
+    data: dict
+    metadata: dict
+    transient: dict
+    kind = "display"
+
+
+class UpdateDisplay(NamedTuple):
+    """An update of a display id a rank published earlier."""
+    rank: int
+    data: dict
+    metadata: dict
+    transient: dict
+    kind = "update_display"
+
+
+class ClearOutput(NamedTuple):
+    rank: int
+    wait: bool
+    kind = "clear_output"
+
+
+class Output(NamedTuple):
+    """A whole line a rank printed (`stream`: stdout, stderr, or debug: its debugger talking)."""
+    rank: int | None  # None: a launcher's own line (torchrun's)
+    stream: str
+    text: str
+    kind = "output"
+
+
+class Live(NamedTuple):
+    """The lines a progress bar redraws, as they read now; `done`: they are final."""
+    rank: int | None
+    stream: str
+    text: str
+    done: bool
+    kind = "live"
+
+
+class OutputEnd(NamedTuple):
+    """Everything `rank` wrote on `stream` during the command `seq` came before this."""
+    rank: int | None
+    stream: str
+    seq: int
+    kind = "output_end"
+
+
+class Closed(NamedTuple):
+    """The rank's link closed: nothing more comes from it (put on the inbox by the notebook's Hub)."""
+    rank: int
+    kind = "closed"
+
+
+# Sent by a rank without waiting for a batch: the notebook acts on them (a new rich output too:
+# it keeps its place among the lines printed around it).
+URGENT = frozenset({Hello, Begin, Returned, Raised, Need, Prompt, Display, ClearOutput})
+RICH = (Display, UpdateDisplay, ClearOutput)  # what a display's `rich` takes
+
+
+# -- notebook -> ranks ---------------------------------------------------------------------------
+
+class Run(NamedTuple):
+    """launch's function: (fn, args, kwargs) in memory (a fork), a dill payload, or a loader."""
+    seq: int
+    everyone: bool
+    job: Any
+    kind = "run"
+
+
+class Call(NamedTuple):
+    """A notebook function, run with the rank's namespace as its globals (`Ranks.run`)."""
+    seq: int
+    everyone: bool
+    payload: bytes
+    kind = "call"
+
+
+class Exec(NamedTuple):
+    seq: int
+    everyone: bool
+    source: str
+    filename: str
+    want_repr: bool
+    kind = "exec"
+
+
+class Eval(NamedTuple):
+    seq: int
+    everyone: bool
+    source: str
+    kind = "eval"
+
+
+class Push(NamedTuple):
+    seq: int
+    everyone: bool
+    payload: bytes
+    kind = "push"
+
+
+class Pull(NamedTuple):
+    seq: int
+    everyone: bool
+    name: str
+    kind = "pull"
+
+
+class Start(NamedTuple):
+    """Live ranks' first command: their process group."""
+    seq: int
+    everyone: bool
+    kind = "start"
+
+
+class Debug(NamedTuple):
+    seq: int
+    everyone: bool
+    commands: tuple | list = ()  # pdb commands typed first, as if by the user
+    kind = "debug"
+
+
+COMMANDS = {cls.kind: cls for cls in (Run, Call, Exec, Eval, Push, Pull, Start, Debug)}
+
+
+def command(kind: str, seq: int, everyone: bool, *args):
+    """The command `kind` (`Ranks`' name for it) with its arguments."""
+    return COMMANDS[kind](seq, everyone, *args)
+
+
+class Names(NamedTuple):
+    """The names a `Need` asked for that the notebook has, pickled (None: none of them)."""
+    seq: int
+    payload: bytes | None
+    kind = "names"
+
+
+class Interrupt(NamedTuple):
+    """Raise KeyboardInterrupt in the command `seq`, if it still runs."""
+    seq: int
+    kind = "interrupt"
+
+
+class Stacks(NamedTuple):
+    """Write every thread's stack to stderr (ranks on other machines; local ones get a signal)."""
+    kind = "stacks"
+
+
+class Stdin(NamedTuple):
+    line: str
+    kind = "stdin"
+
+
+class Stop(NamedTuple):
+    kind = "stop"
+
+
+# -- a map's work queue --------------------------------------------------------------------------
+
+class WantItems(NamedTuple):
+    rank: int  # the worker's name on the queue: its rank, or its slot's number
+    count: int
+    kind = "want_items"
+
+
+class ItemsDone(NamedTuple):
+    rank: int
+    indices: list[int]
+    payload: bytes  # the results, one per index, pickled together
+    kind = "items_done"
+
+
+class ItemsFailed(NamedTuple):
+    rank: int
+    indices: list[int]
+    summary: str
+    traceback: str
+    exception: bytes | None = None
+    kind = "items_failed"
+
+
+class Items(NamedTuple):
+    batch: list  # (index, pickled item) pairs
+    kind = "items"
+
+
+class NoMoreItems(NamedTuple):
+    kind = "no_more_items"
+
+
+URGENT |= {WantItems, ItemsDone, ItemsFailed}
+
+
+# -- the warm template ---------------------------------------------------------------------------
+
+class TemplateReady(NamedTuple):
+    pid: int
+    kind = "ready"
+
+
+class Forked(NamedTuple):
+    pid: int
+    kind = "forked"
+
+
+class Exited(NamedTuple):
+    pid: int
+    code: int
+    kind = "exited"
+
+
+class Pong(NamedTuple):
+    kind = "pong"
+
+
+# -- run events ----------------------------------------------------------------------------------
+
+class Finished(NamedTuple):
+    """The rank's command returned (`where`: how its code ended)."""
+    rank: int
+    where: str = ""
+    kind = "finished"
+
+
+class Failed(NamedTuple):
+    rank: int
+    summary: str
+    traceback: str = ""
+    crashed: bool = False  # died by a signal or exit code (or ended early), not by a Python exception
+    kind = "failed"
+
+
+class Stopped(NamedTuple):
+    """Stopped (or interrupted) because of another rank's failure or a time-out."""
+    rank: int
+    why: str = ""
+    stack: str = ""
+    kind = "stopped"
+
+
+class Vital(NamedTuple):
+    """One rank's vital signs at one moment, sampled in the notebook at most about once a second."""
+    time: float  # seconds since the run started
+    rank: int
+    step_rate: float | None  # steps/s at the innermost progress level, over the last few seconds
+    rss: int | None  # bytes: the rank process's resident memory
+    gpu_memory: int | None  # bytes: GPU memory held by the rank's process (NVML)
+    gpu_util: int | None  # percent: utilisation of the rank's GPU (NVML)
+    gpu: int | None  # physical index of the rank's GPU
+    kind = "vital"
+
+
+class AttemptStarted(NamedTuple):
+    """An attempt of a submitted run began: its title, its ranks, the wall clock."""
+    title: str
+    ranks: list[int]
+    time: float
+    kind = "start"
+
+
+class Note(NamedTuple):
+    text: str
+    kind = "note"
+
+
+class AttemptEnded(NamedTuple):
+    ok: bool
+    time: float
+    kind = "end"
+
+
+RUN_EVENTS = (AttemptStarted, Note, AttemptEnded)  # the run's own log (events.jsonl)
+RANK_EVENTS = (Hello, Progress, Metric, BatchSize, Finished, Failed, Stopped, Vital, Output)  # rank-N.jsonl
+LOGGED = {cls.kind: cls for cls in (*RUN_EVENTS, *RANK_EVENTS)}
+
+
+class Logged(NamedTuple):
+    """An event read back from a log, with the restart attempt it belongs to."""
+    attempt: int
+    event: Any
+
+
+# -- on disk -------------------------------------------------------------------------------------
+
+HEADER = "nbtrain-events"  # a log's first line: {"log": HEADER, "version": VERSION}
+
+
+def header_line() -> bytes:
+    return (json.dumps({"log": HEADER, "version": VERSION}) + "\n").encode()
+
+
+def event_line(attempt: int, event) -> bytes:
+    """One event as a line of its log: {"attempt": ..., "kind": ..., and its fields by name}."""
+    return (json.dumps({"attempt": attempt, "kind": event.kind, **event._asdict()}, default=repr) + "\n").encode()
+
+
+def log_version(value) -> int | None:
+    """The version a log's first line names; None when it is no header (version 1 had none)."""
+    if isinstance(value, dict) and value.get("log") == HEADER:
+        version = value.get("version")
+        if not isinstance(version, int) or not 1 <= version <= VERSION:
+            raise ValueError(f"a run log of format {version!r}: this nbtrain reads formats 1 to {VERSION} "
+                             "(a newer nbtrain wrote it)")
+        return version
+    return None
+
+
+# Version 1 wrote `[attempt, kind, rank, *fields]`: the rank first, then these fields in order.
+_V1_FIELDS = {
+    "start": ("title", "ranks", "time"), "note": ("text",), "end": ("ok", "time"),
+    "hello": ("pid", "host"), "progress": ("level", "desc", "n", "total", "done", "at", "initial"),
+    "metric": ("step", "name", "value", "synced"), "batch_size": ("per_rank", "effective"),
+    "finished": ("where",), "failed": ("summary", "traceback", "crashed"), "stopped": ("why", "stack"),
+    "vital": ("time", "step_rate", "rss", "gpu_memory", "gpu_util", "gpu"), "output": ("stream", "text"),
+}
+
+
+def read_event(value, version: int) -> Logged | None:
+    """A log line's JSON value, of any version, as the event it records; None for a line that
+    is not one (a line of another program, a kind this nbtrain does not know)."""
+    if version == 1:
+        if not isinstance(value, list) or len(value) < 3 or value[1] not in _V1_FIELDS:
+            return None
+        attempt, kind, rank, *payload = value
+        names = _V1_FIELDS[kind]
+        if len(payload) > len(names):
+            return None
+        fields = dict(zip(names, payload))
+        if LOGGED[kind] not in RUN_EVENTS:
+            fields["rank"] = rank
+    elif isinstance(value, dict) and value.get("kind") in LOGGED:
+        attempt, kind = value.get("attempt"), value["kind"]
+        fields = {k: v for k, v in value.items() if k not in ("attempt", "kind")}
+    else:
+        return None
+    if not isinstance(attempt, int):
+        return None
+    if kind == "metric" and isinstance(fields.get("name"), list):  # a tuple, as JSON holds it
+        fields["name"] = tuple(fields["name"])
+    try:
+        return Logged(attempt, LOGGED[kind](**fields))
+    except TypeError:  # fields missing, or not this kind's
+        return None
+
+
+def spec(value: dict) -> dict:
+    """run.json's content as written: with the VERSION of the run directory's formats."""
+    return {**value, "version": VERSION}
+
+
+def read_spec(value: dict, path: str) -> dict:
+    """run.json's content, of any version (1 had none), as this version reads it."""
+    version = value.get("version", 1)
+    if not isinstance(version, int) or not 1 <= version <= VERSION:
+        raise ValueError(f"{path!r} is of format {version!r}: this nbtrain reads formats 1 to {VERSION} (a newer "
+                         "nbtrain wrote it)")
+    return {**value, "version": version}
+
+
+# Classes a pickle in an older run directory names where they were then (result.pkl's Result
+# holds Metric and Vital records).
+MOVED = {("nbtrain.display.runstate", "Metric"): Metric, ("nbtrain.display.runstate", "Vital"): Vital}
