@@ -19,7 +19,6 @@ import dill
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, record, table  # noqa: E402
-
 from nbtrain import explain_pickling  # noqa: E402
 
 

@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import record, table  # noqa: E402
-
 import nbtrain  # noqa: E402
+from _common import record, table  # noqa: E402
 
 STEPS = 3
 

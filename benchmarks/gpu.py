@@ -56,7 +56,6 @@ def _loop(model, device, steps: int, log) -> float:
 
 
 def raw(steps: int) -> dict:
-    import torch
 
     return {"steps_per_s": _loop(_model().cuda(), "cuda", steps, lambda loss: loss.item())}
 

@@ -23,9 +23,8 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import median, record, table  # noqa: E402
-
 import nbtrain  # noqa: E402
+from _common import median, record, table  # noqa: E402
 
 VARIANTS = {"none": {}, "tensorboard": {"trackers": "tensorboard"}, "mlflow": {"trackers": "mlflow"},
             "profile": {"profile": True}, "tensorboard+profile": {"trackers": "tensorboard", "profile": True}}

@@ -37,8 +37,9 @@ MB = 2**20
 
 
 def make_payload(nbytes: int):
-    import nbtrain
     import torch
+
+    import nbtrain
 
     if nbtrain.context().rank != 0:
         return None

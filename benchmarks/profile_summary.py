@@ -30,9 +30,8 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import median, record, table  # noqa: E402
-
 import nbtrain  # noqa: E402
+from _common import median, record, table  # noqa: E402
 from nbtrain.rank import profiling  # noqa: E402
 
 

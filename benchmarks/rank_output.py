@@ -20,7 +20,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, record, table  # noqa: E402
-
 from nbtrain.common.channel import Hub, Link  # noqa: E402
 from nbtrain.common.lines import Screen  # noqa: E402
 

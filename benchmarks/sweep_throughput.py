@@ -26,7 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, record, table  # noqa: E402
 
-
 WAIT = [0.0]  # seconds each step waits (--wait)
 
 

@@ -22,9 +22,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import record, table  # noqa: E402
-
 import nbtrain  # noqa: E402
+from _common import record, table  # noqa: E402
 
 BEFORE = {"mlflow": {"MLFLOW_HTTP_REQUEST_TIMEOUT": "120", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "7",
                      "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "1.0"},

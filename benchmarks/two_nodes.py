@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import nbtrain  # noqa: E402
 from _common import median, record, table  # noqa: E402
 from conftest import slurm_unavailable  # noqa: E402
 from two_nodes import Network, TwoNodeRay, TwoNodeSlurm, unavailable, wait_until  # noqa: E402
-
-import nbtrain  # noqa: E402
 
 SHAPES = {"1 node x 2 ranks": {"devices": 2}, "2 nodes x 1 rank": {"devices": 1, "num_nodes": 2}}
 

@@ -270,10 +270,9 @@ def local_slurm(tmp_path_factory):
     if reason is not None:
         yield reason
         return
-    import tempfile
-
     import glob
     import shutil
+    import tempfile
 
     for old in glob.glob(os.path.join(tempfile.gettempdir(), "nbtrain-slurm-*-*")):  # of sessions that were killed
         if not psutil.pid_exists(int(os.path.basename(old).split("-")[2])):

@@ -4,12 +4,13 @@ import os
 import queue
 import socket
 import sys
+
 import psutil
 import pytest
 
 import nbtrain
-from nbtrain.common.protocol import Closed, Hello
 from nbtrain.common.channel import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable, Hub, Link
+from nbtrain.common.protocol import Closed, Hello
 from nbtrain.placements.clusters import base
 
 

@@ -6,10 +6,10 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY
 from torch.utils.data import TensorDataset
 
 import nbtrain
+from conftest import TINY
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="deepspeed is not installed (pip install deepspeed; the test extra has it)")

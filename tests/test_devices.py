@@ -1,5 +1,6 @@
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nbtrain.common.devices import DevicePlan, ensure_pci_bus_order, parse_cpu_devices, parse_devices, plan_devices
 from nbtrain.common.inventory import Gpu, GpuProcess, StaticInventory

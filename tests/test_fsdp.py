@@ -6,13 +6,13 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY
 from torch.utils.data import TensorDataset
 
 import nbtrain
+from conftest import TINY
 from nbtrain import WorkerError
-from nbtrain.rank.context import Context
 from nbtrain.common.inventory import NvmlInventory
+from nbtrain.rank.context import Context
 from nbtrain.rank.strategies import DEFAULT_MIN_PARAMS, ShardOptions, units
 
 slow = pytest.mark.slow

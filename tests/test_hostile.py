@@ -7,9 +7,9 @@ import glob
 import inspect
 import os
 import pickle
+import signal
 import subprocess
 import sys
-import signal
 import tempfile
 import time
 
@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import nbtrain
+from conftest import running
 from nbtrain import WorkerError
-from nbtrain.common.errors import UnpicklableError
 from nbtrain.common import devices as devices_module
 from nbtrain.common.devices import parse_devices
+from nbtrain.common.errors import UnpicklableError
 from nbtrain.common.tensor_files import LaunchFiles
-from conftest import running
 
 slow = pytest.mark.slow
 PROCESS_STARTS = ["fork", "template", "torchrun"]
@@ -888,6 +888,7 @@ def test_spawned_ranks_interrupted_while_starting_print_no_tracebacks(nb):
     # (when its lines arrived before the launch ended). Checked at the cause: a spawned rank is
     # in a group of its own from its first moment.
     import psutil
+
     from conftest import CHILDREN
 
     _, _, error, _ = nb.run(CHILDREN + "\nimport time\ndef sleeps():\n    time.sleep(30)\n")

@@ -5,8 +5,8 @@ import sys
 import pytest
 
 from nbtrain.common import inventory
-from nbtrain.display.gpus import gpus
 from nbtrain.common.inventory import Gpu, GpuProcess, NvmlInventory, StaticInventory, find_free_gpus, visible_gpus
+from nbtrain.display.gpus import gpus
 
 HOLDER = GpuProcess(4242, "python", 3 * 2**30)
 SYNTHETIC = StaticInventory([

@@ -2,6 +2,7 @@
 import time
 
 import pytest
+
 from conftest import CHILDREN, NET
 
 pytestmark = pytest.mark.slow

@@ -3,6 +3,7 @@ import time
 
 import psutil
 import pytest
+
 from conftest import CHILDREN
 
 pytestmark = pytest.mark.slow

@@ -9,11 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CHILDREN
 
 import nbtrain
+from conftest import CHILDREN
 from nbtrain.notebook.work_queue import SavedResults
-
 
 # -- bad input and the saved results: no process ---------------------------------------------
 

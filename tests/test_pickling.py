@@ -10,7 +10,8 @@ import types
 import dill
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nbtrain.common.errors import UnpicklableError
 from nbtrain.common.pickling import MAX_FINDINGS, Finding, dumps, explain_pickling, explain_return

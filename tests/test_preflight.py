@@ -20,9 +20,9 @@ import nbtrain
 from nbtrain.common import preflight
 from nbtrain.common.devices import DevicePlan, plan_devices
 from nbtrain.common.inventory import Gpu, GpuProcess, StaticInventory, use_inventory
+from nbtrain.common.preflight import CudaInit, ForkUnsafeError, Frame
 from nbtrain.notebook.choices import choose, words
 from nbtrain.placements.base import Job, ProcessLauncher, rank_environ
-from nbtrain.common.preflight import CudaInit, ForkUnsafeError, Frame
 
 # What torch.cuda._lazy_init does with its queue, limited to nbtrain's recorder: on a GPU
 # machine torch's own queued checks would really initialise CUDA in the test process.

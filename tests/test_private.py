@@ -6,8 +6,15 @@ import stat
 
 import pytest
 
-from nbtrain.common.private import (IncompleteWrite, NotYours, check_own, private_dir, read_own, read_own_json,
-                                    write_private)
+from nbtrain.common.private import (
+    IncompleteWrite,
+    NotYours,
+    check_own,
+    private_dir,
+    read_own,
+    read_own_json,
+    write_private,
+)
 
 
 def test_a_file_is_written_whole_and_private_whatever_the_umask(tmp_path):

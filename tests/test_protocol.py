@@ -6,8 +6,20 @@ import json
 import pytest
 
 from nbtrain.common import protocol, runlog
-from nbtrain.common.protocol import (AttemptEnded, AttemptStarted, BatchSize, Failed, Finished, Hello, Metric, Note,
-                                     Output, Progress, Stopped, Vital)
+from nbtrain.common.protocol import (
+    AttemptEnded,
+    AttemptStarted,
+    BatchSize,
+    Failed,
+    Finished,
+    Hello,
+    Metric,
+    Note,
+    Output,
+    Progress,
+    Stopped,
+    Vital,
+)
 
 EVENTS = [AttemptStarted("ddp on 2 CPU ranks, gloo", [0, 1], 1.7e9), Note("restarting (1 of 2): rank 1 failed"),
           Hello(0, 123, "node"), Progress(0, 1, "batch", 3, 10, False, 12.5, 2), Metric(4, 1, "loss", 0.25, True),

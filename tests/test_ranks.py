@@ -4,8 +4,8 @@ lifetime. Tests that restart the ranks build the state they need first."""
 import time
 
 import pytest
-from conftest import CHILDREN, NET
 
+from conftest import CHILDREN, NET
 
 pytestmark = pytest.mark.slow
 

@@ -7,10 +7,10 @@ import time
 
 import psutil
 import pytest
-from conftest import running
 import torch  # the live ranks also take it from this module, as from a notebook
 
 import nbtrain
+from conftest import running
 from nbtrain.common.errors import UnpicklableError
 from nbtrain.notebook.pool import PoolBroken
 from nbtrain.placements import template_process

@@ -86,6 +86,7 @@ def test_live_ranks_on_ray_end_within_seconds_of_a_killed_kernel():
     import time
 
     import psutil
+
     from conftest import Kernel
 
     def actors():

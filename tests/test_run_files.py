@@ -16,14 +16,13 @@ import dill
 import pytest
 
 import nbtrain
-from nbtrain.common import runlog, session
-from nbtrain.common.private import IncompleteWrite, NotYours, write_private
-from nbtrain.common.errors import WorkerError
-from nbtrain.display.recorder import RunRecorder
-from nbtrain.common.protocol import Metric, Note, Output
-from nbtrain.notebook.runmodel import RunState
-
 from conftest import Kernel
+from nbtrain.common import runlog, session
+from nbtrain.common.errors import WorkerError
+from nbtrain.common.private import IncompleteWrite, NotYours, write_private
+from nbtrain.common.protocol import Metric, Note, Output
+from nbtrain.display.recorder import RunRecorder
+from nbtrain.notebook.runmodel import RunState
 
 LAUNCH = {"strategy": "auto", "devices": 2, "accelerator": "cpu", "num_nodes": 1, "backend": None, "timeout": None,
           "launcher_options": None}

@@ -10,13 +10,13 @@ import torch
 
 import nbtrain
 from nbtrain.common import protocol, runlog
+from nbtrain.common.protocol import Progress
 from nbtrain.display import widgets
 from nbtrain.display.recorder import RunRecorder
-from nbtrain.common.protocol import Progress
-from nbtrain.notebook.runmodel import RunState
 from nbtrain.display.text import LineDisplay, rank_line
-from nbtrain.rank.context import Context
 from nbtrain.display.vitals import latest, slowest
+from nbtrain.notebook.runmodel import RunState
+from nbtrain.rank.context import Context
 
 CPU2 = {"devices": 2, "accelerator": "cpu", "start": "fork", "timeout": 120}
 

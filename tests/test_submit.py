@@ -9,15 +9,13 @@ import subprocess
 import time
 
 import dill
-
 import pytest
 import torch
 
 import nbtrain
+from conftest import Kernel
 from nbtrain.common import protocol, runlog, session
 from nbtrain.display.text import LineDisplay
-
-from conftest import Kernel
 
 # Defined in the kernel as a notebook would, and here for the plain launch it is compared with.
 TRAIN = '''
@@ -385,8 +383,8 @@ def test_a_slurm_run_outlives_the_kernel_and_attach_collects_it(slurm, tmp_path)
 
 
 def test_bar_updates_are_logged_at_most_once_a_second_and_none_is_lost_at_the_end(tmp_path):
-    from nbtrain.display.recorder import RunRecorder
     from nbtrain.common.protocol import Metric, Progress
+    from nbtrain.display.recorder import RunRecorder
     from nbtrain.notebook.runmodel import RunState
 
     recorder, state = RunRecorder(tmp_path, 0), RunState("ddp on 1 CPU rank", [0])

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import CHILDREN
 
 import nbtrain
+from conftest import CHILDREN
 from nbtrain.common.inventory import Gpu, StaticInventory, use_inventory
 from nbtrain.display.sweep_view import SweepState, TrialRow, summary_html, summary_text
 from nbtrain.notebook.slots import plan_slots

@@ -7,6 +7,7 @@ import time
 
 import psutil
 import pytest
+
 from conftest import CHILDREN, running
 
 pytestmark = pytest.mark.slow

@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 
 import nbtrain
-from nbtrain.common.inventory import Gpu, GpuProcess, StaticInventory
 from nbtrain.common.devices import plan_devices
-from nbtrain.common.inventory import NvmlInventory
+from nbtrain.common.inventory import Gpu, GpuProcess, NvmlInventory, StaticInventory
+from nbtrain.common.protocol import BatchSize, Hello, Metric, Progress
 from nbtrain.display import chart, make_display, widgets
 from nbtrain.display.text import LineDisplay, QuietDisplay, summary_lines
-from nbtrain.common.protocol import BatchSize, Hello, Metric, Progress
 from nbtrain.notebook.runmodel import RunState
 
 GiB = 2**30
@@ -224,8 +223,8 @@ def test_a_chart_of_one_mean_line_still_says_what_the_line_and_the_x_axis_are():
 
 
 def test_a_loss_within_one_decade_gets_more_than_one_labelled_tick():
-    from nbtrain.display.figure import metrics_figure
     from nbtrain.common.protocol import Metric
+    from nbtrain.display.figure import metrics_figure
 
     # 07 and 08 saved a log axis labelled "1" alone: the loss stayed between 0.3 and 0.9.
     fig = metrics_figure([Metric(s, 0, "loss", 0.9 - 0.04 * s, True) for s in range(15)])
@@ -236,8 +235,8 @@ def test_a_loss_within_one_decade_gets_more_than_one_labelled_tick():
 
 
 def test_metrics_are_drawn_in_the_order_rank_0_logged_them():
-    from nbtrain.display.figure import lines_by_metric
     from nbtrain.common.protocol import Metric
+    from nbtrain.display.figure import lines_by_metric
 
     # Rank 1's messages may arrive first; the panels still follow rank 0's order.
     history = [Metric(0, 1, "acc", 0.5, False), Metric(0, 0, "loss", 2.0, True), Metric(0, 0, "acc", 0.4, False)]
@@ -329,8 +328,8 @@ def test_a_resumed_loop_draws_from_initial_and_its_eta_counts_only_new_steps():
 def test_vitals_find_each_ranks_gpu_by_pid_and_memory_otherwise(monkeypatch):
     import os
 
-    from nbtrain.display.vitals import VitalsSampler, latest, memory_text, slowest
     from nbtrain.common.inventory import use_inventory
+    from nbtrain.display.vitals import VitalsSampler, latest, memory_text, slowest
     from nbtrain.notebook.result import Result
 
     state = RunState("ddp_fork on 2 GPUs, nccl", [0, 1])

@@ -93,7 +93,7 @@ class Hub:
             self._drop_late_strangers()
             try:
                 sock, _ = self._socket.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:  # the listener was closed, or a connection failed before it was accepted
                 if self._closed.is_set():
@@ -331,7 +331,7 @@ class Link:
             self.listen(on_command, on_lost)
 
     @classmethod
-    def from_environ(cls, rank: int, environ=os.environ, **kwargs) -> "Link | None":
+    def from_environ(cls, rank: int, environ=os.environ, **kwargs) -> Link | None:
         return cls(rank, environ, **kwargs) if ADDRESS_VAR in environ else None
 
     def listen(self, on_command, on_lost=None) -> None:

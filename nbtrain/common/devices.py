@@ -8,8 +8,8 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from . import inventory as _inventory
 
@@ -182,7 +182,7 @@ def plan_devices(
     accelerator: str = "auto",
     backend: str | None = None,
     num_nodes: int = 1,
-    inventory: "_inventory.Inventory | None" = None,
+    inventory: _inventory.Inventory | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> DevicePlan:
     """Resolve the user's `devices`/`accelerator`/`backend` into a `DevicePlan`."""

@@ -37,7 +37,7 @@ class WorkerError(RuntimeError):
 
     @classmethod
     def from_failure(cls, rank: int, summary: str, traceback: str = "", others: tuple[str, ...] = (),
-                     original: BaseException | None = None, node: str | None = None) -> "WorkerError":
+                     original: BaseException | None = None, node: str | None = None) -> WorkerError:
         """The error for a failed rank, an instance of ``type(original)`` too when that can be made.
 
         Parameters

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Protocol
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import re
 import sys
 import sysconfig
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from .import_hooks import when_imported
 from .inventory import visible_gpus
@@ -72,7 +72,7 @@ class ForkUnsafeError(RuntimeError):
         return type(self), (str(self), self.reason, self.offenders)
 
     @classmethod
-    def refusing(cls, reason: str, offenders: tuple[str, ...] = (), cuda: bool = True) -> "ForkUnsafeError":
+    def refusing(cls, reason: str, offenders: tuple[str, ...] = (), cuda: bool = True) -> ForkUnsafeError:
         lines = [f"start='fork' refused: {reason}" + (f"; {CUDA_FORK_ERROR}." if cuda else ".")]
         if offenders:
             named = "; ".join(f"{m} ({KNOWN_OFFENDERS[m]})" for m in offenders)

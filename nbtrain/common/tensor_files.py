@@ -78,7 +78,7 @@ class RankFiles:
         self.written: dict[int, str] = {}  # storage (its C pointer) -> file
 
     @classmethod
-    def from_environ(cls, rank: int, environ=os.environ) -> "RankFiles | None":
+    def from_environ(cls, rank: int, environ=os.environ) -> RankFiles | None:
         prefixes = [p for p in environ.get(PREFIX_VAR, "").split(os.pathsep) if p]
         if not prefixes or environ.get(ENABLE_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
             return None

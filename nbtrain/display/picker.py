@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..common.inventory import Gpu, Inventory, describe_holders, find_free_gpus, visible_gpus
 from .text import _processes, gpu_table, gpu_table_html, memory_bar_html
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 COLUMNS = (("GPU", "9em"), ("name", "16em"), ("memory", "17em"), ("util", "4em"), ("processes (pid name mem)", ""))
 
-_open_pickers: "weakref.WeakSet[GpuPicker]" = weakref.WeakSet()
+_open_pickers: weakref.WeakSet[GpuPicker] = weakref.WeakSet()
 _atexit_registered = False
 
 
@@ -31,7 +31,7 @@ def _close_open_pickers() -> None:
         picker.close()
 
 
-def _refresh_loop(ref: "weakref.ref[GpuPicker]", stop: threading.Event, interval: float) -> None:
+def _refresh_loop(ref: weakref.ref[GpuPicker], stop: threading.Event, interval: float) -> None:
     # Holds the picker weakly between refreshes so that dropping it ends the thread too.
     while not stop.wait(interval):
         picker = ref()

@@ -67,7 +67,7 @@ class RankOutput:
         self._live.clear()  # a new cell: live lines start afresh there
         self._unshown.clear()
 
-    def carry_on(self, other: "RankOutput") -> None:
+    def carry_on(self, other: RankOutput) -> None:
         """Take over from another display's (LazyDisplay's quiet one) in the middle of a command."""
         self.shown_rank, self._live, self._unshown = other.shown_rank, other._live, other._unshown
 

@@ -44,7 +44,7 @@ STATUS_COLOURS = {"starting": NEUTRAL, "running": "#1565c0", "finished": "#2e7d3
 BAR_STYLES = {"failed": ("danger", None), "stopped": ("", "#9e9e9e"), "finished": ("success", None)}
 STRAGGLER_MARK = '<b style="color:#ef6c00" title="the slowest rank">slowest</b>'
 
-last_dashboard: "WidgetDisplay | None" = None
+last_dashboard: WidgetDisplay | None = None
 
 _front_end_ready = False
 

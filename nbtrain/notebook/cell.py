@@ -13,14 +13,15 @@ from __future__ import annotations
 import linecache
 import sys
 import types
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
+from ..common.devices import plan_devices
 from ..common.errors import UnpicklableError
 from ..common.pickling import explain_pickling, ship_bytes
 from ..common.source import free_names, shippable
-from ..rank.cell import CellJob
-from ..common.devices import plan_devices
 from ..display import make_display
+from ..rank.cell import CellJob
 from .choices import IN_KERNEL, choose, deepspeed_options, words
 from .launch import launch, launch_chosen
 from .restarts import check_restarts

@@ -25,9 +25,9 @@ import traceback
 from pathlib import Path
 
 from ..common import runlog, session
-from ..common.pickling import ship_bytes
 from ..common.devices import plan_devices
 from ..common.errors import WorkerError
+from ..common.pickling import ship_bytes
 from ..common.process_tree import become_subreaper, end_descendants
 from ..common.transfer import unpack_job
 from ..display.recorder import RunRecorder

@@ -7,7 +7,7 @@ work as they do there (both return the `Result`, where the originals return None
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..common.errors import WorkerError
 from ..rank.compat import LauncherCall, SpawnCall

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+
 from ..display import in_jupyter
 
 QUIRKS = {

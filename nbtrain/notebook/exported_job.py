@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from ..common import runlog, session
-from ..common.private import private_dir, read_own, read_own_json
 from ..common.pickling import ship_bytes
+from ..common.private import private_dir, read_own, read_own_json
 from ..display import make_display
 from ..rank.cell import CellJob
 from ..rank.exported import ARGUMENTS, VALUE

@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 import signal
-import time
 import threading
+import time
 import traceback
 
 import torch
 
 from ..common import protocol
-from ..rank.context import Context, set_current
 from ..common.errors import WorkerError
-from .result import Result
-from .runmodel import RunState
 from ..common.transfer import to_cpu
 from ..placements.base import Job
+from ..rank.context import Context, set_current
+from .result import Result
+from .runmodel import RunState
 
 
 class _TimedOut(BaseException):

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from ..common.devices import DevicePlan, plan_devices
 from ..common.errors import WorkerError
-from ..common.preflight import fork_blocker
 from ..display import make_display
 from ..placements.base import Job
 from ..placements.clusters import STRATEGIES as CLUSTER_STRATEGIES
@@ -20,6 +19,7 @@ from .insight import instrument
 from .pool import Pool
 from .restarts import check_restarts, with_restarts
 from .result import Result
+
 
 def _launcher(start: str, job: Job, display):
     """The launcher for where the ranks run: in the kernel, forked, from the template, spawned, or torchrun."""

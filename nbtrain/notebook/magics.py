@@ -29,13 +29,14 @@ from ..placements.script import check_installed, script_options
 from ..rank.trackers import check_trackers
 from .cell import cell_job, run_cell
 from .choices import choose, deepspeed_options, words
+from .export import export
 from .launch import check_cluster_words
 from .magic_options import COMMANDS, DEFAULTS, RESULT_NAME, RUN_NAME, _given, make_cluster, run_options
-from .export import export
-from .runs import attach, runs
-from .submit import submit
 from .ranks_magics import command as live_command
 from .ranks_magics import register as register_live
+from .runs import attach, runs
+from .submit import submit
+
 
 def check_options(options: dict) -> None:
     """Refuse, as UsageError, what cannot run, before anything starts."""

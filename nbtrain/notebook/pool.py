@@ -27,7 +27,8 @@ from ..common.pickling import explain_pickling, ship_bytes
 from ..common.process_tree import descendants
 from ..common.source import shippable
 from ..common.tensor_files import LaunchFiles
-from ..display.rank_output import KINDS as RANK_OUTPUT, deliver
+from ..display.rank_output import KINDS as RANK_OUTPUT
+from ..display.rank_output import deliver
 from ..placements.base import PrivateStore, describe_exit, free_port
 from ..rank.process import STACKS_SIGNAL
 from . import stacks

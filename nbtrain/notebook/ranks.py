@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import os
 import itertools
 import keyword
+import os
 import sys
 import time
 import types
@@ -24,28 +24,28 @@ import weakref
 
 from ..common.devices import plan_devices
 from ..common.errors import UnpicklableError, WorkerError
-from ..placements.base import Job
-from .pool import Pool, PoolBroken
-from ..common.preflight import check_fork, fork_blocker
-from ..placements.template import start_ranks_cleanly, TemplateLauncher
-from ..placements.processes import ForkLauncher, SpawnLauncher
-from ..display.text import QuietDisplay
-from .insight import instrument
-from .choices import words
-from .launch import check_timeout
-from .mapping import map_on_ranks
-from ..display.lazy import LazyDisplay
-from .result import Result
 from ..common.pickling import explain_pickling
+from ..common.preflight import check_fork, fork_blocker
+from ..common.source import parse_cell
 from ..common.tensor_files import RankFiles
 from ..common.transfer import PUSH_FILES, pack_push
 from ..display import check_progress, make_display
-from ..common.source import parse_cell
-from ..placements.clusters import check_cluster, ClusterJob
+from ..display.lazy import LazyDisplay
+from ..display.text import QuietDisplay
+from ..placements.base import Job
+from ..placements.clusters import ClusterJob, check_cluster
+from ..placements.processes import ForkLauncher, SpawnLauncher
+from ..placements.template import TemplateLauncher, start_ranks_cleanly
+from .choices import words
+from .insight import instrument
+from .launch import check_timeout
+from .mapping import map_on_ranks
+from .pool import Pool, PoolBroken
+from .result import Result
 
 START_METHODS = ("auto", "fork", "template", "spawn")
 WRAPPINGS = ("auto", "ddp", "fsdp")
-_open: "weakref.WeakValueDictionary[int, Ranks]" = weakref.WeakValueDictionary()
+_open: weakref.WeakValueDictionary[int, Ranks] = weakref.WeakValueDictionary()
 _order = itertools.count()
 _exec_count = itertools.count(1)
 
@@ -183,7 +183,7 @@ class Ranks:
         self._close("restarted by .restart()")
         self._start()
 
-    def __enter__(self) -> "Ranks":
+    def __enter__(self) -> Ranks:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -200,7 +200,7 @@ class Ranks:
         return f"Ranks(world_size={self.world_size}, {self.placement}, {self.plan.describe()}, {state})"
 
     @classmethod
-    def current(cls) -> "Ranks":
+    def current(cls) -> Ranks:
         """The Ranks that ``%%ranks`` cells use: the last started and not closed.
 
         Returns
@@ -217,7 +217,7 @@ class Ranks:
             raise LookupError("no live ranks: start them with `ranks = nbtrain.Ranks(devices=2)` or `%nbtrain start`.")
         return alive[-1]
 
-    def __getitem__(self, rank: int) -> "Rank":
+    def __getitem__(self, rank: int) -> Rank:
         if type(rank) is not int or not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank!r}: these live ranks are 0 .. {self.world_size - 1}.")
         return Rank(self, rank)

@@ -17,8 +17,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .magic_options import ACCELERATORS, CLUSTER_ARGUMENTS, DEFAULTS, _seconds, make_cluster
 from ..placements.template_process import warm_up
+from .magic_options import ACCELERATORS, CLUSTER_ARGUMENTS, DEFAULTS, _seconds, make_cluster
 from .ranks import START_METHODS, WRAPPINGS, Ranks
 
 

@@ -12,7 +12,7 @@ KeyboardInterrupt), ends it at once."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..common.errors import WorkerError
 from .result import Result

@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..common.protocol import Metric, Vital
 from ..display.figure import make_displayable, metrics_figure
 from ..display.profile import ProfileTable
-from ..common.protocol import Metric, Vital
 from .runmodel import RunState
 
 
@@ -58,7 +58,7 @@ class Result:
     start: str = ""  # last, and a class attribute too: a Result pickled by an earlier release reads ""
 
     @classmethod
-    def from_state(cls, state: RunState, strategy: str, devices: str, start: str = "") -> "Result":
+    def from_state(cls, state: RunState, strategy: str, devices: str, start: str = "") -> Result:
         """The Result of a run whose ranks reported into ``state`` (the launchers make it).
 
         Parameters

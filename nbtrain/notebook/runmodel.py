@@ -12,13 +12,13 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..common import protocol
 from ..common.protocol import Metric, Vital
 from ..common.transfer import unpack_result
-
 
 RECENT = 10.0  # seconds of (time, steps) kept per rank for its recent step rate
 STALLED = 1.0  # seconds a rank may be silent before the notebook's clock counts against its rate

@@ -23,9 +23,9 @@ from ..common import protocol, runlog, session
 from ..common.private import NotYours, check_own
 from ..display import check_progress, in_jupyter, make_display
 from ..display.widgets import WidgetDisplay
-from .runmodel import RunState
 from .export import export, load_job
 from .result import Result
+from .runmodel import RunState
 
 POLL = 0.2  # seconds between looks at the run directory
 START_WAIT = 60.0  # seconds a Run shown in a cell waits for its ranks to start (the supervisor imports torch)

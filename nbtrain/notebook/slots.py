@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..common.devices import plan_devices
 from ..placements.template_process import template
@@ -165,7 +165,7 @@ class SlotRunner:
         finally:
             self.changed.set()
 
-    def display(self, on_update=None, on_output=None, on_note=None) -> "SlotDisplay":
+    def display(self, on_update=None, on_output=None, on_note=None) -> SlotDisplay:
         """A display for one launch in a slot (pass it as `progress=`), taking the start turn:
         call it just before `launch`, and `.release()` it after (in a finally)."""
         return SlotDisplay(self, on_update, on_output, on_note)

@@ -13,13 +13,13 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ..common import runlog, session
-from ..common.private import check_own, private_dir
 from ..common.devices import plan_devices
 from ..common.pickling import ship_bytes
+from ..common.private import check_own, private_dir
 from ..common.transfer import pack_job
 from ..display import check_progress
 from ..placements.clusters import Slurm, check_cluster

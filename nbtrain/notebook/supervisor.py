@@ -20,7 +20,8 @@ from ..common import protocol
 from ..common.errors import WorkerError, interrupt_report
 from ..common.tracebacks import name_cells_in_pdb
 from ..common.transfer import unpack_exception
-from ..display.rank_output import KINDS as RANK_OUTPUT, deliver
+from ..display.rank_output import KINDS as RANK_OUTPUT
+from ..display.rank_output import deliver
 from .runmodel import RunState, brief
 from .stacks import blocked_on_peers, native_note, tidy_stacks
 
@@ -370,7 +371,7 @@ class Supervisor:
             stuck = self._interrupt(running) if running else []
             if stuck:
                 stacks = self.collect_stacks(stuck)
-                why = "interrupted, and ranks {} did not return".format(stuck)
+                why = f"interrupted, and ranks {stuck} did not return"
                 self.display.note(why + ":\n" + "\n\n".join(f"--- rank {r} ---\n{stacks.get(r, '')}" for r in stuck))
                 self.pool.stuck(stuck, why)
         except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, restart

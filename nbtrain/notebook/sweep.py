@@ -21,8 +21,8 @@ from collections import deque
 
 from ..common.errors import WorkerError
 from ..display.sweep_view import SweepState, TrialRow, make_view, summary_html, summary_text
-from .insight import _name
 from .choices import words
+from .insight import _name
 from .launch import check_cluster_words, check_timeout, launch
 from .restarts import why
 from .result import Result
@@ -164,7 +164,7 @@ def bar_text(view) -> str:
 class _Reporter:
     """One trial's metric, as its launch reports it: to the row, to Optuna, and Optuna's pruner asked."""
 
-    def __init__(self, run: "_SweepRun", trial, row: TrialRow):
+    def __init__(self, run: _SweepRun, trial, row: TrialRow):
         self.run, self.trial, self.row = run, trial, row
         self.read = 0
         self.reported: set[int] = set()

@@ -12,8 +12,9 @@ import shutil
 import signal
 import socket
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..common.devices import DevicePlan
 from ..common.leftovers import remove_orphans

@@ -33,11 +33,11 @@ import tempfile
 import time
 
 from ..common.leftovers import remove_orphans
-from ..rank.script_main import PAYLOAD, pipe_name
 from ..common.tensor_files import SHM_DIR
+from ..common.transfer import pack_job
+from ..rank.script_main import PAYLOAD, pipe_name
 from .base import Job, ProcessLauncher, RankProcess, describe_exit, rank_environ
 from .torchrun_log import LauncherLog
-from ..common.transfer import pack_job
 
 LAUNCHERS = {  # name: (module run with `python -m`, package to install)
     "torchrun": ("torch.distributed.run", "torch"),

@@ -6,11 +6,10 @@ not answer (stopped, hung).
 """
 from __future__ import annotations
 
-
-from .base import Job, ProcessLauncher, RankProcess, rank_environ
-from .processes import _Pipes, SpawnLauncher
-from .template_process import TemplateUnresponsive, template
 from ..common.transfer import pack_job
+from .base import Job, ProcessLauncher, RankProcess, rank_environ
+from .processes import SpawnLauncher, _Pipes
+from .template_process import TemplateUnresponsive, template
 
 
 class TemplateLauncher(ProcessLauncher):

@@ -11,8 +11,9 @@ import operator
 import os
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,7 @@ class Context:
         self._explicit_steps = False  # the code calls step() itself
 
     @classmethod
-    def from_environ(cls, environ=os.environ, sink=None) -> "Context":
+    def from_environ(cls, environ=os.environ, sink=None) -> Context:
         """The Context of a rank started with the torchrun-standard environment.
 
         Parameters
@@ -305,7 +306,7 @@ class Context:
         """
         return load(self, path, objects)
 
-    def loader(self, dataset, **dataloader_kwargs) -> "EpochLoader":
+    def loader(self, dataset, **dataloader_kwargs) -> EpochLoader:
         """A DataLoader that gives each rank its own part of the data, reshuffled every epoch.
 
         With several ranks, a DistributedSampler is added (unless a sampler is given) and its

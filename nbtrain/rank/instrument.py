@@ -6,8 +6,8 @@ ranks set trackers and the profiler up themselves, wherever and however they wer
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..common import protocol
 from ..common.private import new_private_dir

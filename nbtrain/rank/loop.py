@@ -28,19 +28,18 @@ import traceback
 import types
 
 from ..common import protocol
-from ..common.process_tree import become_subreaper, end_descendants
 from ..common.channel import ChannelUnreachable, Link
 from ..common.pickling import code_global_names
+from ..common.process_tree import become_subreaper, end_descendants
 from ..common.source import free_names, parse_cell
 from ..common.tracebacks import package_path
 from ..common.transfer import pack_exception, pack_result, unpack_job, unpack_push
 from .compat import become_torchrun_worker, destroy_asked_group
-from .rendezvous import use_private_store
 from .context import Context, set_current
 from .output import show_in_notebook
-from .process import end_output, enable_stacks
+from .process import enable_stacks, end_output, limit_threads
 from .process import forward_output as forward
-from .process import limit_threads
+from .rendezvous import use_private_store
 from .strategies import contains_sharded
 
 NOTHING = object()  # an exec whose code ends without an expression

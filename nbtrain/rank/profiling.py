@@ -83,7 +83,7 @@ class Profile:
             raise ValueError(f"Profile(memory={self.memory!r}): give True, False or None (None: on CUDA ranks only).")
 
     @classmethod
-    def check(cls, profile) -> "Profile | None":
+    def check(cls, profile) -> Profile | None:
         """``profile=`` as given to `launch`, as a Profile (None: no profile).
 
         Parameters

@@ -30,7 +30,7 @@ _ACCEPTED_PRECISION = "None (full precision), 'bf16' ('bf16-mixed'), 'fp16' ('16
 
 # Each sharded module's plain twin on the meta device, taken just before sharding: what
 # `prepare_return` fills with the gathered weights (FSDP modules cannot be deep-copied).
-_skeletons: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()
+_skeletons: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class ShardOptions:
 
     @classmethod
     def check(cls, shard=None, min_params=DEFAULT_MIN_PARAMS, mixed_precision=None, cpu_offload=False,
-              reshard_after_forward=True) -> "ShardOptions":
+              reshard_after_forward=True) -> ShardOptions:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         if shard is not None:

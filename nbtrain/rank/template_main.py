@@ -26,6 +26,7 @@ cannot answer (stopped, say) is noticed in seconds and plain spawn used instead.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import pickle
@@ -33,7 +34,6 @@ import select
 import socket
 import struct
 import sys
-import importlib
 import traceback
 
 from ..common import protocol

@@ -88,7 +88,7 @@ class TensorBoard:
             raise ValueError(f"TensorBoard(log_dir={self.log_dir!r}): give a directory path (a str or "
                              "pathlib.Path), or None for the run directory's tensorboard/.")
 
-    def opened(self, run) -> "_TensorBoardWriter":
+    def opened(self, run) -> _TensorBoardWriter:
         """This rank's writer for the run (a rank calls it).
 
         Parameters
@@ -162,7 +162,7 @@ class MLflow:
             raise ValueError(f"MLflow(run_name={self.run_name!r}): give a non-empty str, or None for the run "
                              "directory's name.")
 
-    def opened(self, run) -> "_MLflowWriter":
+    def opened(self, run) -> _MLflowWriter:
         """This rank's writer for the run (a rank calls it).
 
         Parameters
@@ -252,7 +252,7 @@ class WandB:
             raise ValueError(f"WandB(dir={self.dir!r}): give a directory path (a str or pathlib.Path), or None for "
                              "the run directory.")
 
-    def opened(self, run) -> "_WandBWriter":
+    def opened(self, run) -> _WandBWriter:
         """This rank's writer for the run (a rank calls it).
 
         Parameters

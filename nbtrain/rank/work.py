@@ -12,8 +12,8 @@ import copy
 import queue
 import traceback
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..common import protocol
 from ..common.channel import Link

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import psutil
 
+from ...common.channel import ADDRESS_VAR, CONNECT_SECONDS, HANDSHAKE_SECONDS, addresses
 from ...common.devices import BACKENDS, DevicePlan
-from ..base import Job, ProcessLauncher, RankProcess, rank_environ
+from ...common.happy_eyeballs import NoneAnswered, first_to_answer
 from ...common.tensor_files import ENABLE_VAR as SHARED_MEMORY_VAR  # "0": a rank returns tensors as bytes
 from ...common.transfer import pack_job
-from ...common.channel import ADDRESS_VAR, CONNECT_SECONDS, HANDSHAKE_SECONDS, addresses
-from ...common.happy_eyeballs import NoneAnswered, first_to_answer
 from ...rank.loop import NOTICE_VAR, remote_main
+from ..base import Job, ProcessLauncher, RankProcess, rank_environ
 
 MACHINE_VAR = "NBTRAIN_KERNEL_MACHINE"  # the notebook's machine, so a rank can tell whether it shares it
 PATH_VAR, CWD_VAR = "NBTRAIN_KERNEL_PATH", "NBTRAIN_KERNEL_CWD"  # the notebook's sys.path and directory
@@ -47,7 +47,7 @@ class Cluster:
                              "machine that the cluster's nodes can reach, e.g. '10.0.0.5', or None to choose one.")
         self.notebook_address = notebook_address.strip() if notebook_address else None
 
-    def plan(self, devices, accelerator: str, backend: str | None, num_nodes: int) -> "ClusterPlan":
+    def plan(self, devices, accelerator: str, backend: str | None, num_nodes: int) -> ClusterPlan:
         """The devices of a run on this cluster (what `launch` calls with its own arguments).
 
         Parameters

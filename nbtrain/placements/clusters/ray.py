@@ -18,8 +18,19 @@ import time
 import uuid
 
 from ..base import Job, describe_exit, free_port
-from .base import (Cluster, RemotePlacement, RemoteRank, accelerator_of, base_environ, channel_options, count,
-                   make_plan, rank_entry, rank_vars, require)
+from .base import (
+    Cluster,
+    RemotePlacement,
+    RemoteRank,
+    accelerator_of,
+    base_environ,
+    channel_options,
+    count,
+    make_plan,
+    rank_entry,
+    rank_vars,
+    require,
+)
 
 PLACING_QUIET = 1.0  # seconds a placement may take before the display says it waits for resources
 GCS_LOOK = 1.0  # seconds between looks at whether Ray's cluster still answers (and a look's limit)
@@ -102,7 +113,7 @@ class Ray(Cluster):
     def where(self) -> str:
         return "Ray" + (f" at {self.address}" if self.address else "")
 
-    def placement(self) -> "RayPlacement":
+    def placement(self) -> RayPlacement:
         return RayPlacement(self)
 
     def supervisor_environ(self) -> dict[str, str]:

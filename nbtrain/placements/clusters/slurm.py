@@ -27,8 +27,20 @@ from pathlib import Path
 from ...common.leftovers import alive
 from ...common.private import new_private_dir, private_dir
 from ..base import Job, describe_exit
-from .base import (Cluster, RemotePlacement, RemoteRank, accelerator_of, base_environ, channel_options, count,
-                   make_plan, notebook_addresses, rank_entry, rank_vars, require)
+from .base import (
+    Cluster,
+    RemotePlacement,
+    RemoteRank,
+    accelerator_of,
+    base_environ,
+    channel_options,
+    count,
+    make_plan,
+    notebook_addresses,
+    rank_entry,
+    rank_vars,
+    require,
+)
 
 # Set by nbtrain from the plan and the arguments, so not accepted as sbatch options:
 OWN_OPTIONS = {"nodes", "ntasks", "ntasks_per_node", "gpus_per_node", "partition", "time", "account", "output",
@@ -160,7 +172,7 @@ class Slurm(Cluster):
         settings = [f"{k} {v}" for k, v in (("partition", self.partition), ("account", self.account)) if v]
         return "SLURM" + (f" ({', '.join(settings)})" if settings else "")
 
-    def placement(self) -> "SlurmPlacement":
+    def placement(self) -> SlurmPlacement:
         return SlurmPlacement(self)
 
     def __repr__(self) -> str:
