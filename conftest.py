@@ -9,39 +9,12 @@ import subprocess
 import pytest
 
 
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pyproject's addopts): two workers for the whole suite, whose slow tests mostly
-    wait on processes and kernels (the second worker takes a third off its time on 2 cores); none
-    for a file, a directory or the fast subset, which two workers' start-up would only slow down."""
-    whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS and config.option.markexpr != "not slow"
-    return 2 if whole else 0
-
-
-# pytest-xdist (`--dist loadgroup`, pyproject's addopts): the tests of one file run in one
-# worker, in order (a notebook's cells share its kernel, a module its fixtures); the tests below
-# share a group across files as well, so they never run beside each other: Ray clusters, whose
-# start on 2 loaded cores times out when two start at once, and the two-node test's Ray and SLURM.
-TOGETHER = {
-    "ray": ("tests/test_ray.py", "tests/test_ray_gone.py", "tests/test_two_nodes.py",
-            "tests/test_scale.py::test_ray_8_actors", "tests/test_sweep.py::test_trials_as_ray_actors"),
-}
-
-
-def _group(item) -> str:
-    for group, ids in TOGETHER.items():
-        if any(item.nodeid == i or item.nodeid.startswith(i + ("::" if i.endswith(".py") else "[")) for i in ids):
-            return group
-    return item.nodeid.split("::")[0]
-
-
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker, and before xdist reads the groups
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
+    # nbval runs every notebook cell in a Jupyter kernel: each cell is a slow test.
     for item in items:
-        # nbval runs every notebook cell in a Jupyter kernel: each cell is a slow test.
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_group(item)))
 
 
 # Every way a test can start a process goes through one of these: subprocess (its own name for
