@@ -1,0 +1,62 @@
+"""Sphinx configuration of nbtrain's documentation site (build: see docs/README.md).
+
+Why Sphinx + MyST-NB + the PyData theme, and not MkDocs Material: it is what PyTorch and the
+Jupyter projects use, so the site reads like the ones our users already know; autodoc imports the
+real objects, so the API reference is the docstrings `help()` and `?` show, rendered by numpydoc
+(the style they are written in); MyST-NB renders the notebooks with the outputs saved in them,
+without running them; and `-W` turns every broken reference into a failed build.
+"""
+from __future__ import annotations
+
+import nbtrain
+
+project = "nbtrain"
+author = "nbtrain contributors"
+copyright = "nbtrain contributors"  # noqa: A001 (Sphinx's name)
+release = version = nbtrain.__version__
+
+extensions = [
+    "myst_nb",                # MyST markdown pages and .ipynb notebooks
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "numpydoc",               # the docstrings are numpydoc-style
+    "sphinx.ext.viewcode",
+    "sphinx_copybutton",
+]
+
+# The user guide is the README's sections, split into pages; the README is the front page on
+# GitHub and links here. Included files (benchmarks/RESULTS.md) are read from their place.
+templates_path = ["_templates"]
+exclude_patterns = ["_build", "_templates", "README.md", "**.ipynb_checkpoints"]
+root_doc = "index"
+
+# MyST: heading anchors so `[text](page.md#a-heading)` links work the way they do on GitHub.
+myst_heading_anchors = 4
+myst_enable_extensions = ["colon_fence", "deflist"]
+
+# Notebooks are shown with the outputs saved in them (notebooks/refresh_outputs.py writes those);
+# the site build never runs them.
+nb_execution_mode = "off"
+# A widget's saved state is not in the notebooks (only its text fallback is): show the text.
+nb_mime_priority_overrides = [("html", "application/vnd.jupyter.widget-view+json", None)]
+
+# Pygments' IPython-traceback lexer stops at some characters in saved errors (an em dash) and
+# falls back to plain text, which is what we would choose anyway: not a broken page.
+suppress_warnings = ["misc.highlighting_failure"]
+
+# API reference: autosummary writes one page per public name (docs/api/generated/).
+autosummary_generate = True
+autodoc_default_options = {"members": True, "inherited-members": False}
+autodoc_typehints = "none"          # the signatures and the Parameters sections say the types
+numpydoc_show_class_members = False  # autosummary lists them; numpydoc's own tables would repeat
+numpydoc_class_members_toctree = False
+numpydoc_xref_param_type = False
+
+html_theme = "pydata_sphinx_theme"
+html_title = f"nbtrain {release}"
+html_static_path = ["_static"]
+html_theme_options = {
+    "github_url": "https://github.com/nbtrain/nbtrain",
+    "navigation_with_keys": False,
+    "show_toc_level": 2,
+}
