@@ -8,7 +8,22 @@ without running them; and `-W` turns every broken reference into a failed build.
 """
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import nbtrain
+
+# The notebooks live in notebooks/ (where users open them); the site renders copies of them, made
+# here, as pages under notebooks/ (a symlink would not do: MyST resolves it to a path outside docs/).
+_here = Path(__file__).resolve().parent
+(_here / "notebooks").mkdir(exist_ok=True)
+for _notebook in sorted((_here.parent / "notebooks").glob("*.ipynb")):
+    _copy = _here / "notebooks" / _notebook.name
+    if not _copy.exists() or _copy.read_bytes() != _notebook.read_bytes():
+        shutil.copyfile(_notebook, _copy)
+for _copy in (_here / "notebooks").glob("*.ipynb"):  # one removed from notebooks/ leaves the site too
+    if not (_here.parent / "notebooks" / _copy.name).exists():
+        _copy.unlink()
 
 project = "nbtrain"
 author = "nbtrain contributors"
@@ -60,3 +75,13 @@ html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
 }
+
+
+def _notebook_links_to_their_pages(app, docname, source):
+    """The pages link `../notebooks/X.ipynb`, which works on GitHub; on the site that notebook is
+    the page rendered from its copy in docs/notebooks/."""
+    source[0] = source[0].replace("](../notebooks/", "](notebooks/")
+
+
+def setup(app):
+    app.connect("source-read", _notebook_links_to_their_pages)
