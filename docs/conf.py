@@ -67,6 +67,9 @@ numpydoc_show_class_members = False  # autosummary lists them; numpydoc's own ta
 numpydoc_class_members_toctree = False
 numpydoc_xref_param_type = False
 
+# Straight quotes as written: the pages quote code and figures (strategy='ddp') that a reader copies.
+smartquotes = False
+
 html_theme = "pydata_sphinx_theme"
 html_title = f"nbtrain {release}"
 html_static_path = ["_static"]
