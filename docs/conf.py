@@ -73,10 +73,14 @@ smartquotes = False
 html_theme = "pydata_sphinx_theme"
 html_title = f"nbtrain {release}"
 html_static_path = ["_static"]
+# The guide's pages have no children to list on the left: give their width to the text. The
+# notebooks' and the API's pages keep the list of their section.
+html_sidebars = {"*": [], "notebooks": ["sidebar-nav-bs"], "api/index": ["sidebar-nav-bs"]}
 html_theme_options = {
     "github_url": "https://github.com/nbtrain/nbtrain",
     "navigation_with_keys": False,
     "show_toc_level": 2,
+    "header_links_before_dropdown": 4,
 }
 
 
