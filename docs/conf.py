@@ -84,11 +84,13 @@ html_theme_options = {
 }
 
 
-def _notebook_links_to_their_pages(app, docname, source):
-    """The pages link `../notebooks/X.ipynb`, which works on GitHub; on the site that notebook is
-    the page rendered from its copy in docs/notebooks/."""
-    source[0] = source[0].replace("](../notebooks/", "](notebooks/")
+def _for_the_site(app, docname, source):
+    """The pages are read on GitHub too. They link `../notebooks/X.ipynb`, which works there; on the
+    site that notebook is the page rendered from its copy in docs/notebooks/. A line that starts
+    with `<!-- github only -->` points GitHub's readers at what the site includes: not on the site."""
+    text = source[0].replace("](../notebooks/", "](notebooks/")
+    source[0] = "".join(line for line in text.splitlines(keepends=True) if not line.startswith("<!-- github only -->"))
 
 
 def setup(app):
-    app.connect("source-read", _notebook_links_to_their_pages)
+    app.connect("source-read", _for_the_site)
