@@ -73,6 +73,7 @@ smartquotes = False
 html_theme = "pydata_sphinx_theme"
 html_title = f"nbtrain {release}"
 html_static_path = ["_static"]
+html_css_files = ["wide.css"]
 # The guide's pages have no children to list on the left: give their width to the text. The
 # notebooks' and the API's pages keep the list of their section.
 html_sidebars = {"*": [], "notebooks": ["sidebar-nav-bs"], "api/index": ["sidebar-nav-bs"]}
