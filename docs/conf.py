@@ -81,7 +81,7 @@ html_theme_options = {
     "github_url": "https://github.com/nbtrain/nbtrain",
     "navigation_with_keys": False,
     "show_toc_level": 2,
-    "header_links_before_dropdown": 4,
+    "header_links_before_dropdown": 3,
 }
 
 
