@@ -216,7 +216,8 @@ def cpu_rank_limit(cores: int, environ: Mapping[str, str] = os.environ) -> int:
     except ValueError:
         limit = 0
     if limit < 1:
-        raise ValueError(f"{MAX_CPU_RANKS_VAR}={given!r}: give a positive int, the most CPU ranks one launch may start.")
+        raise ValueError(f"{MAX_CPU_RANKS_VAR}={given!r}: give a positive int, "
+                         "the most CPU ranks one launch may start.")
     return limit
 
 
@@ -269,7 +270,8 @@ def _with_backend(plan: DevicePlan, backend: str | None) -> DevicePlan:
     if backend is None:
         return plan
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not known. Accepted: {', '.join(BACKENDS)} (or None for nccl on GPU, gloo on CPU).")
+        raise ValueError(f"backend={backend!r} is not known. Accepted: {', '.join(BACKENDS)} "
+                         "(or None for nccl on GPU, gloo on CPU).")
     if backend == "nccl" and plan.accelerator == "cpu":
         raise ValueError("backend='nccl' needs GPUs, and this launch runs on CPU. Use 'gloo' (the default on CPU).")
     return DevicePlan(plan.accelerator, plan.indices, plan.physical, backend, plan.num_nodes)

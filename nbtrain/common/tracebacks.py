@@ -152,7 +152,8 @@ def fold_library_frames(traceback: str) -> str:
         if run:
             flush(section_ends=path is None)
         if path is None:  # a header, the error, a blank: a new section may start
-            recent_first = "most recent call first" in block[0] or (recent_first and "most recent call last" not in block[0])
+            recent_first = ("most recent call first" in block[0]
+                            or (recent_first and "most recent call last" not in block[0]))
             at_start = True
         else:
             at_start = False

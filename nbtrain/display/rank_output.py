@@ -27,7 +27,8 @@ def jupyter_shell():
     """The kernel's shell when this runs in Jupyter (Colab's and Spyder's subclass it), else None."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
-    return shell if shell is not None and any(c.__name__ == "ZMQInteractiveShell" for c in type(shell).__mro__) else None
+    in_jupyter = shell is not None and any(c.__name__ == "ZMQInteractiveShell" for c in type(shell).__mro__)
+    return shell if in_jupyter else None
 
 
 def tagged(rank, text: str) -> str:

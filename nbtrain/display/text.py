@@ -86,7 +86,8 @@ def rank_line(view, state=None, final: bool = False, vital=None) -> str:
         status, detail = detail, ""
     bars = " ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in sorted(view.bars.items()))
     rate = view.step_rate if final or vital is None else vital.step_rate
-    parts = [f"rank {view.rank}", status, bars, rate_text(rate, None if final else view), memory_text(vital), _metric_text(view.metrics),
+    parts = [f"rank {view.rank}", status, bars, rate_text(rate, None if final else view), memory_text(vital),
+             _metric_text(view.metrics),
              detail, _clip(reason.splitlines()[0]) if reason else ""]  # its first line; a stack may follow
     return "  ".join(p for p in parts if p)
 
@@ -229,8 +230,10 @@ class TqdmDisplay(LineDisplay):
             outer = " ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in levels[:-1])
             bar.total = inner.total if inner else None
             bar.n = inner.n if inner else 0
-            bar.initial = inner.initial if inner else 0  # tqdm's rate counts from it: a resumed loop's earlier steps were not done now
-            bar.set_description_str(" ".join(p for p in (f"rank {rank}", outer, inner.desc if inner else view.status) if p),
+            # tqdm's rate counts from it: a resumed loop's earlier steps were not done now
+            bar.initial = inner.initial if inner else 0
+            bar.set_description_str(" ".join(p for p in (f"rank {rank}", outer, inner.desc if inner else view.status)
+                                             if p),
                                     refresh=False)
             bar.set_postfix_str(_metric_text(view.metrics), refresh=False)
             bar.refresh()

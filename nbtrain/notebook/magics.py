@@ -93,7 +93,8 @@ def _launcher(options: dict) -> str:
 
 def rerun_line(options: dict) -> str:
     """The magic line another node runs: this one with its own `--node-rank`."""
-    parts = ["%%nbtrain", "--strategy", options["strategy"], "--start", "torchrun", "--devices", str(options["devices"]),
+    parts = ["%%nbtrain", "--strategy", options["strategy"], "--start", "torchrun", "--devices",
+             str(options["devices"]),
              "--accelerator", options["accelerator"], "--nnodes", str(options["nnodes"]), "--node-rank", "{node_rank}",
              "--rdzv-endpoint", options["rdzv_endpoint"]]
     if options["launcher"] != "torchrun":
@@ -192,7 +193,8 @@ class NbtrainMagics(Magics):
             check_options({**DEFAULTS, **self.config_options, **given})
             self.config_options.update(given)
         settings = {**DEFAULTS, **self.config_options}
-        shown = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {' '.join(v) if isinstance(v, list) else v}")
+        shown = " ".join(f"--{k.replace('_', '-')}"
+                         + ("" if v is True else f" {' '.join(v) if isinstance(v, list) else v}")
                          for k, v in settings.items() if v is not None and v is not False)
         mine = ", ".join(f"--{k.replace('_', '-')}" for k in DEFAULTS if k in self.config_options) or "none"
         print(f"nbtrain: %%nbtrain defaults: {shown} (set by %nbtrain config: {mine})")

@@ -1,6 +1,7 @@
 """Magics for live ranks, loaded with the others by `%load_ext nbtrain`.
 
-    %nbtrain start [--devices 2] [--accelerator cpu] [--backend gloo] [--strategy auto|ddp|fsdp] [--start auto|fork|template|spawn]
+    %nbtrain start [--devices 2] [--accelerator cpu] [--backend gloo] [--strategy auto|ddp|fsdp]
+                   [--start auto|fork|template|spawn]
                    [--cluster slurm|ray [--partition P --time T --account A --sbatch K=V --address A --num-workers N]]
     %%ranks [--rank 0] [--timeout S] [--no-progress]   the cell runs in every live rank (or those named)
     %nbtrain stop                                       close the live ranks
@@ -117,7 +118,8 @@ def command(shell, name: str, rest: str):
         except (ValueError, TypeError, RuntimeError) as exc:
             raise UsageError(str(exc)) from None
         shell.user_ns["ranks"] = ranks
-        print("nbtrain: the live ranks are `ranks` in this notebook; %%ranks cells run on them; %nbtrain stop ends them.")
+        print("nbtrain: the live ranks are `ranks` in this notebook; %%ranks cells run on them; "
+              "%nbtrain stop ends them.")
         return None
     if name == "stop":
         try:

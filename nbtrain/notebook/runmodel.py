@@ -225,9 +225,9 @@ class RunState:
             if missing is None:
                 raise
             self.fail(view.rank, f"rank {view.rank} returned an object of class {missing[1]!r}, which was defined on "
-                      f"the ranks only (a %%ranks cell or ranks.exec): the notebook cannot rebuild it. Define the class "
-                      f"in the notebook too (run its code in a notebook cell), or return plain data (a state_dict, "
-                      f"tensors, numbers).")
+                      "the ranks only (a %%ranks cell or ranks.exec): the notebook cannot rebuild it. Define "
+                      "the class in the notebook too (run its code in a notebook cell), or return plain data "
+                      "(a state_dict, tensors, numbers).")
             return False
         self.finish(view.rank, value, returned.where)
         return False

@@ -75,7 +75,8 @@ class Watched(Protocol):
 class Supervisor:
     """Watches the ranks of `state` for one command of `pool`."""
 
-    def __init__(self, pool: Watched, state: RunState, display, timeout: float | None, start_timeout: float | None = None,
+    def __init__(self, pool: Watched, state: RunState, display, timeout: float | None,
+                 start_timeout: float | None = None,
                  interrupt: KeyboardInterrupt | None = None):
         self.pool = pool
         self.interrupt = interrupt  # a Ctrl-C that came while the command was being sent
@@ -182,7 +183,8 @@ class Supervisor:
             if code is None:
                 continue
             proc.exited_at = proc.exited_at or now
-            missing = [r for r in proc.ranks if r in self.state.ranks and self.state.ranks[r].status in ("starting", "running")]
+            missing = [r for r in proc.ranks
+                       if r in self.state.ranks and self.state.ranks[r].status in ("starting", "running")]
             drained = all(self.pool.closed(r) for r in missing)
             if not missing or (not drained and now - proc.exited_at < EXIT_DRAIN):
                 continue  # its own result or error report may still be on the way

@@ -69,7 +69,8 @@ class RankLoop:
                 if self._running is not None and self._running == message.seq:
                     self._interrupting = True
                     signal.pthread_kill(self._main, signal.SIGINT)
-        elif isinstance(message, protocol.Stacks):  # remote ranks; local ones are asked by signal (works even when the GIL is held)
+        elif isinstance(message, protocol.Stacks):
+            # remote ranks; local ones are asked by signal (works even when the GIL is held)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         elif isinstance(message, protocol.Stdin):
             self.stdin.put(message.line)

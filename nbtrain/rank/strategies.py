@@ -150,7 +150,8 @@ def units(module: torch.nn.Module, options: ShardOptions) -> list[torch.nn.Modul
 
 
 def _registrations(module: torch.nn.Module) -> Counter:
-    return Counter(id(p) for m in module.modules() for _, p in m.named_parameters(recurse=False, remove_duplicate=False))
+    return Counter(id(p) for m in module.modules()
+                   for _, p in m.named_parameters(recurse=False, remove_duplicate=False))
 
 
 def _self_contained(root: torch.nn.Module):
@@ -261,7 +262,8 @@ def gather_returned(value, ctx):
             listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
             raise RuntimeError(f"every rank must return the sharded model, as each holds a part of it; the "
                                f"numbers of sharded modules returned differ ({listed}). Return the model on every "
-                               f"rank; under {ctx.strategy}, only rank 0's copy comes back (whole), the others as None.")
+                               f"rank; under {ctx.strategy}, only rank 0's copy comes back (whole), the others as "
+                               "None.")
     modules = {id(f): _engine_module(f) or f for f in found}
     done = {}
     for top in [f for f in found if not any(o is not f and _contains(modules[id(o)], modules[id(f)]) for o in found)]:
