@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
 from . import inventory as _inventory
@@ -166,7 +166,7 @@ def parse_cpu_devices(devices, cores: int) -> int:
     return devices
 
 
-def ensure_pci_bus_order(environ: dict = os.environ) -> None:
+def ensure_pci_bus_order(environ: MutableMapping[str, str] = os.environ) -> None:
     """NVML numbers GPUs by PCI bus; make CUDA agree unless the user chose otherwise."""
     environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 

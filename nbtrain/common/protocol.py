@@ -260,7 +260,7 @@ class Debug(NamedTuple):
     commands: tuple | list = ()  # pdb commands typed first, as if by the user
 
 
-COMMANDS = {cls.kind: cls for cls in (Run, Call, Exec, Eval, Push, Pull, Start, Debug)}
+COMMANDS = {cls.kind: cls for cls in (Run, Call, Exec, Eval, Push, Pull, Start, Debug)}  # type: ignore[union-attr]
 
 
 def command(kind: str, seq: int, everyone: bool, *args):
@@ -301,7 +301,7 @@ class Stop(NamedTuple):
 @_kind("want_items")
 class WantItems(NamedTuple):
     rank: int  # the worker's name on the queue: its rank, or its slot's number
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count, which no code calls on it; the name is the wire's
 
 
 @_kind("items_done")
@@ -414,7 +414,7 @@ class AttemptEnded(NamedTuple):
 
 RUN_EVENTS = (AttemptStarted, Note, AttemptEnded)  # the run's own log (events.jsonl)
 RANK_EVENTS = (Hello, Progress, Metric, BatchSize, Finished, Failed, Stopped, Vital, Output)  # rank-N.jsonl
-LOGGED = {cls.kind: cls for cls in (*RUN_EVENTS, *RANK_EVENTS)}
+LOGGED = {cls.kind: cls for cls in (*RUN_EVENTS, *RANK_EVENTS)}  # type: ignore[union-attr]  # set by @_kind
 
 
 class Logged(NamedTuple):

@@ -112,7 +112,9 @@ def fold_library_frames(traceback: str) -> str:
     packages, the standard library or nbtrain fold into one line naming the packages; the frame
     that raised (or, in a stack dump listed most recent first, the one running) stays, its path
     cut to where the package starts. The full text stays in `WorkerError.traceback`."""
-    lines, out, run = traceback.splitlines(), [], []
+    lines = traceback.splitlines()
+    out: list[str] = []
+    run: list = []
     recent_first, at_start, run_at_start = False, True, False
 
     def shortened(frame) -> list[str]:

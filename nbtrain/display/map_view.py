@@ -41,8 +41,8 @@ class MapState:
     def line(self, verdict: str | None = None) -> str:
         rate = self.rate
         speed = f"{rate:.3g} items/s" if rate else ""
-        running = rate and not verdict and self.done < self.total
-        eta = f"eta {_duration((self.total - self.done) / rate)}" if running else ""
+        running = not verdict and self.done < self.total
+        eta = f"eta {_duration((self.total - self.done) / rate)}" if rate and running else ""
         resumed = f"{self.resumed} resumed from run_dir" if self.resumed else ""
         when = f"{verdict} in {self.elapsed:.1f} s" if verdict else f"{self.busy} busy"
         parts = [f"{self.done}/{self.total} items", when, speed, eta, resumed]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from typing import Any
 
 from ..common import protocol
 
@@ -60,7 +61,7 @@ class RankOutput:
         self._output = output
         self._shown_again = shown_again or (lambda: None)
         self.shown_rank = 0
-        self._live: dict[tuple, object] = {}  # (rank, stream): the display handle of its live lines
+        self._live: dict[tuple, Any] = {}  # (rank, stream): the display handle of its live lines
         self._unshown: Counter = Counter()  # rank: rich outputs not shown
 
     def start(self, state) -> None:

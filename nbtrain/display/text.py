@@ -5,6 +5,7 @@ import html
 import os
 import sys
 import time
+from typing import Any
 
 from .rank_output import RankOutput
 from .vitals import VitalsSampler, latest, memory_text, rate_text
@@ -131,9 +132,10 @@ class QuietDisplay:
     @property
     def rank_output(self) -> RankOutput:
         """Made on first use: a display of the caller's own may subclass this without calling __init__."""
-        if self.__dict__.get("_rank_output") is None:
-            self._rank_output = RankOutput(self.output, self._shown_again)
-        return self._rank_output
+        made = self.__dict__.get("_rank_output")
+        if made is None:
+            made = self._rank_output = RankOutput(self.output, self._shown_again)
+        return made
 
     def _write(self, text: str, stream: str = "stdout") -> None:
         target = self._file or (sys.stderr if stream == "stderr" else sys.stdout)
@@ -204,7 +206,7 @@ class TqdmDisplay(LineDisplay):
 
     def __init__(self, file=None, interval: float = 0.1):
         super().__init__(file or sys.stderr, interval)
-        self._bars: dict[int, object] = {}
+        self._bars: dict[int, Any] = {}
         self._seen = -1
 
     def _write(self, text: str, stream: str = "stdout") -> None:

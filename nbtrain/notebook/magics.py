@@ -17,6 +17,7 @@ expression value in `.value`). The magics only parse options and call
 from __future__ import annotations
 
 import shlex
+from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -36,6 +37,9 @@ from .ranks_magics import command as live_command
 from .ranks_magics import register as register_live
 from .runs import attach, runs
 from .submit import submit
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
 
 
 def check_options(options: dict) -> None:
@@ -106,6 +110,8 @@ def rerun_line(options: dict) -> str:
 
 @magics_class
 class NbtrainMagics(Magics):
+    shell: InteractiveShell  # Magics allows None; a registered magic always has its shell
+
     def __init__(self, shell):
         super().__init__(shell)
         self.config_options: dict = {}  # `%nbtrain config`: this session's defaults

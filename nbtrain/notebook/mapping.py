@@ -130,7 +130,7 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
             runner.run(tick)
     except KeyboardInterrupt as interrupt:
         verdict = "interrupted"
-        interrupt._render_traceback_ = lambda: [_interrupted(work, run_dir)]
+        interrupt._render_traceback_ = lambda: [_interrupted(work, run_dir)]  # type: ignore[attr-defined]
         raise
     except BaseException:
         verdict = "failed"
@@ -234,7 +234,7 @@ def map_on_ranks(ranks, fn, items, *, batch_size: int = 1, run_dir=None, progres
     except KeyboardInterrupt as interrupt:
         if work.failure is None:
             verdict = "interrupted"
-            interrupt._render_traceback_ = lambda: [_interrupted(work, run_dir)]
+            interrupt._render_traceback_ = lambda: [_interrupted(work, run_dir)]  # type: ignore[attr-defined]
             raise
         verdict = "failed"
     except WorkerError as error:

@@ -13,6 +13,7 @@ Like the other magics, these only parse and call plain functions (`nbtrain.Ranks
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
@@ -21,6 +22,9 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ..placements.template_process import warm_up
 from .magic_options import ACCELERATORS, CLUSTER_ARGUMENTS, DEFAULTS, _seconds, make_cluster
 from .ranks import START_METHODS, WRAPPINGS, Ranks
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
 
 
 def _rank_list(text: str) -> list[int]:
@@ -59,6 +63,8 @@ _start_options = magic_arguments()(_start_options)
 
 @magics_class
 class RanksMagics(Magics):
+    shell: InteractiveShell  # Magics allows None; a registered magic always has its shell
+
     def __init__(self, shell, ipython_debug=None):
         super().__init__(shell)
         self._ipython_debug = ipython_debug

@@ -110,7 +110,7 @@ class RankView:
     def step_rate(self) -> float | None:
         """Steps per second over the whole run so far, by the rank's clock; None before half a
         second of steps (events are sent every 0.1 s: a shorter span would not measure anything)."""
-        if self.first_step is None:
+        if self.first_step is None or self.last_step is None:  # set together, by the first step
             return None
         at, steps = self.first_step
         span = self.last_step - at

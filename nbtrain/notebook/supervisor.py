@@ -86,7 +86,7 @@ class Supervisor:
         self.start_timeout = start_timeout
         self._capturing: dict[int, list[str]] | None = None  # stacks being collected
         self._heard: dict[int, float] = {}
-        self._probes: dict[int, tuple[str, int]] = {}  # rank: (the wait seen, times in a row)
+        self._probes: dict[int, tuple[str | None, int]] = {}  # rank: (the wait seen, times in a row)
         self._probed = 0.0
         self._closed_at: dict[int, float] = {}  # remote ranks whose connection closed without a reply
         self._queued = 0.0  # seconds the ranks waited in an engine's queue (not counted by timeouts)
@@ -121,7 +121,7 @@ class Supervisor:
             unsent = [r for r, v in self.state.ranks.items() if v.reason.startswith(NOT_SENT)]
             if unsent and serving:
                 report.insert(1, f"(Ctrl-C came while the command was being sent: ranks {unsent} never had it.)")
-            interrupt._render_traceback_ = lambda: report
+            interrupt._render_traceback_ = lambda: report  # type: ignore[attr-defined]  # IPython's hook
             raise
         finally:
             self.state.ended = time.monotonic()

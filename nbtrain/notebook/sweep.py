@@ -423,7 +423,7 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
     except KeyboardInterrupt as interrupt:
         verdict = "interrupted"
         kept = f" in {run_dir}" if run_dir else ""
-        interrupt._render_traceback_ = lambda: [
+        interrupt._render_traceback_ = lambda: [  # type: ignore[attr-defined]  # IPython's hook
             "KeyboardInterrupt: the sweep was interrupted; nbtrain stopped every running trial. The finished trials "
             f"are kept in the study{kept}: run the cell again to resume."]
         raise

@@ -138,7 +138,8 @@ def units(module: torch.nn.Module, options: ShardOptions) -> list[torch.nn.Modul
     contained = _self_contained(module)
     if options.shard is not None:
         return [m for m in _post_order(module) if m is not module and isinstance(m, options.shard) and contained(m)]
-    chosen, pending = [], {}  # pending: parameters of a module not yet in a chosen unit
+    chosen: list[torch.nn.Module] = []
+    pending: dict[int, int] = {}  # pending: parameters of a module not yet in a chosen unit
     for m in _post_order(module):
         count = sum(p.numel() for p in m.parameters(recurse=False))
         count += sum(pending.pop(id(child), 0) for child in m.children())

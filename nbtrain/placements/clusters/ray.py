@@ -132,6 +132,8 @@ class Ray(Cluster):
 
 
 class RayPlacement(RemotePlacement):
+    cluster: Ray  # the base knows a Cluster; this placement is made only for a Ray
+
     def __init__(self, cluster: Ray):
         super().__init__(cluster)
         self.group: RayGroup | None = None
