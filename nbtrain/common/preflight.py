@@ -136,7 +136,7 @@ def _record_cuda_init() -> None:
         log.debug("could not record where CUDA was initialised: %s", exc)
 
 
-_record_cuda_init.nbtrain_recorder = True  # how a second install (or a reloaded module) recognises it
+_record_cuda_init.nbtrain_recorder = True  # type: ignore[attr-defined]  # how a second install (or a reloaded module) recognises it
 
 
 def install_cuda_init_hook() -> bool:
@@ -149,7 +149,7 @@ def install_cuda_init_hook() -> bool:
     global _first_init
     cuda = sys.modules.get("torch.cuda")
     queued = getattr(cuda, "_queued_calls", None)
-    if queued is None or not hasattr(cuda, "_lazy_call"):
+    if cuda is None or queued is None or not hasattr(cuda, "_lazy_call"):
         return False
     if any(getattr(entry[0], "nbtrain_recorder", False) for entry in queued):
         return True

@@ -110,7 +110,7 @@ def _in_process(options: dict, cluster) -> bool:
     return choose(asked, plan).start == IN_KERNEL
 
 
-def main(run_dir: str, load=None, echo=None) -> int:
+def main(run_dir: str | Path, load=None, echo=None) -> int:
     """Run the job in `run_dir` (run.json written there) to its end; 0 if it finished. `load()`
     gives (fn, args, kwargs, objects) where the job is not job.pkl (an exported job's job.py);
     `echo` is a display that draws the run as well (an exported job's terminal)."""

@@ -92,7 +92,8 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
     if pickled:
         write_whole(where / NAMES, pickled)
     write_whole(where / ARGUMENTS, ship_bytes((args, kwargs)))
-    launch = {"strategy": "ddp", "start": "torchrun", "devices": plan.nprocs, "accelerator": plan.accelerator, "num_nodes": 1,
+    launch = {"strategy": "ddp", "start": "torchrun", "devices": plan.nprocs, "accelerator": plan.accelerator,
+              "num_nodes": 1,
               "backend": None, "timeout": None, "launcher_options": None}  # run.sh: torchrun on this machine
     write_whole(where / EXPORT, json.dumps({"function": None if isinstance(fn, CellJob) else fn.__name__,
                                             "launch": launch}, indent=1).encode())
@@ -101,7 +102,8 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
     # The kernel's import path: modules the code imports from its directory (or a sys.path entry) are found.
     path = shlex.quote(os.pathsep.join(p or os.getcwd() for p in sys.path))
     _write(where / "run.sh", RUN_SH.format(python=shlex.quote(sys.executable), path=path), executable=True)
-    _write(where / "sbatch.sh", SBATCH_SH.format(name=getattr(fn, "__name__", "cell"), nodes=plan.num_nodes, nproc=nproc,
+    _write(where / "sbatch.sh",
+           SBATCH_SH.format(name=getattr(fn, "__name__", "cell"), nodes=plan.num_nodes, nproc=nproc,
                                                  path=path, python=shlex.quote(sys.executable), where=where,
                                                  gpus=f"#SBATCH --gpus-per-node={nproc}\n" if plan.accelerator == "gpu"
                                                  else "", accelerator=plan.accelerator), executable=True)

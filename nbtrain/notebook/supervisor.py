@@ -75,7 +75,8 @@ class Watched(Protocol):
 class Supervisor:
     """Watches the ranks of `state` for one command of `pool`."""
 
-    def __init__(self, pool: Watched, state: RunState, display, timeout: float | None, start_timeout: float | None = None,
+    def __init__(self, pool: Watched, state: RunState, display, timeout: float | None,
+                 start_timeout: float | None = None,
                  interrupt: KeyboardInterrupt | None = None):
         self.pool = pool
         self.interrupt = interrupt  # a Ctrl-C that came while the command was being sent
@@ -85,7 +86,7 @@ class Supervisor:
         self.start_timeout = start_timeout
         self._capturing: dict[int, list[str]] | None = None  # stacks being collected
         self._heard: dict[int, float] = {}
-        self._probes: dict[int, tuple[str, int]] = {}  # rank: (the wait seen, times in a row)
+        self._probes: dict[int, tuple[str | None, int]] = {}  # rank: (the wait seen, times in a row)
         self._probed = 0.0
         self._closed_at: dict[int, float] = {}  # remote ranks whose connection closed without a reply
         self._queued = 0.0  # seconds the ranks waited in an engine's queue (not counted by timeouts)
@@ -120,7 +121,7 @@ class Supervisor:
             unsent = [r for r, v in self.state.ranks.items() if v.reason.startswith(NOT_SENT)]
             if unsent and serving:
                 report.insert(1, f"(Ctrl-C came while the command was being sent: ranks {unsent} never had it.)")
-            interrupt._render_traceback_ = lambda: report
+            interrupt._render_traceback_ = lambda: report  # type: ignore[attr-defined]  # IPython's hook
             raise
         finally:
             self.state.ended = time.monotonic()
@@ -182,7 +183,8 @@ class Supervisor:
             if code is None:
                 continue
             proc.exited_at = proc.exited_at or now
-            missing = [r for r in proc.ranks if r in self.state.ranks and self.state.ranks[r].status in ("starting", "running")]
+            missing = [r for r in proc.ranks
+                       if r in self.state.ranks and self.state.ranks[r].status in ("starting", "running")]
             drained = all(self.pool.closed(r) for r in missing)
             if not missing or (not drained and now - proc.exited_at < EXIT_DRAIN):
                 continue  # its own result or error report may still be on the way

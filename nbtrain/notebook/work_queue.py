@@ -220,7 +220,7 @@ class WorkQueue:
 
         with self._lock:
             self.in_flight.pop(worker, None)
-            batch = []
+            batch: list[tuple[int, bytes]] = []
             while self.pending and len(batch) < count and self.failure is None and not self.stopped:
                 index = self.pending[0]
                 try:

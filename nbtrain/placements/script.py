@@ -146,7 +146,8 @@ def launcher_command(launcher: str, job: Job, options: dict, script: str) -> lis
                 "--main_process_ip", addr, "--main_process_port", port, "--rdzv_backend", "static",
                 "--max_restarts", restarts, "--monitor_interval", "0.1", script]
     # GPUs by their indices: with --num_gpus DeepSpeed would take the first n, ignoring the plan.
-    gpus = ["--include", f"localhost:{plan.cuda_visible_devices}"] if plan.accelerator == "gpu" else ["--num_gpus", nproc]
+    gpus = (["--include", f"localhost:{plan.cuda_visible_devices}"] if plan.accelerator == "gpu"
+            else ["--num_gpus", nproc])
     return ["-m", "deepspeed.launcher.runner", *gpus, "--master_addr", addr, "--master_port", port, script]
 
 
@@ -295,7 +296,8 @@ class ScriptLauncher(ProcessLauncher):
         try:
             popen = subprocess.Popen(
                 [sys.executable, "-c", _DIE_WITH_KERNEL, str(os.getpid()), *command],
-                env=launcher_environ(job, channel_env, self._launcher_tmp()), stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                env=launcher_environ(job, channel_env, self._launcher_tmp()), stdin=subprocess.DEVNULL, stdout=out_w,
+                stderr=err_w,
                 start_new_session=True)  # its own group: a stop reaches it, the kernel's Ctrl-C does not
         finally:
             os.close(out_w)

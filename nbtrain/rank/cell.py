@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import types
+from collections.abc import Sequence
 
 import dill
 
@@ -28,7 +29,7 @@ class CellJob:
     strategies).
     """
 
-    def __init__(self, source: str, imports: list[tuple[str, str]] = (), payload: bytes | None = None,
+    def __init__(self, source: str, imports: Sequence[tuple[str, str]] = (), payload: bytes | None = None,
                  namespace: dict | None = None, sources: dict | None = None, origin: str | None = None):
         self.source = source
         self.imports = list(imports)  # (name in the cell, module to import)

@@ -138,7 +138,8 @@ def units(module: torch.nn.Module, options: ShardOptions) -> list[torch.nn.Modul
     contained = _self_contained(module)
     if options.shard is not None:
         return [m for m in _post_order(module) if m is not module and isinstance(m, options.shard) and contained(m)]
-    chosen, pending = [], {}  # pending: parameters of a module not yet in a chosen unit
+    chosen: list[torch.nn.Module] = []
+    pending: dict[int, int] = {}  # pending: parameters of a module not yet in a chosen unit
     for m in _post_order(module):
         count = sum(p.numel() for p in m.parameters(recurse=False))
         count += sum(pending.pop(id(child), 0) for child in m.children())
@@ -150,7 +151,8 @@ def units(module: torch.nn.Module, options: ShardOptions) -> list[torch.nn.Modul
 
 
 def _registrations(module: torch.nn.Module) -> Counter:
-    return Counter(id(p) for m in module.modules() for _, p in m.named_parameters(recurse=False, remove_duplicate=False))
+    return Counter(id(p) for m in module.modules()
+                   for _, p in m.named_parameters(recurse=False, remove_duplicate=False))
 
 
 def _self_contained(root: torch.nn.Module):
@@ -261,7 +263,8 @@ def gather_returned(value, ctx):
             listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
             raise RuntimeError(f"every rank must return the sharded model, as each holds a part of it; the "
                                f"numbers of sharded modules returned differ ({listed}). Return the model on every "
-                               f"rank; under {ctx.strategy}, only rank 0's copy comes back (whole), the others as None.")
+                               f"rank; under {ctx.strategy}, only rank 0's copy comes back (whole), the others as "
+                               "None.")
     modules = {id(f): _engine_module(f) or f for f in found}
     done = {}
     for top in [f for f in found if not any(o is not f and _contains(modules[id(o)], modules[id(f)]) for o in found)]:

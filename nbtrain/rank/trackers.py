@@ -8,8 +8,9 @@ writes its files; nothing here knows their formats.
 
 Every wait on a tracker is bounded, and a tracker that fails is named with where it writes: a
 server that does not answer fails the run within a minute (MLflow: each request given 10 s and 2
-retries; W&B: its init and finish timeouts), a full disk is said as such. Values are written on a thread of their own, so a slow
-tracker slows no training step; what queued up meanwhile goes in one batch.
+retries; W&B: its init and finish timeouts), a full disk is said as such. Values are written on a
+thread of their own, so a slow tracker slows no training step; what queued up meanwhile goes in
+one batch.
 """
 from __future__ import annotations
 
@@ -411,7 +412,8 @@ class _WandBWriter(_Writer):
         try:
             self.run = wandb.init(project=settings.project, entity=settings.entity, mode=settings.mode,
                                   dir=os.fspath(settings.dir or run.dir), name=name, group=run.name,
-                                  job_type=f"rank{run.rank}", config=run.settings if run.rank == 0 else {"rank": run.rank},
+                                  job_type=f"rank{run.rank}",
+                                  config=run.settings if run.rank == 0 else {"rank": run.rank},
                                   reinit="create_new", settings=wandb.Settings(finish_timeout_raises=True, **bounded))
         except BaseException:
             wandb.teardown()  # the wandb-core process it started ends now

@@ -196,6 +196,8 @@ def _sbatch_options(options: dict) -> dict:
 
 
 class SlurmPlacement(RemotePlacement):
+    cluster: Slurm  # the base knows a Cluster; this placement is made only for a Slurm
+
     def __init__(self, cluster: Slurm):
         super().__init__(cluster)
         self.folder: Path | None = None
@@ -523,7 +525,7 @@ class SlurmTask(RemoteRank):
 
 def _task_numbers(spec: str) -> set[int]:
     """srun's task list: '1', '0-3', '0,2-3'."""
-    numbers = set()
+    numbers: set[int] = set()
     for part in spec.split(","):
         low, _, high = part.partition("-")
         if low.isdigit() and (not high or high.isdigit()):
