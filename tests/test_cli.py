@@ -166,3 +166,9 @@ def test_runs_and_attach_in_a_shell(tmp_path, no_leftovers):
     assert failed.returncode == 1, failed.stderr
     assert failed.stdout.startswith("_fails: failed")
     assert "--- error ---" in failed.stdout and "ValueError: bad batch 3" in failed.stdout
+
+
+@pytest.mark.slow
+def test_python_dash_m_nbtrain_is_the_command():
+    run = subprocess.run([sys.executable, "-m", "nbtrain", "-V"], capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stdout.strip()) == (0, f"nbtrain {version('nbtrain')}"), run.stderr
