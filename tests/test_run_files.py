@@ -263,6 +263,7 @@ def test_a_process_is_named_as_run_directories_always_named_it():
     assert session.alive(me)
     assert not session.alive({**me, "start": str(int(starttime) - 1)})  # its pid, another process
     assert session.identity(2**22 + 1) == {"pid": 2**22 + 1, "start": None}  # above any pid_max
+    assert not session.alive(None)  # a damaged submitter in status.json: nothing alive, no TypeError
 
 
 def test_what_an_interrupted_submit_left_is_removed_once_its_writer_is_gone(tmp_path):

@@ -130,7 +130,7 @@ def fold_library_frames(traceback: str) -> str:
         if recent_first:
             out.extend(line for frame in kept for line in shortened(frame))
         if len(frames) > 1:
-            packages = sorted({package_path(path).split("/")[0].removesuffix(".py") for path, _ in frames})
+            packages = sorted({(package_path(path) or path).split("/")[0].removesuffix(".py") for path, _ in frames})
             out.append(f"  ... {len(frames)} frames in {', '.join(packages)}")
         elif frames:
             out.extend(shortened(frames[0]))

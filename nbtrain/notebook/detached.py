@@ -23,6 +23,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from ..common import runlog, session
 from ..common.devices import plan_devices
@@ -45,8 +46,8 @@ class Status:
 
     def __init__(self, run_dir: Path, max_restarts: int):
         self.path = run_dir / runlog.STATUS
-        self.value = {"status": "queued", "pid": os.getpid(), "max_restarts": max_restarts, "restarts": [],
-                      "reason": "", "ended": None}
+        self.value: dict[str, Any] = {"status": "queued", "pid": os.getpid(), "max_restarts": max_restarts,
+                                      "restarts": [], "reason": "", "ended": None}
 
     def set(self, status: str, **more) -> None:
         self.value.update(status=status, **more)

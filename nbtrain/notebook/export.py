@@ -171,11 +171,12 @@ def _gather(fn):
                 imports[name] = _import_line(name, value.__name__)
             elif module not in (None, "__main__") and getattr(value, "__qualname__", "").isidentifier() \
                     and getattr(sys.modules.get(module), value.__qualname__, None) is value:
-                imports[name] = f"from {module} import {value.__qualname__}" + (
-                    f" as {name}" if name != value.__qualname__ else "")
-            elif isinstance(value, (types.FunctionType, type)) and _source(value) and value.__name__ == name:
+                qualname = value.__qualname__  # type: ignore[union-attr]  # checked just above
+                imports[name] = f"from {module} import {qualname}" + (f" as {name}" if name != qualname else "")
+            elif isinstance(value, (types.FunctionType, type)) and (source := _source(value)) \
+                    and value.__name__ == name:
                 visit(value)
-                sources[name] = _source(value)
+                sources[name] = source
             else:
                 pickled[name] = value
 

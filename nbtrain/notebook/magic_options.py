@@ -137,7 +137,7 @@ def make_cluster(options: dict):
             extra = dict(_key_value(item) for item in options["sbatch"] or ())
             return Slurm(partition=options["partition"], account=options["account"],
                          time=int(time_limit) if time_limit and time_limit.isdigit() else time_limit,
-                         notebook_address=options["notebook_address"], **extra)
+                         notebook_address=options["notebook_address"], **extra)  # type: ignore[arg-type]  # Slurm checks
         return Ray(address=options["address"], num_workers=options["num_workers"],
                    notebook_address=options["notebook_address"])
     except ValueError as exc:

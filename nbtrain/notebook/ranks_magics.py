@@ -109,7 +109,7 @@ class RanksMagics(Magics):
         """`%debug`: after a WorkerError from live ranks, pdb in the failed rank; otherwise IPython's."""
         error = getattr(sys, "last_value", None)
         if cell is None and not line.strip() and callable(getattr(error, "debug", None)):
-            return error.debug()
+            return error.debug()  # type: ignore[union-attr]  # callable: checked above
         return self._ipython_debug(line, cell)
 
 

@@ -528,6 +528,7 @@ class Follower:
             if self.output:
                 self.display.output(event.rank, event.stream, event.text)
         else:  # what the ranks reported, and what the supervisor made of it: the state takes it as it did then
+            assert self.state is not None, "the run's first event, its start, made the state"
             self.state.handle(event)
 
 

@@ -48,12 +48,19 @@ NOT_SENT = "the command was not sent"  # a rank's reason, when Ctrl-C came befor
 class Watched(Protocol):
     """What a Supervisor asks of the pool whose command it watches (`pool.Pool` offers it)."""
 
-    live: bool  # live ranks: interrupted and kept, never stopped for another's failure
-    remote: bool  # the ranks run elsewhere: no pids to signal, no py-spy
-    processes: tuple  # the rank processes' handles (`placements.base`)
-    ended_by: str | None  # who closed the pool under this command ("restarted by .restart()")
-    broken: str | None  # why the live ranks take no more work
-    restart_reason: str | None  # why the live ranks will be restarted
+    # Read-only: the supervisor asks, the pool alone changes them.
+    @property
+    def live(self) -> bool: ...  # live ranks: interrupted and kept, never stopped for another's failure
+    @property
+    def remote(self) -> bool: ...  # the ranks run elsewhere: no pids to signal, no py-spy
+    @property
+    def processes(self) -> tuple: ...  # the rank processes' handles (`placements.base`)
+    @property
+    def ended_by(self) -> str | None: ...  # who closed the pool under this command ("restarted by .restart()")
+    @property
+    def broken(self) -> str | None: ...  # why the live ranks take no more work
+    @property
+    def restart_reason(self) -> str | None: ...  # why the live ranks will be restarted
 
     def receive(self, timeout: float): ...  # the next message (the pool noted it), or None
     def process_of(self, rank: int): ...

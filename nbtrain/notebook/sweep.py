@@ -237,6 +237,7 @@ class _SweepRun:
         row = TrialRow(trial.number, dict(trial.params), str(slot))
         self.state.add(row)
         reporter, display = _Reporter(self, trial, row), None
+        assert self.runner is not None, "trials run after the slots started"
         try:
             display = self.runner.display(on_update=reporter.update,
                                           on_output=functools.partial(self._say, trial.number),

@@ -67,7 +67,7 @@ class RankLoop:
     def on_message(self, message) -> None:
         if isinstance(message, protocol.Interrupt):
             with self._lock:
-                if self._running is not None and self._running == message.seq:
+                if self._running is not None and self._running == message.seq and self._main is not None:
                     self._interrupting = True
                     signal.pthread_kill(self._main, signal.SIGINT)
         elif isinstance(message, protocol.Stacks):
@@ -240,7 +240,7 @@ class RankLoop:
 
     def _breakpoint(self, *args, **kwargs) -> None:
         """`breakpoint()` in code running on a live rank: pdb, through the notebook."""
-        RemoteDebugger(self).set_trace(sys._getframe(1))
+        RemoteDebugger(self).set_trace(sys._getframe(1))  # type: ignore[attr-defined]  # __new__ gives a Pdb
 
     # -- names the rank lacks ------------------------------------------------------------
     def _fetch_missing(self, seq: int, names) -> None:
@@ -437,6 +437,7 @@ def serve(first=None, once: bool = False, live: bool = False, forward_output: bo
     except ChannelUnreachable as exc:  # one line on stderr: the notebook shows it as the rank's failure
         print(f"nbtrain: {exc}", file=sys.stderr, flush=True)
         return 1
+    assert link is not None, "a rank nbtrain starts always has its notebook's address"
     if forward_output:
         forward(link)
         notice = os.environ.pop(NOTICE_VAR, None)

@@ -118,7 +118,8 @@ def shard(module: torch.nn.Module, ctx, options: ShardOptions) -> torch.nn.Modul
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     # On a CPU run the parameters already live where offloading would put them.
     offload = options.cpu_offload if options.cpu_offload and ctx.device.type != "cpu" else OffloadPolicy()
-    settings = {"mesh": mesh, "reshard_after_forward": options.reshard_after_forward, "offload_policy": offload}
+    settings: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": options.reshard_after_forward,
+                                "offload_policy": offload}
     if options.mixed_precision is not None:
         settings["mp_policy"] = options.mixed_precision
     for unit in units(module, options):
@@ -126,7 +127,7 @@ def shard(module: torch.nn.Module, ctx, options: ShardOptions) -> torch.nn.Modul
     # None: FSDP2 keeps the root gathered after forward (backward starts with it) under
     # full sharding; False (keep everything gathered) is kept as asked.
     settings["reshard_after_forward"] = None if options.reshard_after_forward else False
-    return fully_shard(module, **settings)
+    return fully_shard(module, **settings)  # type: ignore[return-value]  # the module itself, now also an FSDPModule
 
 
 def units(module: torch.nn.Module, options: ShardOptions) -> list[torch.nn.Module]:
@@ -194,7 +195,7 @@ def broadcast_from_rank0(module: torch.nn.Module, ctx) -> None:
 def _remember_skeleton(module: torch.nn.Module) -> None:
     # Tensors become meta placeholders in the copy: it costs no memory, and the module's
     # structure, class and attributes are what the gathered weights are loaded into.
-    memo = {}
+    memo: dict[int, torch.Tensor] = {}
     for p in module.parameters():
         memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in module.buffers():
