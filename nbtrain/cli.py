@@ -68,10 +68,9 @@ def _attach(args) -> int:
 
 
 def _lines(text: str) -> int:
-    value = int(text)
-    if value < 0:
+    if not text.isdigit():
         raise argparse.ArgumentTypeError(f"{text}: give a number of lines, 0 or more")
-    return value
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:

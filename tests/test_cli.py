@@ -128,6 +128,8 @@ def test_attach_to_what_is_not_a_run_is_one_line(capsys, tmp_path):
     assert err.count("\n") == 1
     code, _, err = run_main(capsys, "attach", str(tmp_path), "--lines", "-3")
     assert code == 2 and "argument --lines: -3: give a number of lines, 0 or more" in err
+    code, _, err = run_main(capsys, "attach", str(tmp_path), "--lines", "ten")
+    assert code == 2 and "argument --lines: ten: give a number of lines, 0 or more" in err
 
 
 def _says_hello(n):
