@@ -156,6 +156,8 @@ class RunState:
         self.failures: list[Failure] = []
         self.vitals: list[Vital] = []  # sampled for the displays (display/vitals.py), kept in Result.vitals
         self.profiles: dict[int, dict] = {}  # each profiled rank's summary (rank/profiling.py)
+        self.step_times: dict[int, protocol.StepTimes] = {}  # each rank's time split, sent with its reply
+        self.stall: str | None = None  # the doctor's verdict once no rank progressed for a while (`doctor.py`)
         self.effective_batch_size: int | None = None
         self.per_rank_batch_size: int | None = None
         self.version = 0  # bumped on every change, so a display redraws only when needed
@@ -213,6 +215,11 @@ class RunState:
     def _on_profile(self, view: RankView, profile: protocol.Profile) -> None:
         self.profiles[view.rank] = profile.summary
 
+    def _on_step_times(self, view: RankView, times: protocol.StepTimes) -> bool:
+        self.step_times[view.rank] = times
+        self._changed()
+        return False  # the model's own: not a run event
+
     def _on_batch_size(self, view: RankView, event: protocol.BatchSize) -> None:
         if self.effective_batch_size is None:
             self.per_rank_batch_size, self.effective_batch_size = event.per_rank, event.effective
@@ -262,6 +269,11 @@ class RunState:
     def add_vital(self, vital: Vital) -> None:
         """A rank's vital signs, sampled by a display (`display/vitals.py`)."""
         self.handle(vital)
+
+    def set_stall(self, verdict: str) -> None:
+        """The doctor found that no rank progresses: its verdict, in words."""
+        self.stall = verdict
+        self._changed()
 
     def set_queued(self, where: str | None) -> None:
         """Where an engine holds the ranks in its queue (a SLURM job's state); None once they run."""
