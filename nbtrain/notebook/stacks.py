@@ -31,6 +31,7 @@ FATAL = "Fatal Python error"  # the first line of faulthandler's report of a fat
 OWN_THREADS = ("in _send_loop", "in _receive_loop", "in _watch_parent", "in _read_pipes")  # nbtrain's threads in a rank
 RANK_ENTRY = re.compile(r"in (serve|_execute|_do_\w+|_user_code)$")  # below it: nbtrain's loop, the launcher, the kernel
 LOOP_FILE = "nbtrain/rank/loop.py"  # the command loop's file, as a rank's stack names it (any machine)
+_LIBRARY = re.compile(r"(^|/)(torch|nbtrain)/")  # frames that are not the caller's (nbtrain counts collectives)
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 # Where a rank blocks on its peers: torch.distributed's collectives, rendezvous and DDP's start-up syncs.
 _DIST_FILES = re.compile(r"torch/distributed/|torch/nn/parallel/distributed\.py")
@@ -60,7 +61,7 @@ def blocked_on_peers(stack: str) -> str | None:
         if not waits:
             continue
         op = frames[waits[-1]]["func"]  # the outermost torch.distributed call: the one the user made
-        caller = next((m for m in frames[waits[-1] + 1:] if "/torch/" not in m["file"]), None)
+        caller = next((m for m in frames[waits[-1] + 1:] if not _LIBRARY.search(m["file"])), None)
         where = f" ({os.path.basename(caller['file'])} line {caller['line']} in {caller['func']})" if caller else ""
         return f"{op}{where}"
     return None

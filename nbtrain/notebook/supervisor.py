@@ -469,7 +469,16 @@ class Supervisor:
         for rank, where in self._where.items():
             if where.current is not None:
                 recent.setdefault(rank, []).append(where.current)
-        return mismatch(recent)
+        found = mismatch(recent)
+        cause = self.state.root_cause()
+        died_in = blocked_on_peers(cause.traceback) if cause.crashed and cause.rank not in recent else None
+        if found or not died_in or not recent:
+            return found
+        # A rank killed by the backend inside a collective (gloo aborts on a size mismatch) sent no record of it.
+        theirs = "; ".join(f"rank {r}: {call_words(calls[-1])}" for r, calls in sorted(recent.items()) if calls)
+        return (f"rank {cause.rank} died inside {died_in}; the others' last collectives: {theirs}. If these are the "
+                "same call, compare their shapes and dtypes: a collective whose tensors differ across ranks "
+                "kills the backend.")
 
 
 def _ranks(ranks: list[int]) -> str:
