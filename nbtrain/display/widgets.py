@@ -367,7 +367,8 @@ def summary_html(state, ok: bool) -> str:
                   html.escape(progress), rate, html.escape(memory_text(vitals.get(rank))),
                   html.escape(_metric_text(view.metrics)), why]
         rows.append("<tr>" + "".join(f"<td style='text-align:left'>{v}</td>" for v in values) + "</tr>")
-    return f'<div class="nbtrain-summary"><div>{head}</div><table>{"".join(rows)}</table></div>'
+    doctor = "".join(f"<div>{html.escape(line)}</div>" for line in state.doctor_lines())
+    return f'<div class="nbtrain-summary"><div>{head}</div><table>{"".join(rows)}</table>{doctor}</div>'
 
 
 def plot_bundle(history) -> dict:

@@ -19,6 +19,7 @@ from typing import Any
 from ..common import protocol
 from ..common.protocol import Metric, Vital
 from ..common.transfer import unpack_result
+from . import doctor
 
 RECENT = 10.0  # seconds of (time, steps) kept per rank for its recent step rate
 STALLED = 1.0  # seconds a rank may be silent before the notebook's clock counts against its rate
@@ -362,6 +363,19 @@ class RunState:
         return lines
 
     # -- how the run reads once it ended -------------------------------------------------
+    @property
+    def straggler(self) -> str | None:
+        """'rank 1 is 1.9x slower than the others: 70 % of its step waiting for data', or None."""
+        return doctor.straggler(self.step_times)
+
+    def doctor_lines(self) -> list[str]:
+        """What the doctor says under a run's summary: a straggler, each rank's time split."""
+        straggler = self.straggler
+        if not straggler:
+            return []
+        splits = "; ".join(f"rank {r}: {doctor.split_words(t)}" for r, t in sorted(self.step_times.items()))
+        return [f"{straggler} ({splits})"]
+
     def verdict(self, ok: bool) -> str:
         """How the run ended: finished, failed (a rank failed or timed out) or interrupted (Ctrl-C)."""
         return "finished" if ok else ("failed" if self.failures else "interrupted")
