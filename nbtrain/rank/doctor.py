@@ -152,7 +152,7 @@ def whereabouts(rank: int) -> protocol.Whereabouts:
     if frame is not None:
         user = _user_frame(frame)
         file, line = user.f_code.co_filename, user.f_lineno
-        code = linecache.getline(file, line).strip()
+        code = linecache.getline(file, line).split("  #")[0].strip()  # the code, without a trailing comment
     current = tally.current
     return protocol.Whereabouts(rank, tally.seq, current and _described(current), short_file(file), line, code,
                                 time.perf_counter() - tally.progressed)
