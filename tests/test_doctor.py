@@ -43,7 +43,7 @@ def test_a_stall_is_said_while_it_happens_and_the_run_goes_on(world, no_leftover
     said = [n for n in notes.notes if n.startswith("No rank has progressed")]
     assert len(said) == 1, notes.notes  # once
     last = world - 1
-    assert f"rank 0 waits in all_reduce #2 (float32[3]) at test_doctor.py:" in said[0]
+    assert "rank 0 waits in all_reduce #2 (float32[3]) at test_doctor.py:" in said[0]
     assert f"rank {last} is not in a collective: at test_doctor.py:" in said[0] and "(time.sleep(nap))" in said[0]
     assert said[0].endswith(f"The others wait for rank {last}. The run goes on: interrupt it to stop it "
                             "(stall= sets when this is said; timeout= ends a run).")
@@ -136,7 +136,8 @@ def straggles(where):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("where, words", [("data", "of its step waiting for data"), ("compute", "of its step computing")])
+@pytest.mark.parametrize("where, words", [("data", "of its step waiting for data"),
+                                          ("compute", "of its step computing")])
 def test_a_straggler_is_named_without_a_profile(world, where, words, no_leftovers, capsys):
     result = nbtrain.launch(straggles, where, devices=world, accelerator="cpu", start="fork", progress="text")
     assert result.straggler is not None and result.straggler.startswith("rank 1 is ") and words in result.straggler

@@ -44,13 +44,15 @@ def test_a_collective_called_from_a_library_names_the_users_line_too():
 
 
 @pytest.mark.parametrize("other, words", [
-    ((2, "all_reduce", (4,), "float32", "/x/train.py", 5), "(different shapes): rank 0: all_reduce #2 (float32[3]) "
-                                                            "at train.py:5; rank 1: all_reduce #2 (float32[4]) at train.py:5."),
+    ((2, "all_reduce", (4,), "float32", "/x/train.py", 5),
+     "(different shapes): rank 0: all_reduce #2 (float32[3]) at train.py:5; rank 1: all_reduce #2 (float32[4]) "
+     "at train.py:5."),
     ((2, "all_reduce", (3,), "float64", "/x/train.py", 5), "(different dtypes)"),
     ((2, "broadcast", (3,), "float32", "/x/train.py", 6), "(different ops)"),
 ])
 def test_mismatches_name_each_ranks_call(other, words):
-    said = mismatch({0: [(1, "barrier", None, None, "t.py", 1), REDUCE], 1: [(1, "barrier", None, None, "t.py", 1), other]})
+    barrier = (1, "barrier", None, None, "t.py", 1)
+    said = mismatch({0: [barrier, REDUCE], 1: [barrier, other]})
     assert said.startswith("Collective #2 does not match across ranks") and words in said
 
 
