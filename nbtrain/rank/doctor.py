@@ -75,6 +75,8 @@ def _tensor(args: tuple):
 
 
 def _counted(op: str, collective):
+    from torch import Tensor  # a rank has torch already (its Context needs it)
+
     tally, clock, frame = TALLY, time.perf_counter, sys._getframe
 
     def counted(*args, **kwargs):
@@ -82,7 +84,9 @@ def _counted(op: str, collective):
         # never the tensors themselves, which would outlive the call.
         caller = frame(1)
         tally.seq += 1
-        call = tally.current = (tally.seq, op, _tensor(args), caller.f_code.co_filename, caller.f_lineno)
+        first = args[0] if args else None
+        tensor = (first.shape, first.dtype) if type(first) is Tensor else _tensor(args)
+        call = tally.current = (tally.seq, op, tensor, caller.f_code.co_filename, caller.f_lineno)
         tally.recent.append(call)
         began = clock()
         try:
