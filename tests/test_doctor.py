@@ -145,3 +145,23 @@ def test_a_straggler_is_named_without_a_profile(world, where, words, no_leftover
     assert sorted(result.step_times) == list(range(world)) and all(t.batches > 0 for t in result.step_times.values())
     shown = capsys.readouterr().out
     assert result.straggler in shown and "rank 0: data " in shown  # the static summary says it, with each split
+
+
+def own_port(base):
+    import os
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{base + rank}", rank=rank, world_size=world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_rendezvous_that_never_completes_names_each_ranks_address(world, no_leftovers):
+    from nbtrain.placements.base import free_port
+
+    base = free_port()  # rank 0 hosts base; the others look for base+1.. where nobody listens
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(own_port, base, devices=world, accelerator="cpu", start="fork", progress=False, timeout=6)
+    said = info.value.summary
+    assert f"rank 0 waits to join the process group at tcp://127.0.0.1:{base} (hosting it)" in said
+    assert f"rank 1 waits to join the process group at tcp://127.0.0.1:{base + 1} (rank 0 should host it)" in said
+    assert "The ranks wait at different addresses" in said

@@ -96,3 +96,35 @@ def test_native_frames_fold_to_those_that_say_something():
         "__GI___clock_nanosleep (libc.so.6)", "    (2 frames folded)", "pthread_cond_wait (libc.so.6)",
         "c10d::Work::wait (libtorch_cpu.so)", "    (1 frame folded)",
         "all_reduce (torch/distributed/distributed_c10d.py:3252)"]
+
+
+def profiled(step, comm, idle):
+    return {"steps": 2, "step_time": step, "split": {"communication": comm, "data": 0.0, "compute": step - comm - idle,
+                                                     "idle": idle}, "top": [], "collective": "gloo:all_reduce"}
+
+
+def test_the_profile_headline_names_the_rank_the_others_wait_for_not_the_longer_step():
+    from nbtrain.display.profile import ProfileTable
+
+    # Rank 0 waits for rank 1 and so has the longer step; rank 1 is the one to blame.
+    table = ProfileTable({0: profiled(0.030, 0.020, 0.0), 1: profiled(0.025, 0.001, 0.020)})
+    assert table.slowest() == 1
+    assert table.verdict().startswith("slowest: rank 1, 25 ms per step, 80 % idle")
+    assert "rank 0 waits for it: 67 % waiting in gloo:all_reduce" in table.verdict()
+    even = ProfileTable({0: profiled(0.030, 0.001, 0.0), 1: profiled(0.031, 0.001, 0.0)})
+    assert even.verdict().startswith("no rank stands out")
+
+
+def test_ranks_waiting_at_different_rendezvous_addresses_are_named():
+    verdict = stall_verdict({0: where(0, code="dist.init_process_group(...)")._replace(rendezvous="tcp://127.0.0.1:29411"),
+                             1: where(1, code="dist.init_process_group(...)")._replace(rendezvous="tcp://127.0.0.1:29412")})
+    assert verdict.text.startswith("rank 0 waits to join the process group at tcp://127.0.0.1:29411 (hosting it), at "
+                                   "train.py:8 (dist.init_process_group(...)); rank 1 waits to join the process group "
+                                   "at tcp://127.0.0.1:29412 (rank 0 should host it)")
+    assert "The ranks wait at different addresses: give every rank the same init_method" in verdict.text
+
+
+def test_a_rendezvous_whose_host_is_elsewhere_blames_rank_0():
+    verdict = stall_verdict({0: where(0), 1: where(1)._replace(rendezvous="tcp://127.0.0.1:29411")})
+    assert verdict.text.endswith("Rank 0 should host tcp://127.0.0.1:29411 but is elsewhere.")
+    assert verdict.culprits == [0] and verdict.waiting == [1]

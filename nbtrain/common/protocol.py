@@ -143,7 +143,8 @@ class StepTimes(NamedTuple):
 class Whereabouts(NamedTuple):
     """Where a rank's main thread is (the answer to `Where`): `collectives` called so far, the one
     it is in (`current`, as in StepTimes.recent, or None), the user's file, line and its code, and
-    the seconds since it last progressed (a collective or a batch done, a progress step)."""
+    the seconds since it last progressed (a collective or a batch done, a progress step), and
+    where it meets its peers while its `init_process_group` has not completed (`rendezvous`)."""
     rank: int
     collectives: int
     current: tuple | None
@@ -151,6 +152,7 @@ class Whereabouts(NamedTuple):
     line: int
     code: str
     idle: float
+    rendezvous: str = ""
     kind = "whereabouts"
 
 

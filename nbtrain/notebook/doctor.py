@@ -12,6 +12,7 @@ from statistics import median
 DEFAULT_STALL = 60.0  # seconds without progress on any rank before a run is called stalled...
 STALL_STEPS = 10  # ...or this many of its recent steps, if longer
 SLOWER = 1.3  # a rank this much busier than the others' median is a straggler
+CODE_WIDTH = 60  # characters of a rank's line of code quoted in a verdict
 DATA_HEAVY = 0.3  # ...and its step is "waiting for data" when that is this much more of it than of the others'
 
 
@@ -44,7 +45,8 @@ def _short(path: str) -> str:
 
 def _at(where) -> str:
     place = f"{where.file}:{where.line}" if where.file else "an unknown place"
-    return f"{place} ({where.code})" if where.code else place
+    code = where.code if len(where.code) <= CODE_WIDTH else where.code[:CODE_WIDTH - 3] + "..."
+    return f"{place} ({code})" if code else place
 
 
 @dataclass
@@ -58,6 +60,9 @@ class Verdict:
 def stall_verdict(where: dict, silent: list[int] = ()) -> Verdict:
     """Where each rank is (`protocol.Whereabouts` by rank), and the ranks that did not answer
     (their main thread holds the GIL in C code): who waits in which collective, for whom."""
+    meeting = {r: w.rendezvous for r, w in where.items() if w.rendezvous}
+    if meeting:
+        return _rendezvous_verdict(where, meeting, silent)
     waiting = sorted(r for r, w in where.items() if w.current is not None)
     free = sorted(r for r, w in where.items() if w.current is None)
     parts = [f"rank {r} waits in {_in_collective(where[r])}" for r in waiting]
@@ -75,6 +80,32 @@ def stall_verdict(where: dict, silent: list[int] = ()) -> Verdict:
         return Verdict(f"{text}. Every rank is in the same collective and none returns: the backend is stuck "
                        "(a lost connection, a device that hangs).", [], waiting)
     return Verdict(f"{text}. No rank is in a collective.", culprits, [])
+
+
+def _rendezvous_verdict(where: dict, meeting: dict, silent) -> Verdict:
+    """Ranks whose init_process_group has not completed: where each waits, and who should host it."""
+    parts = [f"rank {r} waits to join the process group at {url} ({_host(url, r)}), at {_at(where[r])}"
+             for r, url in sorted(meeting.items())]
+    joined = sorted(r for r in where if r not in meeting)
+    parts += [f"rank {r} is not joining: at {_at(where[r])}" for r in joined]
+    parts += [f"rank {r} did not say where it is" for r in sorted(silent)]
+    text = "; ".join(parts)
+    if len(set(meeting.values())) > 1:
+        return Verdict(f"{text}. The ranks wait at different addresses: give every rank the same init_method "
+                       "(or none: nbtrain's ranks join their group without one).", sorted(meeting), [])
+    url = next(iter(meeting.values()))
+    if url.startswith("tcp://") and 0 not in meeting and 0 in where:
+        return Verdict(f"{text}. Rank 0 should host {url} but is elsewhere.", [0], sorted(meeting))
+    return Verdict(f"{text}. Nobody they can reach hosts it: check the address and port (or give no init_method: "
+                   "nbtrain's ranks join their group without one).", sorted(meeting), [])
+
+
+def _host(url: str, rank: int) -> str:
+    if url.startswith("tcp://"):
+        return "hosting it" if rank == 0 else "rank 0 should host it"
+    if url.startswith("env://"):
+        return "the launch's private store"
+    return "a store every rank must reach"
 
 
 def _in_collective(where) -> str:

@@ -42,9 +42,12 @@ class Tally:
         self.batches = 0
         self.since = time.perf_counter()  # when these counters began (the command's start)
         self.progressed = self.since  # the last sign of progress: a collective or a batch done, a progress step
+        self.rendezvous = ""  # the address the rank's init_process_group meets its peers at (until it has a group)
 
     def reset(self) -> None:
+        meeting = self.rendezvous
         self.__init__()
+        self.rendezvous = meeting  # a live rank's group outlives a command
 
     def step_times(self, rank: int) -> protocol.StepTimes:
         """The split of this rank's time since the command began, and its recent collectives."""
@@ -112,7 +115,20 @@ def count_collectives() -> None:
         collective = getattr(dist, op, None)
         if collective is not None:
             setattr(dist, op, _counted(op, collective))
+    c10d = sys.modules["torch.distributed.distributed_c10d"]
+    c10d.rendezvous = _noted_rendezvous(c10d.rendezvous)  # init_process_group looks it up there at each call
     dist._nbtrain_counted = True
+
+
+def _noted_rendezvous(rendezvous):
+    """torch's rendezvous, noting where this rank meets its peers: a rendezvous that never completes
+    (code that chose its own address, nobody hosting it) is named by the doctor."""
+    def noted(url: str, rank: int = -1, world_size: int = -1, **kwargs):
+        TALLY.rendezvous = url.split("?")[0]
+        return rendezvous(url, rank, world_size, **kwargs)
+
+    noted.__wrapped__ = rendezvous  # type: ignore[attr-defined]
+    return noted
 
 
 def timed_batches(iterator):
@@ -158,8 +174,11 @@ def whereabouts(rank: int) -> protocol.Whereabouts:
         file, line = user.f_code.co_filename, user.f_lineno
         code = linecache.getline(file, line).split("  #")[0].strip()  # the code, without a trailing comment
     current = tally.current
+    import torch.distributed as dist
+
+    meeting = tally.rendezvous if tally.rendezvous and not dist.is_initialized() else ""
     return protocol.Whereabouts(rank, tally.seq, current and _described(current), short_file(file), line, code,
-                                time.perf_counter() - tally.progressed)
+                                time.perf_counter() - tally.progressed, meeting)
 
 
 def short_file(path: str) -> str:
