@@ -6,7 +6,7 @@ from nbtrain.notebook.doctor import check_stall, mismatch, stall_after, stall_ve
 from nbtrain.notebook.stacks import fold_native
 
 
-def where(rank, current=None, file="train.py", line=8, code="time.sleep(30)", idle=90.0):
+def where(rank, current=None, file="/home/me/train.py", line=8, code="time.sleep(30)", idle=90.0):
     return Whereabouts(rank, 2, current, file, line, code, idle)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from statistics import median
 
+from ..common.tracebacks import place_name
+
 DEFAULT_STALL = 60.0  # seconds without progress on any rank before a run is called stalled...
 STALL_STEPS = 10  # ...or this many of its recent steps, if longer
 SLOWER = 1.3  # a rank this much busier than the others' median is a straggler
@@ -36,15 +38,11 @@ def call_words(call) -> str:
     """'all_reduce #2 (float32[3, 4]) at train.py:5' for a counted collective (seq, op, shape, dtype, file, line)."""
     seq, op, shape, dtype, file, line = call
     tensor = f" ({dtype}[{', '.join(map(str, shape))}])" if shape is not None else ""
-    return f"{op} #{seq}{tensor} at {_short(file)}:{line}"
-
-
-def _short(path: str) -> str:
-    return path.rsplit("/", 1)[-1] if path and not path.startswith("<") else path
+    return f"{op} #{seq}{tensor} at {place_name(file)}:{line}"
 
 
 def _at(where) -> str:
-    place = f"{where.file}:{where.line}" if where.file else "an unknown place"
+    place = f"{place_name(where.file)}:{where.line}" if where.file else "an unknown place"
     code = where.code if len(where.code) <= CODE_WIDTH else where.code[:CODE_WIDTH - 3] + "..."
     return f"{place} ({code})" if code else place
 
@@ -110,7 +108,7 @@ def _host(url: str, rank: int) -> str:
 
 def _in_collective(where) -> str:
     seq, op, shape, dtype, file, line = where.current
-    return call_words(where.current) if where.file == _short(file) and where.line == line \
+    return call_words(where.current) if where.file == file and where.line == line \
         else f"{call_words(where.current)} (from {_at(where)})"
 
 

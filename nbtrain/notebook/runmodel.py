@@ -365,12 +365,12 @@ class RunState:
     # -- how the run reads once it ended -------------------------------------------------
     @property
     def straggler(self) -> str | None:
-        """'rank 1 is 1.9x slower than the others: 70 % of its step waiting for data', or None."""
-        return doctor.straggler(self.step_times)
+        """'rank 1 is 1.9x slower than the others: 70 % of its step waiting for data', or None (a failed run: None)."""
+        return doctor.straggler(self.step_times) if not self.failures else None
 
     def doctor_lines(self) -> list[str]:
         """What the doctor says under a run's summary: a straggler, each rank's time split."""
-        straggler = self.straggler
+        straggler = self.straggler if not self.failures else None  # a failed run's times say little
         if not straggler:
             return []
         splits = "; ".join(f"rank {r}: {doctor.split_words(t)}" for r, t in sorted(self.step_times.items()))

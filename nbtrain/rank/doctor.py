@@ -14,7 +14,6 @@ its wait shows in the step's backward, i.e. as compute) and async collectives' w
 from __future__ import annotations
 
 import linecache
-import os
 import sys
 import threading
 import time
@@ -177,10 +176,6 @@ def whereabouts(rank: int) -> protocol.Whereabouts:
     import torch.distributed as dist
 
     meeting = tally.rendezvous if tally.rendezvous and not dist.is_initialized() else ""
-    return protocol.Whereabouts(rank, tally.seq, current and _described(current), short_file(file), line, code,
+    return protocol.Whereabouts(rank, tally.seq, current and _described(current), file, line, code,
                                 time.perf_counter() - tally.progressed, meeting)
 
-
-def short_file(path: str) -> str:
-    """A file as users read it in a verdict: its name (a notebook cell keeps its `<cell ...>` name)."""
-    return os.path.basename(path) if path and not path.startswith("<") else path
