@@ -124,7 +124,9 @@ def test_ranks_waiting_at_different_rendezvous_addresses_are_named():
     assert "The ranks wait at different addresses: give every rank the same init_method" in verdict.text
 
 
-def test_a_rendezvous_whose_host_is_elsewhere_blames_rank_0():
-    verdict = stall_verdict({0: where(0), 1: where(1)._replace(rendezvous="tcp://127.0.0.1:29411")})
-    assert verdict.text.endswith("Rank 0 should host tcp://127.0.0.1:29411 but is elsewhere.")
-    assert verdict.culprits == [0] and verdict.waiting == [1]
+def test_a_rendezvous_waits_for_the_rank_that_never_joins():
+    verdict = stall_verdict({0: where(0, code="ctx.barrier()")._replace(rendezvous="env://"), 1: where(1)})
+    assert verdict.text == ("rank 0 waits to join the process group at env:// (the launch's private store), at "
+                            "train.py:8 (ctx.barrier()); rank 1 is not joining: at train.py:8 (time.sleep(30)). "
+                            "The others wait for rank 1 to join.")
+    assert verdict.culprits == [1] and verdict.waiting == [0]

@@ -88,12 +88,12 @@ def _rendezvous_verdict(where: dict, meeting: dict, silent) -> Verdict:
     parts += [f"rank {r} is not joining: at {_at(where[r])}" for r in joined]
     parts += [f"rank {r} did not say where it is" for r in sorted(silent)]
     text = "; ".join(parts)
+    if joined or silent:  # the ones that never came to the rendezvous are the ones waited for
+        who = sorted(joined) + sorted(silent)
+        return Verdict(f"{text}. The others wait for {_ranks(who)} to join.", who, sorted(meeting))
     if len(set(meeting.values())) > 1:
         return Verdict(f"{text}. The ranks wait at different addresses: give every rank the same init_method "
                        "(or none: nbtrain's ranks join their group without one).", sorted(meeting), [])
-    url = next(iter(meeting.values()))
-    if url.startswith("tcp://") and 0 not in meeting and 0 in where:
-        return Verdict(f"{text}. Rank 0 should host {url} but is elsewhere.", [0], sorted(meeting))
     return Verdict(f"{text}. Nobody they can reach hosts it: check the address and port (or give no init_method: "
                    "nbtrain's ranks join their group without one).", sorted(meeting), [])
 
@@ -147,8 +147,8 @@ def mismatch(recent: dict) -> str | None:
 def straggler(times: dict) -> str | None:
     """'rank 1 is 1.9x slower than the others: 70 % of its step waiting for data', from each
     rank's `protocol.StepTimes`; None when no rank stands out (or fewer than two reported)."""
-    if len(times) < 2:
-        return None
+    if len(times) < 2 or any(t.batches < 2 for t in times.values()):
+        return None  # a step is a batch of ctx.loader's: without them there is no step to compare
     busy = {r: max(t.total - t.collective, 1e-9) for r, t in times.items()}
     slow = max(busy, key=busy.get)
     others = [busy[r] for r in busy if r != slow]

@@ -293,7 +293,7 @@ class Supervisor:
         self.state.fail(order[0], summary, "\n\n".join(shown))
         for r in order[1:]:
             if r in waiting and culprits:
-                self.state.stop(r, f"waiting for {_ranks(culprits)} in {call_words(self._where[r].current)}")
+                self.state.stop(r, f"waiting for {_ranks(culprits)} {self._waits_in(r)}")
             else:
                 self.state.fail(r, why)
         self.pool.stuck(running, summary)
@@ -315,6 +315,12 @@ class Supervisor:
         if not where:
             return None
         return stall_verdict(where, [r for r in running if r not in where])
+
+    def _waits_in(self, rank: int) -> str:
+        where = self._where.get(rank)
+        if where is not None and where.current is not None:
+            return f"in {call_words(where.current)}"
+        return f"to join at {where.rendezvous}" if where is not None and where.rendezvous else "in a collective"
 
     def _step_time(self) -> float | None:
         rates = [rate for view in self.state.ranks.values() if (rate := view.step_rate)]
