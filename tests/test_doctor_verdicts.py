@@ -130,3 +130,20 @@ def test_a_rendezvous_waits_for_the_rank_that_never_joins():
                             "train.py:8 (ctx.barrier()); rank 1 is not joining: at train.py:8 (time.sleep(30)). "
                             "The others wait for rank 1 to join.")
     assert verdict.culprits == [1] and verdict.waiting == [0]
+
+
+def test_the_live_view_says_a_stall_until_a_rank_progresses():
+    from nbtrain.common.protocol import Hello, Progress
+    from nbtrain.display import widgets
+    from nbtrain.notebook.runmodel import RunState
+
+    state, display = RunState("ddp on 2 CPU ranks", [0, 1]), widgets.WidgetDisplay()
+    display.start(state)
+    state.handle(Hello(0, 1))
+    state.set_stall("rank 0 waits in all_reduce #2 at train.py:5; rank 1 is not in a collective: at train.py:8")
+    display._draw_header(state)
+    assert "stalled: rank 0 waits in all_reduce #2 at train.py:5; rank 1 is not" in display.snapshot()["header"]
+    state.handle(Progress(0, 0, "epoch", 1, 3, False, 1.0))
+    display._draw_header(state)
+    assert "stalled" not in display.snapshot()["header"] and state.stall is None
+    display.finish(state, True)

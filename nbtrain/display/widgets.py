@@ -336,7 +336,9 @@ class WidgetDisplay(QuietDisplay):
         parts = [f"<b>nbtrain</b> {html.escape(state.title)}",
                  f'<span style="color:{STATUS_COLOURS[word]}">{word}</span>', f"{_duration(state.elapsed)} elapsed",
                  batch_text(state, "×")]
-        self.header.value = " · ".join(p for p in parts if p)
+        stalled = (f'<br><span style="color:{STATUS_COLOURS["failed"]}">stalled: {html.escape(state.stall)}</span>'
+                   if state.stall and self.ok is None else "")  # the doctor's verdict, while it holds
+        self.header.value = " · ".join(p for p in parts if p) + stalled
 
     def snapshot(self) -> dict:
         """What the widgets show now, as plain data (for tests and for a look after a run)."""

@@ -158,7 +158,7 @@ class RunState:
         self.vitals: list[Vital] = []  # sampled for the displays (display/vitals.py), kept in Result.vitals
         self.profiles: dict[int, dict] = {}  # each profiled rank's summary (rank/profiling.py)
         self.step_times: dict[int, protocol.StepTimes] = {}  # each rank's time split, sent with its reply
-        self.stall: str | None = None  # the doctor's verdict once no rank progressed for a while (`doctor.py`)
+        self.stall: str | None = None  # the doctor's verdict while no rank progresses (`doctor.py`), until one does
         self.effective_batch_size: int | None = None
         self.per_rank_batch_size: int | None = None
         self.version = 0  # bumped on every change, so a display redraws only when needed
@@ -207,6 +207,7 @@ class RunState:
             for deeper in [lv for lv in view.bars if lv > event.level]:
                 del view.bars[deeper]
         view.count_steps(event.level, event.n, bar.n, at, arrived)
+        self.stall = None  # progress again: the doctor's stall verdict no longer holds
         bar.n, bar.total, bar.done, bar.updated = event.n, event.total, event.done, at
 
     def _on_metric(self, view: RankView, metric: Metric) -> None:

@@ -99,6 +99,7 @@ class Supervisor:
         self.stall = getattr(pool, "stall", None)
         self._where: dict[int, protocol.Whereabouts] = {}  # the ranks' latest answers to `Where`
         self._stall_probe = 0.0  # when the doctor last asked where the ranks are
+        self._stall_said = False
         self._stacks: dict[int, str] = {}  # every rank's full stacks, once read for a failure (`error.stacks`)
 
     # -- the loop ------------------------------------------------------------------------
@@ -331,7 +332,7 @@ class Supervisor:
         The run goes on (interrupt, `timeout=` or pdb on live ranks take it from there)."""
         after = stall_after(self.stall, self._step_time())
         now = time.monotonic()
-        if (after is None or self.state.stall is not None or now - self.state.started < after
+        if (after is None or self._stall_said or now - self.state.started < after
                 or now - self._stall_probe < min(after, 5.0)):
             return
         running = self.state.unfinished()
@@ -343,6 +344,7 @@ class Supervisor:
             return  # a rank progressed within the window
         verdict = stall_verdict(where, [r for r in running if r not in where])
         quiet = min((w.idle for w in where.values()), default=after)
+        self._stall_said = True  # said once per command
         self.state.set_stall(verdict.text)
         self.display.note(f"No rank has progressed for {quiet:.0f} s: {verdict.text} The run goes on: interrupt it "
                           f"to stop it (stall= sets when this is said; timeout= ends a run).")
