@@ -165,3 +165,13 @@ def test_a_rendezvous_that_never_completes_names_each_ranks_address(world, no_le
     assert f"rank 0 waits to join the process group at tcp://127.0.0.1:{base} (hosting it)" in said
     assert f"rank 1 waits to join the process group at tcp://127.0.0.1:{base + 1} (rank 0 should host it)" in said
     assert "The ranks wait at different addresses" in said
+
+
+@pytest.mark.parametrize("world", [2])
+def test_live_ranks_say_a_stall_and_keep_serving(world, no_leftovers):
+    notes = Notes()
+    with nbtrain.Ranks(devices=world, accelerator="cpu", start="fork", progress=False, stall=1.5) as ranks:
+        assert ranks.run(late_rank, 5, progress=notes).values == [[float(world)] * 3] * world
+        said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+        assert len(said) == 1 and f"The others wait for rank {world - 1}." in said[0], notes.notes
+        assert ranks.eval("ctx.rank") == list(range(world))  # still serving
