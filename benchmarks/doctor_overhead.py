@@ -1,6 +1,7 @@
 """What the doctor's always-on measurement costs: per collective, per training step, per stall check.
 
-In one process (gloo, world 1, so no peer's speed shows), interleaved, the median of repeats:
+In one process (gloo, world 1, so no peer's speed shows), interleaved, the median of repeats, timed by
+the thread's CPU time (time.thread_time: other jobs on a shared machine do not count):
   collective  dist.all_reduce of 4 floats, plain (torch's own function) vs counted (rank/doctor.py's
               wrapper: sequence number, op, shape, dtype, caller, wall time), and the wrapper alone
               around a no-op
@@ -35,11 +36,16 @@ def _mlp():
                                torch.nn.ReLU(), torch.nn.Linear(256, 10))
 
 
+# The calling thread's CPU time, not the wall clock: on a machine shared with other jobs, time spent
+# waiting for a core is theirs, not the code's (torch runs one intra-op thread here, the loader none).
+CLOCK = time.thread_time
+
+
 def per_call(fn, arg, n: int) -> float:
-    started = time.perf_counter()
+    started = CLOCK()
     for _ in range(n):
         fn(arg)
-    return (time.perf_counter() - started) / n
+    return (CLOCK() - started) / n
 
 
 def steps(reduce, batches, n: int) -> float:
@@ -47,14 +53,14 @@ def steps(reduce, batches, n: int) -> float:
     model, data = _mlp(), torch.utils.data.TensorDataset(torch.randn(64 * n, 64), torch.randint(0, 10, (64 * n,)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = torch.utils.data.DataLoader(data, batch_size=64)
-    started = time.perf_counter()
+    started = CLOCK()
     for x, y in batches(iter(loader)):
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         reduce(loss.detach())
-    return (time.perf_counter() - started) / n
+    return (CLOCK() - started) / n
 
 
 def main() -> None:
@@ -82,6 +88,16 @@ def main() -> None:
     from nbtrain.notebook.doctor import stall_after
 
     check = per_call(lambda _: stall_after(None, 0.01), None, 200000)
+    n = 200000
+    items = [None] * n
+    started = CLOCK()
+    for _ in iter(items):
+        pass
+    bare = (CLOCK() - started) / n
+    started = CLOCK()
+    for _ in doctor.timed_batches(iter(items)):
+        pass
+    timed = (CLOCK() - started) / n - bare
     where = per_call(doctor.whereabouts, 0, 20000)
     dist.destroy_process_group()
     m = {k: median(v) for k, v in rows.items()}
@@ -95,10 +111,15 @@ def main() -> None:
         f"{wrapper * 1e6:+.3f} µs per collective |",
         f"| one step of step_overhead's MLP (loader batch, loss all-reduced) | {m['step plain'] * 1e3:.3f} ms | "
         f"{m['step measured'] * 1e3:.3f} ms | {step_cost:+.2%} |",
+        f"| timing one batch of ctx.loader's iterator | | | {timed * 1e6:+.3f} µs per batch |",
+        f"| per step, from its parts (one counted collective, one timed batch) | | | "
+        f"{(wrapper + timed) * 1e6:+.3f} µs = {(wrapper + timed) / m['step plain']:.3%} of the step |",
         f"| the supervisor's stall check per tick (nothing stalled) | | {check * 1e6:.3f} µs | |",
         f"| a rank's answer to `Where` (asked only after `stall` s quiet) | | {where * 1e6:.1f} µs | |",
-        "", f"Medians of {args.repeats} interleaved repeats. Stall checks ask the ranks nothing until no "
-        "progress message came for `stall` seconds; then one `Where` per rank every min(stall, 5) s."])
+        "", f"Medians of {args.repeats} interleaved repeats, the calling thread's CPU time. Whole steps differ by "
+        "several percent from run to run either way on a shared machine (the same code twice does too), so the "
+        "per-step cost is read from its parts. Stall checks ask the ranks nothing until no progress message came "
+        "for `stall` seconds; then one `Where` per rank every min(stall, 5) s."])
     if args.no_save:
         print(body)
     else:
