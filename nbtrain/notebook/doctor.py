@@ -55,7 +55,7 @@ class Verdict:
     waiting: list[int]
 
 
-def stall_verdict(where: dict, silent: list[int] = ()) -> Verdict:
+def stall_verdict(where: dict, silent: list[int] | tuple[int, ...] = ()) -> Verdict:
     """Where each rank is (`protocol.Whereabouts` by rank), and the ranks that did not answer
     (their main thread holds the GIL in C code): who waits in which collective, for whom."""
     meeting = {r: w.rendezvous for r, w in where.items() if w.rendezvous}
@@ -150,7 +150,7 @@ def straggler(times: dict) -> str | None:
     if len(times) < 2 or any(t.batches < 2 for t in times.values()):
         return None  # a step is a batch of ctx.loader's: without them there is no step to compare
     busy = {r: max(t.total - t.collective, 1e-9) for r, t in times.items()}
-    slow = max(busy, key=busy.get)
+    slow = max(busy, key=busy.__getitem__)
     others = [busy[r] for r in busy if r != slow]
     ratio = busy[slow] / median(others)
     t = times[slow]

@@ -33,6 +33,9 @@ class Tally:
     """This rank's counters (one per process: `TALLY`). Plain attributes, touched by the main thread only."""
 
     def __init__(self) -> None:
+        self._begin()
+
+    def _begin(self) -> None:
         self.seq = 0  # collectives called so far
         self.current: tuple | None = None  # the collective the main thread is in: (seq, op, (shape, dtype), file, line)
         self.recent: deque = deque(maxlen=RECENT)  # the last collectives, as `current`
@@ -45,7 +48,7 @@ class Tally:
 
     def reset(self) -> None:
         meeting = self.rendezvous
-        self.__init__()
+        self._begin()
         self.rendezvous = meeting  # a live rank's group outlives a command
 
     def step_times(self, rank: int) -> protocol.StepTimes:
@@ -115,8 +118,8 @@ def count_collectives() -> None:
         if collective is not None:
             setattr(dist, op, _counted(op, collective))
     c10d = sys.modules["torch.distributed.distributed_c10d"]
-    c10d.rendezvous = _noted_rendezvous(c10d.rendezvous)  # init_process_group looks it up there at each call
-    dist._nbtrain_counted = True
+    c10d.rendezvous = _noted_rendezvous(c10d.rendezvous)  # type: ignore[attr-defined]  # looked up there at each call
+    dist._nbtrain_counted = True  # type: ignore[attr-defined]
 
 
 def _noted_rendezvous(rendezvous):
@@ -126,7 +129,7 @@ def _noted_rendezvous(rendezvous):
         TALLY.rendezvous = url.split("?")[0]
         return rendezvous(url, rank, world_size, **kwargs)
 
-    noted.__wrapped__ = rendezvous  # type: ignore[attr-defined]
+    noted.__wrapped__ = rendezvous
     return noted
 
 
@@ -166,7 +169,8 @@ def _user_frame(frame):
 def whereabouts(rank: int) -> protocol.Whereabouts:
     """Where this rank's main thread is now, whether it is in a collective, and how long since it progressed."""
     tally = TALLY
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    main = threading.main_thread().ident
+    frame = sys._current_frames().get(main) if main is not None else None
     file, line, code = "", 0, ""
     if frame is not None:
         user = _user_frame(frame)
