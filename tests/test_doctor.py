@@ -128,10 +128,10 @@ class SlowData(torch.utils.data.Dataset):
 def straggles(where):
     ctx = nbtrain.context()
     ctx.barrier()
-    data = SlowData() if where == "data" else [torch.ones(4)] * 48
+    data = SlowData() if where == "data" else [torch.ones(4)] * 96
     for x in ctx.loader(data, batch_size=4):
         if where == "compute" and ctx.rank == 1:
-            time.sleep(0.04)
+            time.sleep(0.1)  # clearly above what the other ranks' steps take on a loaded machine
         dist.all_reduce(x)
 
 

@@ -147,3 +147,15 @@ def test_the_live_view_says_a_stall_until_a_rank_progresses():
     display._draw_header(state)
     assert "stalled" not in display.snapshot()["header"] and state.stall is None
     display.finish(state, True)
+
+
+def test_a_worker_errors_stacks_survive_pickling():
+    import pickle
+
+    from nbtrain.common.errors import WorkerError
+
+    error = WorkerError.from_failure(1, "timed out after 5 s", "--- rank 1 stack ---", stacks={0: "a", 1: "b"},
+                                     original=ValueError("x"))
+    again = pickle.loads(pickle.dumps(error))
+    assert again.stacks == {0: "a", 1: "b"} and again.rank == 1 and isinstance(again, ValueError)
+    assert WorkerError(0, "x").stacks == {}

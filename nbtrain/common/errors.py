@@ -144,11 +144,11 @@ def _with_original_class(original: type) -> type | None:
 
 def _reduce_with_original(self):
     # The combined class is made at run time and cannot be pickled by name: rebuild it.
-    return (_rebuild, (self.rank, self.summary, self.traceback, self.others, self.__cause__, self.node))
+    return (_rebuild, (self.rank, self.summary, self.traceback, self.others, self.__cause__, self.node, self.stacks))
 
 
-def _rebuild(rank, summary, traceback, others, original, node=None):
-    return WorkerError.from_failure(rank, summary, traceback, others, original=original, node=node)
+def _rebuild(rank, summary, traceback, others, original, node=None, stacks=None):
+    return WorkerError.from_failure(rank, summary, traceback, others, original=original, node=node, stacks=stacks)
 
 
 def _attribute_of_original(self, name: str):
