@@ -6,7 +6,8 @@ event log and in the handlers that dispatch on it (`_on_<kind>`, `_do_<kind>`).
 
 Ranks -> notebook, on the run's channel (`channel.Link.emit`), each naming its sender's `rank`:
   Hello, Begin, Returned, Raised, Need, Prompt        a rank's life and one command's
-  Progress, Metric, BatchSize, Profile                 what the training reports
+  Progress, Metric, BatchSize, Profile, StepTimes      what the training reports
+  Whereabouts                                          where a rank is (the answer to `Where`)
   Display, UpdateDisplay, ClearOutput                  its rich output (IPython display)
   Output, Live, OutputEnd                              its printed lines, redrawn lines, a command's
                                                        output end (`output_reader.py`; read from
@@ -14,7 +15,7 @@ Ranks -> notebook, on the run's channel (`channel.Link.emit`), each naming its s
   Closed                                               the notebook's own word: the link ended
 Notebook -> rank: a command (`Run`, `Call`, `Exec`, `Eval`, `Push`, `Pull`, `Start`, `Debug`),
 each with its `seq` and `everyone` (sent to every rank, so collectives may run in it), and
-`Names` (the answer to a `Need`), `Interrupt`, `Stacks`, `Stdin`, `Stop`.
+`Names` (the answer to a `Need`), `Interrupt`, `Stacks`, `Where`, `Stdin`, `Stop`.
 A map's work queue, on a channel of its own: `WantItems`, `ItemsDone`, `ItemsFailed` from a
 worker; `Items`, `NoMoreItems` back. The warm template, on its socket: `TemplateReady`, `Forked`,
 `Exited`, `Pong`.
@@ -137,6 +138,35 @@ class Profile(NamedTuple):
     summary: dict
 
 
+@_kind("step_times")
+class StepTimes(NamedTuple):
+    """A rank's time in its last command, split (`rank/doctor.py`): `batches` taken from ctx.loader,
+    `total` seconds, of which `data` waiting for them and `collective` inside collectives; the rest
+    is compute. `recent`: its last collectives, (seq, op, shape, dtype, file, line) each."""
+    rank: int
+    batches: int
+    total: float
+    data: float
+    collective: float
+    recent: list
+
+
+@_kind("whereabouts")
+class Whereabouts(NamedTuple):
+    """Where a rank's main thread is (the answer to `Where`): `collectives` called so far, the one
+    it is in (`current`, as in StepTimes.recent, or None), the user's file, line and its code, and
+    the seconds since it last progressed (a collective or a batch done, a progress step), and
+    where it meets its peers while its `init_process_group` has not completed (`rendezvous`)."""
+    rank: int
+    collectives: int
+    current: tuple | None
+    file: str
+    line: int
+    code: str
+    idle: float
+    rendezvous: str = ""
+
+
 @_kind("display")
 class Display(NamedTuple):
     """IPython display data a rank published (`rank/output.py`)."""
@@ -194,7 +224,7 @@ class Closed(NamedTuple):
 
 # Sent by a rank without waiting for a batch: the notebook acts on them (a new rich output too:
 # it keeps its place among the lines printed around it).
-URGENT = frozenset({Hello, Begin, Returned, Raised, Need, Prompt, Display, ClearOutput})
+URGENT = frozenset({Hello, Begin, Returned, Raised, Need, Prompt, Display, ClearOutput, Whereabouts})
 RICH = (Display, UpdateDisplay, ClearOutput)  # what a display's `rich` takes
 
 
@@ -284,6 +314,11 @@ class Interrupt(NamedTuple):
 @_kind("stacks")
 class Stacks(NamedTuple):
     """Write every thread's stack to stderr (ranks on other machines; local ones get a signal)."""
+
+
+@_kind("where")
+class Where(NamedTuple):
+    """Say where the main thread is (`Whereabouts`): the doctor's question when no rank progresses."""
 
 
 @_kind("stdin")

@@ -33,6 +33,15 @@ def _kernel_namer(shell=None):
     return _cell_namer(shell) if shell is not None else None
 
 
+def place_name(path: str, shell=None) -> str:
+    """A file as a verdict names it: a cell of this kernel as IPython does (`In[4]`), else its base name."""
+    namer = _kernel_namer(shell)
+    named = namer(path) if namer is not None and path else None
+    if named:
+        return named[1]
+    return os.path.basename(path) if path and not path.startswith("<") else path
+
+
 def name_cells(traceback: str, shell=None) -> str:
     """`traceback` with every file name the kernel knows as a cell replaced by `Cell In[N]`;
     unchanged outside IPython or for files that are not cells."""

@@ -106,7 +106,8 @@ def summary_lines(state, ok: bool) -> list[str]:
     batch = batch_text(state)
     head += f"; {batch}" if batch else ""
     vitals = latest(state)
-    return [head, *("  " + rank_line(v, state, True, vitals.get(r)) for r, v in state.ranks.items())]
+    return [head, *("  " + rank_line(v, state, True, vitals.get(r)) for r, v in state.ranks.items()),
+            *state.doctor_lines()]
 
 
 def _sends_in_batches(stream) -> bool:

@@ -452,6 +452,16 @@ class Pool:
         for rank in ranks:
             self._hub.send(rank, protocol.Interrupt(self._seq))
 
+    def ask_where(self, ranks: list[int]) -> None:
+        """Every listed rank says where its main thread is (`protocol.Whereabouts`), over the channel."""
+        for rank in ranks:
+            self._hub.send(rank, protocol.Where())
+
+    @property
+    def stall(self):
+        """The run's `stall=`: seconds without progress before the doctor looks (None: its default, False: never)."""
+        return getattr(self._job, "stall", None)
+
     def ask_stacks(self, pids: dict[int, int | None]) -> None:
         """Every listed rank writes its threads' stacks on its stderr: by signal (even with the GIL
         held) on this machine, over the channel elsewhere."""

@@ -37,6 +37,7 @@ from ..placements.clusters import ClusterJob, check_cluster
 from ..placements.processes import ForkLauncher, SpawnLauncher
 from ..placements.template import TemplateLauncher, start_ranks_cleanly
 from .choices import words
+from .doctor import check_stall
 from .insight import instrument
 from .launch import check_timeout
 from .mapping import map_on_ranks
@@ -83,6 +84,9 @@ class Ranks:
         Start them there: ``devices`` ranks on each of ``num_nodes`` nodes.
     num_nodes : int, default 1
         Nodes, with ``cluster``.
+    stall : float or False, optional
+        As for `launch`, for each call: seconds without progress on any rank before the cell says
+        where each rank is and whom the others wait for (the call goes on). None: the default.
 
     Raises
     ------
@@ -97,7 +101,7 @@ class Ranks:
 
     def __init__(self, devices="auto", accelerator: str = "auto", backend: str | None = None,
                  timeout: float | None = None, strategy: str = "auto", start: str = "auto", progress=True,
-                 cluster=None, num_nodes: int = 1):
+                 cluster=None, num_nodes: int = 1, stall: float | bool | None = None):
         asked = words(strategy, start)
         if asked.strategy not in WRAPPINGS:
             raise ValueError(f"strategy={strategy!r}: live ranks wrap models with {', '.join(map(repr, WRAPPINGS))} "
@@ -108,6 +112,7 @@ class Ranks:
         strategy, start = "ddp" if asked.strategy == "auto" else asked.strategy, asked.start
         asked.say()
         self.timeout = check_timeout(timeout)
+        self.stall = check_stall(stall)
         check_progress(progress)
         if type(num_nodes) is not int or num_nodes < 1 or (num_nodes > 1 and cluster is None):
             raise ValueError(f"num_nodes={num_nodes!r}: give an int >= 1; more than one node needs a cluster "
@@ -133,7 +138,7 @@ class Ranks:
         else:
             (launcher, self.placement, note), make_job = _placement(self.start_method), Job
         # Live ranks: no fn, the commands come later.
-        job = make_job(None, (), {}, self.plan, self.strategy,  # type: ignore[arg-type]
+        job = make_job(None, (), {}, self.plan, self.strategy, stall=self.stall,  # type: ignore[arg-type]
                        start_timeout=120.0, start=self.placement)
         display = QuietDisplay()
         if note:

@@ -3,7 +3,8 @@
 One loop serves `launch` (one `run` command, then the rank exits) and live `Ranks` (commands
 until `stop`), whatever started the rank. Commands run on the main thread, so an interrupt
 (SIGINT, raised only while user code runs) lands in the user's code as KeyboardInterrupt; the
-channel's second thread receives commands, interrupts, stack requests and debugger input.
+channel's second thread receives commands, interrupts, stack requests, the doctor's `Where`
+(answered from there: `doctor.py`) and debugger input.
 
 The messages both ways are `common/protocol.py`'s records. A command (`Run`, `Call`, `Exec`,
 `Eval`, `Push`, `Pull`, `Start`, `Debug`) carries its `seq` and `everyone` (sent to every rank, so
@@ -36,6 +37,7 @@ from ..common.tracebacks import package_path
 from ..common.transfer import pack_exception, pack_result, unpack_job, unpack_push
 from .compat import become_torchrun_worker, destroy_asked_group
 from .context import Context, set_current
+from .doctor import TALLY, count_collectives, whereabouts
 from .output import show_in_notebook
 from .process import enable_stacks, end_output, limit_threads
 from .process import forward_output as forward
@@ -73,6 +75,8 @@ class RankLoop:
         elif isinstance(message, protocol.Stacks):
             # remote ranks; local ones are asked by signal (works even when the GIL is held)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        elif isinstance(message, protocol.Where):  # answered here: the main thread may be stuck
+            self.link.emit(whereabouts(self.link.rank))
         elif isinstance(message, protocol.Stdin):
             self.stdin.put(message.line)
         elif isinstance(message, protocol.Names):
@@ -105,6 +109,7 @@ class RankLoop:
     def _execute(self, command, once: bool) -> int:
         rank, seq = self.link.rank, command.seq
         self.ctx._begin_command()
+        TALLY.reset()
         self.link.emit(protocol.Begin(rank, seq))
         handler = getattr(self, f"_do_{command.kind}", None)
         reply: protocol.Returned | protocol.Raised
@@ -126,6 +131,8 @@ class RankLoop:
         finally:
             with self._lock:
                 self._running, self._interrupting = None, False
+        if TALLY.seq or TALLY.batches:  # what the doctor compares across ranks: before the reply
+            self.link.emit(TALLY.step_times(rank))
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         # Printed output travels on pipes of its own: the end mark lets the notebook show all of a
@@ -445,6 +452,7 @@ def serve(first=None, once: bool = False, live: bool = False, forward_output: bo
             print(f"nbtrain: {notice}", file=sys.stderr, flush=True)
     become_torchrun_worker()
     use_private_store()
+    count_collectives()
     show_in_notebook(link, rank)
     ctx = Context.from_environ(os.environ, link)
     set_current(ctx)
