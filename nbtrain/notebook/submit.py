@@ -23,6 +23,7 @@ from ..common.private import check_own, private_dir
 from ..common.transfer import pack_job
 from ..display import check_progress
 from ..placements.clusters import Slurm, check_cluster
+from ..placements.template_process import template
 from ..rank.profiling import Profile
 from ..rank.trackers import check_trackers
 from .choices import choose, words
@@ -173,6 +174,16 @@ def _start_supervisor(where: Path, cluster, max_restarts: int) -> None:
     supervise = [sys.executable, "-P", "-c", _SUPERVISE, str(where)]
     if isinstance(cluster, Slurm):
         runlog.write_json(where / runlog.SUPERVISOR, _supervisor_job(where, cluster, supervise, env, max_restarts))
+        return
+    try:  # started before anything of the run is: a template that cannot start leaves nothing to undo
+        warm = template()
+    except RuntimeError:  # no template here (it failed to start, or stopped answering): a fresh interpreter
+        warm = None
+    if warm is not None:
+        # A fork of the kernel's warm template, which has imported torch: the supervisor starts
+        # in milliseconds instead of a fresh interpreter's second or more (benchmarks/submit_latency.py).
+        warm.detach(env, "nbtrain.notebook.detached:main", [str(where)], str(where / runlog.SUPERVISOR_LOG),
+                    str(where / runlog.SUPERVISOR))
     else:
         subprocess.run([sys.executable, "-c", _DETACH, str(where / runlog.SUPERVISOR_LOG),
                         str(where / runlog.SUPERVISOR), *supervise], capture_output=True, text=True, check=True,
