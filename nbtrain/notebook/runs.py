@@ -19,7 +19,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from ..common import protocol, runlog, session
+from ..common import protocol, runlog, session, wake
 from ..common.private import NotYours, check_own
 from ..display import check_progress, in_jupyter, make_display
 from ..display.widgets import WidgetDisplay
@@ -28,6 +28,7 @@ from .result import Result
 from .runmodel import RunState
 
 POLL = 0.2  # seconds between looks at the run directory
+BACKSTOP = 2.0  # ... while waiting for its end, where a change wakes the waiter
 START_WAIT = 60.0  # seconds a Run shown in a cell waits for its ranks to start (the supervisor imports torch)
 SUBMIT_WAIT = 10.0  # seconds cancel() waits for the supervisor of a run still being submitted to be recorded
 STATUSES = (*runlog.ACTIVE, *runlog.ENDED)
@@ -205,11 +206,24 @@ class Run:
         return self._wait(timeout)
 
     def _wait(self, timeout: float | None) -> str:
+        """Woken by the run's end (status.json renamed into place) or its supervisor's death,
+        where the machine tells (`wake.Changes`); a look every `BACKSTOP` s all the same (a
+        SLURM supervisor, a submitter that died before its supervisor started), or every
+        `POLL` s where nothing tells."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while (status := self.status) not in runlog.ENDED:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"the run in {self.dir} is still {status} after {timeout} s.")
-            time.sleep(POLL)
+        watched = None
+        with wake.Changes(self.dir) as changes:
+            while (status := self.status) not in runlog.ENDED:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError(f"the run in {self.dir} is still {status} after {timeout} s.")
+                who = self._supervisor()
+                if who is not None and "pid" in who and who["pid"] != watched:
+                    watched = who["pid"]
+                    changes.watch_process(watched)  # then looked at again: still the process `who` names
+                    continue
+                backstop = BACKSTOP if changes.woken else POLL
+                changes.wait(backstop if deadline is None else min(backstop, deadline - now))
         return status
 
     def result(self, timeout: float | None = None) -> Result:
