@@ -26,6 +26,7 @@ from ..display.widgets import WidgetDisplay
 from .export import export, load_job
 from .result import Result
 from .runmodel import RunState
+from .sweep_study import STUDY_FILE
 
 POLL = 0.2  # seconds between looks at the run directory
 BACKSTOP = 2.0  # ... while waiting for its end, where a change wakes the waiter
@@ -415,7 +416,8 @@ class Run:
 
     def _ipython_display_(self) -> None:
         display = make_display(self.progress)
-        if not in_jupyter() or not isinstance(display, WidgetDisplay):  # lines would print into later cells
+        if self.spec.get("kind") == "sweep" or not in_jupyter() or not isinstance(display, WidgetDisplay):
+            # lines would print into later cells; a sweep's table is its study's, read when shown
             print(repr(self))
             return
         # Drawn by a thread, so the cell returns at once; rank output stays in logs(rank),
@@ -443,7 +445,27 @@ class Run:
             status = self.status
         except (ValueError, OSError):  # said by .status itself; a repr stays a repr
             status = "damaged"
-        return f"Run({str(self.dir)!r}, function={self.function!r}, status={status!r})"
+        shown = f"Run({str(self.dir)!r}, function={self.function!r}, status={status!r})"
+        return shown + "".join(f"\n  {line}" for line in self._trials()) if self.spec.get("kind") == "sweep" else shown
+
+    def _trials(self) -> list[str]:
+        """A submitted sweep's trials as its study holds them, a line each (none before it began)."""
+        path = self.dir / STUDY_FILE
+        if not path.exists():
+            return []
+        try:
+            check_own(path, "study database")
+            import optuna  # only for a sweep, which needed it to run
+            from sqlalchemy.pool import NullPool
+
+            storage = optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"poolclass": NullPool})
+            study = optuna.load_study(study_name=None, storage=storage)
+            trials = study.get_trials(deepcopy=False)
+        except Exception as error:  # a study still being made, or damaged: said, never raised from a repr
+            return [f"(the study cannot be read now: {type(error).__name__}: {error})"]
+        return [f"trial {t.number}  {t.state.name.lower()}  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else
+                                                                         f"{k}={v}" for k, v in t.params.items())
+                + ("" if t.value is None else f"  value={t.value:.4g}") for t in trials]
 
 
 def attach(run_dir, progress=True) -> Run:
