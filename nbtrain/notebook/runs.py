@@ -212,6 +212,8 @@ class Run:
         SLURM supervisor, a submitter that died before its supervisor started), or every
         `POLL` s where nothing tells."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if (status := self.status) in runlog.ENDED:  # no watch to set up (closing an inotify one takes ms)
+            return status
         watched = None
         with wake.Changes(self.dir) as changes:
             while (status := self.status) not in runlog.ENDED:
