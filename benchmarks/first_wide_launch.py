@@ -8,7 +8,7 @@ runs three launches; `--before DIR` runs the same from another checkout of nbtra
 rounds. The question it answers (issue 37): does the first `init_process_group` of a wide launch
 cost seconds that later ones do not, and is it ours?
 
-    python benchmarks/first_wide_launch.py [--ranks 32] [--rounds 2] [--before DIR]
+    python benchmarks/first_wide_launch.py [--ranks 32] [--rounds 2] [--before DIR] [--kernel]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import median, record, table  # noqa: E402
+from _common import Kernel, median, record, table  # noqa: E402
 
 NBTRAIN = '''
 import inspect, json, statistics, sys, time
@@ -32,7 +32,9 @@ def timed_init():
     import time, torch.distributed as dist
     start = time.perf_counter()
     dist.init_process_group("gloo")
-    return time.perf_counter() - start
+    took = time.perf_counter() - start
+    dist.barrier()  # a rank that returns at once can break a peer's set-up still under way (issue 36)
+    return took
 
 out = []
 for _ in range(3):
@@ -76,6 +78,15 @@ print(json.dumps([group("file"), group("tcp"), group("file")]))
 '''
 
 
+def in_kernel(code: str, ranks: int, env: dict) -> list[list[float]]:
+    """`code` in a new Jupyter kernel (as a notebook's first launches are), sys.argv[1] = ranks."""
+    kernel = Kernel(env=env, cwd=env.get("PYTHONPATH") or os.getcwd())
+    try:
+        return json.loads(kernel.run(f"import sys; sys.argv[1:] = [{str(ranks)!r}]\n{code}").strip().splitlines()[-1])
+    finally:
+        kernel.close()
+
+
 def run(code: str, ranks: int, env: dict) -> list[list[float]]:
     done = subprocess.run([sys.executable, "-c", code, str(ranks)], capture_output=True, text=True, env=env,
                           timeout=900)
@@ -89,6 +100,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--before", help="another checkout of nbtrain, run in the same rounds")
+    parser.add_argument("--kernel", action="store_true", help="nbtrain's launches in a new Jupyter kernel each round")
     args = parser.parse_args()
     env = {**os.environ, "NBTRAIN_MAX_CPU_RANKS": str(max(64, args.ranks)), "NBTRAIN_PROGRESS": "0"}
     contenders = {"nbtrain (now)": (NBTRAIN, env)}
@@ -100,15 +112,19 @@ def main() -> None:
     times: dict[tuple[str, str], list[list[float]]] = {}
     for round_ in range(args.rounds):
         for name, (code, environ) in contenders.items():
-            for label, figures in zip(launches[name.split()[0]], run(code, args.ranks, environ)):
+            measured = (run if name.startswith("bare") or not args.kernel else in_kernel)(code, args.ranks, environ)
+            for label, figures in zip(launches[name.split()[0]], measured):
                 times.setdefault((name, label), []).append(figures)
         print(f"round {round_} done", file=sys.stderr)
     rows = [[name, label, *(f"{median([f[i] for f in figures]):.2f}" for i in range(3)), str(len(figures))]
             for (name, label), figures in times.items()]
     body = table([f"{args.ranks} CPU ranks, fork", "launch", "whole launch s", "init_process_group median s",
                   "init_process_group max s", "rounds"], rows)
-    record(f"First wide launch (first_wide_launch.py, {args.ranks} ranks)", body + (
-        "\n\nEach round a fresh interpreter: its first launch is a new kernel's. For nbtrain the whole launch "
+    where = ", in Jupyter kernels" if args.kernel else ""
+    record(f"First wide launch (first_wide_launch.py, {args.ranks} ranks{where})", body + (
+        f"\n\nEach round a fresh {'Jupyter kernel' if args.kernel else 'interpreter'} (the bare floor: an "
+        "interpreter): its first launch is a new kernel's."
+        + (f" Before: `--before {args.before}`." if args.before else "") + " For nbtrain the whole launch "
         "counts fork, channel, the user's init_process_group and teardown; init_process_group is timed inside "
         "each rank."))
 
