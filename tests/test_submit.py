@@ -257,6 +257,26 @@ def test_a_submitted_sweep_runs_in_the_supervisor_and_gives_the_sweep(tmp_path, 
     _ended_cleanly(run)
 
 
+def _slow_trial(lr):
+    ctx = nbtrain.context()
+    for step in range(1000):
+        ctx.log("loss", lr, step=step)
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_submitted_sweep_cancelled_stops_every_trial(tmp_path, no_leftovers):
+    optuna = pytest.importorskip("optuna", reason="sweeps run on Optuna")
+    space = {"lr": optuna.distributions.FloatDistribution(1e-3, 1e-1)}
+    run = nbtrain.submit(nbtrain.sweep, _slow_trial, space, trials=4, metric="loss", devices=2, accelerator="cpu",
+                         run_dir=tmp_path / "sweep")
+    _wait_for(lambda: repr(run).count("  running  lr=") == 2, 120, "both slots to run a trial")
+    run.cancel()
+    assert run.status == "cancelled"
+    _ended_cleanly(run)  # the trials' ranks and the supervisor's template with it
+    assert repr(run).count("  running  ") == 0  # the study says how the trials ended, none still running
+
+
 @pytest.mark.slow
 def test_a_failure_beyond_the_restarts_is_the_launch_error(tmp_path, no_leftovers):
     run = nbtrain.submit(train, 6, die_at=1, devices=2, accelerator="cpu", run_dir=tmp_path / "run")

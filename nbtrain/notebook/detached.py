@@ -173,7 +173,9 @@ def _supervise(run_dir: Path, load, echo) -> int:
     except BaseException as exc:
         return _failed(run_dir, status, exc, "the job could not be loaded")
     if sweeping:
-        return _sweep(run_dir, status, signals, lambda: fn(*args, run_dir=str(run_dir), progress="text", **kwargs))
+        # No view: its lines begin "nbtrain: ", which supervisor.log keeps for why a run ended; the
+        # study is the sweep's record (the Run lists its trials from it).
+        return _sweep(run_dir, status, signals, lambda: fn(*args, run_dir=str(run_dir), progress=False, **kwargs))
     cluster = objects["cluster"]
 
     def queued(where: str | None) -> None:  # where the cluster holds the ranks; None once they run
@@ -234,8 +236,8 @@ def _supervise(run_dir: Path, load, echo) -> int:
 
 def _sweep(run_dir: Path, status: Status, signals: list[int], run) -> int:
     """A submitted sweep (`submit(nbtrain.sweep, ...)`): `run()` is the sweep, its study SQLite in
-    the run directory, its trials launches of their own; its text view goes to supervisor.log. The
-    result is the `Sweep` (its study reopens the database where it is read back)."""
+    the run directory, its trials launches of their own. The result is the `Sweep` (its study
+    reopens the database where it is read back)."""
     status.set("running", attempt=0, reason="")
     try:
         result = run()
