@@ -130,8 +130,8 @@ def check_space(space, optuna) -> dict:
         raise ValueError(f"space={space!r}: give a dict mapping parameter names to Optuna distributions, {example}.")
     for name, distribution in space.items():
         if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"space key {name!r}: a parameter name is passed as fn's keyword, so it must be an "
-                             "identifier.")
+            raise ValueError(f"space key {name!r}: a parameter name is passed as fn's keyword, "
+                             "so it must be an identifier.")
         if not isinstance(distribution, optuna.distributions.BaseDistribution):
             raise ValueError(f"space[{name!r}]={distribution!r}: give an Optuna distribution (FloatDistribution, "
                              f"IntDistribution, CategoricalDistribution), {example}.")
@@ -237,6 +237,7 @@ class _SweepRun:
         row = TrialRow(trial.number, dict(trial.params), str(slot))
         self.state.add(row)
         reporter, display = _Reporter(self, trial, row), None
+        assert self.runner is not None, "trials run after the slots started"
         try:
             display = self.runner.display(on_update=reporter.update,
                                           on_output=functools.partial(self._say, trial.number),
@@ -410,7 +411,7 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
     except KeyboardInterrupt as interrupt:
         verdict = "interrupted"
         kept = f" in {run_dir}" if run_dir else ""
-        interrupt._render_traceback_ = lambda: [
+        interrupt._render_traceback_ = lambda: [  # type: ignore[attr-defined]  # IPython's hook
             "KeyboardInterrupt: the sweep was interrupted; nbtrain stopped every running trial. The finished trials "
             f"are kept in the study{kept}: run the cell again to resume."]
         raise
