@@ -378,20 +378,7 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
         Ctrl-C: every running trial was stopped; the finished ones are kept in the study.
     """
     optuna = _optuna()
-    if not callable(fn):
-        raise TypeError(f"sweep(fn=...) needs a callable trial function, got {type(fn).__name__}.")
-    space = check_space(space, optuna)
-    check_count(trials, "trials")
-    if not isinstance(metric, str) or not metric:
-        raise ValueError(f"metric={metric!r}: give the name fn logs with ctx.log(name, value), e.g. metric='loss'.")
-    if direction is not None and direction not in DIRECTIONS:
-        raise ValueError(f"direction={direction!r}: give 'minimize' or 'maximize'.")
-    if sampler is not None and not isinstance(sampler, optuna.samplers.BaseSampler):
-        raise ValueError(f"sampler={sampler!r}: give an Optuna sampler (optuna.samplers.TPESampler(), ...) or None.")
-    if pruner is not None and not isinstance(pruner, optuna.pruners.BasePruner):
-        raise ValueError(f"pruner={pruner!r}: give an Optuna pruner (optuna.pruners.MedianPruner(), ...) or None.")
-    check_timeout(timeout)
-    catch = check_catch(catch)
+    space, catch = check_sweep(fn, space, trials, metric, direction, sampler, pruner, timeout, catch)
     view = make_view(progress)
     if cluster is None:
         slots, idle = plan_slots(devices, devices_per_trial, accelerator)
@@ -436,6 +423,26 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
         run.tick()
         view.finish(state, verdict)
     return Sweep(study, state, run.best, run_dir)
+
+
+def check_sweep(fn, space, trials, metric, direction, sampler, pruner, timeout, catch) -> tuple[dict, tuple]:
+    """The sweep's settings checked, each refused in one line: (space, catch) as the sweep uses them.
+    `submit(sweep, ...)` checks them too, before anything is written."""
+    optuna = _optuna()
+    if not callable(fn):
+        raise TypeError(f"sweep(fn=...) needs a callable trial function, got {type(fn).__name__}.")
+    space = check_space(space, optuna)
+    check_count(trials, "trials")
+    if not isinstance(metric, str) or not metric:
+        raise ValueError(f"metric={metric!r}: give the name fn logs with ctx.log(name, value), e.g. metric='loss'.")
+    if direction is not None and direction not in DIRECTIONS:
+        raise ValueError(f"direction={direction!r}: give 'minimize' or 'maximize'.")
+    if sampler is not None and not isinstance(sampler, optuna.samplers.BaseSampler):
+        raise ValueError(f"sampler={sampler!r}: give an Optuna sampler (optuna.samplers.TPESampler(), ...) or None.")
+    if pruner is not None and not isinstance(pruner, optuna.pruners.BasePruner):
+        raise ValueError(f"pruner={pruner!r}: give an Optuna pruner (optuna.pruners.MedianPruner(), ...) or None.")
+    check_timeout(timeout)
+    return space, check_catch(catch)
 
 
 def cluster_slots(devices, per_slot: int, accelerator: str) -> list[Slot]:
