@@ -29,6 +29,7 @@ import torch.distributed.distributed_c10d as c10d
 import torch.multiprocessing
 
 from ..common.import_hooks import when_imported
+from ..common.tracebacks import package_path
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +158,31 @@ def _adopt_process_group_calls() -> None:
     c10d.init_process_group = dist.init_process_group = init_process_group
     c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
     destroy_asked_group.destroy = original_destroy
+    _rebind_in_user_code({id(original_init): init_process_group, id(original_destroy): destroy_process_group})
+
+
+def _rebind_in_user_code(adopted: dict) -> None:
+    """The user's own modules and the notebook's namespace hold torch's functions by name where
+    they were imported by name (`from torch.distributed import destroy_process_group`). A rank
+    forked from the kernel inherits those bindings made before the patch; a template or spawned
+    rank imports them after it. Rebinding them here makes it one rule: every name bound to torch's
+    function calls the adopted one. Libraries are left alone (their calls go through the module)."""
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if name != "__main__" and (not file or package_path(file) is not None):
+            continue
+        namespace = getattr(module, "__dict__", {})
+        for key, value in list(namespace.items()):
+            if id(value) in adopted:
+                namespace[key] = adopted[id(value)]
 
 
 def destroy_asked_group() -> None:
     """Carry out a destroy_process_group() the user's code asked for during the command."""
     if _DESTROY_ASKED[0]:
-        gc.collect()  # the command's models, and their communication hooks, go first
+        # The command's models, and their communication hooks, go first. A collection walks only
+        # what the rank made: what it inherited was frozen as it started (loop.serve).
+        gc.collect()
         destroy_group_now()
 
 
