@@ -23,13 +23,13 @@ import logging
 import os
 import sys
 import traceback
+import types
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.multiprocessing
 
 from ..common.import_hooks import when_imported
-from ..common.tracebacks import package_path
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +129,9 @@ _DESTROY_ASKED = [False]  # the user's destroy_process_group(), carried out when
 
 
 def _adopt_process_group_calls() -> None:
-    original_init, original_destroy = c10d.init_process_group, c10d.destroy_process_group
-    if getattr(original_init, "_nbtrain_adopts", False):
+    if hasattr(destroy_asked_group, "destroy"):
         return
 
-    @functools.wraps(original_init)
     def init_process_group(backend=None, *args, **kwargs):
         if _DESTROY_ASKED[0]:  # destroyed, then set up again in the same command: do both now
             destroy_asked_group()
@@ -141,40 +139,50 @@ def _adopt_process_group_calls() -> None:
             _check_same_group(backend, kwargs.get("world_size", -1), kwargs.get("rank", -1))
             return None
         _honour_a_chosen_address()
-        return original_init(backend, *args, **kwargs)
+        return real_init(backend, *args, **kwargs)
 
     # The DDP tutorial's cleanup() destroys the group while its DDP model is still alive in the
     # caller's frame; freeing the model after that hangs the rank in PyTorch's teardown about one
-    # time in two. Destroying the default group once the command is over (its objects freed)
+    # time in ten. Destroying the default group once the command is over (its objects freed)
     # keeps the user's order of calls and loses the hang.
-    @functools.wraps(original_destroy)
     def destroy_process_group(group=None):
         if group is None or group is c10d.GroupMember.WORLD:
             _DESTROY_ASKED[0] = dist.is_initialized()
             return None
-        return original_destroy(group)
+        return real_destroy(group)
 
-    init_process_group._nbtrain_adopts = True
-    c10d.init_process_group = dist.init_process_group = init_process_group
-    c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
-    destroy_asked_group.destroy = original_destroy
-    _rebind_in_user_code({id(original_init): init_process_group, id(original_destroy): destroy_process_group})
+    real_init = _take_over(c10d.init_process_group, init_process_group)
+    real_destroy = _take_over(c10d.destroy_process_group, destroy_process_group)
+    destroy_asked_group.destroy = real_destroy
 
 
-def _rebind_in_user_code(adopted: dict) -> None:
-    """The user's own modules and the notebook's namespace hold torch's functions by name where
-    they were imported by name (`from torch.distributed import destroy_process_group`). A rank
-    forked from the kernel inherits those bindings made before the patch; a template or spawned
-    rank imports them after it. Rebinding them here makes it one rule: every name bound to torch's
-    function calls the adopted one. Libraries are left alone (their calls go through the module)."""
-    for name, module in list(sys.modules.items()):
-        file = getattr(module, "__file__", None)
-        if name != "__main__" and (not file or package_path(file) is not None):
-            continue
-        namespace = getattr(module, "__dict__", {})
-        for key, value in list(namespace.items()):
-            if id(value) in adopted:
-                namespace[key] = adopted[id(value)]
+def _take_over(torchs, ours):
+    """Make torch's function object itself run `ours`; return a copy that runs torch's code.
+
+    Code holds torch's functions under many names: `dist.init_process_group`, a library's
+    reference, and `from torch.distributed import destroy_process_group` in the notebook or a
+    user's module, which a rank forked from the kernel inherits bound before any patch (a template
+    or spawned rank imports it afresh). Changing the one function object they all name makes one
+    rule for every placement, at no cost per name. torch's `init_process_group` is a decorator's
+    wrapper that calls what its one cell holds; `destroy_process_group` is a plain function, whose
+    code is swapped for a call to ours. Anything else (another torch) has its module names replaced."""
+    cells = tuple(types.CellType(cell.cell_contents) for cell in torchs.__closure__ or ())
+    real = types.FunctionType(torchs.__code__, torchs.__globals__, torchs.__name__, torchs.__defaults__, cells or None)
+    real.__kwdefaults__, real.__qualname__ = torchs.__kwdefaults__, torchs.__qualname__
+    if torchs.__code__.co_freevars == ("func",):
+        torchs.__closure__[0].cell_contents = ours
+    elif not torchs.__code__.co_freevars:
+        handoff = f"_nbtrain_{torchs.__name__}"
+        namespace: dict = {}
+        exec(f"def trampoline(*args, **kwargs):\n    return {handoff}(*args, **kwargs)", namespace)
+        torchs.__globals__[handoff] = ours
+        torchs.__code__, torchs.__defaults__, torchs.__kwdefaults__ = namespace["trampoline"].__code__, None, None
+        torchs.__wrapped__ = real  # inspect.signature shows torch's parameters
+    else:
+        functools.update_wrapper(ours, real)
+        setattr(c10d, torchs.__name__, ours)
+        setattr(dist, torchs.__name__, ours)
+    return real
 
 
 def destroy_asked_group() -> None:
