@@ -43,12 +43,18 @@ _INTERACTIVE_COPIES = tuple(
         ("pytorch_lightning", ("trainer.connectors.accelerator_connector", "callbacks.progress.rich_progress")),
         ("lightning.pytorch", ("trainer.connectors.accelerator_connector", "callbacks.progress.rich_progress")))
     for module in modules)
-# Whose frames tell which library asked for the nested launch, for the error's advice.
+# Whose frames tell which library asked for the nested launch, for the error's advice: the first
+# that matches (a Trainer's launch runs through Fabric's code too, so the Trainer comes first).
+_TRAINER = ("a Lightning Trainer with strategy 'ddp_notebook', 'ddp_fork' or 'ddp_spawn'",
+            "give the Trainer strategy='ddp' (or 'auto') and devices=LOCAL_WORLD_SIZE: it then joins nbtrain's ranks")
+_FABRIC = ("Lightning Fabric with strategy 'ddp_notebook', 'ddp_fork' or 'ddp_spawn'",
+           "give Fabric strategy='ddp' (or 'auto') and devices=LOCAL_WORLD_SIZE, and call fabric.launch() with no "
+           "function (or call your function directly): it then joins nbtrain's ranks")
 _LAUNCHERS = (
-    ("lightning", "a Lightning Trainer with strategy 'ddp_notebook', 'ddp_fork' or 'ddp_spawn'",
-     "give the Trainer strategy='ddp' (or 'auto') and devices=LOCAL_WORLD_SIZE: it then joins nbtrain's ranks"),
-    ("pytorch_lightning", "a Lightning Trainer with strategy 'ddp_notebook', 'ddp_fork' or 'ddp_spawn'",
-     "give the Trainer strategy='ddp' (or 'auto') and devices=LOCAL_WORLD_SIZE: it then joins nbtrain's ranks"),
+    ("pytorch_lightning", *_TRAINER),
+    ("lightning.pytorch", *_TRAINER),
+    ("lightning_fabric", *_FABRIC),
+    ("lightning.fabric", *_FABRIC),
     ("accelerate", "accelerate's notebook_launcher",
      "call the training function directly (Accelerator() joins nbtrain's ranks), or call "
      "nbtrain.notebook_launcher(fn, args, num_processes=N) from the notebook instead"),
