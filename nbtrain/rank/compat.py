@@ -68,6 +68,12 @@ class NestedLaunchError(RuntimeError):
 def become_torchrun_worker() -> None:
     """Called once in every rank before the user's code runs."""
     os.environ.setdefault("NBTRAIN_MASTER", f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}")
+    # torch's barrier at the end of init_process_group (off by default): no rank leaves the set-up
+    # until every rank's gloo mesh is connected. Without it a rank whose code returns right after
+    # (`Accelerator()` and return) tore its group down while a peer was still connecting to it,
+    # which failed that peer with "Gloo connectFullMesh failed ... Connection closed by peer"
+    # (1 launch in 120 on the template here). The user's own setting wins.
+    os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
     _forget_the_kernel()
     _refuse_nested_launches()
     _adopt_process_group_calls()
