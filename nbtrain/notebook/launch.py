@@ -17,6 +17,7 @@ from .choices import IN_KERNEL, Choice, choose, words
 from .inprocess import InProcessLauncher
 from .insight import instrument
 from .pool import Pool
+from .reloads import edited_since_loaded
 from .restarts import check_restarts, with_restarts
 from .result import Result
 
@@ -158,6 +159,8 @@ def launch_chosen(fn: Callable, args: tuple, kwargs: dict, plan: DevicePlan, cho
                     run_dir=run_dir)
     if choice.note:
         display.note(choice.note)
+    for line in edited_since_loaded():  # forks and fresh ranks would run different code
+        display.note(line)
 
     def attempt() -> Result:  # a new job each time: nothing of a failed attempt is reused
         job = Job(fn, args, kwargs, plan, choice.strategy, timeout, options=dict(choice.options), start=choice.start)
