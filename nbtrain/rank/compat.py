@@ -10,9 +10,10 @@ computed in the kernel at import; an Accelerate state the kernel created.
 Where user code would still start ranks of its own from inside a rank (`torch.multiprocessing
 .spawn`, Accelerate's `notebook_launcher`, Lightning's `ddp_notebook` / `ddp_spawn`), one error
 names the call instead of a nested launch. And code that sets up its own process group (the
-PyTorch DDP tutorial's `setup()`) works: a call that matches the group the rank already has is
-a no-op, and under torchrun an address the user chose is honoured instead of waiting on
-torchrun's agent store at another port.
+PyTorch DDP tutorial's `setup()`) works, however it imported the functions: a call that matches
+the group the rank already has is a no-op, under torchrun an address the user chose is honoured
+instead of waiting on torchrun's agent store at another port, and a destroy waits for the end of
+the command.
 """
 from __future__ import annotations
 
