@@ -56,7 +56,7 @@ class WorkerError(RuntimeError):
             error = (both or cls)(rank, summary, traceback, others, node)
         except Exception:  # the original class's __new__ wants arguments of its own (ExceptionGroup)
             both, error = None, cls(rank, summary, traceback, others, node)
-        for name, value in _attributes(original) if both is not None else ():
+        for name, value in _attributes(original) if both is not None and original is not None else ():
             try:
                 setattr(error, name, value)
             except (AttributeError, TypeError):  # read-only: still there through __cause__

@@ -41,7 +41,7 @@ class ProfileTable:
         if not ranks:
             return None
         waits = {r: self.share(r, "communication") for r in ranks}
-        least = min(waits, key=waits.get)
+        least = min(waits, key=waits.__getitem__)
         if len(ranks) > 1 and max(waits.values()) - waits[least] >= WAIT_GAP:
             return least
         return max(ranks, key=lambda r: ranks[r]["step_time"])

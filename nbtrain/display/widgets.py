@@ -257,7 +257,7 @@ class WidgetDisplay(QuietDisplay):
     def start(self, state) -> None:
         global last_dashboard
         if self.ok is not None:  # started again after a run ended: fresh widgets for the new run
-            self.__init__()
+            self.__init__()  # type: ignore[misc]  # this class's own fields, fresh
         last_dashboard = self
         self.rank_output.start(state)
         self._draw(state, time.monotonic())

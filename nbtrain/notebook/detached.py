@@ -23,6 +23,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from ..common import runlog, session
 from ..common.devices import plan_devices
@@ -45,8 +46,8 @@ class Status:
 
     def __init__(self, run_dir: Path, max_restarts: int):
         self.path = run_dir / runlog.STATUS
-        self.value = {"status": "queued", "pid": os.getpid(), "max_restarts": max_restarts, "restarts": [],
-                      "reason": "", "ended": None}
+        self.value: dict[str, Any] = {"status": "queued", "pid": os.getpid(), "max_restarts": max_restarts,
+                                      "restarts": [], "reason": "", "ended": None}
 
     def set(self, status: str, **more) -> None:
         self.value.update(status=status, **more)
@@ -110,7 +111,7 @@ def _in_process(options: dict, cluster) -> bool:
     return choose(asked, plan).start == IN_KERNEL
 
 
-def main(run_dir: str, load=None, echo=None) -> int:
+def main(run_dir: str | Path, load=None, echo=None) -> int:
     """Run the job in `run_dir` (run.json written there) to its end; 0 if it finished. `load()`
     gives (fn, args, kwargs, objects) where the job is not job.pkl (an exported job's job.py);
     `echo` is a display that draws the run as well (an exported job's terminal)."""

@@ -198,6 +198,7 @@ def run_once(launcher, job: Job, display) -> Result:
                 waiting.join()  # gone when launch returns: a launch leaves no thread behind
         if pool.state is not None:  # None: it failed in its checks, before anything was shown
             display.finish(pool.state, ok)
+    assert pool.state is not None, "a pool that ran has its state"
     return Result.from_state(pool.state, job.strategy, job.plan.describe(), job.start)
 
 

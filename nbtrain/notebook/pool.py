@@ -71,7 +71,7 @@ class Pool:
         self._chatter = Chatter()  # third-party start-up lines: once per launch, or not at all
         self._current: dict[int, int] = {}  # rank: the seq of the command it last began
         self._marks: dict[tuple, int] = {}  # (rank, stream): the seq whose output is complete
-        self._pids: dict[int, int] = {}
+        self._pids: dict[int, int | None] = {}
         self._hosts: dict[int, str | None] = {}
         self._seq = 0
         self._broken: str | None = None  # why the pool refuses work

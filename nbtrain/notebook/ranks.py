@@ -22,7 +22,7 @@ import time
 import types
 import weakref
 
-from ..common.devices import plan_devices
+from ..common.devices import DevicePlan, plan_devices
 from ..common.errors import UnpicklableError, WorkerError
 from ..common.pickling import explain_pickling
 from ..common.preflight import check_fork, fork_blocker
@@ -116,7 +116,7 @@ class Ranks:
         if cluster is not None:
             if start != "auto":
                 raise ValueError(f"start={start!r} with cluster={cluster!r}: the cluster's engine starts the ranks.")
-            self.plan = check_cluster(cluster).plan(devices, accelerator, backend, num_nodes)
+            self.plan: DevicePlan = check_cluster(cluster).plan(devices, accelerator, backend, num_nodes)
         else:
             self.plan = plan_devices(devices, accelerator, backend)
         self.cluster = cluster
@@ -128,11 +128,14 @@ class Ranks:
 
     # -- life ----------------------------------------------------------------------------
     def _start(self) -> None:
+        make_job: type[Job]
         if self.cluster is not None:
             launcher, self.placement, note, make_job = self.cluster.placement(), self.cluster.engine, None, ClusterJob
         else:
             (launcher, self.placement, note), make_job = _placement(self.start_method), Job
-        job = make_job(None, (), {}, self.plan, self.strategy, start_timeout=120.0, start=self.placement)
+        # Live ranks: no fn, the commands come later.
+        job = make_job(None, (), {}, self.plan, self.strategy,  # type: ignore[arg-type]
+                       start_timeout=120.0, start=self.placement)
         display = QuietDisplay()
         if note:
             display.note(note)
@@ -171,7 +174,7 @@ class Ranks:
 
     def _close(self, why: str) -> None:
         pool, self._pool = self._pool, None
-        _open.pop(getattr(self, "_key", None), None)
+        _open.pop(getattr(self, "_key", -1), None)
         if pool is not None:
             pool.close(True, QuietDisplay(), why)
 
@@ -198,7 +201,8 @@ class Ranks:
             pass
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else (f"broken: {self._pool.broken}" if self._pool.broken else "ready")
+        broken = self._pool.broken if self._pool is not None else None
+        state = "closed" if self.closed else (f"broken: {broken}" if broken else "ready")
         return f"Ranks(world_size={self.world_size}, {self.placement}, {self.plan.describe()}, {state})"
 
     @classmethod
@@ -566,7 +570,7 @@ class Ranks:
         except WorkerError as error:
             self._last_failure = error.rank
             if not pool.restart_reason and not pool.broken:
-                error.debug = lambda rank=error.rank: self.debug(rank)  # `%debug` opens the rank's pdb
+                error.debug = lambda rank=error.rank: self.debug(rank)  # type: ignore[attr-defined]  # `%debug` opens the rank's pdb
             raise
         finally:
             if pool.restart_reason:
@@ -625,7 +629,7 @@ def syntax_error(source: str, filename: str, mode: str) -> SyntaxError | None:
         compile(source, filename, mode, dont_inherit=True)
     except SyntaxError as exc:
         exc.__traceback__ = None
-        exc.debug = _nothing_to_debug  # `%debug` (nbtrain's) would otherwise open pdb in nbtrain's frames
+        exc.debug = _nothing_to_debug  # type: ignore[attr-defined]  # `%debug` (nbtrain's) would otherwise open pdb in nbtrain's frames
         return exc
     return None
 

@@ -110,7 +110,7 @@ class RankView:
     def step_rate(self) -> float | None:
         """Steps per second over the whole run so far, by the rank's clock; None before half a
         second of steps (events are sent every 0.1 s: a shorter span would not measure anything)."""
-        if self.first_step is None:
+        if self.first_step is None or self.last_step is None:  # set together, by the first step
             return None
         at, steps = self.first_step
         span = self.last_step - at
@@ -225,9 +225,9 @@ class RunState:
             if missing is None:
                 raise
             self.fail(view.rank, f"rank {view.rank} returned an object of class {missing[1]!r}, which was defined on "
-                      f"the ranks only (a %%ranks cell or ranks.exec): the notebook cannot rebuild it. Define the class "
-                      f"in the notebook too (run its code in a notebook cell), or return plain data (a state_dict, "
-                      f"tensors, numbers).")
+                      "the ranks only (a %%ranks cell or ranks.exec): the notebook cannot rebuild it. Define "
+                      "the class in the notebook too (run its code in a notebook cell), or return plain data "
+                      "(a state_dict, tensors, numbers).")
             return False
         self.finish(view.rank, value, returned.where)
         return False

@@ -18,6 +18,7 @@ import threading
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from ..common import protocol, runlog, session
 from ..common.private import NotYours, check_own
@@ -306,7 +307,7 @@ class Run:
         return summary
 
     def _summary_from_logs(self) -> dict:
-        summary = {"devices": "", "ranks": [], "metrics": {}}
+        summary: dict[str, Any] = {"devices": "", "ranks": [], "metrics": {}}
         for _, event in runlog.Tail(self.dir / runlog.EVENTS).read():
             if isinstance(event, protocol.AttemptStarted) and isinstance(event.title, str) \
                     and isinstance(event.ranks, list):
@@ -527,6 +528,7 @@ class Follower:
             if self.output:
                 self.display.output(event.rank, event.stream, event.text)
         else:  # what the ranks reported, and what the supervisor made of it: the state takes it as it did then
+            assert self.state is not None, "the run's first event, its start, made the state"
             self.state.handle(event)
 
 

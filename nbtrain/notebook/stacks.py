@@ -24,7 +24,8 @@ NATIVE_HINT = ("(Frames in C/C++ that do not return: a collective waiting for a 
 LAST_LINES = 40  # of a crashed rank's stderr, when it wrote no fatal report
 FATAL = "Fatal Python error"  # the first line of faulthandler's report of a fatal signal
 OWN_THREADS = ("in _send_loop", "in _receive_loop", "in _watch_parent", "in _read_pipes")  # nbtrain's threads in a rank
-RANK_ENTRY = re.compile(r"in (serve|_execute|_do_\w+|_user_code)$")  # below it: nbtrain's loop, the launcher, the kernel
+# Below it: nbtrain's loop, the launcher, the kernel.
+RANK_ENTRY = re.compile(r"in (serve|_execute|_do_\w+|_user_code)$")
 LOOP_FILE = "nbtrain/rank/loop.py"  # the command loop's file, as a rank's stack names it (any machine)
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 # Where a rank blocks on its peers: torch.distributed's collectives, rendezvous and DDP's start-up syncs.

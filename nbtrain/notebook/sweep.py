@@ -130,7 +130,8 @@ def check_space(space, optuna) -> dict:
         raise ValueError(f"space={space!r}: give a dict mapping parameter names to Optuna distributions, {example}.")
     for name, distribution in space.items():
         if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"space key {name!r}: a parameter name is passed as fn's keyword, so it must be an identifier.")
+            raise ValueError(f"space key {name!r}: a parameter name is passed as fn's keyword, "
+                             "so it must be an identifier.")
         if not isinstance(distribution, optuna.distributions.BaseDistribution):
             raise ValueError(f"space[{name!r}]={distribution!r}: give an Optuna distribution (FloatDistribution, "
                              f"IntDistribution, CategoricalDistribution), {example}.")
@@ -140,8 +141,8 @@ def check_space(space, optuna) -> dict:
 def check_catch(catch) -> tuple:
     given, catch = catch, catch if isinstance(catch, tuple) else (catch,)
     if not all(isinstance(c, type) and issubclass(c, BaseException) for c in catch):
-        raise ValueError(f"catch={given!r}: give an exception class or a tuple of them (a trial raising one is recorded "
-                         "as failed and the sweep goes on), or () to stop at the first failure.")
+        raise ValueError(f"catch={given!r}: give an exception class or a tuple of them (a trial raising one is "
+                         "recorded as failed and the sweep goes on), or () to stop at the first failure.")
     return catch
 
 
@@ -236,6 +237,7 @@ class _SweepRun:
         row = TrialRow(trial.number, dict(trial.params), str(slot))
         self.state.add(row)
         reporter, display = _Reporter(self, trial, row), None
+        assert self.runner is not None, "trials run after the slots started"
         try:
             display = self.runner.display(on_update=reporter.update,
                                           on_output=functools.partial(self._say, trial.number),
@@ -412,7 +414,8 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
         view.output(f"nbtrain: {idle}")
     if done >= trials:
         view.output(f"nbtrain: the study already holds {done} finished trials (trials={trials}): nothing to run. "
-                    "Raise trials= to run more" + (f", or give another run_dir for a new sweep ({run_dir})." if run_dir else "."))
+                    "Raise trials= to run more"
+                    + (f", or give another run_dir for a new sweep ({run_dir})." if run_dir else "."))
     run.runner = SlotRunner(slots, run.work, warm=cluster is None)
     verdict = "finished"
     try:
@@ -421,9 +424,9 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
     except KeyboardInterrupt as interrupt:
         verdict = "interrupted"
         kept = f" in {run_dir}" if run_dir else ""
-        interrupt._render_traceback_ = lambda: [
-            f"KeyboardInterrupt: the sweep was interrupted; nbtrain stopped every running trial. The finished trials are "
-            f"kept in the study{kept}: run the cell again to resume."]
+        interrupt._render_traceback_ = lambda: [  # type: ignore[attr-defined]  # IPython's hook
+            "KeyboardInterrupt: the sweep was interrupted; nbtrain stopped every running trial. The finished trials "
+            f"are kept in the study{kept}: run the cell again to resume."]
         raise
     except BaseException:
         verdict = "failed"

@@ -118,7 +118,7 @@ def script_options(given: dict, num_nodes: int) -> dict:
         raise ValueError(f"num_nodes={num_nodes} needs rdzv_endpoint='HOST:PORT': node 0's address and a free port "
                          "on it, the same on every node.")
     if options["rdzv_endpoint"]:
-        parse_endpoint(options["rdzv_endpoint"])
+        parse_endpoint(str(options["rdzv_endpoint"]))
     return options
 
 
@@ -147,7 +147,8 @@ def launcher_command(launcher: str, job: Job, options: dict, script: str) -> lis
                 "--main_process_ip", addr, "--main_process_port", port, "--rdzv_backend", "static",
                 "--max_restarts", restarts, "--monitor_interval", "0.1", script]
     # GPUs by their indices: with --num_gpus DeepSpeed would take the first n, ignoring the plan.
-    gpus = ["--include", f"localhost:{plan.cuda_visible_devices}"] if plan.accelerator == "gpu" else ["--num_gpus", nproc]
+    gpus = (["--include", f"localhost:{plan.cuda_visible_devices}"] if plan.accelerator == "gpu"
+            else ["--num_gpus", nproc])
     return ["-m", "deepspeed.launcher.runner", *gpus, "--master_addr", addr, "--master_port", port, script]
 
 
@@ -296,7 +297,8 @@ class ScriptLauncher(ProcessLauncher):
         try:
             popen = subprocess.Popen(
                 [sys.executable, "-c", _DIE_WITH_KERNEL, str(os.getpid()), *command],
-                env=launcher_environ(job, channel_env, self._launcher_tmp()), stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                env=launcher_environ(job, channel_env, self._launcher_tmp()), stdin=subprocess.DEVNULL, stdout=out_w,
+                stderr=err_w,
                 start_new_session=True)  # its own group: a stop reaches it, the kernel's Ctrl-C does not
         finally:
             os.close(out_w)
@@ -307,14 +309,19 @@ class ScriptLauncher(ProcessLauncher):
         log = LauncherLog(err_r, pump.put)  # the log closes it
         started.append(LauncherProcess(popen, job.ranks, launcher, log, self._holds))
 
+    @property
+    def _job_dir(self) -> str:
+        assert self._dir is not None, "the job's directory exists from _prepare to _cleanup"
+        return self._dir
+
     def _launcher_tmp(self) -> str:
-        path = os.path.join(self._dir, "tmp")
+        path = os.path.join(self._job_dir, "tmp")
         os.mkdir(path, 0o700)
         return path
 
     def _write_job(self, job: Job) -> str:
         def private(name: str, data: bytes) -> str:
-            path = os.path.join(self._dir, name)
+            path = os.path.join(self._job_dir, name)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with open(fd, "wb") as f:
                 f.write(data)
@@ -329,7 +336,7 @@ class ScriptLauncher(ProcessLauncher):
         """A named pipe per rank and stream: the pump reads it, and we hold a write end."""
         for local, rank in enumerate(job.ranks):
             for stream in ("stdout", "stderr"):
-                path = os.path.join(self._dir, pipe_name(stream, local))
+                path = os.path.join(self._job_dir, pipe_name(stream, local))
                 os.mkfifo(path, 0o600)
                 read = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
                 pump.add(read, rank, stream)  # the pump closes it

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Literal, overload
 
 import psutil
 
@@ -156,6 +157,12 @@ _preload: tuple[str, ...] = ()  # the user's own additions (warm_up(preload=...)
 _failed: RuntimeError | None = None  # why the last start failed: not tried again at every launch, only by warm_up()
 _unresponsive: list[Template] = []  # stopped answering: left alone (their ranks may live), stopped at exit
 _guard = threading.Lock()
+
+
+@overload
+def template(start: Literal[True] = ...) -> Template: ...
+@overload
+def template(start: bool) -> Template | None: ...
 
 
 def template(start: bool = True) -> Template | None:

@@ -100,7 +100,7 @@ def _stateful(objects: dict, verb: str) -> dict:
             raise ValueError(f"{name}=: a DeepSpeed engine keeps its ZeRO partitions in DeepSpeed's own checkpoint "
                              f"format: use {name}.save_checkpoint(directory) and {name}.load_checkpoint(directory).")
     models = {name: obj for name, obj in objects.items() if isinstance(obj, torch.nn.Module)}
-    state = {}
+    state: dict[str, object] = {}
     for name, obj in objects.items():
         if isinstance(obj, torch.nn.Module):
             state[name] = _ModelState(obj)
@@ -222,7 +222,7 @@ def load(ctx, path, objects: dict) -> dict:
     missing = [name for name in objects if held is not None and name not in held]
     if missing:
         raise CheckpointError(f"load_checkpoint: {where} has no {', '.join(map(repr, missing))}; it holds "
-                              f"{', '.join(sorted(held))}.", filename=where)
+                              f"{', '.join(sorted(held or ()))}.", filename=where)
     group = _group(ctx)
     try:
         with _single_process_is_meant():

@@ -86,7 +86,7 @@ def _forget_the_kernel() -> None:
     for name in _INTERACTIVE_COPIES:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "_IS_INTERACTIVE", False):
-            module._IS_INTERACTIVE = False
+            module._IS_INTERACTIVE = False  # type: ignore[attr-defined]  # checked just above (getattr)
     state = sys.modules.get("accelerate.state")
     if state is not None:  # the kernel made an Accelerator before the fork: its singleton is not this rank's
         state.AcceleratorState._reset_state(reset_partial_state=True)
@@ -102,11 +102,11 @@ def _refuse_nested_launches() -> None:
     def start_processes(*args, **kwargs):
         raise _nested("torch.multiprocessing.spawn / start_processes")
 
-    start_processes._nbtrain_guard = True
+    start_processes._nbtrain_guard = True  # type: ignore[attr-defined]  # a mark on the function, which mypy does not model
     # torch.multiprocessing.spawn() calls its module's start_processes: replace both names (the
     # module by its sys.modules name: `torch.multiprocessing.spawn` the attribute is the function).
     torch.multiprocessing.start_processes = start_processes
-    sys.modules["torch.multiprocessing.spawn"].start_processes = start_processes
+    sys.modules["torch.multiprocessing.spawn"].start_processes = start_processes  # type: ignore[attr-defined]  # a module
     # Accelerate's notebook_launcher starts torchrun's agent first (which binds its fixed port):
     # refuse there, before anything binds.
     when_imported("torch.distributed.launcher.api", _refuse_elastic_launch)
@@ -166,7 +166,7 @@ def _adopt_process_group_calls() -> None:
 
     real_init = _take_over(c10d.init_process_group, init_process_group)
     real_destroy = _take_over(c10d.destroy_process_group, destroy_process_group)
-    destroy_asked_group.destroy = real_destroy
+    destroy_asked_group.destroy = real_destroy  # type: ignore[attr-defined]  # a mark on the function, which mypy does not model
 
 
 def _take_over(torchs, ours):

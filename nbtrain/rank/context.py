@@ -328,7 +328,7 @@ class Context:
         """
         from torch.utils.data import DataLoader, DistributedSampler
 
-        sampler = None
+        sampler: DistributedSampler | None = None
         if self.world_size > 1 and not {"sampler", "batch_sampler"} & dataloader_kwargs.keys():
             shuffle = dataloader_kwargs.pop("shuffle", False)
             sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,

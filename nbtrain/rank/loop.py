@@ -52,7 +52,8 @@ class RankLoop:
         self.commands: queue.Queue = queue.Queue()
         self.names: queue.Queue = queue.Queue()
         self.stdin: queue.Queue = queue.Queue()
-        self.namespace = _fresh_main(ctx) if live else None
+        # None only in a rank that is not live, where no command that reads it comes
+        self.namespace: dict = _fresh_main(ctx) if live else None  # type: ignore[assignment]
         self.borrowed: dict[str, object] = {}  # names taken from the notebook, as they came
         self.last_traceback = None
         self._lock = threading.Lock()
@@ -67,7 +68,7 @@ class RankLoop:
     def on_message(self, message) -> None:
         if isinstance(message, protocol.Interrupt):
             with self._lock:
-                if self._running is not None and self._running == message.seq:
+                if self._running is not None and self._running == message.seq and self._main is not None:
                     self._interrupting = True
                     signal.pthread_kill(self._main, signal.SIGINT)
         elif isinstance(message, protocol.Stacks):
@@ -107,6 +108,7 @@ class RankLoop:
         self.ctx._begin_command()
         self.link.emit(protocol.Begin(rank, seq))
         handler = getattr(self, f"_do_{command.kind}", None)
+        reply: protocol.Returned | protocol.Raised
         try:
             if handler is None:
                 raise ValueError(f"unknown command {command.kind!r}")
@@ -239,7 +241,7 @@ class RankLoop:
 
     def _breakpoint(self, *args, **kwargs) -> None:
         """`breakpoint()` in code running on a live rank: pdb, through the notebook."""
-        RemoteDebugger(self).set_trace(sys._getframe(1))
+        RemoteDebugger(self).set_trace(sys._getframe(1))  # type: ignore[attr-defined]  # __new__ gives a Pdb
 
     # -- names the rank lacks ------------------------------------------------------------
     def _fetch_missing(self, seq: int, names) -> None:
@@ -394,7 +396,7 @@ def user_traceback(exc: BaseException) -> str:
 
 # A rank forked while the kernel was handling an exception (a launch from an `except:` block, a
 # restart after Ctrl-C) inherits it as the exception being handled: it is not the rank's story.
-def _cut_inherited(exc: BaseException) -> None:
+def _cut_inherited(exc: BaseException | None) -> None:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -440,6 +442,7 @@ def serve(first=None, once: bool = False, live: bool = False, forward_output: bo
     except ChannelUnreachable as exc:  # one line on stderr: the notebook shows it as the rank's failure
         print(f"nbtrain: {exc}", file=sys.stderr, flush=True)
         return 1
+    assert link is not None, "a rank nbtrain starts always has its notebook's address"
     if forward_output:
         forward(link)
         notice = os.environ.pop(NOTICE_VAR, None)
