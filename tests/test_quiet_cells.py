@@ -69,8 +69,9 @@ def cell(kernel, code: str) -> str:
 
 
 @pytest.mark.slow
-def test_a_profiled_run_shows_no_profiler_trace_points(nb):
-    shown = cell(nb, "_r = nbtrain.launch(steps, devices=2, accelerator='cpu', start='fork', profile=True)")
+def test_a_profiled_run_shows_no_profiler_trace_points(nb, tmp_path):
+    shown = cell(nb, "_r = nbtrain.launch(steps, devices=2, accelerator='cpu', start='fork', profile=True, "
+                     f"run_dir={str(tmp_path)!r})")
     assert "profiler_start" not in shown and "USDT" not in shown, shown
     assert nb.value("_r.profile is not None")  # the profile itself was taken
 
