@@ -564,7 +564,7 @@ class Ranks:
         pool = self._pool
         try:
             if kind in ("exec", "eval", "call"):
-                self._follow_reloads(timeout)
+                self._follow_reloads(pool, timeout)
             return pool.command(kind, *args, ranks=ranks, display=display, timeout=timeout, namespace=namespace,
                                 title=title)
         except WorkerError as error:
@@ -576,13 +576,13 @@ class Ranks:
             if pool.restart_reason:
                 self.restart()
 
-    def _follow_reloads(self, timeout) -> None:
+    def _follow_reloads(self, pool: Pool, timeout) -> None:
         """Modules the notebook reloaded (`importlib.reload`) are reloaded on every rank first, so
         the command runs the code the notebook has, and said in one line."""
         names = self._modules.reloaded()
         if names:
             display = QuietDisplay()
-            self._pool.command("exec", RELOAD_SOURCE.format(names=names), "<nbtrain reload>", False, display=display,
+            pool.command("exec", RELOAD_SOURCE.format(names=names), "<nbtrain reload>", False, display=display,
                                timeout=timeout)
             display.note(f"live ranks reloaded {', '.join(names)}, as the notebook did")
 

@@ -73,9 +73,11 @@ def edited_since_loaded() -> list[str]:
         module = sys.modules.get(name)
         spec = getattr(module, "__dict__", {}).get("__spec__")
         file = getattr(spec, "origin", None)
+        if not isinstance(file, str):
+            continue
         try:
             mtime = os.stat(file).st_mtime_ns
-        except (OSError, TypeError):
+        except OSError:
             continue
         seen = _loaded.get(name)
         if seen is None or seen[0] is not spec:  # first seen, or reloaded since
