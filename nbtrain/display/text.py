@@ -140,6 +140,11 @@ class QuietDisplay:
 
     def _write(self, text: str, stream: str = "stdout") -> None:
         target = self._file or (sys.stderr if stream == "stderr" else sys.stdout)
+        if self._file is None and stream != self.__dict__.get("_stream", stream):
+            # The kernel batches each stream apart: what the other one holds goes first, so the
+            # cell shows a rank's stdout and stderr lines in the order the rank wrote them.
+            (sys.stdout if stream == "stderr" else sys.stderr).flush()
+        self._stream = stream
         print(text, file=target, flush=not _sends_in_batches(target))
 
     def start(self, state) -> None:

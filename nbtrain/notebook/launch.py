@@ -18,6 +18,7 @@ from .doctor import check_stall
 from .inprocess import InProcessLauncher
 from .insight import instrument
 from .pool import Pool
+from .reloads import edited_since_loaded
 from .restarts import check_restarts, with_restarts
 from .result import Result
 
@@ -165,6 +166,8 @@ def launch_chosen(fn: Callable, args: tuple, kwargs: dict, plan: DevicePlan, cho
                     run_dir=run_dir)
     if choice.note:
         display.note(choice.note)
+    for line in edited_since_loaded():  # forks and fresh ranks would run different code
+        display.note(line)
 
     def attempt() -> Result:  # a new job each time: nothing of a failed attempt is reused
         job = Job(fn, args, kwargs, plan, choice.strategy, timeout, stall, options=dict(choice.options),

@@ -42,6 +42,7 @@ from .insight import instrument
 from .launch import check_timeout
 from .mapping import map_on_ranks
 from .pool import Pool, PoolBroken
+from .reloads import RELOAD_SOURCE, ModuleVersions
 from .result import Result
 
 START_METHODS = ("auto", "fork", "template", "spawn")
@@ -151,6 +152,7 @@ class Ranks:
             pool.close(False, display)
             raise
         self._pool = pool
+        self._modules = ModuleVersions()  # what the ranks' imports match; reloads in the notebook follow
         self._key = next(_order)
         _open[self._key] = self
         display.note(f"{self.world_size} live ranks ({self.placement}, {self.plan.describe()}) ready in "
@@ -566,6 +568,8 @@ class Ranks:
         display = display or LazyDisplay(self.progress)
         pool = self._pool
         try:
+            if kind in ("exec", "eval", "call"):
+                self._follow_reloads(pool, timeout)
             return pool.command(kind, *args, ranks=ranks, display=display, timeout=timeout, namespace=namespace,
                                 title=title)
         except WorkerError as error:
@@ -576,6 +580,16 @@ class Ranks:
         finally:
             if pool.restart_reason:
                 self.restart()
+
+    def _follow_reloads(self, pool: Pool, timeout) -> None:
+        """Modules the notebook reloaded (`importlib.reload`) are reloaded on every rank first, so
+        the command runs the code the notebook has, and said in one line."""
+        names = self._modules.reloaded()
+        if names:
+            display = QuietDisplay()
+            pool.command("exec", RELOAD_SOURCE.format(names=names), "<nbtrain reload>", False, display=display,
+                               timeout=timeout)
+            display.note(f"live ranks reloaded {', '.join(names)}, as the notebook did")
 
 
 class Rank:

@@ -78,10 +78,11 @@ except (OSError, AttributeError):
 if parent == 1 or os.getppid() != parent:  # the launcher is already gone
     os._exit(1)
 os.umask({umask:#o})  # the kernel's: the launcher ran with 0o077
-if {tmpdir!r} is None:  # the kernel's TMPDIR again: only the launcher's own temp files go in the job dir
+kernel_tmpdir = {tmpdir!r}
+if kernel_tmpdir is None:  # the kernel's TMPDIR again: only the launcher's own temp files go in the job dir
     os.environ.pop("TMPDIR", None)
 else:
-    os.environ["TMPDIR"] = {tmpdir!r}
+    os.environ["TMPDIR"] = kernel_tmpdir
 sys.path[0:1] = {path!r}  # the kernel's import path, not this directory
 from nbtrain.rank.script_main import rank_main
 rank_main({job_dir!r}, parent)
