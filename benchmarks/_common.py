@@ -58,7 +58,9 @@ def record(section: str, body: str) -> None:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     text = f"## {section}\n\n{stamp} on {machine()}\n\n{body.strip()}\n"
     print(text)
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\nWritten by the scripts in this folder; each section is replaced when its script runs again.\n"
+    old = RESULTS.read_text() if RESULTS.exists() else (
+        "# Benchmark results\n\n"
+        "Written by the scripts in this folder; each section is replaced when its script runs again.\n")
     pattern = re.compile(rf"^## {re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
     new = pattern.sub(text + "\n", old) if pattern.search(old) else old.rstrip() + "\n\n" + text
     RESULTS.write_text(new)

@@ -76,7 +76,7 @@ def main() -> int:
     try:
         kernel.run("import time, nbtrain, ray\nray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)")
         latency = {e: [] for e in engines}
-        for round_ in range(args.runs + 1):  # interleaved; the first round (cold) is reported apart
+        for _ in range(args.runs + 1):  # interleaved; the first round (cold) is reported apart
             for engine in engines:
                 out = kernel.run(f"t = time.perf_counter()\nnbtrain.launch(lambda: nbtrain.context().rank, devices=2, "
                                  f"cluster={CLUSTERS[engine]}, progress=False)\nprint(time.perf_counter() - t)")

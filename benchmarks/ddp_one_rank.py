@@ -84,7 +84,8 @@ def main() -> None:
     body = (f"{where}; 2 x Linear({hidden}, {hidden}) + ReLU, batch {batch}, SGD, {args.steps} steps x "
             f"{args.repeats} interleaved repeats, one-rank process group ({'nccl' if gpu else 'gloo'}).\n\n"
             + table(["variant", "median steps/s", "vs raw", "runs"], rows))
-    record(f"DDP on one rank ({'GPU' if gpu else 'CPU'}, ddp_one_rank.py)", body + (f"\n\n{args.note}" if args.note else ""))
+    record(f"DDP on one rank ({'GPU' if gpu else 'CPU'}, ddp_one_rank.py)",
+           body + (f"\n\n{args.note}" if args.note else ""))
 
 
 if __name__ == "__main__":

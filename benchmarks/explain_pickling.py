@@ -58,14 +58,18 @@ def main() -> None:
     runs = {(name, what): [] for name in picklers for what in ("failed dumps", "explain_pickling")}
     for _ in range(args.repeats):
         for name, module in picklers.items():
-            runs[name, "failed dumps"].append(timed(lambda: failed_dump(module, data)))
+            runs[name, "failed dumps"].append(timed(lambda module=module: failed_dump(module, data)))
             findings = []
-            runs[name, "explain_pickling"].append(timed(lambda: findings.extend(explain_pickling(data, pickler=name, name="data"))))
+            def explain(findings=findings, name=name):  # bound now, not when called (B023)
+                findings.extend(explain_pickling(data, pickler=name, name="data"))
+            runs[name, "explain_pickling"].append(timed(explain))
             assert [f.path for f in findings] == [f"data['items'][{args.objects * 7 // 9}].tags[2]"], findings
     conn.close()
-    rows = [[name, what, f"{median(times) * 1000:.0f}", ", ".join(f"{t * 1000:.0f}" for t in times)] for (name, what), times in runs.items()]
+    rows = [[name, what, f"{median(times) * 1000:.0f}", ", ".join(f"{t * 1000:.0f}" for t in times)]
+            for (name, what), times in runs.items()]
     body = (
-        f"A dict of {args.objects:,} small objects, one holding an open sqlite3 connection; {args.repeats} interleaved repeats, median.\n\n"
+        f"A dict of {args.objects:,} small objects, one holding an open sqlite3 connection; "
+        f"{args.repeats} interleaved repeats, median.\n\n"
         + table(["pickler", "what", "median ms", "runs (ms)"], rows)
     )
     record("Explaining an unpicklable object (explain_pickling.py)", body)

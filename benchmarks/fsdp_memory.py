@@ -34,7 +34,8 @@ class Block(torch.nn.Module):
         super().__init__()
         self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
         self.attn = torch.nn.MultiheadAttention(width, 8, batch_first=True)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * width, width))
 
     def forward(self, x):
         h = self.norm1(x)
@@ -144,7 +145,8 @@ def gpu(width: int, depth: int) -> None:
     outcome = {}
     for name in ("ddp_spawn", "fsdp"):
         try:
-            nbtrain.launch(gpu_train, width, depth, cap / total, strategy=name, devices=n, accelerator="gpu", progress=False)
+            nbtrain.launch(gpu_train, width, depth, cap / total, strategy=name, devices=n, accelerator="gpu",
+                           progress=False)
             outcome[name] = "trains"
         except nbtrain.WorkerError as exc:
             outcome[name] = "out of memory" if "OutOfMemoryError" in str(exc) else f"failed: {str(exc).splitlines()[0]}"

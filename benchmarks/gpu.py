@@ -131,11 +131,13 @@ def main() -> None:
     rate = {name: median([r["steps_per_s"] for r in rs]) for name, rs in runs.items() if name != "nccl"}
     rows = [
         ["raw loop (no nbtrain)", f"{rate['raw']:.1f}", "1.000", "-"],
-        ["nbtrain.launch, in-process (auto, devices=1)", f"{rate['inprocess']:.1f}", f"{rate['inprocess'] / rate['raw']:.3f}",
+        ["nbtrain.launch, in-process (auto, devices=1)", f"{rate['inprocess']:.1f}",
+         f"{rate['inprocess'] / rate['raw']:.3f}",
          f"{median([r['launch_s'] for r in runs['inprocess']]):.2f}"],
         ["nbtrain.launch, dp (DataParallel)", f"{rate['dp']:.1f}", f"{rate['dp'] / rate['raw']:.3f}",
          f"{median([r['launch_s'] for r in runs['dp']]):.2f}"],
-        ["nbtrain.launch, ddp_fork (DDP, nccl, 1 rank)", f"{rate['ddp_fork']:.1f}", f"{rate['ddp_fork'] / rate['raw']:.3f}",
+        ["nbtrain.launch, ddp_fork (DDP, nccl, 1 rank)", f"{rate['ddp_fork']:.1f}",
+         f"{rate['ddp_fork'] / rate['raw']:.3f}",
          f"{median([r['launch_s'] for r in runs['ddp_fork']]):.2f}"],
     ]
     body = (f"GPU: {inv['name']}. MLP {HIDDEN}x{HIDDEN}x2, batch {BATCH}, {args.steps} timed steps, loss read every "
@@ -143,7 +145,8 @@ def main() -> None:
             + table(["training", "steps/s", "vs raw", "launch s (incl. CUDA init)"], rows)
             + f"\n\nnccl process group start (init + first all_reduce, one rank): "
               f"{median([r['seconds'] for r in runs['nccl']]) * 1000:.0f} ms (median).\n"
-            + f"NVML inventory read (`nbtrain.gpus()`, after NVML init): {inv['seconds'] * 1000:.1f} ms.\n\n```\n{inv['table']}\n```")
+            + f"NVML inventory read (`nbtrain.gpus()`, after NVML init): {inv['seconds'] * 1000:.1f} ms.\n\n"
+              f"```\n{inv['table']}\n```")
     record("GPU (gpu.py)", body)
 
 

@@ -85,6 +85,32 @@ def accelerate_fn():
 
 def run_accelerate(n=2):
     timed(lambda: notebook_launcher(accelerate_fn, num_processes=n))
+
+# The floor: plain forks of this kernel that join a gloo group through a FileStore (as nbtrain's
+# ranks do) and take the same 5 DDP steps; no channel, no output pipes, no watcher, no teardown
+# beyond os._exit. The kernel holds what DDP imports lazily (as nbtrain's fork launches see to).
+import tempfile, torch._dynamo, torch.nn.parallel.distributed, torch.distributed as dist
+def bare_fork(n=2):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    directory = tempfile.mkdtemp()
+    def ranks():
+        pids = []
+        for rank in range(n):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    dist.init_process_group("gloo", store=dist.FileStore(f"{directory}/store", -1), rank=rank,
+                                            world_size=n)
+                    steps(nn.parallel.DistributedDataParallel(nn.Linear(64, 8)))
+                    dist.barrier()
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        for pid in pids:
+            os.waitpid(pid, 0)
+    timed(ranks)
 '''
 
 TORCHRUN_SCRIPT = '''
@@ -108,6 +134,7 @@ KERNEL_CONTENDERS = {
     "nbtrain ddp (script)": "run_nbtrain('torchrun')",
     "Lightning ddp_notebook": "run_lightning()",
     "Accelerate notebook_launcher": "run_accelerate()",
+    "bare fork + gloo (floor)": "bare_fork()",
 }
 
 
@@ -180,8 +207,10 @@ def main() -> None:
     body = table(["launcher (2 CPU ranks, launch + 5 DDP steps)", "cold s", "warm median s", "runs",
                   "vs Lightning ddp_notebook", "vs bare torchrun"], rows)
     fork = median(times["nbtrain ddp_fork"])
+    floor = median(times["bare fork + gloo (floor)"])
     targets = (f"Targets: nbtrain ddp_fork <= 0.75x Lightning ddp_notebook "
-               f"({fork / lightning:.2f}x here); nbtrain ddp (script) <= 1.1x bare torchrun "
+               f"({fork / lightning:.2f}x here) and <= 1.25x the bare fork + gloo floor ({fork / floor:.2f}x here); "
+               f"nbtrain ddp (script) <= 1.1x bare torchrun "
                f"({median(times['nbtrain ddp (script)']) / torchrun:.2f}x here); warm ddp_spawn (template) <= 1.5x "
                f"warm ddp_fork ({median(times['nbtrain ddp_spawn (template)']) / fork:.2f}x here; plain spawn "
                f"{median(times['nbtrain ddp_spawn (plain spawn)']) / fork:.1f}x), and its first launch after "

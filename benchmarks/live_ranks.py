@@ -107,8 +107,10 @@ def main() -> None:
         if before is not None:
             before.close()
     ipp_trip = median(trips["ipyparallel view.apply_sync(lambda: 1)"])
-    rows = [["start, nbtrain.Ranks(devices=2) (fork, group ready)", f"{median(nb_starts) * 1000:.0f} ms", str(len(nb_starts)), ""],
-            ["start, ipyparallel Cluster(n=2) (engines, no group)", f"{median(ipp_starts) * 1000:.0f} ms", str(len(ipp_starts)), ""]]
+    rows = [["start, nbtrain.Ranks(devices=2) (fork, group ready)", f"{median(nb_starts) * 1000:.0f} ms",
+             str(len(nb_starts)), ""],
+            ["start, ipyparallel Cluster(n=2) (engines, no group)", f"{median(ipp_starts) * 1000:.0f} ms",
+             str(len(ipp_starts)), ""]]
     for name, values in trips.items():
         m = median(values)
         rows.append([f"round trip, {name}", f"{m * 1000:.2f} ms", f"{args.calls // 5 * len(values)}",

@@ -6,8 +6,8 @@ then summarises the window's events with `nbtrain.rank.profiling.summarize` twic
 as it is now (each operator's steps found by bisection) and as it was before (each operator
 compared with every step: time quadratic in the steps). Windows past nbtrain's maximum
 (`MAX_STEPS`) are recorded here directly, to show why there is one. Reported per window: the
-rank's memory growth (the recording and the Python objects of its events), the time of torch's own `events()`, and the summary's
-median time before and after.
+rank's memory growth (the recording and the Python objects of its events), the time of torch's own
+`events()`, and the summary's median time before and after.
 
 Then what the largest window costs a whole run: a 2-rank CPU launch (ddp_fork, DDP) of 120 steps
 with and without `profile=Profile(steps=MAX_STEPS)`, interleaved: the launch's wall time and
@@ -146,8 +146,9 @@ def main(argv=None) -> int:
             "larger ones are recorded here directly to show the growth.\n\n"
             + table(["steps", "events", "memory grown (MB)", "torch events() s",
                      "summary before s", "summary after s", "speed-up"], rows)
-            + f"\n\nThe largest window in a whole run: a 2-rank CPU launch (ddp_fork, DDP) of {profiling.MAX_STEPS + 20} "
-            f"steps, {args.repeats} interleaved repeats, median; memory: how much the larger rank's peak (its own "
+            + "\n\nThe largest window in a whole run: a 2-rank CPU launch (ddp_fork, DDP) of "
+            f"{profiling.MAX_STEPS + 20} steps, {args.repeats} interleaved repeats, median; memory: how much the "
+            "larger rank's peak (its own "
             "ru_maxrss) grew over what it had at the start.\n\n"
             + table(["variant", "wall s", "peak memory growth per rank (MB)", "runs (wall s)"], launches))
     if args.no_save:

@@ -71,7 +71,8 @@ def contenders(script: Path):
             # Exit status aside: torch 2.13 sometimes aborts a finished gloo rank at interpreter exit.
             # torchrun's torchelastic_* log directory goes into the script's own temporary directory.
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *flags,
-                            str(script)], capture_output=True, check=False, env={**os.environ, "TMPDIR": str(script.parent)})
+                            str(script)], capture_output=True, check=False,
+                            env={**os.environ, "TMPDIR": str(script.parent)})
         return run
 
     return {

@@ -183,12 +183,13 @@ def report(results: dict[str, dict[str, dict[str, list[float]]]], repeats: int, 
     body = table(["launched from", "variant", "median steps/s", "ratio to raw", "median paired ratio",
                   "launcher CPU %", "runs (steps/s)"], rows)
     return (f"Small MLP (64-256-256-10, batch 64, SGD), {WORLD} CPU ranks, gloo, {_cpus()}, torch {torch.__version__}; "
-            f"{steps // EPOCHS * EPOCHS} timed steps after {WARMUP} warm-up steps; {repeats} interleaved repeats, median. "
-            f"quiet/line/widgets: ctx.progress (epoch, batch) + ctx.log(sync_dist=False) every step, drawn by no display, "
-            f"the LineDisplay, the WidgetDisplay with its chart and per-rank vitals (headless when launched from this process, "
-            f"real comm messages from a kernel). "
-            f"Paired ratio: each run against the raw run of its own round. Launcher CPU: the launching process's "
-            f"CPU time over the whole launch, % of one core (supervisor, channel, display; the kernel's I/O threads).\n\n"
+            f"{steps // EPOCHS * EPOCHS} timed steps after {WARMUP} warm-up steps; {repeats} interleaved repeats, "
+            "median. quiet/line/widgets: ctx.progress (epoch, batch) + ctx.log(sync_dist=False) every step, drawn by "
+            "no display, the LineDisplay, the WidgetDisplay with its chart and per-rank vitals (headless when launched "
+            "from this process, real comm messages from a kernel). "
+            "Paired ratio: each run against the raw run of its own round. Launcher CPU: the launching process's "
+            "CPU time over the whole launch, % of one core (supervisor, channel, display; the kernel's I/O "
+            "threads).\n\n"
             f"{body}\n\nTarget: ratio >= 0.98 for every nbtrain variant." + (f" {note}" if note else ""))
 
 

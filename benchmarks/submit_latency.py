@@ -1,75 +1,130 @@
 """What a submitted run costs over a launch: 2 CPU ranks, 5 DDP steps of a small model, from a
-script (no kernel). Interleaved round by round:
+real Jupyter kernel. Interleaved round by round:
 
 - `submit()` returning (the run directory, the job pickled, the supervisor started);
 - `submit(...).result()`: to the Result read back from the run directory;
-- `launch()` of the same function in this process (ddp_fork), for comparison;
-- `attach(run_dir).result()` of a finished run: reading the Result back.
+- `launch()` of the same function in the same kernel (start='fork'), for comparison;
+- `attach(run_dir).result()` of a finished run: reading the Result back;
+- the supervisor's imports alone (`python -c "import nbtrain.notebook.detached"`), the cost a
+  supervisor started as a fresh interpreter pays before it runs anything.
 
-    python benchmarks/submit_latency.py [--rounds 5]
+Round 0 is each kernel's first submit (cold: for this nbtrain, it starts the kernel's warm
+template, which later submits fork the supervisor from); the medians are of the later rounds.
+`--before DIR` runs the same in a second kernel importing another checkout of nbtrain (e.g.
+`git archive <commit> | tar -x -C DIR`), in the same rounds: the same machine and load.
+
+    python benchmarks/submit_latency.py [--rounds 5] [--before DIR]
 """
 from __future__ import annotations
 
 import argparse
-import shutil
+import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
-import nbtrain
-
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import median, record, table  # noqa: E402
+from _common import Kernel, median, record, table  # noqa: E402
 
+SETUP = '''
+import time, torch, torch.nn as nn, torch.nn.functional as F
+import nbtrain
 
 def five_steps():
     model = nbtrain.context().setup(nn.Linear(64, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(5):
         loss = F.mse_loss(model(torch.randn(32, 64)), torch.zeros(32, 8))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        opt.zero_grad(); loss.backward(); opt.step()
     return loss.item()
+
+def timed_submit(run_dir):
+    start = time.perf_counter()
+    run = nbtrain.submit(five_steps, devices=2, accelerator="cpu", run_dir=run_dir)
+    returned = time.perf_counter() - start
+    run.result(timeout=300)
+    result = time.perf_counter() - start
+    start = time.perf_counter()
+    nbtrain.attach(run_dir).result()
+    print(f"{returned:.4f} {result:.4f} {time.perf_counter() - start:.4f}")
+
+def timed_launch():
+    start = time.perf_counter()
+    nbtrain.launch(five_steps, devices=2, accelerator="cpu", progress=False)
+    print(f"{time.perf_counter() - start:.4f}")
+
+timed_launch()  # warm: the kernel's imports and its first fork
+'''
+
+WHERE = "import nbtrain, os; print(os.path.dirname(os.path.dirname(nbtrain.__file__)))"
+MEASURES = ("returns", "result", "attach", "launch", "supervisor imports")
+
+
+def last(output: str) -> str:
+    """A cell's last line: the figures (nbtrain may say a line of its own first)."""
+    return output.strip().splitlines()[-1]
+
+
+def supervisor_imports(env: dict) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import nbtrain.notebook.detached"], check=True, env=env)
+    return time.perf_counter() - start
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
-    rounds = parser.parse_args().rounds
-    times: dict[str, list[float]] = {k: [] for k in ("returns", "result", "launch", "attach")}
-    base = Path(tempfile.mkdtemp(prefix="nbtrain-bench-submit-"))
+    parser.add_argument("--before", help="another checkout of nbtrain: the same, in a second kernel")
+    args = parser.parse_args()
+    which = ["now", *(["before"] if args.before else [])]
+    times = {(w, m): [] for w in which for m in MEASURES}
+    cold: dict[tuple[str, str], float] = {}
+    envs = {"now": dict(os.environ)}
+    kernels = {"now": Kernel()}
+    if args.before:  # its nbtrain first on the path, and no checkout in its working directory
+        before = os.path.abspath(args.before)
+        envs["before"] = {**os.environ, "PYTHONPATH": before}
+        kernels["before"] = Kernel(cwd=before, env=envs["before"])
     try:
-        nbtrain.launch(five_steps, devices=2, accelerator="cpu", progress=False)  # warm: imports, first fork
-        for n in range(rounds):
-            start = time.perf_counter()
-            run = nbtrain.submit(five_steps, devices=2, accelerator="cpu", run_dir=base / str(n))
-            times["returns"].append(time.perf_counter() - start)
-            run.result(timeout=120)
-            times["result"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            nbtrain.attach(base / str(n)).result()
-            times["attach"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            nbtrain.launch(five_steps, devices=2, accelerator="cpu", progress=False)
-            times["launch"].append(time.perf_counter() - start)
+        checkouts = {w: kernel.run(WHERE).strip() for w, kernel in kernels.items()}
+        print("nbtrain from", checkouts, file=sys.stderr)
+        assert len(set(checkouts.values())) == len(checkouts), f"both kernels import one nbtrain: {checkouts}"
+        for kernel in kernels.values():
+            kernel.run(SETUP)
+        with tempfile.TemporaryDirectory(prefix="nbtrain-bench-submit-") as base:
+            for round_ in range(args.rounds + 1):  # round 0: each kernel's first submit
+                for w in which:
+                    run_dir = Path(base, f"{w}-{round_}")
+                    said = kernels[w].run(f"timed_submit({str(run_dir)!r})")
+                    returned, result, attach = map(float, last(said).split())
+                    launch = float(last(kernels[w].run("timed_launch()")))
+                    imports = supervisor_imports(envs[w])
+                    for measure, seconds in zip(MEASURES, (returned, result, attach, launch, imports)):
+                        (cold.__setitem__((w, measure), seconds) if round_ == 0 else times[w, measure].append(seconds))
+                print(f"round {round_} done", file=sys.stderr)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
-    launch = median(times["launch"])
-    rows = [["submit() returns", f"{median(times['returns']):.3f}", "", str(rounds)],
-            ["submit(...).result()", f"{median(times['result']):.3f}", f"{median(times['result']) / launch:.1f}x",
-             str(rounds)],
-            ["launch() in this process (ddp_fork)", f"{launch:.3f}", "1.0x", str(rounds)],
-            ["attach(run_dir).result() of a finished run", f"{median(times['attach']):.3f}", "", str(rounds)]]
-    record("Submitted runs (submit_latency.py)",
-           table(["2 CPU ranks, 5 DDP steps", "median s", "vs launch", "runs"], rows)
-           + "\n\nsubmit(...).result() includes the supervisor's start: a fresh interpreter that imports torch "
-             "and nbtrain, then forks the ranks as launch does; the run directory is polled every 0.2 s.")
+        for kernel in kernels.values():
+            kernel.close()
+    rows = []
+    labels = {"returns": "submit() returns", "result": "submit(...).result()", "attach":
+              "attach(run_dir).result() of a finished run", "launch": "launch() in the same kernel (start='fork')",
+              "supervisor imports": "a fresh interpreter importing the supervisor's modules"}
+    for measure in MEASURES:
+        for w in which:
+            m = median(times[w, measure])
+            versus = m / median(times[w, "launch"])
+            rows.append([f"{labels[measure]} ({w})", f"{cold[w, measure]:.3f}", f"{m:.3f}",
+                         f"{versus:.1f}x" if measure in ("result", "launch") else "", str(len(times[w, measure]))])
+    body = table(["2 CPU ranks, 5 DDP steps", "first (cold) s", "median s", "vs launch", "runs"], rows)
+    note = ("\n\nThe supervisor is now a fork of the kernel's warm template (torch imported; the first submit starts "
+            "the template, hence its cold figure), runs no torch.distributed.checkpoint import unless a checkpoint "
+            "is saved, and Run.result() is woken by the run's end (inotify on the run directory, a pidfd on the "
+            "supervisor) instead of looking every 0.2 s.")
+    if args.before:
+        note += f" Before: `--before {checkouts['before']}`, in the same rounds."
+    record("Submitted runs (submit_latency.py)", body + note)
 
 
 if __name__ == "__main__":

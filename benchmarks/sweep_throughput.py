@@ -96,7 +96,8 @@ def run_ray(lrs: list[float], steps: int, storage: str) -> float:
         train(config["lr"], steps, lambda step, value: tune.report({"loss": value, "step": step}))
 
     tuner = tune.Tuner(tune.with_resources(trainable, {"cpu": 1}), param_space={"lr": tune.grid_search(lrs)},
-                       tune_config=tune.TuneConfig(metric="loss", mode="min", max_concurrent_trials=2, reuse_actors=True),
+                       tune_config=tune.TuneConfig(metric="loss", mode="min", max_concurrent_trials=2,
+                                                   reuse_actors=True),
                        run_config=tune.RunConfig(storage_path=storage, verbose=0))
     started = time.perf_counter()
     results = tuner.fit()
@@ -152,12 +153,14 @@ def main() -> None:
     body = table(["sweep of the same trials", "wall s (median)", "trials/min", "speed vs optuna n_jobs=1",
                   "rounds (s)"], rows)
     waits = f", each step then waiting {args.wait:g} s" if args.wait else ""
-    text = (f"{args.trials} trials, each {args.steps} SGD steps of a 32-128-1 MLP on one thread{waits} ({one:.2f} s alone), "
+    text = (f"{args.trials} trials, each {args.steps} SGD steps of a 32-128-1 MLP on one thread{waits} "
+            f"({one:.2f} s alone), "
             f"loss reported every 10 steps; same lr values for all, no pruning; {args.rounds} interleaved rounds. "
             f"Once per session, not in the table: nbtrain's warm template {warm:.2f} s, ray.init {ray_start:.2f} s. "
             f"The machine is shared with other jobs: rounds vary.")
     kind = f"trials that wait (--wait {args.wait:g})" if args.wait else "CPU-bound trials"
-    record(f"Sweep throughput, {kind} (sweep_throughput.py)", body + "\n\n" + text + (f"\n\n{args.note}" if args.note else ""))
+    record(f"Sweep throughput, {kind} (sweep_throughput.py)",
+           body + "\n\n" + text + (f"\n\n{args.note}" if args.note else ""))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`nbtrain demo` and `nbtrain gpus`."""
+"""`nbtrain demo`, `nbtrain gpus`, and `nbtrain runs` / `nbtrain attach` for submitted runs."""
 from __future__ import annotations
 
 import argparse
@@ -33,9 +33,49 @@ def _demo(args) -> int:
     return 0
 
 
+def _runs(args) -> int:
+    from .notebook.runs import runs
+
+    table = runs(args.path)
+    print(repr(table) if table else f"no runs under {args.path}")
+    return 0
+
+
+def _attach(args) -> int:
+    """A submitted run as text, for a shell: where it stands, its last lines, what it gave back.
+    It does not wait: `nbtrain attach` again (or `watch -n 5`) to follow it."""
+    from .common.errors import WorkerError
+    from .notebook.runs import Run
+
+    run = Run(args.path, progress=False)
+    print(f"{run.function}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
+    for why in run.restarts:
+        print(f"restarted: {why}")
+    lines = run.logs(args.rank).splitlines()[-args.lines:] if args.lines else []
+    if lines:
+        print(f"--- rank {args.rank}, last {len(lines)} line{'s' if len(lines) > 1 else ''} ---")
+        print("\n".join(lines))
+    if run.status == "finished":
+        print(f"--- result ---\n{run.result(timeout=1)!r}")
+    elif run.status == "failed":
+        try:
+            run.result(timeout=1)
+        except WorkerError as error:  # a rank's error, with its rank and traceback
+            print(f"--- error ---\n{error}")
+        except Exception as error:  # noqa: BLE001 - a one-device run's own exception, as launch raises it
+            print(f"--- error ---\n{type(error).__name__}: {error}")
+    return 1 if run.status in ("failed", "cancelled") else 0
+
+
+def _lines(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text}: give a number of lines, 0 or more")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nbtrain", description="Multi-device PyTorch training from notebooks.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="command")
     commands.add_parser("gpus", help="list visible GPUs with memory, utilisation and processes").set_defaults(run=_gpus)
     demo = commands.add_parser("demo", help="train a small synthetic model across ranks (CPU when no GPU)")
@@ -47,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--epochs", type=int, default=3)
     demo.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is stopped (default: 600)")
     demo.set_defaults(run=_demo)
+    listing = commands.add_parser("runs", help="the submitted runs under a folder: function, started, devices, "
+                                  "status, last metrics")
+    listing.add_argument("path", nargs="?", default="nbtrain-runs", help="the folder (default: nbtrain-runs)")
+    listing.set_defaults(run=_runs)
+    attach = commands.add_parser("attach", help="a submitted run: its status, last log lines, and result when "
+                                 "finished (exit status 1 if it failed or was cancelled)")
+    attach.add_argument("path", help="the run's directory (`nbtrain runs` lists them)")
+    attach.add_argument("--lines", type=_lines, default=10, help="how many of the last log lines (default: 10)")
+    attach.add_argument("--rank", type=int, default=0, help="whose log lines (default: 0)")
+    attach.set_defaults(run=_attach)
     return parser
 
 
@@ -58,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return args.run(args)
-    except (ValueError, TypeError, RuntimeError) as exc:  # bad devices/strategy, no GPU, a failed rank
+    # Bad devices/strategy, no GPU, a failed rank, not a run directory, another user's run.
+    except (ValueError, TypeError, RuntimeError, PermissionError) as exc:
         parser.exit(2, f"nbtrain {args.command}: {exc}\n")
 
 

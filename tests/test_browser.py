@@ -107,7 +107,8 @@ def lab(tmp_path_factory):
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"JupyterLab did not start:\n{(private / 'server.log').read_text()[-3000:]}")
+                    log = (private / 'server.log').read_text()[-3000:]
+                    raise RuntimeError(f"JupyterLab did not start:\n{log}") from None
                 time.sleep(0.5)
         yield url, token, root
     finally:

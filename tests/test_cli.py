@@ -109,3 +109,68 @@ def test_ctrl_c_during_the_first_use_waits_for_torchs_import():
             "import torch\nprint(float(torch.ones(2).sum()), 'launch' in vars(nbtrain))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.stdout.splitlines() == ["interrupted after the import", "2.0 True"], run.stdout + run.stderr
+
+
+def test_short_version_flag(capsys):
+    code, out, _ = run_main(capsys, "-V")
+    assert code == 0 and out.strip() == f"nbtrain {nbtrain.__version__}"
+
+
+def test_runs_of_a_folder_without_runs_says_so(capsys, tmp_path):
+    code, out, err = run_main(capsys, "runs", str(tmp_path / "none"))
+    assert (code, out, err) == (0, f"no runs under {tmp_path / 'none'}\n", "")
+
+
+def test_attach_to_what_is_not_a_run_is_one_line(capsys, tmp_path):
+    code, out, err = run_main(capsys, "attach", str(tmp_path))
+    assert code == 2 and out == ""
+    assert err.startswith(f"nbtrain attach: '{tmp_path}' is not a run directory (no run.json, status.json)")
+    assert err.count("\n") == 1
+    code, _, err = run_main(capsys, "attach", str(tmp_path), "--lines", "-3")
+    assert code == 2 and "argument --lines: -3: give a number of lines, 0 or more" in err
+    code, _, err = run_main(capsys, "attach", str(tmp_path), "--lines", "ten")
+    assert code == 2 and "argument --lines: ten: give a number of lines, 0 or more" in err
+
+
+def _says_hello(n):
+    ctx = nbtrain.context()
+    for step in range(3):
+        print(f"hello {step} from rank {ctx.rank}")
+        ctx.log("loss", 1.0 / (step + 1))
+    return n * n
+
+
+def _fails(n):
+    raise ValueError(f"bad batch {n}")
+
+
+@pytest.mark.slow
+def test_runs_and_attach_in_a_shell(tmp_path, no_leftovers):
+    good = nbtrain.submit(_says_hello, 7, devices=2, accelerator="cpu", run_dir=tmp_path / "runs" / "good")
+    bad = nbtrain.submit(_fails, 3, devices=1, accelerator="cpu", run_dir=tmp_path / "runs" / "bad")
+    assert good.wait(timeout=180) == "finished" and bad.wait(timeout=180) == "failed"
+
+    listing = nbtrain_cli("runs", str(tmp_path / "runs"))
+    assert listing.returncode == 0, listing.stderr
+    header, *rows = listing.stdout.splitlines()
+    assert header.split() == ["run", "function", "started", "devices", "status", "metrics"]
+    assert sorted(row.split()[1] for row in rows) == ["_fails", "_says_hello"]
+    assert all(f" {status} " in f"{row} " for row, status in zip(sorted(rows), ("failed", "finished")))
+    assert listing.stdout.strip() == repr(nbtrain.runs(tmp_path / "runs")).strip()
+
+    shown = nbtrain_cli("attach", str(good.dir), "--lines", "2")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == [
+        "_says_hello: finished", "--- rank 0, last 2 lines ---", "hello 1 from rank 0", "hello 2 from rank 0",
+        "--- result ---", repr(good.result(timeout=1))]
+
+    failed = nbtrain_cli("attach", str(bad.dir))
+    assert failed.returncode == 1, failed.stderr
+    assert failed.stdout.startswith("_fails: failed")
+    assert "--- error ---" in failed.stdout and "ValueError: bad batch 3" in failed.stdout
+
+
+@pytest.mark.slow
+def test_python_dash_m_nbtrain_is_the_command():
+    run = subprocess.run([sys.executable, "-m", "nbtrain", "-V"], capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stdout.strip()) == (0, f"nbtrain {version('nbtrain')}"), run.stderr

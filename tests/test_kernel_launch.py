@@ -77,7 +77,8 @@ nbtrain.launch(hangs, devices=2, accelerator="cpu", start="fork", timeout=5, pro
     _, _, error, _ = nb.run(code)
     shown = "\n".join(error["traceback"])
     assert "timed out after 5 s; still running: ranks [0, 1]" in shown
-    assert "--- rank 0 stack ---" in shown and "in hangs" in shown
+    assert "--- rank 1 stack ---" in shown and "--- rank 0 stack (waiting) ---" in shown and "in hangs" in shown
+    assert "The others wait for rank 1." in shown
     assert nb.value("children()") == []
 
 

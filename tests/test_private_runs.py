@@ -35,7 +35,7 @@ print(json.dumps(got))
 def train(steps, optimizer_name="sgd", note="a string argument: recorded as a hyper-parameter"):
     ctx = nbtrain.context()
     model = ctx.setup(torch.nn.Linear(4, 1))
-    for i in ctx.progress(range(steps)):
+    for _ in ctx.progress(range(steps)):
         loss = model(torch.randn(8, 4)).pow(2).mean()
         loss.backward()
         ctx.log("loss", loss.item())

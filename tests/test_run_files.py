@@ -114,7 +114,7 @@ def test_damaged_run_files_are_named_never_raw(tmp_path):
     run = nbtrain.attach(_run_dir(tmp_path / "who", status="running"))
     (run.dir / runlog.SUPERVISOR).write_text('{"pid": "x"}')
     with pytest.raises(ValueError, match=r"supervisor.json' is damaged: it names no process"):
-        run.status
+        run.status  # noqa: B018 (reading the property is what raises)
 
 
 def test_runs_lists_every_run_and_a_damaged_one_with_its_reason(tmp_path):
@@ -263,6 +263,7 @@ def test_a_process_is_named_as_run_directories_always_named_it():
     assert session.alive(me)
     assert not session.alive({**me, "start": str(int(starttime) - 1)})  # its pid, another process
     assert session.identity(2**22 + 1) == {"pid": 2**22 + 1, "start": None}  # above any pid_max
+    assert not session.alive(None)  # a damaged submitter in status.json: nothing alive, no TypeError
 
 
 def test_what_an_interrupted_submit_left_is_removed_once_its_writer_is_gone(tmp_path):

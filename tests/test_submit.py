@@ -6,13 +6,17 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 
 import dill
+import psutil
 import pytest
 import torch
 
 import nbtrain
+import nbtrain.notebook.runs
+import nbtrain.notebook.sweep
 from conftest import Kernel
 from nbtrain.common import protocol, runlog, session
 from nbtrain.display.text import LineDisplay
@@ -145,6 +149,9 @@ def test_a_run_outlives_a_killed_kernel_and_attach_gets_the_launch_values(tmp_pa
         path = kernel.value("str(run.dir)")
         run = nbtrain.attach(path)
         _wait_for(lambda: "step 2" in run.logs(0), 60, "the run to take steps")
+        # Its supervisor is a fork of the kernel's warm template, which dies with the kernel; it does not.
+        supervisor = json.loads((run.dir / runlog.SUPERVISOR).read_text())["pid"]
+        assert "nbtrain.rank.template_main" in psutil.Process(supervisor).cmdline()
         os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
         kernel.manager.provisioner.process.wait()
     finally:
@@ -186,6 +193,91 @@ def test_a_rank_that_dies_once_is_restarted_from_the_checkpoint(tmp_path, no_lef
 
 
 @pytest.mark.slow
+def test_result_is_woken_by_the_end_of_the_run(tmp_path, no_leftovers, monkeypatch):
+    monkeypatch.setattr(nbtrain.notebook.runs, "BACKSTOP", 3600.0)  # a result at all was woken by the run's end
+    run = nbtrain.submit(train, 3, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
+    done = []
+    waiter = threading.Thread(target=lambda: done.append(nbtrain.attach(run.dir).result()), daemon=True)
+    waiter.start()  # an attached run, as another kernel would follow it
+    waiter.join(600)
+    assert done and len(done[0].metrics("loss")) == 3 and run.status == "finished"
+    _ended_cleanly(run)
+
+
+@pytest.mark.slow
+def test_without_a_template_the_supervisor_is_a_fresh_interpreter(tmp_path, no_leftovers, monkeypatch):
+    from nbtrain.placements import template_process
+
+    monkeypatch.setattr(template_process, "_preload", template_process._preload)  # put back afterwards
+    monkeypatch.setattr(template_process, "_failed", None)
+    with pytest.raises(RuntimeError, match="no_such_module_for_nbtrain"):
+        nbtrain.warm_up(preload=["no_such_module_for_nbtrain"])  # a template that cannot start
+    run = nbtrain.submit(train, 1000, 0.1, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
+    _wait_for(lambda: "step 1" in run.logs(1), 60, "the run to take steps")
+    supervisor = json.loads((run.dir / runlog.SUPERVISOR).read_text())["pid"]
+    assert "nbtrain.notebook.detached" in " ".join(psutil.Process(supervisor).cmdline())
+    run.cancel()
+    assert run.status == "cancelled"
+    _ended_cleanly(run)
+
+
+def _trial(lr):
+    ctx = nbtrain.context()
+    for step in range(3):
+        ctx.log("loss", (lr - 0.01) ** 2 + 0.1 / (step + 1), step=step)
+
+
+def test_a_submitted_sweep_refuses_what_does_not_apply_before_anything_starts(tmp_path):
+    optuna = pytest.importorskip("optuna", reason="sweeps run on Optuna")
+    space = {"lr": optuna.distributions.FloatDistribution(1e-3, 1e-1)}
+    with pytest.raises(ValueError, match=r"^max_restarts= do not apply to a submitted sweep"):
+        nbtrain.submit(nbtrain.sweep, _trial, space, trials=2, metric="loss", max_restarts=1, run_dir=tmp_path / "r")
+    with pytest.raises(TypeError, match=r"give the trial function and the space"):
+        nbtrain.submit(nbtrain.sweep, _trial, trials=2, metric="loss", run_dir=tmp_path / "r")
+    with pytest.raises(ValueError, match=r"^metric=None"):
+        nbtrain.submit(nbtrain.sweep, _trial, space, trials=2, run_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_a_submitted_sweep_runs_in_the_supervisor_and_gives_the_sweep(tmp_path, no_leftovers):
+    optuna = pytest.importorskip("optuna", reason="sweeps run on Optuna")
+    space = {"lr": optuna.distributions.FloatDistribution(1e-3, 1e-1, log=True)}
+    run = nbtrain.submit(nbtrain.sweep, _trial, space, trials=3, metric="loss", devices=2, accelerator="cpu",
+                         run_dir=tmp_path / "sweep")
+    assert run.function == "sweep of _trial"
+    swept = run.result(timeout=300)
+    assert isinstance(swept, nbtrain.notebook.sweep.Sweep) and run.status == "finished"
+    values = [t.value for t in swept.study.trials]
+    assert len(values) == 3 and swept.best_value == min(values)
+    assert (tmp_path / "sweep" / "study.db").stat().st_mode & 0o077 == 0  # the study is the run directory's
+    shown = repr(nbtrain.attach(tmp_path / "sweep"))  # its table, from the study, in any kernel
+    assert shown.count("  complete  lr=") == 3 and "value=" in shown
+    assert "3 trials here (3 complete)" in repr(swept)
+    _ended_cleanly(run)
+
+
+def _slow_trial(lr):
+    ctx = nbtrain.context()
+    for step in range(1000):
+        ctx.log("loss", lr, step=step)
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_submitted_sweep_cancelled_stops_every_trial(tmp_path, no_leftovers):
+    optuna = pytest.importorskip("optuna", reason="sweeps run on Optuna")
+    space = {"lr": optuna.distributions.FloatDistribution(1e-3, 1e-1)}
+    run = nbtrain.submit(nbtrain.sweep, _slow_trial, space, trials=4, metric="loss", devices=2, accelerator="cpu",
+                         run_dir=tmp_path / "sweep")
+    _wait_for(lambda: repr(run).count("  running  lr=") == 2, 120, "both slots to run a trial")
+    run.cancel()
+    assert run.status == "cancelled"
+    _ended_cleanly(run)  # the trials' ranks and the supervisor's template with it
+    assert repr(run).count("  running  ") == 0  # the study says how the trials ended, none still running
+
+
+@pytest.mark.slow
 def test_a_failure_beyond_the_restarts_is_the_launch_error(tmp_path, no_leftovers):
     run = nbtrain.submit(train, 6, die_at=1, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
     with pytest.raises(nbtrain.WorkerError, match="rank 1 failed: exited with code 1") as caught:
@@ -214,15 +306,20 @@ def test_cancel_leaves_no_process(tmp_path, no_leftovers):
 
 
 @pytest.mark.slow
-def test_a_run_whose_supervisor_was_killed_is_failed_not_running(tmp_path, no_leftovers):
+def test_a_run_whose_supervisor_was_killed_is_failed_not_running(tmp_path, no_leftovers, monkeypatch):
+    # No look at the run directory but what wakes it: result() hears of the supervisor's death itself.
+    monkeypatch.setattr(nbtrain.notebook.runs, "BACKSTOP", 3600.0)
     run = nbtrain.submit(train, 1000, 0.1, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
     _wait_for(lambda: "step 1" in run.logs(1), 60, "the run to take steps")
     ranks = _rank_pids(run)
-    os.kill(json.loads((run.dir / runlog.SUPERVISOR).read_text())["pid"], signal.SIGKILL)
-    _wait_for(lambda: run.status == "failed", 10, "the run to read as failed")
-    assert "the run's supervisor (pid " in run.reason and "ended without finishing it" in run.reason
+    killer = threading.Timer(0.5, os.kill, (json.loads((run.dir / runlog.SUPERVISOR).read_text())["pid"],
+                                            signal.SIGKILL))
+    killer.start()
     with pytest.raises(RuntimeError, match="ended without finishing it"):
-        run.result(timeout=5)
+        run.result(timeout=600)
+    killer.join()
+    assert run.status == "failed"
+    assert "the run's supervisor (pid " in run.reason and "ended without finishing it" in run.reason
     _ended_cleanly(run)  # its ranks die with it
     assert not any(session.alive(session.identity(p)) for p in ranks)
 
@@ -285,7 +382,8 @@ def test_an_exported_run_is_a_run_directory_that_attach_reads(tmp_path, no_lefto
     attached = [subprocess.run([sys.executable, "-c", ATTACH, str(job / "run")], capture_output=True, text=True,
                                timeout=60).stdout.strip() for job in jobs]  # a fresh process, as a later kernel
     assert attached[0] == "finished [21, 42] 'rank 1 works\\n'"
-    with pytest.raises(ValueError, match=r"was run by an exported job's run.sh.*the exported directory \(.*good\) is the job"):
+    said = r"was run by an exported job's run.sh.*the exported directory \(.*good\) is the job"
+    with pytest.raises(ValueError, match=said):
         nbtrain.attach(jobs[0] / "run").export(tmp_path / "again")
     assert attached[1].startswith("failed WorkerError 1 "), attached[1]
     [good] = nbtrain.runs(jobs[0])

@@ -106,7 +106,7 @@ class Hub:
             conn = Connection(sock.detach())
             with self._lock:
                 if len(self._strangers) >= MAX_STRANGERS:  # the one waiting longest makes room
-                    _shut(min(self._strangers, key=self._strangers.get))
+                    _shut(min(self._strangers, key=self._strangers.__getitem__))
                 self._strangers[conn] = time.monotonic() + AUTH_SECONDS
             threading.Thread(target=self._serve, args=(conn,), name="nbtrain-hub-auth", daemon=True).start()
 
@@ -223,7 +223,7 @@ class Hub:
             raise SendInterrupted(rank, len(data), whole=write.ok, why="" if write.ok else "the rank went away")
         return write.ok
 
-    def _write(self, conn, data: bytes, progress=None) -> bool:
+    def _write(self, conn, data: bytes | memoryview, progress=None) -> bool:
         try:
             with self._send_lock:
                 _send_bytes(conn, data, progress)
@@ -267,13 +267,13 @@ class SendInterrupted(KeyboardInterrupt):
 class _Write:
     """One message's bytes, written by a thread of its own (Ctrl-C reaches only the main thread)."""
 
-    def __init__(self, hub: Hub, conn, data: bytes):
+    def __init__(self, hub: Hub, conn, data: bytes | memoryview):
         self.done = threading.Event()
         self.ok = False
         self.sent, self._moved = 0, time.monotonic()
         threading.Thread(target=self._run, args=(hub, conn, data), name="nbtrain-send", daemon=True).start()
 
-    def _run(self, hub: Hub, conn, data: bytes) -> None:
+    def _run(self, hub: Hub, conn, data: bytes | memoryview) -> None:
         try:
             self.ok = hub._write(conn, data, self._progress)
         finally:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
 from . import inventory as _inventory
@@ -166,7 +166,7 @@ def parse_cpu_devices(devices, cores: int) -> int:
     return devices
 
 
-def ensure_pci_bus_order(environ: dict = os.environ) -> None:
+def ensure_pci_bus_order(environ: MutableMapping[str, str] = os.environ) -> None:
     """NVML numbers GPUs by PCI bus; make CUDA agree unless the user chose otherwise."""
     environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
@@ -216,7 +216,8 @@ def cpu_rank_limit(cores: int, environ: Mapping[str, str] = os.environ) -> int:
     except ValueError:
         limit = 0
     if limit < 1:
-        raise ValueError(f"{MAX_CPU_RANKS_VAR}={given!r}: give a positive int, the most CPU ranks one launch may start.")
+        raise ValueError(f"{MAX_CPU_RANKS_VAR}={given!r}: give a positive int, "
+                         "the most CPU ranks one launch may start.")
     return limit
 
 
@@ -269,7 +270,8 @@ def _with_backend(plan: DevicePlan, backend: str | None) -> DevicePlan:
     if backend is None:
         return plan
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not known. Accepted: {', '.join(BACKENDS)} (or None for nccl on GPU, gloo on CPU).")
+        raise ValueError(f"backend={backend!r} is not known. Accepted: {', '.join(BACKENDS)} "
+                         "(or None for nccl on GPU, gloo on CPU).")
     if backend == "nccl" and plan.accelerator == "cpu":
         raise ValueError("backend='nccl' needs GPUs, and this launch runs on CPU. Use 'gloo' (the default on CPU).")
     return DevicePlan(plan.accelerator, plan.indices, plan.physical, backend, plan.num_nodes)

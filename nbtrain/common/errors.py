@@ -28,21 +28,25 @@ class WorkerError(RuntimeError):
         The other ranks' outcomes, one line each ("rank 0: stopped (rank 1 failed)").
     node : str, optional
         The machine the rank ran on, for ranks on a cluster (None on this machine).
+    stacks : dict, optional
+        On a timeout or a stall, every rank's full stacks (Python and native) by rank, as text:
+        the traceback shows them folded to the frames that say something.
 
     Attributes
     ----------
-    rank, summary, traceback, others, node
-        As given.
+    rank, summary, traceback, others, node, stacks
+        As given (``stacks`` is ``{}`` when not given).
     """
 
     @classmethod
     def from_failure(cls, rank: int, summary: str, traceback: str = "", others: tuple[str, ...] = (),
-                     original: BaseException | None = None, node: str | None = None) -> WorkerError:
+                     original: BaseException | None = None, node: str | None = None,
+                     stacks: dict | None = None) -> WorkerError:
         """The error for a failed rank, an instance of ``type(original)`` too when that can be made.
 
         Parameters
         ----------
-        rank, summary, traceback, others, node
+        rank, summary, traceback, others, node, stacks
             As for the class.
         original : BaseException, optional
             The rank's exception, rebuilt in the notebook.
@@ -53,10 +57,10 @@ class WorkerError(RuntimeError):
         """
         both = _with_original_class(type(original)) if isinstance(original, Exception) else None
         try:
-            error = (both or cls)(rank, summary, traceback, others, node)
+            error = (both or cls)(rank, summary, traceback, others, node, stacks)
         except Exception:  # the original class's __new__ wants arguments of its own (ExceptionGroup)
-            both, error = None, cls(rank, summary, traceback, others, node)
-        for name, value in _attributes(original) if both is not None else ():
+            both, error = None, cls(rank, summary, traceback, others, node, stacks)
+        for name, value in _attributes(original) if both is not None and original is not None else ():
             try:
                 setattr(error, name, value)
             except (AttributeError, TypeError):  # read-only: still there through __cause__
@@ -65,8 +69,9 @@ class WorkerError(RuntimeError):
         return error
 
     def __init__(self, rank: int, summary: str, traceback: str = "", others: tuple[str, ...] = (),
-                 node: str | None = None):
+                 node: str | None = None, stacks: dict | None = None):
         self.rank = rank
+        self.stacks = dict(stacks or {})
         self.summary = summary
         self.traceback = traceback
         self.others = tuple(others)
@@ -86,7 +91,7 @@ class WorkerError(RuntimeError):
         return text
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.summary, self.traceback, self.others, self.node))
+        return (type(self), (self.rank, self.summary, self.traceback, self.others, self.node, self.stacks))
 
     def _render_traceback_(self) -> list[str]:
         # IPython shows this instead of the launcher's own frames: the worker's traceback
@@ -98,7 +103,7 @@ class WorkerError(RuntimeError):
         return lines
 
 
-_OWN_ATTRIBUTES = ("rank", "summary", "traceback", "others", "node")
+_OWN_ATTRIBUTES = ("rank", "summary", "traceback", "others", "node", "stacks")
 _combined: dict[type, type] = {}  # one class per original class: `type(e) is type(e2)` holds
 
 
@@ -139,11 +144,11 @@ def _with_original_class(original: type) -> type | None:
 
 def _reduce_with_original(self):
     # The combined class is made at run time and cannot be pickled by name: rebuild it.
-    return (_rebuild, (self.rank, self.summary, self.traceback, self.others, self.__cause__, self.node))
+    return (_rebuild, (self.rank, self.summary, self.traceback, self.others, self.__cause__, self.node, self.stacks))
 
 
-def _rebuild(rank, summary, traceback, others, original, node=None):
-    return WorkerError.from_failure(rank, summary, traceback, others, original=original, node=node)
+def _rebuild(rank, summary, traceback, others, original, node=None, stacks=None):
+    return WorkerError.from_failure(rank, summary, traceback, others, original=original, node=node, stacks=stacks)
 
 
 def _attribute_of_original(self, name: str):

@@ -141,7 +141,8 @@ class _Attempt(threading.Thread):
 
     def run(self) -> None:
         deadline = self.started + self.seconds
-        result, error = None, None
+        result = None
+        error: BaseException | None = None
         try:
             sock = self._connect(deadline)
             try:

@@ -6,6 +6,10 @@ reads over the channel. Either way the reader replays each stream as a terminal 
 (`lines.Screen`) and hands on `protocol.Output` for each finished line, `protocol.Live` for the
 lines a progress bar redraws, and `protocol.OutputEnd` for the end mark a rank writes after a
 command (`end_mark`): everything the rank wrote on that stream before it has been handed on.
+
+A rank's stderr as Python writes it (print to sys.stderr, warnings, logging) travels on its
+stdout pipe, each write framed (`frame_stderr`), so the two streams arrive in the order the rank
+wrote them; the stderr pipe keeps what C code and faulthandler write to fd 2 (`rank/process.py`).
 """
 from __future__ import annotations
 
@@ -24,6 +28,43 @@ def end_mark(seq: int) -> bytes:
     return f"{END_MARK}{seq}\n".encode()
 
 
+STDERR_FRAME = b"\x00E"  # + the length in 8 hex digits + that many bytes of stderr, on the stdout pipe
+_HEADER = len(STDERR_FRAME) + 8
+
+
+def frame_stderr(data: bytes) -> bytes:
+    return STDERR_FRAME + b"%08x" % len(data) + data
+
+
+class _Frames:
+    """A stdout pipe's bytes split back into (stream, bytes) in order; a frame cut by a read is kept
+    until its rest comes."""
+
+    def __init__(self, stream: str):
+        self.stream, self.pending, self.left = stream, b"", 0  # left: bytes of stderr still to come
+
+    def feed(self, chunk: bytes) -> list[tuple[str, bytes]]:
+        data, parts = self.pending + chunk, []
+        self.pending = b""
+        while data:
+            if self.left:
+                parts.append(("stderr", data[:self.left]))
+                data, self.left = data[self.left:], max(0, self.left - len(data))
+                continue
+            at = data.find(STDERR_FRAME)
+            if at < 0:
+                keep = 1 if data.endswith(STDERR_FRAME[:1]) else 0  # a header's first byte, its rest to come
+                parts.append((self.stream, data[:len(data) - keep]))
+                self.pending = data[len(data) - keep:]
+                break
+            parts.append((self.stream, data[:at]))
+            if len(data) - at < _HEADER:
+                self.pending = data[at:]
+                break
+            self.left, data = int(data[at + len(STDERR_FRAME):at + _HEADER], 16), data[at + _HEADER:]
+        return [(stream, part) for stream, part in parts if part]
+
+
 class OutputReader:
     """Reads output pipes on one thread and calls `put(record)` for what they carry; `rank_of`
     may map a line to its rank and text (torchrun prefixes lines with the rank)."""
@@ -31,12 +72,14 @@ class OutputReader:
     def __init__(self, put):
         self.put = put
         self._selector = selectors.DefaultSelector()
-        self._screens: dict[int, Screen] = {}
+        self._screens: dict[tuple[int, str], Screen] = {}
+        self._frames: dict[int, _Frames] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     def add(self, fd: int, rank: int | None, stream: str, rank_of=None) -> None:
         os.set_blocking(fd, False)
+        self._frames[fd] = _Frames(stream)
         self._selector.register(fd, selectors.EVENT_READ, (rank, stream, rank_of))
 
     def start(self) -> None:
@@ -62,11 +105,21 @@ class OutputReader:
         except OSError:
             chunk = b""
         if chunk:
-            events = self._screens.setdefault(fd, Screen()).feed(chunk)
-        else:  # end of file: the last partial line is still output
+            parts = [(part_stream, self._screens.setdefault((fd, part_stream), Screen()).feed(part))
+                     for part_stream, part in self._frames[fd].feed(chunk)]
+        else:  # end of file: the last partial lines are still output
             self._selector.unregister(fd)
             os.close(fd)
-            events = self._screens.pop(fd, Screen()).flush()
+            cut = self._frames.pop(fd).pending  # a frame's header the rank never finished: the stream's bytes
+            parts = [(stream, self._screens.setdefault((fd, stream), Screen()).feed(cut))] if cut else []
+            for name in dict.fromkeys((stream, "stderr")):
+                screen = self._screens.pop((fd, name), None)
+                if screen is not None:
+                    parts.append((name, screen.flush()))
+        for part_stream, events in parts:
+            self._put(rank, part_stream, rank_of, events)
+
+    def _put(self, rank, stream, rank_of, events) -> None:
         for kind, text, *done in events:  # `lines.Screen`'s ("line", text) and ("live", text, done)
             if kind != "line":  # lines a progress bar redraws
                 self.put(protocol.Live(rank, stream, text, *done))

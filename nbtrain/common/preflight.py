@@ -136,7 +136,7 @@ def _record_cuda_init() -> None:
         log.debug("could not record where CUDA was initialised: %s", exc)
 
 
-_record_cuda_init.nbtrain_recorder = True  # how a second install (or a reloaded module) recognises it
+_record_cuda_init.nbtrain_recorder = True  # type: ignore[attr-defined]  # how a second install (or a reloaded module) recognises it
 
 
 def install_cuda_init_hook() -> bool:
@@ -149,7 +149,7 @@ def install_cuda_init_hook() -> bool:
     global _first_init
     cuda = sys.modules.get("torch.cuda")
     queued = getattr(cuda, "_queued_calls", None)
-    if queued is None or not hasattr(cuda, "_lazy_call"):
+    if cuda is None or queued is None or not hasattr(cuda, "_lazy_call"):
         return False
     if any(getattr(entry[0], "nbtrain_recorder", False) for entry in queued):
         return True
@@ -188,7 +188,8 @@ def _cell_label(filename: str) -> str | None:
     ipython = sys.modules.get("IPython")  # never imported here: only a running shell has cells
     shell = getattr(ipython, "get_ipython", lambda: None)()
     try:
-        named = shell.compile.format_code_name(filename)  # ("Cell", "In[4]") on IPython 8+
+        named = shell.compile.format_code_name(filename)  # type: ignore[union-attr]  # no shell: the except
+        # gives ("Cell", "In[4]") on IPython 8+
     except Exception:
         named = None
     if named:
@@ -331,6 +332,8 @@ P2P_HONEST_DRIVER = (550, 40, 7)  # from here on the driver reports their P2P as
 
 
 def _version(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
     try:
         return tuple(int(p) for p in text.split("."))
     except (AttributeError, ValueError):

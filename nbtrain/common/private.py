@@ -30,7 +30,7 @@ class IncompleteWrite(OSError):
         return _rebuild, (self.path, self.errno, self.strerror, self.wrote, self.size)
 
     def __str__(self) -> str:
-        return self.strerror
+        return str(self.strerror)  # always set: __init__ gives it
 
 
 def _rebuild(path, code, text, wrote, size):

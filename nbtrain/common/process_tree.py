@@ -92,11 +92,47 @@ def running(process: psutil.Process) -> bool:
 
 
 def tree(pid: int) -> list[psutil.Process]:
-    """Every process below `pid` ([] where there is none, or no such process)."""
+    """Every process below `pid` ([] where there is none, or no such process).
+
+    Read from each process's /proc/PID/task/TID/children where Linux keeps them: psutil finds
+    children by reading every process's /proc entry (25 ms with ~140 processes on a loaded
+    machine), and every rank asks once as it ends, on the launch's critical path."""
+    found: list[psutil.Process] = []
+    below = [pid]
+    while below:
+        children = _children(below.pop())
+        if children is None:  # no children files here: psutil's way
+            try:
+                return psutil.Process(pid).children(recursive=True)
+            except psutil.Error:
+                return []
+        for child in children:
+            with contextlib.suppress(psutil.Error):  # ended since: nothing below it to find
+                found.append(psutil.Process(child))
+                below.append(child)
+    return found
+
+
+def _children(pid: int) -> list[int] | None:
+    """The children of `pid`, from the children file of each of its threads; [] for a process that
+    is gone, None where the kernel keeps no such files (CONFIG_PROC_CHILDREN)."""
+    if not _CHILDREN_FILES:
+        return None
     try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
         return []
+    children: list[int] = []
+    for thread in threads:
+        try:
+            with open(f"/proc/{pid}/task/{thread}/children") as listed:
+                children += map(int, listed.read().split())
+        except OSError:  # the thread (or the process) ended meanwhile
+            continue
+    return children
+
+
+_CHILDREN_FILES = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
 
 
 def descendants(pid: int) -> list[int]:

@@ -1,12 +1,13 @@
 """Every message between the notebook and its ranks, and every event of a run, as named records.
 
 Each record is a NamedTuple: fields have names (no code reads a message by position), and it is
-still a tuple, cheap to pickle in a batch. Its class attribute `kind` is its name in a run's
+still a tuple, cheap to pickle in a batch. Its class attribute `kind` (`@_kind`) is its name in a run's
 event log and in the handlers that dispatch on it (`_on_<kind>`, `_do_<kind>`).
 
 Ranks -> notebook, on the run's channel (`channel.Link.emit`), each naming its sender's `rank`:
   Hello, Begin, Returned, Raised, Need, Prompt        a rank's life and one command's
-  Progress, Metric, BatchSize, Profile                 what the training reports
+  Progress, Metric, BatchSize, Profile, StepTimes      what the training reports
+  Whereabouts                                          where a rank is (the answer to `Where`)
   Display, UpdateDisplay, ClearOutput                  its rich output (IPython display)
   Output, Live, OutputEnd                              its printed lines, redrawn lines, a command's
                                                        output end (`output_reader.py`; read from
@@ -14,7 +15,7 @@ Ranks -> notebook, on the run's channel (`channel.Link.emit`), each naming its s
   Closed                                               the notebook's own word: the link ended
 Notebook -> rank: a command (`Run`, `Call`, `Exec`, `Eval`, `Push`, `Pull`, `Start`, `Debug`),
 each with its `seq` and `everyone` (sent to every rank, so collectives may run in it), and
-`Names` (the answer to a `Need`), `Interrupt`, `Stacks`, `Stdin`, `Stop`.
+`Names` (the answer to a `Need`), `Interrupt`, `Stacks`, `Where`, `Stdin`, `Stop`.
 A map's work queue, on a channel of its own: `WantItems`, `ItemsDone`, `ItemsFailed` from a
 worker; `Items`, `NoMoreItems` back. The warm template, on its socket: `TemplateReady`, `Forked`,
 `Exited`, `Pong`.
@@ -29,60 +30,72 @@ without a header (version 1) holds `[attempt, kind, rank, *fields]` lists.
 from __future__ import annotations
 
 import json
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 VERSION = 2  # of a run directory's formats: the event logs and run.json
+_Record = TypeVar("_Record")
+
+
+def _kind(name: str) -> Callable[[type[_Record]], type[_Record]]:
+    """Names a record: its class attribute `kind`, set here rather than in the class body, where a
+    type checker takes every assignment in a NamedTuple for a field."""
+    def named(cls: type[_Record]) -> type[_Record]:
+        cls.kind = name  # type: ignore[attr-defined]
+        return cls
+    return named
 
 
 # -- ranks -> notebook ---------------------------------------------------------------------------
 
+@_kind("hello")
 class Hello(NamedTuple):
     """A rank started: its process id and the machine it runs on, as it names itself."""
     rank: int
     pid: int | None
     host: str | None = None
-    kind = "hello"
 
 
+@_kind("begin")
 class Begin(NamedTuple):
     """A rank began the command `seq`."""
     rank: int
     seq: int
-    kind = "begin"
 
 
+@_kind("result")
 class Returned(NamedTuple):
     """A command's value (`transfer.pack_result`), and how the rank's code ended."""
     rank: int
     payload: bytes
     where: str = ""
-    kind = "result"
 
 
+@_kind("error")
 class Raised(NamedTuple):
     """A command's exception: its first line, its traceback, and itself (`transfer.pack_exception`)."""
     rank: int
     summary: str
     traceback: str
     exception: bytes | None = None
-    kind = "error"
 
 
+@_kind("need")
 class Need(NamedTuple):
     """The command `seq` reads names this rank lacks: the notebook answers with `Names`."""
     rank: int
     seq: int
     names: list[str]
-    kind = "need"
 
 
+@_kind("prompt")
 class Prompt(NamedTuple):
     """A rank's debugger waits for a line of input: the notebook answers with `Stdin`."""
     rank: int
     text: str
-    kind = "prompt"
 
 
+@_kind("progress")
 class Progress(NamedTuple):
     """One progress level's position; `at` is the rank's own clock (None: the notebook's, in
     process), `initial` where the loop began (a loop resumed from a checkpoint)."""
@@ -94,7 +107,6 @@ class Progress(NamedTuple):
     done: bool
     at: float | None = None
     initial: int = 0
-    kind = "progress"
 
     @property
     def begins(self) -> bool:
@@ -102,6 +114,7 @@ class Progress(NamedTuple):
         return self.n == self.initial and not self.done
 
 
+@_kind("metric")
 class Metric(NamedTuple):
     """A logged value (`ctx.log`); in `Result.history` too, in this order."""
     step: int
@@ -109,147 +122,175 @@ class Metric(NamedTuple):
     name: Any  # a str, or whatever the user logged under (a tuple: a JSON list in the logs, a tuple again read back)
     value: float
     synced: bool
-    kind = "metric"
 
 
+@_kind("batch_size")
 class BatchSize(NamedTuple):
     rank: int
     per_rank: int
     effective: int
-    kind = "batch_size"
 
 
+@_kind("profile")
 class Profile(NamedTuple):
     """A profiled rank's summary (`rank/profiling.py`)."""
     rank: int
     summary: dict
-    kind = "profile"
 
 
+@_kind("step_times")
+class StepTimes(NamedTuple):
+    """A rank's time in its last command, split (`rank/doctor.py`): `batches` taken from ctx.loader,
+    `total` seconds, of which `data` waiting for them and `collective` inside collectives; the rest
+    is compute. `recent`: its last collectives, (seq, op, shape, dtype, file, line) each."""
+    rank: int
+    batches: int
+    total: float
+    data: float
+    collective: float
+    recent: list
+
+
+@_kind("whereabouts")
+class Whereabouts(NamedTuple):
+    """Where a rank's main thread is (the answer to `Where`): `collectives` called so far, the one
+    it is in (`current`, as in StepTimes.recent, or None), the user's file, line and its code, and
+    the seconds since it last progressed (a collective or a batch done, a progress step), and
+    where it meets its peers while its `init_process_group` has not completed (`rendezvous`)."""
+    rank: int
+    collectives: int
+    current: tuple | None
+    file: str
+    line: int
+    code: str
+    idle: float
+    rendezvous: str = ""
+
+
+@_kind("display")
 class Display(NamedTuple):
     """IPython display data a rank published (`rank/output.py`)."""
     rank: int
     data: dict
     metadata: dict
     transient: dict
-    kind = "display"
 
 
+@_kind("update_display")
 class UpdateDisplay(NamedTuple):
     """An update of a display id a rank published earlier."""
     rank: int
     data: dict
     metadata: dict
     transient: dict
-    kind = "update_display"
 
 
+@_kind("clear_output")
 class ClearOutput(NamedTuple):
     rank: int
     wait: bool
-    kind = "clear_output"
 
 
+@_kind("output")
 class Output(NamedTuple):
     """A whole line a rank printed (`stream`: stdout, stderr, or debug: its debugger talking)."""
     rank: int | None  # None: a launcher's own line (torchrun's)
     stream: str
     text: str
-    kind = "output"
 
 
+@_kind("live")
 class Live(NamedTuple):
     """The lines a progress bar redraws, as they read now; `done`: they are final."""
     rank: int | None
     stream: str
     text: str
     done: bool
-    kind = "live"
 
 
+@_kind("output_end")
 class OutputEnd(NamedTuple):
     """Everything `rank` wrote on `stream` during the command `seq` came before this."""
     rank: int | None
     stream: str
     seq: int
-    kind = "output_end"
 
 
+@_kind("closed")
 class Closed(NamedTuple):
     """The rank's link closed: nothing more comes from it (put on the inbox by the notebook's Hub)."""
     rank: int
-    kind = "closed"
 
 
 # Sent by a rank without waiting for a batch: the notebook acts on them (a new rich output too:
 # it keeps its place among the lines printed around it).
-URGENT = frozenset({Hello, Begin, Returned, Raised, Need, Prompt, Display, ClearOutput})
+URGENT = frozenset({Hello, Begin, Returned, Raised, Need, Prompt, Display, ClearOutput, Whereabouts})
 RICH = (Display, UpdateDisplay, ClearOutput)  # what a display's `rich` takes
 
 
 # -- notebook -> ranks ---------------------------------------------------------------------------
 
+@_kind("run")
 class Run(NamedTuple):
     """launch's function: (fn, args, kwargs) in memory (a fork), a dill payload, or a loader."""
     seq: int
     everyone: bool
     job: Any
-    kind = "run"
 
 
+@_kind("call")
 class Call(NamedTuple):
     """A notebook function, run with the rank's namespace as its globals (`Ranks.run`)."""
     seq: int
     everyone: bool
     payload: bytes
-    kind = "call"
 
 
+@_kind("exec")
 class Exec(NamedTuple):
     seq: int
     everyone: bool
     source: str
     filename: str
     want_repr: bool
-    kind = "exec"
 
 
+@_kind("eval")
 class Eval(NamedTuple):
     seq: int
     everyone: bool
     source: str
-    kind = "eval"
 
 
+@_kind("push")
 class Push(NamedTuple):
     seq: int
     everyone: bool
     payload: bytes
-    kind = "push"
 
 
+@_kind("pull")
 class Pull(NamedTuple):
     seq: int
     everyone: bool
     name: str
-    kind = "pull"
 
 
+@_kind("start")
 class Start(NamedTuple):
     """Live ranks' first command: their process group."""
     seq: int
     everyone: bool
-    kind = "start"
 
 
+@_kind("debug")
 class Debug(NamedTuple):
     seq: int
     everyone: bool
     commands: tuple | list = ()  # pdb commands typed first, as if by the user
-    kind = "debug"
 
 
-COMMANDS = {cls.kind: cls for cls in (Run, Call, Exec, Eval, Push, Pull, Start, Debug)}
+COMMANDS = {cls.kind: cls for cls in (Run, Call, Exec, Eval, Push, Pull, Start, Debug)}  # type: ignore[union-attr]
 
 
 def command(kind: str, seq: int, everyone: bool, *args):
@@ -257,64 +298,71 @@ def command(kind: str, seq: int, everyone: bool, *args):
     return COMMANDS[kind](seq, everyone, *args)
 
 
+@_kind("names")
 class Names(NamedTuple):
     """The names a `Need` asked for that the notebook has, pickled (None: none of them)."""
     seq: int
     payload: bytes | None
-    kind = "names"
 
 
+@_kind("interrupt")
 class Interrupt(NamedTuple):
     """Raise KeyboardInterrupt in the command `seq`, if it still runs."""
     seq: int
-    kind = "interrupt"
 
 
+@_kind("stacks")
 class Stacks(NamedTuple):
     """Write every thread's stack to stderr (ranks on other machines; local ones get a signal)."""
-    kind = "stacks"
 
 
+@_kind("where")
+class Where(NamedTuple):
+    """Say where the main thread is (`Whereabouts`): the doctor's question when no rank progresses."""
+
+
+@_kind("stdin")
 class Stdin(NamedTuple):
     line: str
-    kind = "stdin"
 
 
+@_kind("stop")
 class Stop(NamedTuple):
-    kind = "stop"
+    """The rank's command loop ends."""
 
 
 # -- a map's work queue --------------------------------------------------------------------------
 
+@_kind("want_items")
 class WantItems(NamedTuple):
     rank: int  # the worker's name on the queue: its rank, or its slot's number
-    count: int
-    kind = "want_items"
+    count: int  # type: ignore[assignment]  # shadows tuple.count, which no code calls on it; the name is the wire's
 
 
+@_kind("items_done")
 class ItemsDone(NamedTuple):
     rank: int
     indices: list[int]
     payload: bytes  # the results, one per index, pickled together
-    kind = "items_done"
 
 
+@_kind("items_failed")
 class ItemsFailed(NamedTuple):
     rank: int
     indices: list[int]
     summary: str
     traceback: str
     exception: bytes | None = None
-    kind = "items_failed"
 
 
+@_kind("items")
 class Items(NamedTuple):
     batch: list  # (index, pickled item) pairs
-    kind = "items"
 
 
+@_kind("no_more_items")
 class NoMoreItems(NamedTuple):
-    kind = "no_more_items"
+    """The queue is empty: the worker returns."""
 
 
 URGENT |= {WantItems, ItemsDone, ItemsFailed}
@@ -322,51 +370,53 @@ URGENT |= {WantItems, ItemsDone, ItemsFailed}
 
 # -- the warm template ---------------------------------------------------------------------------
 
+@_kind("ready")
 class TemplateReady(NamedTuple):
     pid: int
-    kind = "ready"
 
 
+@_kind("forked")
 class Forked(NamedTuple):
     pid: int
-    kind = "forked"
 
 
+@_kind("exited")
 class Exited(NamedTuple):
     pid: int
     code: int
-    kind = "exited"
 
 
+@_kind("pong")
 class Pong(NamedTuple):
-    kind = "pong"
+    """The template is alive (the answer to a ping)."""
 
 
 # -- run events ----------------------------------------------------------------------------------
 
+@_kind("finished")
 class Finished(NamedTuple):
     """The rank's command returned (`where`: how its code ended)."""
     rank: int
     where: str = ""
-    kind = "finished"
 
 
+@_kind("failed")
 class Failed(NamedTuple):
     rank: int
     summary: str
     traceback: str = ""
     crashed: bool = False  # died by a signal or exit code (or ended early), not by a Python exception
-    kind = "failed"
 
 
+@_kind("stopped")
 class Stopped(NamedTuple):
     """Stopped (or interrupted) because of another rank's failure or a time-out."""
     rank: int
     why: str = ""
     stack: str = ""
-    kind = "stopped"
 
 
+@_kind("vital")
 class Vital(NamedTuple):
     """One rank's vital signs at one moment, sampled in the notebook at most about once a second."""
     time: float  # seconds since the run started
@@ -376,31 +426,30 @@ class Vital(NamedTuple):
     gpu_memory: int | None  # bytes: GPU memory held by the rank's process (NVML)
     gpu_util: int | None  # percent: utilisation of the rank's GPU (NVML)
     gpu: int | None  # physical index of the rank's GPU
-    kind = "vital"
 
 
+@_kind("start")
 class AttemptStarted(NamedTuple):
     """An attempt of a submitted run began: its title, its ranks, the wall clock."""
     title: str
     ranks: list[int]
     time: float
-    kind = "start"
 
 
+@_kind("note")
 class Note(NamedTuple):
     text: str
-    kind = "note"
 
 
+@_kind("end")
 class AttemptEnded(NamedTuple):
     ok: bool
     time: float
-    kind = "end"
 
 
 RUN_EVENTS = (AttemptStarted, Note, AttemptEnded)  # the run's own log (events.jsonl)
 RANK_EVENTS = (Hello, Progress, Metric, BatchSize, Finished, Failed, Stopped, Vital, Output)  # rank-N.jsonl
-LOGGED = {cls.kind: cls for cls in (*RUN_EVENTS, *RANK_EVENTS)}
+LOGGED = {cls.kind: cls for cls in (*RUN_EVENTS, *RANK_EVENTS)}  # type: ignore[union-attr]  # set by @_kind
 
 
 class Logged(NamedTuple):

@@ -46,7 +46,7 @@ ACTIVE = ("queued", "running", "restarting")
 ENDED = ("finished", "failed", "cancelled")
 
 
-def rank_events(rank: int) -> str:
+def rank_events(rank: int | str) -> str:
     return f"rank-{rank}.jsonl"
 
 
@@ -106,7 +106,7 @@ def writer_gone(partial: Path) -> bool:
 def remove_stale_partials(parent: Path, name: str | None = None) -> list[str]:
     """Remove what interrupted submits left in `parent` (this user's partial directories whose
     writer has ended; of run directory `name` only, if given); the names removed."""
-    removed = []
+    removed: list[str] = []
     try:
         entries = [e for e in os.scandir(parent) if e.name.startswith(PARTIAL)]
     except OSError:

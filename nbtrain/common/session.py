@@ -31,9 +31,12 @@ def _start(process: psutil.Process) -> str:
     return str(round(since_boot * os.sysconf("SC_CLK_TCK")))
 
 
-def alive(who: dict) -> bool:
+def alive(who: dict | None) -> bool:
     """Whether the process `identity` named still runs (a zombie does not); for a supervisor that
-    is a SLURM batch job (`{"slurm_job": ID}`), whether the job is still in the queue."""
+    is a SLURM batch job (`{"slurm_job": ID}`), whether the job is still in the queue. None (a
+    damaged or missing identity) names nothing alive."""
+    if who is None:
+        return False
     if "slurm_job" in who:
         return slurm_state(who["slurm_job"]) in SLURM_ACTIVE
     try:

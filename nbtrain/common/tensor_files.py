@@ -155,4 +155,4 @@ def map_storage(path: str, nbytes: int) -> torch.UntypedStorage:
     """The notebook's side: the rank's file as a storage (private, copy-on-write), unlinked."""
     storage = torch.UntypedStorage.from_file(path, False, nbytes)
     os.unlink(path)  # the mapping keeps the pages; nothing is left to clean up
-    return storage
+    return storage  # type: ignore[return-value]  # torch types from_file as its base class's

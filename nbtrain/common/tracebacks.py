@@ -33,6 +33,15 @@ def _kernel_namer(shell=None):
     return _cell_namer(shell) if shell is not None else None
 
 
+def place_name(path: str, shell=None) -> str:
+    """A file as a verdict names it: a cell of this kernel as IPython does (`In[4]`), else its base name."""
+    namer = _kernel_namer(shell)
+    named = namer(path) if namer is not None and path else None
+    if named:
+        return named[1]
+    return os.path.basename(path) if path and not path.startswith("<") else path
+
+
 def name_cells(traceback: str, shell=None) -> str:
     """`traceback` with every file name the kernel knows as a cell replaced by `Cell In[N]`;
     unchanged outside IPython or for files that are not cells."""
@@ -112,7 +121,9 @@ def fold_library_frames(traceback: str) -> str:
     packages, the standard library or nbtrain fold into one line naming the packages; the frame
     that raised (or, in a stack dump listed most recent first, the one running) stays, its path
     cut to where the package starts. The full text stays in `WorkerError.traceback`."""
-    lines, out, run = traceback.splitlines(), [], []
+    lines = traceback.splitlines()
+    out: list[str] = []
+    run: list = []
     recent_first, at_start, run_at_start = False, True, False
 
     def shortened(frame) -> list[str]:
@@ -128,7 +139,7 @@ def fold_library_frames(traceback: str) -> str:
         if recent_first:
             out.extend(line for frame in kept for line in shortened(frame))
         if len(frames) > 1:
-            packages = sorted({package_path(path).split("/")[0].removesuffix(".py") for path, _ in frames})
+            packages = sorted({(package_path(path) or path).split("/")[0].removesuffix(".py") for path, _ in frames})
             out.append(f"  ... {len(frames)} frames in {', '.join(packages)}")
         elif frames:
             out.extend(shortened(frames[0]))
@@ -152,7 +163,8 @@ def fold_library_frames(traceback: str) -> str:
         if run:
             flush(section_ends=path is None)
         if path is None:  # a header, the error, a blank: a new section may start
-            recent_first = "most recent call first" in block[0] or (recent_first and "most recent call last" not in block[0])
+            recent_first = ("most recent call first" in block[0]
+                            or (recent_first and "most recent call last" not in block[0]))
             at_start = True
         else:
             at_start = False

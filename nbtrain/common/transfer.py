@@ -178,7 +178,8 @@ class _ExceptionPickler(dill.Pickler):
 
     def reducer_override(self, obj):
         cls = type(obj)
-        if isinstance(obj, BaseException) and cls.__module__ != "builtins" and cls.__reduce__ is BaseException.__reduce__:
+        if (isinstance(obj, BaseException) and cls.__module__ != "builtins"
+                and cls.__reduce__ is BaseException.__reduce__):
             return _new_exception, (cls, obj.args), (vars(obj) or None)
         return NotImplemented
 

@@ -41,7 +41,8 @@ class MapState:
     def line(self, verdict: str | None = None) -> str:
         rate = self.rate
         speed = f"{rate:.3g} items/s" if rate else ""
-        eta = f"eta {_duration((self.total - self.done) / rate)}" if rate and not verdict and self.done < self.total else ""
+        running = not verdict and self.done < self.total
+        eta = f"eta {_duration((self.total - self.done) / rate)}" if rate and running else ""
         resumed = f"{self.resumed} resumed from run_dir" if self.resumed else ""
         when = f"{verdict} in {self.elapsed:.1f} s" if verdict else f"{self.busy} busy"
         parts = [f"{self.done}/{self.total} items", when, speed, eta, resumed]
@@ -113,7 +114,8 @@ class HtmlMapView(QuietMapView):
         fraction = state.done / state.total if state.total else 1.0
         colour = "#2e7d32" if verdict == "finished" else "#c62828" if verdict == "failed" else "#1565c0"
         bar = (f'<span style="display:inline-block;width:14em;height:0.8em;background:#e0e0e0;vertical-align:middle">'
-               f'<span style="display:block;width:{fraction * 100:.1f}%;height:100%;background:{colour}"></span></span>')
+               f'<span style="display:block;width:{fraction * 100:.1f}%;height:100%;background:{colour}">'
+               '</span></span>')
         text = html.escape(state.line(verdict)).replace("nbtrain", "<b>nbtrain</b>", 1)
         return {"text/html": f'<div class="nbtrain-map">{bar} {text}</div>', "text/plain": state.line(verdict)}
 

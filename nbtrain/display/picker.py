@@ -192,6 +192,7 @@ class GpuPicker:
         if not self._gpus:
             self._say(f"{devices} CPU rank{'s' if devices != 1 else ''}: nbtrain.launch(fn, devices=picker)")
             return
+        assert isinstance(devices, list)  # GPUs are visible: a selection, not a count
         busy = [g for g in self._gpus if g.index in devices and not g.is_free]
         text = f"selected: {devices}" + (": nbtrain.launch(fn, devices=picker)" if devices else "")
         warning = "; ".join(f"GPU {g.index} is in use by {describe_holders(g)}" for g in busy)

@@ -12,7 +12,7 @@ WORDS = {"communication": "waiting in {collective}", "data": "loading data", "co
 # A rank waiting this much less of its step in collectives than another is the one they wait for
 # (a share of the step: tiny CPU steps differ by 10 points from run to run with no straggler).
 WAIT_GAP = 0.25
-SPREAD = 0.20  # steps this much longer than another rank's: that rank is slower
+SPREAD = 0.20  # time outside collectives this much longer than the others' (median): that rank is slower
 
 
 class ProfileTable:
@@ -34,17 +34,17 @@ class ProfileTable:
         summary = self.ranks[rank]
         return summary["split"][category] / summary["step_time"] if summary["step_time"] else 0.0
 
+    def busy(self, rank: int) -> float:
+        """Seconds of its step a rank spends outside collectives: what the others wait for."""
+        summary = self.ranks[rank]
+        return summary["step_time"] - summary["split"].get("communication", 0.0)
+
     def slowest(self) -> int | None:
-        """The rank the others wait for: the one spending clearly least of its step in collectives
-        (the others wait there for it); without such a gap, the one with the longest steps."""
+        """The rank the others wait for, by the doctor's rule (`notebook/doctor.py`'s straggler):
+        the one with the most time outside collectives in its step; never the one with the
+        longer step because it waited longer."""
         ranks = self.ranks
-        if not ranks:
-            return None
-        waits = {r: self.share(r, "communication") for r in ranks}
-        least = min(waits, key=waits.get)
-        if len(ranks) > 1 and max(waits.values()) - waits[least] >= WAIT_GAP:
-            return least
-        return max(ranks, key=lambda r: ranks[r]["step_time"])
+        return max(ranks, key=self.busy) if ranks else None
 
     def verdict(self) -> str:
         """The slowest rank and why, in words: "slowest: rank 1, 25 ms per step, 81 % idle (...);
@@ -57,12 +57,13 @@ class ProfileTable:
         step = f"{_ms(ranks[slow]['step_time'])} per step, {self._main(slow)}"
         if len(ranks) == 1:
             return f"rank {slow}: {step}"
+        others = sorted(self.busy(r) for r in ranks if r != slow)
+        ratio = self.busy(slow) / max(others[len(others) // 2], 1e-12)
         waiting = max(ranks, key=lambda r: self.share(r, "communication"))
-        if self.share(waiting, "communication") - self.share(slow, "communication") >= WAIT_GAP:
-            return f"slowest: rank {slow}, {step}; rank {waiting} waits for it: {self._part(waiting, 'communication')}"
+        if ratio >= 1 + SPREAD or self.share(waiting, "communication") - self.share(slow, "communication") >= WAIT_GAP:
+            waits = f"; rank {waiting} waits for it: {self._part(waiting, 'communication')}" if waiting != slow else ""
+            return f"slowest: rank {slow}, {step}{waits}"
         times = [s["step_time"] for s in ranks.values()]
-        if max(times) > (1 + SPREAD) * min(times):
-            return f"slowest: rank {slow}, {step}"
         return f"no rank stands out (steps of {_ms(min(times))} to {_ms(max(times))}); rank {slow}: {step}"
 
     def _main(self, rank: int) -> str:

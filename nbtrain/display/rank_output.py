@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from typing import Any
 
 from ..common import protocol
 
@@ -27,7 +28,8 @@ def jupyter_shell():
     """The kernel's shell when this runs in Jupyter (Colab's and Spyder's subclass it), else None."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
-    return shell if shell is not None and any(c.__name__ == "ZMQInteractiveShell" for c in type(shell).__mro__) else None
+    in_jupyter = shell is not None and any(c.__name__ == "ZMQInteractiveShell" for c in type(shell).__mro__)
+    return shell if in_jupyter else None
 
 
 def tagged(rank, text: str) -> str:
@@ -59,7 +61,7 @@ class RankOutput:
         self._output = output
         self._shown_again = shown_again or (lambda: None)
         self.shown_rank = 0
-        self._live: dict[tuple, object] = {}  # (rank, stream): the display handle of its live lines
+        self._live: dict[tuple, Any] = {}  # (rank, stream): the display handle of its live lines
         self._unshown: Counter = Counter()  # rank: rich outputs not shown
 
     def start(self, state) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from ..common import protocol, runlog
 from .vitals import VitalsSampler
@@ -34,7 +35,7 @@ class RunRecorder:
         self.echo = echo  # a display that draws the run too (an exported job's terminal), or None
         # summary.json's content, kept by the supervisor across attempts (rank 0's metrics of
         # earlier attempts stay until this one logs its own).
-        self.summary = {"devices": "", "ranks": [], "metrics": {}} if summary is None else summary
+        self.summary: dict[str, Any] = {"devices": "", "ranks": [], "metrics": {}} if summary is None else summary
         self._summarised = float("-inf")
         # Called once with the reason, when the logs stop (a full disk); None: stop silently.
         self.on_stop, self.stopped = stopped, ""

@@ -110,7 +110,8 @@ def headline(state: SweepState, verdict: str | None = None) -> str:
 
 
 def row_line(row: TrialRow, metric: str) -> str:
-    value = "" if row.value is None else f"{metric}={number(row.value)}" + (f" @ step {row.step}" if row.step is not None else "")
+    at = f" @ step {row.step}" if row.step is not None else ""
+    value = "" if row.value is None else f"{metric}={number(row.value)}{at}"
     parts = [f"trial {row.number}", row.state, params_text(row.params), value, row.progress, f"[{row.slot}]",
              f"{row.seconds:.1f} s" if row.ended else "", row.detail]
     return "  ".join(p for p in parts if p)
@@ -132,7 +133,8 @@ def _rows_html(state: SweepState, final: bool) -> str:
                   f'<span style="color:{STATE_COLOURS["failed"] if row.state == "failed" else "#757575"}">'
                   f"{html.escape(row.detail)}</span>"]
         weight = "font-weight:bold;" if row.number == best else ""
-        cells.append(f"<tr style='{weight}'>" + "".join(f"<td style='text-align:left'>{v}</td>" for v in values) + "</tr>")
+        cells.append(f"<tr style='{weight}'>" + "".join(f"<td style='text-align:left'>{v}</td>" for v in values)
+                     + "</tr>")
     more = f"<div>({hidden} earlier trials not shown)</div>" if hidden else ""
     return f"{more}<table>{''.join(cells)}</table>"
 
@@ -275,7 +277,8 @@ class HtmlView(QuietView):
             replace(self._handles[1], {"text/html": svg, "text/plain": ""})
 
     def finish(self, state: SweepState, verdict: str) -> None:
-        replace(self._handles[0], {"text/html": summary_html(state, verdict), "text/plain": summary_text(state, verdict)})
+        replace(self._handles[0],
+                {"text/html": summary_html(state, verdict), "text/plain": summary_text(state, verdict)})
         replace(self._handles[1], curves_bundle(state) or {"text/plain": ""})
 
 

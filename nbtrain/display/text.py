@@ -5,6 +5,7 @@ import html
 import os
 import sys
 import time
+from typing import Any
 
 from .rank_output import RankOutput
 from .vitals import VitalsSampler, latest, memory_text, rate_text
@@ -86,7 +87,8 @@ def rank_line(view, state=None, final: bool = False, vital=None) -> str:
         status, detail = detail, ""
     bars = " ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in sorted(view.bars.items()))
     rate = view.step_rate if final or vital is None else vital.step_rate
-    parts = [f"rank {view.rank}", status, bars, rate_text(rate, None if final else view), memory_text(vital), _metric_text(view.metrics),
+    parts = [f"rank {view.rank}", status, bars, rate_text(rate, None if final else view), memory_text(vital),
+             _metric_text(view.metrics),
              detail, _clip(reason.splitlines()[0]) if reason else ""]  # its first line; a stack may follow
     return "  ".join(p for p in parts if p)
 
@@ -104,7 +106,8 @@ def summary_lines(state, ok: bool) -> list[str]:
     batch = batch_text(state)
     head += f"; {batch}" if batch else ""
     vitals = latest(state)
-    return [head, *("  " + rank_line(v, state, True, vitals.get(r)) for r, v in state.ranks.items())]
+    return [head, *("  " + rank_line(v, state, True, vitals.get(r)) for r, v in state.ranks.items()),
+            *state.doctor_lines()]
 
 
 def _sends_in_batches(stream) -> bool:
@@ -130,12 +133,18 @@ class QuietDisplay:
     @property
     def rank_output(self) -> RankOutput:
         """Made on first use: a display of the caller's own may subclass this without calling __init__."""
-        if self.__dict__.get("_rank_output") is None:
-            self._rank_output = RankOutput(self.output, self._shown_again)
-        return self._rank_output
+        made = self.__dict__.get("_rank_output")
+        if made is None:
+            made = self._rank_output = RankOutput(self.output, self._shown_again)
+        return made
 
     def _write(self, text: str, stream: str = "stdout") -> None:
         target = self._file or (sys.stderr if stream == "stderr" else sys.stdout)
+        if self._file is None and stream != self.__dict__.get("_stream", stream):
+            # The kernel batches each stream apart: what the other one holds goes first, so the
+            # cell shows a rank's stdout and stderr lines in the order the rank wrote them.
+            (sys.stdout if stream == "stderr" else sys.stderr).flush()
+        self._stream = stream
         print(text, file=target, flush=not _sends_in_batches(target))
 
     def start(self, state) -> None:
@@ -203,7 +212,7 @@ class TqdmDisplay(LineDisplay):
 
     def __init__(self, file=None, interval: float = 0.1):
         super().__init__(file or sys.stderr, interval)
-        self._bars: dict[int, object] = {}
+        self._bars: dict[int, Any] = {}
         self._seen = -1
 
     def _write(self, text: str, stream: str = "stdout") -> None:
@@ -229,8 +238,10 @@ class TqdmDisplay(LineDisplay):
             outer = " ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in levels[:-1])
             bar.total = inner.total if inner else None
             bar.n = inner.n if inner else 0
-            bar.initial = inner.initial if inner else 0  # tqdm's rate counts from it: a resumed loop's earlier steps were not done now
-            bar.set_description_str(" ".join(p for p in (f"rank {rank}", outer, inner.desc if inner else view.status) if p),
+            # tqdm's rate counts from it: a resumed loop's earlier steps were not done now
+            bar.initial = inner.initial if inner else 0
+            bar.set_description_str(" ".join(p for p in (f"rank {rank}", outer, inner.desc if inner else view.status)
+                                             if p),
                                     refresh=False)
             bar.set_postfix_str(_metric_text(view.metrics), refresh=False)
             bar.refresh()

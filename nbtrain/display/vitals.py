@@ -97,7 +97,7 @@ def slowest(rates: dict[int, float | None]) -> int | None:
     known = {rank: rate for rank, rate in rates.items() if rate is not None}
     if len(known) < 2:
         return None
-    rank = min(known, key=known.get)
+    rank = min(known, key=known.__getitem__)
     return rank if known[rank] < STRAGGLER * max(known.values()) else None
 
 

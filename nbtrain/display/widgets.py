@@ -257,7 +257,7 @@ class WidgetDisplay(QuietDisplay):
     def start(self, state) -> None:
         global last_dashboard
         if self.ok is not None:  # started again after a run ended: fresh widgets for the new run
-            self.__init__()
+            self.__init__()  # type: ignore[misc]  # this class's own fields, fresh
         last_dashboard = self
         self.rank_output.start(state)
         self._draw(state, time.monotonic())
@@ -336,7 +336,9 @@ class WidgetDisplay(QuietDisplay):
         parts = [f"<b>nbtrain</b> {html.escape(state.title)}",
                  f'<span style="color:{STATUS_COLOURS[word]}">{word}</span>', f"{_duration(state.elapsed)} elapsed",
                  batch_text(state, "×")]
-        self.header.value = " · ".join(p for p in parts if p)
+        stalled = (f'<br><span style="color:{STATUS_COLOURS["failed"]}">stalled: {html.escape(state.stall)}</span>'
+                   if state.stall and self.ok is None else "")  # the doctor's verdict, while it holds
+        self.header.value = " · ".join(p for p in parts if p) + stalled
 
     def snapshot(self) -> dict:
         """What the widgets show now, as plain data (for tests and for a look after a run)."""
@@ -367,7 +369,8 @@ def summary_html(state, ok: bool) -> str:
                   html.escape(progress), rate, html.escape(memory_text(vitals.get(rank))),
                   html.escape(_metric_text(view.metrics)), why]
         rows.append("<tr>" + "".join(f"<td style='text-align:left'>{v}</td>" for v in values) + "</tr>")
-    return f'<div class="nbtrain-summary"><div>{head}</div><table>{"".join(rows)}</table></div>'
+    doctor = "".join(f"<div>{html.escape(line)}</div>" for line in state.doctor_lines())
+    return f'<div class="nbtrain-summary"><div>{head}</div><table>{"".join(rows)}</table>{doctor}</div>'
 
 
 def plot_bundle(history) -> dict:

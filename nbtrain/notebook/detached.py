@@ -23,6 +23,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from ..common import runlog, session
 from ..common.devices import plan_devices
@@ -45,8 +46,8 @@ class Status:
 
     def __init__(self, run_dir: Path, max_restarts: int):
         self.path = run_dir / runlog.STATUS
-        self.value = {"status": "queued", "pid": os.getpid(), "max_restarts": max_restarts, "restarts": [],
-                      "reason": "", "ended": None}
+        self.value: dict[str, Any] = {"status": "queued", "pid": os.getpid(), "max_restarts": max_restarts,
+                                      "restarts": [], "reason": "", "ended": None}
 
     def set(self, status: str, **more) -> None:
         self.value.update(status=status, **more)
@@ -110,7 +111,7 @@ def _in_process(options: dict, cluster) -> bool:
     return choose(asked, plan).start == IN_KERNEL
 
 
-def main(run_dir: str, load=None, echo=None) -> int:
+def main(run_dir: str | Path, load=None, echo=None) -> int:
     """Run the job in `run_dir` (run.json written there) to its end; 0 if it finished. `load()`
     gives (fn, args, kwargs, objects) where the job is not job.pkl (an exported job's job.py);
     `echo` is a display that draws the run as well (an exported job's terminal)."""
@@ -168,9 +169,14 @@ def _supervise(run_dir: Path, load, echo) -> int:
     os.environ["NBTRAIN_RUN_DIR"] = str(run_dir)  # ctx.run_dir, in every rank (their environment starts from ours)
     try:
         fn, args, kwargs, objects = load()
-        in_process = _in_process(spec["launch"], objects["cluster"])
+        sweeping = spec.get("kind") == "sweep"
+        in_process = not sweeping and _in_process(spec["launch"], objects["cluster"])
     except BaseException as exc:
         return _failed(run_dir, status, exc, "the job could not be loaded")
+    if sweeping:
+        # No view: its lines begin "nbtrain: ", which supervisor.log keeps for why a run ended; the
+        # study is the sweep's record (the Run lists its trials from it).
+        return _sweep(run_dir, status, signals, lambda: fn(*args, run_dir=str(run_dir), progress=False, **kwargs))
     cluster = objects["cluster"]
 
     def queued(where: str | None) -> None:  # where the cluster holds the ranks; None once they run
@@ -227,6 +233,29 @@ def _supervise(run_dir: Path, load, echo) -> int:
         status.set("finished", reason="")
         return 0
     return 1  # not reached: the last attempt returns
+
+
+def _sweep(run_dir: Path, status: Status, signals: list[int], run) -> int:
+    """A submitted sweep (`submit(nbtrain.sweep, ...)`): `run()` is the sweep, its study SQLite in
+    the run directory, its trials launches of their own. The result is the `Sweep` (its study
+    reopens the database where it is read back)."""
+    status.set("running", attempt=0, reason="")
+    try:
+        result = run()
+    except KeyboardInterrupt:  # the finished trials are kept in the study
+        status.set("cancelled", reason=_cancelled(signals))
+        return 1
+    except Exception as error:
+        return _failed(run_dir, status, error, why(error))
+    finally:
+        sys.stdout.flush()
+    try:
+        runlog.write_whole(run_dir / runlog.RESULT, ship_bytes(result))
+    except Exception as error:
+        reason = str(error) if isinstance(error, runlog.IncompleteWrite) else f"{runlog.RESULT}: {error}"
+        return _failed(run_dir, status, None, reason)
+    status.set("finished", reason="")
+    return 0
 
 
 def _cancelled(signals: list[int]) -> str:

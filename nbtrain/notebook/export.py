@@ -92,7 +92,8 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
     if pickled:
         write_whole(where / NAMES, pickled)
     write_whole(where / ARGUMENTS, ship_bytes((args, kwargs)))
-    launch = {"strategy": "ddp", "start": "torchrun", "devices": plan.nprocs, "accelerator": plan.accelerator, "num_nodes": 1,
+    launch = {"strategy": "ddp", "start": "torchrun", "devices": plan.nprocs, "accelerator": plan.accelerator,
+              "num_nodes": 1,
               "backend": None, "timeout": None, "launcher_options": None}  # run.sh: torchrun on this machine
     write_whole(where / EXPORT, json.dumps({"function": None if isinstance(fn, CellJob) else fn.__name__,
                                             "launch": launch}, indent=1).encode())
@@ -101,7 +102,8 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
     # The kernel's import path: modules the code imports from its directory (or a sys.path entry) are found.
     path = shlex.quote(os.pathsep.join(p or os.getcwd() for p in sys.path))
     _write(where / "run.sh", RUN_SH.format(python=shlex.quote(sys.executable), path=path), executable=True)
-    _write(where / "sbatch.sh", SBATCH_SH.format(name=getattr(fn, "__name__", "cell"), nodes=plan.num_nodes, nproc=nproc,
+    _write(where / "sbatch.sh",
+           SBATCH_SH.format(name=getattr(fn, "__name__", "cell"), nodes=plan.num_nodes, nproc=nproc,
                                                  path=path, python=shlex.quote(sys.executable), where=where,
                                                  gpus=f"#SBATCH --gpus-per-node={nproc}\n" if plan.accelerator == "gpu"
                                                  else "", accelerator=plan.accelerator), executable=True)
@@ -169,11 +171,12 @@ def _gather(fn):
                 imports[name] = _import_line(name, value.__name__)
             elif module not in (None, "__main__") and getattr(value, "__qualname__", "").isidentifier() \
                     and getattr(sys.modules.get(module), value.__qualname__, None) is value:
-                imports[name] = f"from {module} import {value.__qualname__}" + (
-                    f" as {name}" if name != value.__qualname__ else "")
-            elif isinstance(value, (types.FunctionType, type)) and _source(value) and value.__name__ == name:
+                qualname = value.__qualname__  # type: ignore[union-attr]  # checked just above
+                imports[name] = f"from {module} import {qualname}" + (f" as {name}" if name != qualname else "")
+            elif isinstance(value, (types.FunctionType, type)) and (source := _source(value)) \
+                    and value.__name__ == name:
                 visit(value)
-                sources[name] = _source(value)
+                sources[name] = source
             else:
                 pickled[name] = value
 

@@ -24,7 +24,7 @@ from .export import EXPORT, NAMES
 OWN = (runlog.SPEC, runlog.STATUS, runlog.EVENTS, runlog.RESULT, runlog.ERROR, runlog.SUPERVISOR, VALUE)
 
 
-def main(here: str) -> int:
+def main(here: str | Path) -> int:
     here = Path(here).absolute()
     plan = read_own_json(here / EXPORT)  # the job's files are ours, as the run's: nothing else is read
     plan["launch"].setdefault("start", "torchrun")  # exported before start= existed, when strategy 'ddp' said so

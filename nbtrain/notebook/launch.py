@@ -14,9 +14,11 @@ from ..placements.processes import ForkLauncher, SpawnLauncher
 from ..placements.script import ScriptLauncher
 from ..placements.template import start_ranks_cleanly
 from .choices import IN_KERNEL, Choice, choose, words
+from .doctor import check_stall
 from .inprocess import InProcessLauncher
 from .insight import instrument
 from .pool import Pool
+from .reloads import edited_since_loaded
 from .restarts import check_restarts, with_restarts
 from .result import Result
 
@@ -41,7 +43,7 @@ def check_timeout(timeout):
 def launch(fn: Callable, *args, strategy: str = "auto", start: str = "auto", devices="auto",
            accelerator: str = "auto", num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
            progress=True, launcher_options: dict | None = None, cluster=None, trackers=None, profile=None,
-           run_dir=None, max_restarts: int = 0, **kwargs) -> Result:
+           run_dir=None, max_restarts: int = 0, stall: float | bool | None = None, **kwargs) -> Result:
     """Run ``fn(*args, **kwargs)`` on every rank and return what the ranks gave back.
 
     Inside ``fn``, ``nbtrain.context()`` is this rank's `Context`. The call shows a live view
@@ -80,6 +82,10 @@ def launch(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
         The process group's backend; default nccl on GPUs, gloo on CPU.
     timeout : float, optional
         Seconds before the run is stopped, with every rank's stack shown. None: no limit.
+    stall : float or False, optional
+        Seconds without progress on any rank (no collective, batch or progress step done) after
+        which the live view and the cell say, once, where each rank is and whom the others wait
+        for; the run goes on. None: max(60 s, 10x the recent step time); False: never.
     progress : bool, str or display, default True
         True or 'auto': widgets in Jupyter, text elsewhere; 'widgets', 'text'; False: no view
         (the ranks' output is still shown).
@@ -136,31 +142,36 @@ def launch(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
     if not callable(fn):
         raise TypeError(f"launch(fn=...) needs a callable training function, got {type(fn).__name__}.")
     check_timeout(timeout)
+    check_stall(stall)
     check_restarts(max_restarts)
     asked = words(strategy, start, launcher_options)
     insight = {"trackers": trackers, "profile": profile, "run_dir": run_dir}
     if cluster is not None:
         return launch_on(cluster, fn, args, kwargs, asked=asked, devices=devices, accelerator=accelerator,
                          num_nodes=num_nodes, backend=backend, timeout=timeout, progress=progress,
-                         max_restarts=max_restarts, **insight)
+                         max_restarts=max_restarts, stall=stall, **insight)
     plan = plan_devices(devices, accelerator, backend, num_nodes)
     choice = choose(asked, plan)
     display = make_display(progress)
     asked.say(display.note)
     return launch_chosen(fn, args, kwargs, plan, choice, display, timeout=timeout, max_restarts=max_restarts,
-                         **insight)
+                         stall=stall, **insight)
 
 
 def launch_chosen(fn: Callable, args: tuple, kwargs: dict, plan: DevicePlan, choice: Choice, display, *,
-                  timeout: float | None, max_restarts: int, trackers=None, profile=None, run_dir=None) -> Result:
+                  timeout: float | None, max_restarts: int, trackers=None, profile=None, run_dir=None,
+                  stall: float | bool | None = None) -> Result:
     """`launch` once the plan and the (strategy, start) pair are known (a cell's job depends on them)."""
     fn = instrument(fn, args, kwargs, plan=plan, strategy=choice.strategy, trackers=trackers, profile=profile,
                     run_dir=run_dir)
     if choice.note:
         display.note(choice.note)
+    for line in edited_since_loaded():  # forks and fresh ranks would run different code
+        display.note(line)
 
     def attempt() -> Result:  # a new job each time: nothing of a failed attempt is reused
-        job = Job(fn, args, kwargs, plan, choice.strategy, timeout, options=dict(choice.options), start=choice.start)
+        job = Job(fn, args, kwargs, plan, choice.strategy, timeout, stall, options=dict(choice.options),
+                  start=choice.start)
         launcher = _launcher(choice.start, job, display)
         if isinstance(launcher, InProcessLauncher):
             return launcher.launch(job, display)
@@ -195,12 +206,13 @@ def run_once(launcher, job: Job, display) -> Result:
                 waiting.join()  # gone when launch returns: a launch leaves no thread behind
         if pool.state is not None:  # None: it failed in its checks, before anything was shown
             display.finish(pool.state, ok)
+    assert pool.state is not None, "a pool that ran has its state"
     return Result.from_state(pool.state, job.strategy, job.plan.describe(), job.start)
 
 
 def launch_on(cluster, fn, args: tuple, kwargs: dict, *, asked, devices, accelerator: str, num_nodes: int,
               backend: str | None, timeout: float | None, progress, trackers=None, profile=None, run_dir=None,
-              max_restarts: int = 0):
+              max_restarts: int = 0, stall: float | bool | None = None):
     """`launch(..., cluster=...)`: the same run, its ranks placed by the cluster's engine. A restart
     is a new placement (a new SLURM job, new Ray actors); the failed one is gone before it starts."""
     cluster = check_cluster(cluster)
@@ -212,7 +224,7 @@ def launch_on(cluster, fn, args: tuple, kwargs: dict, *, asked, devices, acceler
     asked.say(display.note)
 
     def attempt() -> Result:  # run_once returns once the engine let go of the ranks (the job left the queue)
-        job = ClusterJob(fn, args, kwargs, plan, strategy, timeout, start=cluster.engine)
+        job = ClusterJob(fn, args, kwargs, plan, strategy, timeout, stall, start=cluster.engine)
         return run_once(cluster.placement(), job, display)
 
     # Only the ranks' failures restart: the engine's refusals (a job that can never start) would only repeat.

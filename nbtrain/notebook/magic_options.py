@@ -20,7 +20,8 @@ TRACKERS = ("tensorboard", "mlflow", "wandb")
 DEFAULTS = {"strategy": "auto", "start": "auto", "devices": "auto", "accelerator": "auto", "nnodes": 1, "node_rank": 0,
             "rdzv_endpoint": None, "max_restarts": 0, "launcher": "torchrun", "timeout": None, "no_progress": False,
             "cluster": None, "partition": None, "time": None, "account": None, "sbatch": None, "address": None,
-            "num_workers": None, "notebook_address": None, "trackers": None, "profile": None, "run_dir": None, "submit": False}
+            "num_workers": None, "notebook_address": None, "trackers": None, "profile": None, "run_dir": None,
+            "submit": False}
 CLUSTER_OPTIONS = {"slurm": ("partition", "time", "account", "sbatch"), "ray": ("address", "num_workers")}
 LOCAL_ONLY = ("node_rank", "rdzv_endpoint", "max_restarts", "launcher")  # ranks this machine starts itself
 COMMANDS = "Accepted: `%nbtrain config [options]`, `%nbtrain config reset`, `%nbtrain gpus`, " \
@@ -65,8 +66,9 @@ def _endpoint(text: str) -> str:
 RUN_OPTIONS = [
     argument("--strategy", choices=(*STRATEGIES, *ALIASES), metavar="{" + ",".join(STRATEGIES) + "}",
              help="how ctx.setup wraps a model (as launch's strategy=; the earlier names ddp_fork, ddp_spawn... work)"),
-    argument("--start", choices=STARTS, help="where the ranks come from: auto (a fork of the kernel when safe, else the "
-             "warm template; torchrun with --nnodes, --launcher...), fork, template, spawn, torchrun (the cell as a script)"),
+    argument("--start", choices=STARTS,
+             help="where the ranks come from: auto (a fork of the kernel when safe, else the warm template; "
+             "torchrun with --nnodes, --launcher...), fork, template, spawn, torchrun (the cell as a script)"),
     argument("--devices", help="how many / which devices: 2, -1, '0,1', auto (Lightning's grammar)"),
     argument("--accelerator", choices=ACCELERATORS, help="cpu, gpu or auto"),
     argument("--nnodes", type=_at_least(1), help="machines taking part (under torchrun, or with --cluster)"),
@@ -118,7 +120,8 @@ def make_cluster(options: dict):
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in given or ["notebook_address"])
         where = f"--cluster {name}" if name else "no --cluster"
         raise UsageError(f"{flags} do not apply with {where}. Options per cluster: " + "; ".join(
-            f"--cluster {c}: " + ", ".join(f"--{k.replace('_', '-')}" for k in ks) for c, ks in CLUSTER_OPTIONS.items()))
+            f"--cluster {c}: " + ", ".join(f"--{k.replace('_', '-')}" for k in ks)
+            for c, ks in CLUSTER_OPTIONS.items()))
     if name is None:
         return None
     changed = [k for k in LOCAL_ONLY if options[k] != DEFAULTS[k]]
@@ -134,7 +137,7 @@ def make_cluster(options: dict):
             extra = dict(_key_value(item) for item in options["sbatch"] or ())
             return Slurm(partition=options["partition"], account=options["account"],
                          time=int(time_limit) if time_limit and time_limit.isdigit() else time_limit,
-                         notebook_address=options["notebook_address"], **extra)
+                         notebook_address=options["notebook_address"], **extra)  # type: ignore[arg-type]  # Slurm checks
         return Ray(address=options["address"], num_workers=options["num_workers"],
                    notebook_address=options["notebook_address"])
     except ValueError as exc:

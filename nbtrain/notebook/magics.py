@@ -17,6 +17,7 @@ expression value in `.value`). The magics only parse options and call
 from __future__ import annotations
 
 import shlex
+from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -36,6 +37,9 @@ from .ranks_magics import command as live_command
 from .ranks_magics import register as register_live
 from .runs import attach, runs
 from .submit import submit
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
 
 
 def check_options(options: dict) -> None:
@@ -93,7 +97,8 @@ def _launcher(options: dict) -> str:
 
 def rerun_line(options: dict) -> str:
     """The magic line another node runs: this one with its own `--node-rank`."""
-    parts = ["%%nbtrain", "--strategy", options["strategy"], "--start", "torchrun", "--devices", str(options["devices"]),
+    parts = ["%%nbtrain", "--strategy", options["strategy"], "--start", "torchrun", "--devices",
+             str(options["devices"]),
              "--accelerator", options["accelerator"], "--nnodes", str(options["nnodes"]), "--node-rank", "{node_rank}",
              "--rdzv-endpoint", options["rdzv_endpoint"]]
     if options["launcher"] != "torchrun":
@@ -105,6 +110,8 @@ def rerun_line(options: dict) -> str:
 
 @magics_class
 class NbtrainMagics(Magics):
+    shell: InteractiveShell  # Magics allows None; a registered magic always has its shell
+
     def __init__(self, shell):
         super().__init__(shell)
         self.config_options: dict = {}  # `%nbtrain config`: this session's defaults
@@ -192,7 +199,8 @@ class NbtrainMagics(Magics):
             check_options({**DEFAULTS, **self.config_options, **given})
             self.config_options.update(given)
         settings = {**DEFAULTS, **self.config_options}
-        shown = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {' '.join(v) if isinstance(v, list) else v}")
+        shown = " ".join(f"--{k.replace('_', '-')}"
+                         + ("" if v is True else f" {' '.join(v) if isinstance(v, list) else v}")
                          for k, v in settings.items() if v is not None and v is not False)
         mine = ", ".join(f"--{k.replace('_', '-')}" for k in DEFAULTS if k in self.config_options) or "none"
         print(f"nbtrain: %%nbtrain defaults: {shown} (set by %nbtrain config: {mine})")

@@ -87,7 +87,8 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
     saved = SavedResults(run_dir, len(items)) if run_dir is not None else None
     work = WorkQueue(items, batch_size, saved, {})
     kind = "GPU" if slots[0].accelerator == "gpu" else "CPU"
-    state = MapState(f"map of {getattr(fn, '__name__', 'fn')} on {len(slots)} {kind} slot{'s' if len(slots) > 1 else ''}",
+    state = MapState(f"map of {getattr(fn, '__name__', 'fn')} on {len(slots)} {kind} "
+                     f"slot{'s' if len(slots) > 1 else ''}",
                      len(items), work.resumed, len(work.results))
     failures: list[BaseException] = []
     lines: deque = deque()  # the workers' output, shown by the main thread
@@ -129,7 +130,7 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
             runner.run(tick)
     except KeyboardInterrupt as interrupt:
         verdict = "interrupted"
-        interrupt._render_traceback_ = lambda: [_interrupted(work, run_dir)]
+        interrupt._render_traceback_ = lambda: [_interrupted(work, run_dir)]  # type: ignore[attr-defined]
         raise
     except BaseException:
         verdict = "failed"
@@ -164,7 +165,8 @@ def _outcome(work: WorkQueue, failures: list) -> list:
 
 _WORKER_SOURCE = (  # names only builtins: the rank's namespace is its globals (see `ranks_worker`)
     'def _nbtrain_map_worker(spec):\n'
-    '    return getattr(__import__("nbtrain.rank.work", None, None, ["serve_items"]), "serve_items")(spec, globals())\n')
+    '    return getattr(__import__("nbtrain.rank.work", None, None, ["serve_items"]),\n'
+    '                   "serve_items")(spec, globals())\n')
 
 
 def ranks_worker(fn: types.FunctionType) -> types.FunctionType:
@@ -232,7 +234,7 @@ def map_on_ranks(ranks, fn, items, *, batch_size: int = 1, run_dir=None, progres
     except KeyboardInterrupt as interrupt:
         if work.failure is None:
             verdict = "interrupted"
-            interrupt._render_traceback_ = lambda: [_interrupted(work, run_dir)]
+            interrupt._render_traceback_ = lambda: [_interrupted(work, run_dir)]  # type: ignore[attr-defined]
             raise
         verdict = "failed"
     except WorkerError as error:

@@ -32,6 +32,7 @@ from ..display.rank_output import deliver
 from ..placements.base import PrivateStore, describe_exit, free_port
 from ..rank.process import STACKS_SIGNAL
 from . import stacks
+from .chatter import Chatter
 from .runmodel import RunState
 from .supervisor import CONNECTION_CLOSED, NOT_SENT, Supervisor
 
@@ -67,9 +68,10 @@ class Pool:
         self._closed: set[int] = set()  # ranks whose channel closed
         self._stderr: dict[int, deque] = defaultdict(lambda: deque(maxlen=STDERR_TAIL))
         self._dying: set[int] = set()  # ranks that wrote faulthandler's fatal report
+        self._chatter = Chatter()  # third-party start-up lines: once per launch, or not at all
         self._current: dict[int, int] = {}  # rank: the seq of the command it last began
         self._marks: dict[tuple, int] = {}  # (rank, stream): the seq whose output is complete
-        self._pids: dict[int, int] = {}
+        self._pids: dict[int, int | None] = {}
         self._hosts: dict[int, str | None] = {}
         self._seq = 0
         self._broken: str | None = None  # why the pool refuses work
@@ -251,12 +253,13 @@ class Pool:
     def shows(self, output: protocol.Output) -> bool:
         """Whether a rank's output line goes to the cell. faulthandler's report of a fatal signal
         (every thread's stack, the kernel's inherited frames, the extension modules: ~70 lines)
-        is kept for the error, which shows the part that matters, and not streamed."""
+        is kept for the error, which shows the part that matters, and not streamed. Third-party
+        start-up lines every rank writes alike are shown once (`chatter.py`)."""
         if output.stream == "stderr" and output.rank is not None:
             if output.text.startswith(stacks.FATAL):
                 self._dying.add(output.rank)
-            return output.rank not in self._dying
-        return True
+            return output.rank not in self._dying and self._chatter.shows(output)
+        return self._chatter.shows(output)
 
     def _drain_output(self, display) -> None:
         """Hand what is still queued (the ranks' last output lines) to the display."""
@@ -451,6 +454,16 @@ class Pool:
     def interrupt(self, ranks: list[int]) -> None:
         for rank in ranks:
             self._hub.send(rank, protocol.Interrupt(self._seq))
+
+    def ask_where(self, ranks: list[int]) -> None:
+        """Every listed rank says where its main thread is (`protocol.Whereabouts`), over the channel."""
+        for rank in ranks:
+            self._hub.send(rank, protocol.Where())
+
+    @property
+    def stall(self):
+        """The run's `stall=`: seconds without progress before the doctor looks (None: its default, False: never)."""
+        return getattr(self._job, "stall", None)
 
     def ask_stacks(self, pids: dict[int, int | None]) -> None:
         """Every listed rank writes its threads' stacks on its stderr: by signal (even with the GIL

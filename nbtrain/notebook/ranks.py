@@ -22,7 +22,7 @@ import time
 import types
 import weakref
 
-from ..common.devices import plan_devices
+from ..common.devices import DevicePlan, plan_devices
 from ..common.errors import UnpicklableError, WorkerError
 from ..common.pickling import explain_pickling
 from ..common.preflight import check_fork, fork_blocker
@@ -37,10 +37,12 @@ from ..placements.clusters import ClusterJob, check_cluster
 from ..placements.processes import ForkLauncher, SpawnLauncher
 from ..placements.template import TemplateLauncher, start_ranks_cleanly
 from .choices import words
+from .doctor import check_stall
 from .insight import instrument
 from .launch import check_timeout
 from .mapping import map_on_ranks
 from .pool import Pool, PoolBroken
+from .reloads import RELOAD_SOURCE, ModuleVersions
 from .result import Result
 
 START_METHODS = ("auto", "fork", "template", "spawn")
@@ -83,6 +85,9 @@ class Ranks:
         Start them there: ``devices`` ranks on each of ``num_nodes`` nodes.
     num_nodes : int, default 1
         Nodes, with ``cluster``.
+    stall : float or False, optional
+        As for `launch`, for each call: seconds without progress on any rank before the cell says
+        where each rank is and whom the others wait for (the call goes on). None: the default.
 
     Raises
     ------
@@ -97,7 +102,7 @@ class Ranks:
 
     def __init__(self, devices="auto", accelerator: str = "auto", backend: str | None = None,
                  timeout: float | None = None, strategy: str = "auto", start: str = "auto", progress=True,
-                 cluster=None, num_nodes: int = 1):
+                 cluster=None, num_nodes: int = 1, stall: float | bool | None = None):
         asked = words(strategy, start)
         if asked.strategy not in WRAPPINGS:
             raise ValueError(f"strategy={strategy!r}: live ranks wrap models with {', '.join(map(repr, WRAPPINGS))} "
@@ -108,6 +113,7 @@ class Ranks:
         strategy, start = "ddp" if asked.strategy == "auto" else asked.strategy, asked.start
         asked.say()
         self.timeout = check_timeout(timeout)
+        self.stall = check_stall(stall)
         check_progress(progress)
         if type(num_nodes) is not int or num_nodes < 1 or (num_nodes > 1 and cluster is None):
             raise ValueError(f"num_nodes={num_nodes!r}: give an int >= 1; more than one node needs a cluster "
@@ -115,7 +121,7 @@ class Ranks:
         if cluster is not None:
             if start != "auto":
                 raise ValueError(f"start={start!r} with cluster={cluster!r}: the cluster's engine starts the ranks.")
-            self.plan = check_cluster(cluster).plan(devices, accelerator, backend, num_nodes)
+            self.plan: DevicePlan = check_cluster(cluster).plan(devices, accelerator, backend, num_nodes)
         else:
             self.plan = plan_devices(devices, accelerator, backend)
         self.cluster = cluster
@@ -127,11 +133,14 @@ class Ranks:
 
     # -- life ----------------------------------------------------------------------------
     def _start(self) -> None:
+        make_job: type[Job]
         if self.cluster is not None:
             launcher, self.placement, note, make_job = self.cluster.placement(), self.cluster.engine, None, ClusterJob
         else:
             (launcher, self.placement, note), make_job = _placement(self.start_method), Job
-        job = make_job(None, (), {}, self.plan, self.strategy, start_timeout=120.0, start=self.placement)
+        # Live ranks: no fn, the commands come later.
+        job = make_job(None, (), {}, self.plan, self.strategy, stall=self.stall,  # type: ignore[arg-type]
+                       start_timeout=120.0, start=self.placement)
         display = QuietDisplay()
         if note:
             display.note(note)
@@ -143,6 +152,7 @@ class Ranks:
             pool.close(False, display)
             raise
         self._pool = pool
+        self._modules = ModuleVersions()  # what the ranks' imports match; reloads in the notebook follow
         self._key = next(_order)
         _open[self._key] = self
         display.note(f"{self.world_size} live ranks ({self.placement}, {self.plan.describe()}) ready in "
@@ -169,7 +179,7 @@ class Ranks:
 
     def _close(self, why: str) -> None:
         pool, self._pool = self._pool, None
-        _open.pop(getattr(self, "_key", None), None)
+        _open.pop(getattr(self, "_key", -1), None)
         if pool is not None:
             pool.close(True, QuietDisplay(), why)
 
@@ -196,7 +206,8 @@ class Ranks:
             pass
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else (f"broken: {self._pool.broken}" if self._pool.broken else "ready")
+        broken = self._pool.broken if self._pool is not None else None
+        state = "closed" if self.closed else (f"broken: {broken}" if broken else "ready")
         return f"Ranks(world_size={self.world_size}, {self.placement}, {self.plan.describe()}, {state})"
 
     @classmethod
@@ -557,16 +568,28 @@ class Ranks:
         display = display or LazyDisplay(self.progress)
         pool = self._pool
         try:
+            if kind in ("exec", "eval", "call"):
+                self._follow_reloads(pool, timeout)
             return pool.command(kind, *args, ranks=ranks, display=display, timeout=timeout, namespace=namespace,
                                 title=title)
         except WorkerError as error:
             self._last_failure = error.rank
             if not pool.restart_reason and not pool.broken:
-                error.debug = lambda rank=error.rank: self.debug(rank)  # `%debug` opens the rank's pdb
+                error.debug = lambda rank=error.rank: self.debug(rank)  # type: ignore[attr-defined]  # `%debug` opens the rank's pdb
             raise
         finally:
             if pool.restart_reason:
                 self.restart()
+
+    def _follow_reloads(self, pool: Pool, timeout) -> None:
+        """Modules the notebook reloaded (`importlib.reload`) are reloaded on every rank first, so
+        the command runs the code the notebook has, and said in one line."""
+        names = self._modules.reloaded()
+        if names:
+            display = QuietDisplay()
+            pool.command("exec", RELOAD_SOURCE.format(names=names), "<nbtrain reload>", False, display=display,
+                               timeout=timeout)
+            display.note(f"live ranks reloaded {', '.join(names)}, as the notebook did")
 
 
 class Rank:
@@ -611,7 +634,7 @@ def syntax_error(source: str, filename: str, mode: str) -> SyntaxError | None:
         compile(source, filename, mode, dont_inherit=True)
     except SyntaxError as exc:
         exc.__traceback__ = None
-        exc.debug = _nothing_to_debug  # `%debug` (nbtrain's) would otherwise open pdb in nbtrain's frames
+        exc.debug = _nothing_to_debug  # type: ignore[attr-defined]  # `%debug` (nbtrain's) would otherwise open pdb in nbtrain's frames
         return exc
     return None
 

@@ -1,6 +1,7 @@
 """Magics for live ranks, loaded with the others by `%load_ext nbtrain`.
 
-    %nbtrain start [--devices 2] [--accelerator cpu] [--backend gloo] [--strategy auto|ddp|fsdp] [--start auto|fork|template|spawn]
+    %nbtrain start [--devices 2] [--accelerator cpu] [--backend gloo] [--strategy auto|ddp|fsdp]
+                   [--start auto|fork|template|spawn]
                    [--cluster slurm|ray [--partition P --time T --account A --sbatch K=V --address A --num-workers N]]
     %%ranks [--rank 0] [--timeout S] [--no-progress]   the cell runs in every live rank (or those named)
     %nbtrain stop                                       close the live ranks
@@ -12,6 +13,7 @@ Like the other magics, these only parse and call plain functions (`nbtrain.Ranks
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
@@ -20,6 +22,9 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ..placements.template_process import warm_up
 from .magic_options import ACCELERATORS, CLUSTER_ARGUMENTS, DEFAULTS, _seconds, make_cluster
 from .ranks import START_METHODS, WRAPPINGS, Ranks
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
 
 
 def _rank_list(text: str) -> list[int]:
@@ -58,6 +63,8 @@ _start_options = magic_arguments()(_start_options)
 
 @magics_class
 class RanksMagics(Magics):
+    shell: InteractiveShell  # Magics allows None; a registered magic always has its shell
+
     def __init__(self, shell, ipython_debug=None):
         super().__init__(shell)
         self._ipython_debug = ipython_debug
@@ -102,7 +109,7 @@ class RanksMagics(Magics):
         """`%debug`: after a WorkerError from live ranks, pdb in the failed rank; otherwise IPython's."""
         error = getattr(sys, "last_value", None)
         if cell is None and not line.strip() and callable(getattr(error, "debug", None)):
-            return error.debug()
+            return error.debug()  # type: ignore[union-attr]  # callable: checked above
         return self._ipython_debug(line, cell)
 
 
@@ -117,7 +124,8 @@ def command(shell, name: str, rest: str):
         except (ValueError, TypeError, RuntimeError) as exc:
             raise UsageError(str(exc)) from None
         shell.user_ns["ranks"] = ranks
-        print("nbtrain: the live ranks are `ranks` in this notebook; %%ranks cells run on them; %nbtrain stop ends them.")
+        print("nbtrain: the live ranks are `ranks` in this notebook; %%ranks cells run on them; "
+              "%nbtrain stop ends them.")
         return None
     if name == "stop":
         try:

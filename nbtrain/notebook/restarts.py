@@ -44,7 +44,7 @@ def wait_to_restart(attempt: int) -> None:
     time.sleep(back_off(attempt))
 
 
-def why(error: Exception) -> str:
+def why(error: BaseException) -> str:
     """One line: "rank 1 failed: exited with code 1", or, for code that ran in this process, the
     exception's first line."""
     if isinstance(error, WorkerError):
@@ -79,6 +79,6 @@ def with_restarts(run: Callable[[], Result], max_restarts: int, display, only=Ex
         except KeyboardInterrupt as interrupt:
             said = (f"KeyboardInterrupt: interrupted while waiting to restart ({attempt + 1} of {max_restarts}); "
                     "no rank was running.")
-            interrupt._render_traceback_ = lambda said=said: [said]  # what IPython shows, not the sleep's frame
+            interrupt._render_traceback_ = lambda said=said: [said]  # type: ignore[attr-defined]  # what IPython shows, not the sleep's frame
             raise
     raise AssertionError("not reached: the last attempt returns or raises")

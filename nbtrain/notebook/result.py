@@ -44,6 +44,13 @@ class Result:
     start : str, default ''
         Where the ranks came from: 'kernel' (no rank processes), 'fork', 'template', 'spawn',
         'torchrun', 'slurm', 'ray'; for a command on live ranks 'live (fork)' and the like.
+    step_times : dict
+        Each rank's time split, measured on every run: ``StepTimes(rank, batches, total, data,
+        collective, recent)`` in seconds (``data``: waiting for ``ctx.loader``'s batches;
+        ``collective``: inside torch.distributed's collectives; the rest is compute).
+    straggler : str, optional
+        A rank that held the others back, in words ("rank 1 is 1.9x slower than the others: 70 %
+        of its step waiting for data"); None when none stood out.
     """
     value: Any  # rank 0's return value
     values: list[Any]  # every rank's return value on this node, in rank order
@@ -55,7 +62,9 @@ class Result:
     vitals: list[Vital] = field(default_factory=list)  # per-rank step rate and memory, about once a second
     profile: ProfileTable | None = None  # launch(..., profile=...): a row per rank, the slowest named
     restarts: list[str] = field(default_factory=list)  # why each restart of a submitted run's ranks happened
-    start: str = ""  # last, and a class attribute too: a Result pickled by an earlier release reads ""
+    start: str = ""  # a class attribute too: a Result pickled by an earlier release reads ""
+    step_times: dict = field(default_factory=dict)  # rank: protocol.StepTimes (rank/doctor.py)
+    straggler: str | None = None  # the doctor's word on a rank that held the others back
 
     @classmethod
     def from_state(cls, state: RunState, strategy: str, devices: str, start: str = "") -> Result:
@@ -79,7 +88,8 @@ class Result:
         values = [state.values.get(r) for r in sorted(state.ranks)]
         return cls(values[0] if values else None, values, list(state.history), state.elapsed,
                    strategy, state.effective_batch_size, devices, list(state.vitals),
-                   ProfileTable(state.profiles) if state.profiles else None, start=start)
+                   ProfileTable(state.profiles) if state.profiles else None, start=start,
+                   step_times=dict(state.step_times), straggler=state.straggler)
 
     def metrics(self, name: str, rank: int | None = 0) -> list[float]:
         """The values logged under one name, in order.

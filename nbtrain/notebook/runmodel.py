@@ -19,6 +19,7 @@ from typing import Any
 from ..common import protocol
 from ..common.protocol import Metric, Vital
 from ..common.transfer import unpack_result
+from . import doctor
 
 RECENT = 10.0  # seconds of (time, steps) kept per rank for its recent step rate
 STALLED = 1.0  # seconds a rank may be silent before the notebook's clock counts against its rate
@@ -110,7 +111,7 @@ class RankView:
     def step_rate(self) -> float | None:
         """Steps per second over the whole run so far, by the rank's clock; None before half a
         second of steps (events are sent every 0.1 s: a shorter span would not measure anything)."""
-        if self.first_step is None:
+        if self.first_step is None or self.last_step is None:  # set together, by the first step
             return None
         at, steps = self.first_step
         span = self.last_step - at
@@ -156,6 +157,8 @@ class RunState:
         self.failures: list[Failure] = []
         self.vitals: list[Vital] = []  # sampled for the displays (display/vitals.py), kept in Result.vitals
         self.profiles: dict[int, dict] = {}  # each profiled rank's summary (rank/profiling.py)
+        self.step_times: dict[int, protocol.StepTimes] = {}  # each rank's time split, sent with its reply
+        self.stall: str | None = None  # the doctor's verdict while no rank progresses (`doctor.py`), until one does
         self.effective_batch_size: int | None = None
         self.per_rank_batch_size: int | None = None
         self.version = 0  # bumped on every change, so a display redraws only when needed
@@ -204,6 +207,7 @@ class RunState:
             for deeper in [lv for lv in view.bars if lv > event.level]:
                 del view.bars[deeper]
         view.count_steps(event.level, event.n, bar.n, at, arrived)
+        self.stall = None  # progress again: the doctor's stall verdict no longer holds
         bar.n, bar.total, bar.done, bar.updated = event.n, event.total, event.done, at
 
     def _on_metric(self, view: RankView, metric: Metric) -> None:
@@ -212,6 +216,11 @@ class RunState:
 
     def _on_profile(self, view: RankView, profile: protocol.Profile) -> None:
         self.profiles[view.rank] = profile.summary
+
+    def _on_step_times(self, view: RankView, times: protocol.StepTimes) -> bool:
+        self.step_times[view.rank] = times
+        self._changed()
+        return False  # the model's own: not a run event
 
     def _on_batch_size(self, view: RankView, event: protocol.BatchSize) -> None:
         if self.effective_batch_size is None:
@@ -225,9 +234,9 @@ class RunState:
             if missing is None:
                 raise
             self.fail(view.rank, f"rank {view.rank} returned an object of class {missing[1]!r}, which was defined on "
-                      f"the ranks only (a %%ranks cell or ranks.exec): the notebook cannot rebuild it. Define the class "
-                      f"in the notebook too (run its code in a notebook cell), or return plain data (a state_dict, "
-                      f"tensors, numbers).")
+                      "the ranks only (a %%ranks cell or ranks.exec): the notebook cannot rebuild it. Define "
+                      "the class in the notebook too (run its code in a notebook cell), or return plain data "
+                      "(a state_dict, tensors, numbers).")
             return False
         self.finish(view.rank, value, returned.where)
         return False
@@ -262,6 +271,11 @@ class RunState:
     def add_vital(self, vital: Vital) -> None:
         """A rank's vital signs, sampled by a display (`display/vitals.py`)."""
         self.handle(vital)
+
+    def set_stall(self, verdict: str) -> None:
+        """The doctor found that no rank progresses: its verdict, in words."""
+        self.stall = verdict
+        self._changed()
 
     def set_queued(self, where: str | None) -> None:
         """Where an engine holds the ranks in its queue (a SLURM job's state); None once they run."""
@@ -350,6 +364,19 @@ class RunState:
         return lines
 
     # -- how the run reads once it ended -------------------------------------------------
+    @property
+    def straggler(self) -> str | None:
+        """'rank 1 is 1.9x slower than the others: 70 % of its step waiting for data', or None (a failed run: None)."""
+        return doctor.straggler(self.step_times) if not self.failures else None
+
+    def doctor_lines(self) -> list[str]:
+        """What the doctor says under a run's summary: a straggler, each rank's time split."""
+        straggler = self.straggler if not self.failures else None  # a failed run's times say little
+        if not straggler:
+            return []
+        splits = "; ".join(f"rank {r}: {doctor.split_words(t)}" for r, t in sorted(self.step_times.items()))
+        return [f"{straggler} ({splits})"]
+
     def verdict(self, ok: bool) -> str:
         """How the run ended: finished, failed (a rank failed or timed out) or interrupted (Ctrl-C)."""
         return "finished" if ok else ("failed" if self.failures else "interrupted")

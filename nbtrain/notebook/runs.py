@@ -18,16 +18,19 @@ import threading
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
-from ..common import protocol, runlog, session
+from ..common import protocol, runlog, session, wake
 from ..common.private import NotYours, check_own
 from ..display import check_progress, in_jupyter, make_display
 from ..display.widgets import WidgetDisplay
 from .export import export, load_job
 from .result import Result
 from .runmodel import RunState
+from .sweep_study import STUDY_FILE
 
 POLL = 0.2  # seconds between looks at the run directory
+BACKSTOP = 2.0  # ... while waiting for its end, where a change wakes the waiter
 START_WAIT = 60.0  # seconds a Run shown in a cell waits for its ranks to start (the supervisor imports torch)
 SUBMIT_WAIT = 10.0  # seconds cancel() waits for the supervisor of a run still being submitted to be recorded
 STATUSES = (*runlog.ACTIVE, *runlog.ENDED)
@@ -205,11 +208,26 @@ class Run:
         return self._wait(timeout)
 
     def _wait(self, timeout: float | None) -> str:
+        """Woken by the run's end (status.json renamed into place) or its supervisor's death,
+        where the machine tells (`wake.Changes`); a look every `BACKSTOP` s all the same (a
+        SLURM supervisor, a submitter that died before its supervisor started), or every
+        `POLL` s where nothing tells."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while (status := self.status) not in runlog.ENDED:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"the run in {self.dir} is still {status} after {timeout} s.")
-            time.sleep(POLL)
+        if (status := self.status) in runlog.ENDED:  # no watch to set up (closing an inotify one takes ms)
+            return status
+        watched = None
+        with wake.Changes(self.dir) as changes:
+            while (status := self.status) not in runlog.ENDED:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError(f"the run in {self.dir} is still {status} after {timeout} s.")
+                who = self._supervisor()
+                if who is not None and "pid" in who and who["pid"] != watched:
+                    watched = who["pid"]
+                    changes.watch_process(watched)  # then looked at again: still the process `who` names
+                    continue
+                backstop = BACKSTOP if changes.woken else POLL
+                changes.wait(backstop if deadline is None else min(backstop, deadline - now))
         return status
 
     def result(self, timeout: float | None = None) -> Result:
@@ -306,7 +324,7 @@ class Run:
         return summary
 
     def _summary_from_logs(self) -> dict:
-        summary = {"devices": "", "ranks": [], "metrics": {}}
+        summary: dict[str, Any] = {"devices": "", "ranks": [], "metrics": {}}
         for _, event in runlog.Tail(self.dir / runlog.EVENTS).read():
             if isinstance(event, protocol.AttemptStarted) and isinstance(event.title, str) \
                     and isinstance(event.ranks, list):
@@ -401,7 +419,8 @@ class Run:
 
     def _ipython_display_(self) -> None:
         display = make_display(self.progress)
-        if not in_jupyter() or not isinstance(display, WidgetDisplay):  # lines would print into later cells
+        if self.spec.get("kind") == "sweep" or not in_jupyter() or not isinstance(display, WidgetDisplay):
+            # lines would print into later cells; a sweep's table is its study's, read when shown
             print(repr(self))
             return
         # Drawn by a thread, so the cell returns at once; rank output stays in logs(rank),
@@ -429,7 +448,27 @@ class Run:
             status = self.status
         except (ValueError, OSError):  # said by .status itself; a repr stays a repr
             status = "damaged"
-        return f"Run({str(self.dir)!r}, function={self.function!r}, status={status!r})"
+        shown = f"Run({str(self.dir)!r}, function={self.function!r}, status={status!r})"
+        return shown + "".join(f"\n  {line}" for line in self._trials()) if self.spec.get("kind") == "sweep" else shown
+
+    def _trials(self) -> list[str]:
+        """A submitted sweep's trials as its study holds them, a line each (none before it began)."""
+        path = self.dir / STUDY_FILE
+        if not path.exists():
+            return []
+        try:
+            check_own(path, "study database")
+            import optuna  # only for a sweep, which needed it to run
+            from sqlalchemy.pool import NullPool
+
+            storage = optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"poolclass": NullPool})
+            study = optuna.load_study(study_name=None, storage=storage)
+            trials = study.get_trials(deepcopy=False)
+        except Exception as error:  # a study still being made, or damaged: said, never raised from a repr
+            return [f"(the study cannot be read now: {type(error).__name__}: {error})"]
+        return [f"trial {t.number}  {t.state.name.lower()}  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else
+                                                                         f"{k}={v}" for k, v in t.params.items())
+                + ("" if t.value is None else f"  value={t.value:.4g}") for t in trials]
 
 
 def attach(run_dir, progress=True) -> Run:
@@ -527,6 +566,7 @@ class Follower:
             if self.output:
                 self.display.output(event.rank, event.stream, event.text)
         else:  # what the ranks reported, and what the supervisor made of it: the state takes it as it did then
+            assert self.state is not None, "the run's first event, its start, made the state"
             self.state.handle(event)
 
 

@@ -75,7 +75,8 @@ def plan_slots(devices="auto", per_slot: int = 1, accelerator: str = "auto",
         idle = list(plan.indices[count * per_slot:])
     note = None
     if idle:
-        what = f"GPU{'s' if len(idle) > 1 else ''} {idle}" if plan.accelerator == "gpu" else f"{len(idle)} CPU process(es)"
+        what = (f"GPU{'s' if len(idle) > 1 else ''} {idle}" if plan.accelerator == "gpu"
+                else f"{len(idle)} CPU process(es)")
         note = (f"{what} left idle: {plan.nprocs} devices make {count} slot{'s' if count > 1 else ''} of "
                 f"{per_slot}")
     return slots, note

@@ -3,7 +3,8 @@
 The supervisor asks a stuck rank for its stacks (`Pool.ask_stacks`) and reads them here: the
 rank's own code leads, nbtrain's threads and frames left out (`tidy_stacks`); a main thread that
 waits in a collective names the call and the user's line (`blocked_on_peers`); a rank stuck in C
-code gets its native frames from py-spy, where it is installed (`native_stack`); a rank that died
+code gets its native frames from py-spy, where it is installed (`native_stack`), shown folded to
+those that say something (`fold_native`); a rank that died
 of a fatal signal left faulthandler's report on its stderr (`fatal_report`, `last_words`).
 """
 from __future__ import annotations
@@ -15,7 +16,11 @@ import subprocess
 
 from ..common.tracebacks import plain_native_stack
 
-NATIVE_LINES = 25  # frames of a stuck rank's native stack shown
+NATIVE_LINES = 40  # frames of a stuck rank's native stack kept (`error.stacks`); fewer shown (`fold_native`)
+# Native frames that say where a rank waits: a collective (gloo, NCCL, c10d), a lock, a syscall.
+SAYS = re.compile(r"gloo|nccl|c10d|ProcessGroup|Work::wait|[Aa]ll[Rr]educe|[Bb]arrier|[Bb]roadcast|"
+                  r"pthread_cond|pthread_mutex|futex|lll_lock|sem_wait|sem_timedwait|nanosleep|\bsleep\b|"
+                  r"\bpoll\b|epoll_wait|\bselect\b|\brecv|\bread\b|accept|connect|waitpid")
 PY_FRAME = re.compile(r"\([^()]*\.py:\d+\)$")  # py-spy's "function (file.py:12)"
 NATIVE_WIDTH = 160  # characters of one native frame shown (a C++ template's name runs to thousands)
 NATIVE_WAIT = 20.0  # py-spy's reading of one process, at most
@@ -24,8 +29,10 @@ NATIVE_HINT = ("(Frames in C/C++ that do not return: a collective waiting for a 
 LAST_LINES = 40  # of a crashed rank's stderr, when it wrote no fatal report
 FATAL = "Fatal Python error"  # the first line of faulthandler's report of a fatal signal
 OWN_THREADS = ("in _send_loop", "in _receive_loop", "in _watch_parent", "in _read_pipes")  # nbtrain's threads in a rank
-RANK_ENTRY = re.compile(r"in (serve|_execute|_do_\w+|_user_code)$")  # below it: nbtrain's loop, the launcher, the kernel
+# Below it: nbtrain's loop, the launcher, the kernel.
+RANK_ENTRY = re.compile(r"in (serve|_execute|_do_\w+|_user_code)$")
 LOOP_FILE = "nbtrain/rank/loop.py"  # the command loop's file, as a rank's stack names it (any machine)
+_LIBRARY = re.compile(r"(^|/)(torch|nbtrain)/")  # frames that are not the caller's (nbtrain counts collectives)
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 # Where a rank blocks on its peers: torch.distributed's collectives, rendezvous and DDP's start-up syncs.
 _DIST_FILES = re.compile(r"torch/distributed/|torch/nn/parallel/distributed\.py")
@@ -55,7 +62,7 @@ def blocked_on_peers(stack: str) -> str | None:
         if not waits:
             continue
         op = frames[waits[-1]]["func"]  # the outermost torch.distributed call: the one the user made
-        caller = next((m for m in frames[waits[-1] + 1:] if "/torch/" not in m["file"]), None)
+        caller = next((m for m in frames[waits[-1] + 1:] if not _LIBRARY.search(m["file"])), None)
         where = f" ({os.path.basename(caller['file'])} line {caller['line']} in {caller['func']})" if caller else ""
         return f"{op}{where}"
     return None
@@ -96,11 +103,31 @@ def native_stack(pid: int, lines: int = NATIVE_LINES) -> str | None:
     return "\n".join(frames[:lines]) + ("\n..." if len(frames) > lines else "")
 
 
-def native_note(rank: int, pid: int | None, remote: bool) -> str:
-    """The lines that follow a stuck rank's Python stacks: its native stack, or how to get it."""
+def fold_native(stack: str) -> str:
+    """A native stack folded to the frames that say something — a collective, a lock, a syscall,
+    the Python frames — each run of the others counted in one line."""
+    lines, folded = [], 0
+    for frame in stack.splitlines():
+        if SAYS.search(frame) or PY_FRAME.search(frame) or frame == "...":
+            if folded:
+                lines.append(f"    ({folded} frame{'s' if folded > 1 else ''} folded)")
+                folded = 0
+            lines.append(frame)
+        else:
+            folded += 1
+    if folded:
+        lines.append(f"    ({folded} frame{'s' if folded > 1 else ''} folded)")
+    return "\n".join(lines)
+
+
+def native_note(rank: int, pid: int | None, remote: bool) -> tuple[str, str]:
+    """The lines that follow a stuck rank's Python stacks, folded (`fold_native`) and whole:
+    its native stack, or how to get it."""
     if remote or not pid:
-        return ""
+        return "", ""
     stack = native_stack(pid)
     if stack is None:
-        return "\n(its native stack: `pip install py-spy` and nbtrain shows it here)"
-    return f"\n--- rank {rank} native stack (py-spy) ---\n{stack}\n{NATIVE_HINT}"
+        hint = "\n(its native stack: `pip install py-spy` and nbtrain shows it here)"
+        return hint, hint
+    head = f"\n--- rank {rank} native stack (py-spy) ---\n"
+    return f"{head}{fold_native(stack)}\n{NATIVE_HINT}", f"{head}{stack}"

@@ -23,12 +23,15 @@ from ..common.private import check_own, private_dir
 from ..common.transfer import pack_job
 from ..display import check_progress
 from ..placements.clusters import Slurm, check_cluster
+from ..placements.template_process import template
 from ..rank.profiling import Profile
 from ..rank.trackers import check_trackers
 from .choices import choose, words
 from .launch import check_cluster_words, check_timeout
 from .restarts import check_restarts
 from .runs import Run
+from .slots import plan_slots, slot_start
+from .sweep import check_sweep, sweep
 
 RUNS = "nbtrain-runs"
 
@@ -58,7 +61,12 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
     Parameters
     ----------
     fn : callable
-        The training function, as for `launch`; it is pickled now (with what it uses).
+        The training function, as for `launch`; it is pickled now (with what it uses). Or
+        `nbtrain.sweep`, followed by the trial function, the space and the sweep's keywords
+        (``submit(nbtrain.sweep, train, space, trials=20, metric="loss", devices=2)``): the
+        supervisor runs the sweep, its study SQLite in the run directory; ``result()`` is the
+        `Sweep`, and the `Run` shows the study's trials. ``devices``, ``accelerator``,
+        ``strategy``, ``start``, ``timeout`` and ``cluster`` are the sweep's.
     *args
         Positional arguments for ``fn``.
     strategy : {'auto', 'ddp', 'fsdp', 'dp', 'deepspeed'}, default 'auto'
@@ -119,23 +127,36 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
     check_restarts(max_restarts)
     check_timeout(timeout)
     check_progress(progress)
-    asked = words(strategy, start, launcher_options)
-    if cluster is None:  # bad settings fail here, before anything starts
-        choose(asked, plan_devices(devices, accelerator, backend, num_nodes))
-    else:
-        check_cluster_words(asked, check_cluster(cluster))
-        cluster.plan(devices, accelerator, backend, num_nodes)
-    asked.say()
-    name = getattr(fn, "__name__", type(fn).__name__)
     given = None if run_dir is None else _given_run_dir(run_dir)
-    # Pickled before any directory is made: a job that does not pickle leaves nothing behind.
-    # The supervisor runs launch(..., cluster=...): the job survives the kernel. Trackers and
-    # profiles write under the run directory.
-    job = pack_job(fn, args, kwargs)
-    objects = ship_bytes({"cluster": cluster, "trackers": check_trackers(trackers), "profile": Profile.check(profile)})
-    # In the new words (an earlier name was said here, once): the supervisor resolves 'auto' itself.
-    options = {"strategy": asked.strategy, "start": asked.start, "devices": devices, "accelerator": accelerator,
-               "num_nodes": num_nodes, "backend": backend, "timeout": timeout, "launcher_options": asked.options}
+    if fn is sweep:
+        unused = {"num_nodes": num_nodes != 1, "backend": backend is not None,
+                  "launcher_options": bool(launcher_options), "trackers": trackers is not None,
+                  "profile": profile is not None, "max_restarts": max_restarts != 0}
+        name, kind = _sweep_name(args), "sweep"
+        job, options = _sweep_job(args, kwargs, [key for key, set_ in unused.items() if set_], strategy=strategy,
+                                  start=start, devices=devices, accelerator=accelerator, timeout=timeout,
+                                  cluster=cluster)
+        objects = ship_bytes({"cluster": None, "trackers": None, "profile": None})
+        spec_name = f"sweep of {name[len('sweep-'):]}"
+    else:
+        asked = words(strategy, start, launcher_options)
+        if cluster is None:  # bad settings fail here, before anything starts
+            choose(asked, plan_devices(devices, accelerator, backend, num_nodes))
+        else:
+            check_cluster_words(asked, check_cluster(cluster))
+            cluster.plan(devices, accelerator, backend, num_nodes)
+        asked.say()
+        name, kind = getattr(fn, "__name__", type(fn).__name__), "launch"
+        spec_name = name
+        # Pickled before any directory is made: a job that does not pickle leaves nothing behind.
+        # The supervisor runs launch(..., cluster=...): the job survives the kernel. Trackers and
+        # profiles write under the run directory.
+        job = pack_job(fn, args, kwargs)
+        objects = ship_bytes({"cluster": cluster, "trackers": check_trackers(trackers),
+                              "profile": Profile.check(profile)})
+        # In the new words (an earlier name was said here, once): the supervisor resolves 'auto' itself.
+        options = {"strategy": asked.strategy, "start": asked.start, "devices": devices, "accelerator": accelerator,
+                   "num_nodes": num_nodes, "backend": backend, "timeout": timeout, "launcher_options": asked.options}
     # ./nbtrain-runs is ours and no link (made 0700), as each run directory in it.
     base = private_dir(Path(RUNS).absolute()) if given is None else given.parent
     partial = runlog.partial_dir(base, name if given is None else given.name)
@@ -143,7 +164,7 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
     try:
         runlog.write_whole(partial / runlog.JOB, job)
         runlog.write_whole(partial / runlog.OBJECTS, objects)
-        runlog.write_spec(partial / runlog.SPEC, {"function": name, "started": time.time(),
+        runlog.write_spec(partial / runlog.SPEC, {"function": spec_name, "started": time.time(), "kind": kind,
                                                   "max_restarts": max_restarts, "launch": options})
         # Who submitted it: a run whose submitter died before its supervisor started reads failed.
         runlog.write_json(partial / runlog.STATUS, {"status": "queued", "restarts": [], "max_restarts": max_restarts,
@@ -165,6 +186,37 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
     return Run(where, progress)
 
 
+def _sweep_name(args: tuple) -> str:
+    fn = args[0] if args else None
+    return f"sweep-{getattr(fn, '__name__', type(fn).__name__)}"
+
+
+def _sweep_job(args: tuple, kwargs: dict, unused: list[str], **settings) -> tuple[bytes, dict]:
+    """`submit(nbtrain.sweep, fn, space, trials=..., metric=...)`: the supervisor runs the sweep,
+    its study SQLite in the run directory. The job is the sweep call, checked here as `sweep`
+    checks it; submit's own settings that a sweep shares (devices, accelerator, strategy, start,
+    timeout, cluster) are the sweep's. (job, the launch options run.json shows)."""
+    if len(args) != 2:
+        raise TypeError("submit(nbtrain.sweep, fn, space, trials=..., metric=...): give the trial function and the "
+                        f"space, as to nbtrain.sweep (got {len(args)} positional arguments).")
+    if unused:
+        raise ValueError(f"{', '.join(unused)}= do not apply to a submitted sweep: give them to the trials' own code, "
+                         "or submit a launch instead.")
+    for key in ("run_dir", "progress"):  # taken by submit itself, never seen here; kept out of a sweep's own
+        kwargs.pop(key, None)
+    fn, space = args
+    check_sweep(fn, space, kwargs.get("trials"), kwargs.get("metric"), kwargs.get("direction"), kwargs.get("sampler"),
+                kwargs.get("pruner"), settings["timeout"], kwargs.get("catch", (Exception,)))
+    if settings["cluster"] is None:
+        plan_slots(settings["devices"], kwargs.get("devices_per_trial", 1), settings["accelerator"])
+        slot_start(settings["strategy"], settings["start"])
+    job = pack_job(sweep, args, {**kwargs, **settings})
+    options = {"strategy": settings["strategy"], "start": settings["start"], "devices": settings["devices"],
+               "accelerator": settings["accelerator"], "num_nodes": 1, "backend": None, "timeout": settings["timeout"],
+               "launcher_options": None}
+    return job, options
+
+
 def _start_supervisor(where: Path, cluster, max_restarts: int) -> None:
     # The kernel's import path, as the warm template gets it: the job's functions may come from
     # modules that only it can import (its directory, a sys.path.append).
@@ -173,6 +225,16 @@ def _start_supervisor(where: Path, cluster, max_restarts: int) -> None:
     supervise = [sys.executable, "-P", "-c", _SUPERVISE, str(where)]
     if isinstance(cluster, Slurm):
         runlog.write_json(where / runlog.SUPERVISOR, _supervisor_job(where, cluster, supervise, env, max_restarts))
+        return
+    try:  # started before anything of the run is: a template that cannot start leaves nothing to undo
+        warm = template()
+    except RuntimeError:  # no template here (it failed to start, or stopped answering): a fresh interpreter
+        warm = None
+    if warm is not None:
+        # A fork of the kernel's warm template, which has imported torch: the supervisor starts
+        # in milliseconds instead of a fresh interpreter's second or more (benchmarks/submit_latency.py).
+        warm.detach(env, "nbtrain.notebook.detached:main", [str(where)], str(where / runlog.SUPERVISOR_LOG),
+                    str(where / runlog.SUPERVISOR))
     else:
         subprocess.run([sys.executable, "-c", _DETACH, str(where / runlog.SUPERVISOR_LOG),
                         str(where / runlog.SUPERVISOR), *supervise], capture_output=True, text=True, check=True,

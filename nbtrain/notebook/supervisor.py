@@ -22,6 +22,7 @@ from ..common.tracebacks import name_cells_in_pdb
 from ..common.transfer import unpack_exception
 from ..display.rank_output import KINDS as RANK_OUTPUT
 from ..display.rank_output import deliver
+from .doctor import Verdict, call_words, mismatch, stall_after, stall_verdict
 from .runmodel import RunState, brief
 from .stacks import blocked_on_peers, native_note, tidy_stacks
 
@@ -39,6 +40,7 @@ STACK_QUIET = 0.15  # a dump is complete once its rank has been silent this long
 EARLY_EXIT_AFTER = 1.0  # a rank ended this long ago while others still run: look at where they wait
 EARLY_EXIT_PROBES = 2  # consecutive stacks showing the same wait before it counts as a deadlock
 PROBE_INTERVAL = 1.0
+WHERE_WAIT = 1.0  # for the ranks' answers to `Where`: a rank holding the GIL in C code does not answer
 
 CONNECTION_CLOSED = ("its connection to the notebook closed (its process exited or was killed, or its machine "
                      "went away)")
@@ -48,12 +50,19 @@ NOT_SENT = "the command was not sent"  # a rank's reason, when Ctrl-C came befor
 class Watched(Protocol):
     """What a Supervisor asks of the pool whose command it watches (`pool.Pool` offers it)."""
 
-    live: bool  # live ranks: interrupted and kept, never stopped for another's failure
-    remote: bool  # the ranks run elsewhere: no pids to signal, no py-spy
-    processes: tuple  # the rank processes' handles (`placements.base`)
-    ended_by: str | None  # who closed the pool under this command ("restarted by .restart()")
-    broken: str | None  # why the live ranks take no more work
-    restart_reason: str | None  # why the live ranks will be restarted
+    # Read-only: the supervisor asks, the pool alone changes them.
+    @property
+    def live(self) -> bool: ...  # live ranks: interrupted and kept, never stopped for another's failure
+    @property
+    def remote(self) -> bool: ...  # the ranks run elsewhere: no pids to signal, no py-spy
+    @property
+    def processes(self) -> tuple: ...  # the rank processes' handles (`placements.base`)
+    @property
+    def ended_by(self) -> str | None: ...  # who closed the pool under this command ("restarted by .restart()")
+    @property
+    def broken(self) -> str | None: ...  # why the live ranks take no more work
+    @property
+    def restart_reason(self) -> str | None: ...  # why the live ranks will be restarted
 
     def receive(self, timeout: float): ...  # the next message (the pool noted it), or None
     def process_of(self, rank: int): ...
@@ -66,6 +75,9 @@ class Watched(Protocol):
     def answer(self, message, display) -> None: ...  # a Need or a Prompt
     def interrupt(self, ranks: list[int]) -> None: ...
     def ask_stacks(self, pids: dict[int, int | None]) -> None: ...
+    def ask_where(self, ranks: list[int]) -> None: ...  # each answers `Whereabouts`
+    @property
+    def stall(self) -> float | bool | None: ...  # the run's `stall=` (doctor.stall_after)
     def lost(self, proc, code: int, how: str | None = None) -> None: ...  # a rank's process ended
     def stuck(self, ranks: list[int], why: str) -> None: ...  # ranks an interrupt did not free
     def restart_note(self) -> str: ...
@@ -75,7 +87,8 @@ class Watched(Protocol):
 class Supervisor:
     """Watches the ranks of `state` for one command of `pool`."""
 
-    def __init__(self, pool: Watched, state: RunState, display, timeout: float | None, start_timeout: float | None = None,
+    def __init__(self, pool: Watched, state: RunState, display, timeout: float | None,
+                 start_timeout: float | None = None,
                  interrupt: KeyboardInterrupt | None = None):
         self.pool = pool
         self.interrupt = interrupt  # a Ctrl-C that came while the command was being sent
@@ -85,13 +98,18 @@ class Supervisor:
         self.start_timeout = start_timeout
         self._capturing: dict[int, list[str]] | None = None  # stacks being collected
         self._heard: dict[int, float] = {}
-        self._probes: dict[int, tuple[str, int]] = {}  # rank: (the wait seen, times in a row)
+        self._probes: dict[int, tuple[str | None, int]] = {}  # rank: (the wait seen, times in a row)
         self._probed = 0.0
         self._closed_at: dict[int, float] = {}  # remote ranks whose connection closed without a reply
         self._queued = 0.0  # seconds the ranks waited in an engine's queue (not counted by timeouts)
         self._queued_since: float | None = None
         self._placement_line = ""  # the engine's latest word on where the ranks are (a SLURM job's state)
         self._interrupted_at: dict[int, str] = {}  # rank: its traceback when our interrupt reached it
+        self.stall = pool.stall
+        self._where: dict[int, protocol.Whereabouts] = {}  # the ranks' latest answers to `Where`
+        self._stall_probe = 0.0  # when the doctor last asked where the ranks are
+        self._stall_said = False
+        self._stacks: dict[int, str] = {}  # every rank's full stacks, once read for a failure (`error.stacks`)
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -105,6 +123,7 @@ class Supervisor:
                 self._check_placement()
                 self._check_deadlines()
                 self._check_early_exit()
+                self._check_stall()
                 self.display.update(self.state)
             if self.state.failures:
                 self._settle_failure()
@@ -120,7 +139,7 @@ class Supervisor:
             unsent = [r for r, v in self.state.ranks.items() if v.reason.startswith(NOT_SENT)]
             if unsent and serving:
                 report.insert(1, f"(Ctrl-C came while the command was being sent: ranks {unsent} never had it.)")
-            interrupt._render_traceback_ = lambda: report
+            interrupt._render_traceback_ = lambda: report  # type: ignore[attr-defined]  # IPython's hook
             raise
         finally:
             self.state.ended = time.monotonic()
@@ -138,6 +157,9 @@ class Supervisor:
         """One message (the pool has noted what it keeps of it: closed links, end marks, begun commands)."""
         rank, pool = message.rank, self.pool
         if isinstance(message, (protocol.Closed, protocol.OutputEnd, protocol.Begin)):
+            return
+        if isinstance(message, protocol.Whereabouts):
+            self._where[rank] = message
             return
         if isinstance(message, protocol.Output):
             stream, text = message.stream, message.text
@@ -182,7 +204,8 @@ class Supervisor:
             if code is None:
                 continue
             proc.exited_at = proc.exited_at or now
-            missing = [r for r in proc.ranks if r in self.state.ranks and self.state.ranks[r].status in ("starting", "running")]
+            missing = [r for r in proc.ranks
+                       if r in self.state.ranks and self.state.ranks[r].status in ("starting", "running")]
             drained = all(self.pool.closed(r) for r in missing)
             if not missing or (not drained and now - proc.exited_at < EXIT_DRAIN):
                 continue  # its own result or error report may still be on the way
@@ -252,23 +275,89 @@ class Supervisor:
 
     def _time_out(self, why: str, only: list[int] | None = None) -> None:
         running = only or self.state.unfinished()
+        # Where they are first (before an interrupt moves them): the rank the others wait for is the one to blame.
+        verdict = self._diagnose(running) if only is None else None
         if self.pool.live and only is None:
             # Interrupted ranks keep their state; only those that do not return are diagnosed.
             interrupted = running
             running = self._interrupt(running)
             if not running:  # every rank returned: their state is kept
-                self.state.fail(min(interrupted), f"{why}; ranks {interrupted} were interrupted (their state is kept)",
-                                even_if_stopped=True)
+                said = f"\n{verdict.text}" if verdict else ""
+                self.state.fail(min(interrupted), f"{why}; ranks {interrupted} were interrupted (their state is kept)"
+                                + said, even_if_stopped=True)
                 return
         stacks = self.collect_stacks(running)
         done = [r for r, v in self.state.ranks.items() if v.status == "finished"]
         summary = f"{why}; still running: ranks {running}" + (f"; finished: ranks {done}" if done else "")
-        text = "\n\n".join(f"--- rank {r} stack ---\n" + (stacks.get(r) or "(no stack: the rank did not answer)")
-                           + native_note(r, self.state.ranks[r].pid, self.pool.remote) for r in running)
-        self.state.fail(running[0], summary, text)
-        for r in running[1:]:
-            self.state.fail(r, why)
+        culprits = [r for r in verdict.culprits if r in running] if verdict else []
+        waiting = [r for r in verdict.waiting if r in running and r not in culprits] if verdict else []
+        if verdict:
+            summary += f"\n{verdict.text}"
+        order = culprits + [r for r in running if r not in culprits]
+        shown = []
+        for r in order:
+            folded, whole = native_note(r, self.state.ranks[r].pid, self.pool.remote)
+            role = " (waiting)" if r in waiting else ""
+            python = stacks.get(r) or "(no stack: the rank did not answer)"
+            shown.append(f"--- rank {r} stack{role} ---\n{python}{folded}")
+            self._stacks[r] = f"{python}{whole}"
+        self.state.fail(order[0], summary, "\n\n".join(shown))
+        for r in order[1:]:
+            if r in waiting and culprits:
+                self.state.stop(r, f"waiting for {_ranks(culprits)} {self._waits_in(r)}")
+            else:
+                self.state.fail(r, why)
         self.pool.stuck(running, summary)
+
+    # -- the doctor ----------------------------------------------------------------------
+    def ask_where(self, ranks: list[int]) -> dict[int, protocol.Whereabouts]:
+        """Where each listed rank is now (those that answered within WHERE_WAIT)."""
+        for rank in ranks:
+            self._where.pop(rank, None)
+        self.pool.ask_where(ranks)
+        deadline = time.monotonic() + WHERE_WAIT
+        while time.monotonic() < deadline and not all(r in self._where for r in ranks):
+            self._pump(0.02)
+        return {r: self._where[r] for r in ranks if r in self._where}
+
+    def _diagnose(self, ranks: list[int]) -> Verdict | None:
+        running = [r for r in ranks if self.state.ranks[r].status == "running"]
+        where = self.ask_where(running) if running else {}
+        if not where:
+            return None
+        return stall_verdict(where, [r for r in running if r not in where])
+
+    def _waits_in(self, rank: int) -> str:
+        where = self._where.get(rank)
+        if where is not None and where.current is not None:
+            return f"in {call_words(where.current)}"
+        return f"to join at {where.rendezvous}" if where is not None and where.rendezvous else "in a collective"
+
+    def _step_time(self) -> float | None:
+        rates = [rate for view in self.state.ranks.values() if (rate := view.step_rate)]
+        return 1.0 / min(rates) if rates else None
+
+    def _check_stall(self) -> None:
+        """No rank progressed for `stall` s: say once where each is and whom the others wait for.
+        The run goes on (interrupt, `timeout=` or pdb on live ranks take it from there)."""
+        after = stall_after(self.stall, self._step_time())
+        now = time.monotonic()
+        if (after is None or self._stall_said or now - self.state.started < after
+                or now - self._stall_probe < min(after, 5.0)):
+            return
+        running = self.state.unfinished()
+        if not running or any(self.state.ranks[r].status != "running" for r in running):
+            return  # still starting: that is start_timeout's
+        self._stall_probe = now
+        where = self.ask_where(running)
+        if where and min(w.idle for w in where.values()) < after:
+            return  # a rank progressed within the window
+        verdict = stall_verdict(where, [r for r in running if r not in where])
+        quiet = min((w.idle for w in where.values()), default=after)
+        self._stall_said = True  # said once per command
+        self.state.set_stall(verdict.text)
+        self.display.note(f"No rank has progressed for {quiet:.0f} s: {verdict.text} The run goes on: interrupt it "
+                          f"to stop it (stall= sets when this is said; timeout= ends a run).")
 
     def _check_early_exit(self) -> None:
         """A rank that ended while another waits for it in a collective: that wait never ends."""
@@ -296,6 +385,7 @@ class Supervisor:
                    f"{waits}. That wait can never complete.")
         text = "\n\n".join([f"--- rank {culprit}: {view.ended_where or 'finished'} ---",
                             *(f"--- rank {r} stack (waiting) ---\n{stacks.get(r, '')}" for r in waiting)])
+        self.ask_where(waiting)  # their collectives, to name a mismatch with the ended rank's
         self.state.fail(culprit, summary, text, crashed=True, ended_early=True)
         for r in waiting:
             self.state.stop(r, f"waiting for rank {culprit} in {self._probes[r][0]}")
@@ -384,6 +474,30 @@ class Supervisor:
         others = tuple(self.state.outcome_lines(cause))
         note = self.pool.restart_note()
         summary = cause.summary + (f"\n{note}" if note else "")
+        disagree = self._mismatch()
+        if disagree:  # what the ranks' errors ("Connection closed by peer") do not say
+            summary = f"{disagree}\n{summary}"
         node = self.state.ranks[cause.rank].host if self.pool.remote else None  # named where ranks are elsewhere
         return WorkerError.from_failure(cause.rank, summary, cause.traceback, others,
-                                        original=unpack_exception(cause.exception), node=node)
+                                        original=unpack_exception(cause.exception), node=node, stacks=self._stacks)
+
+    def _mismatch(self) -> str | None:
+        """Collectives that do not match across ranks, from the calls they reported and the ones they wait in."""
+        recent = {r: list(t.recent) for r, t in self.state.step_times.items()}
+        for rank, where in self._where.items():
+            if where.current is not None:
+                recent.setdefault(rank, []).append(where.current)
+        found = mismatch(recent)
+        cause = self.state.root_cause()
+        died_in = blocked_on_peers(cause.traceback) if cause.crashed and cause.rank not in recent else None
+        if found or not died_in or not recent:
+            return found
+        # A rank killed by the backend inside a collective (gloo aborts on a size mismatch) sent no record of it.
+        theirs = "; ".join(f"rank {r}: {call_words(calls[-1])}" for r, calls in sorted(recent.items()) if calls)
+        return (f"rank {cause.rank} died inside {died_in}; the others' last collectives: {theirs}. If these are the "
+                "same call, compare their shapes and dtypes: a collective whose tensors differ across ranks "
+                "kills the backend.")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -130,7 +130,8 @@ def check_space(space, optuna) -> dict:
         raise ValueError(f"space={space!r}: give a dict mapping parameter names to Optuna distributions, {example}.")
     for name, distribution in space.items():
         if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"space key {name!r}: a parameter name is passed as fn's keyword, so it must be an identifier.")
+            raise ValueError(f"space key {name!r}: a parameter name is passed as fn's keyword, "
+                             "so it must be an identifier.")
         if not isinstance(distribution, optuna.distributions.BaseDistribution):
             raise ValueError(f"space[{name!r}]={distribution!r}: give an Optuna distribution (FloatDistribution, "
                              f"IntDistribution, CategoricalDistribution), {example}.")
@@ -140,8 +141,8 @@ def check_space(space, optuna) -> dict:
 def check_catch(catch) -> tuple:
     given, catch = catch, catch if isinstance(catch, tuple) else (catch,)
     if not all(isinstance(c, type) and issubclass(c, BaseException) for c in catch):
-        raise ValueError(f"catch={given!r}: give an exception class or a tuple of them (a trial raising one is recorded "
-                         "as failed and the sweep goes on), or () to stop at the first failure.")
+        raise ValueError(f"catch={given!r}: give an exception class or a tuple of them (a trial raising one is "
+                         "recorded as failed and the sweep goes on), or () to stop at the first failure.")
     return catch
 
 
@@ -236,6 +237,7 @@ class _SweepRun:
         row = TrialRow(trial.number, dict(trial.params), str(slot))
         self.state.add(row)
         reporter, display = _Reporter(self, trial, row), None
+        assert self.runner is not None, "trials run after the slots started"
         try:
             display = self.runner.display(on_update=reporter.update,
                                           on_output=functools.partial(self._say, trial.number),
@@ -376,20 +378,7 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
         Ctrl-C: every running trial was stopped; the finished ones are kept in the study.
     """
     optuna = _optuna()
-    if not callable(fn):
-        raise TypeError(f"sweep(fn=...) needs a callable trial function, got {type(fn).__name__}.")
-    space = check_space(space, optuna)
-    check_count(trials, "trials")
-    if not isinstance(metric, str) or not metric:
-        raise ValueError(f"metric={metric!r}: give the name fn logs with ctx.log(name, value), e.g. metric='loss'.")
-    if direction is not None and direction not in DIRECTIONS:
-        raise ValueError(f"direction={direction!r}: give 'minimize' or 'maximize'.")
-    if sampler is not None and not isinstance(sampler, optuna.samplers.BaseSampler):
-        raise ValueError(f"sampler={sampler!r}: give an Optuna sampler (optuna.samplers.TPESampler(), ...) or None.")
-    if pruner is not None and not isinstance(pruner, optuna.pruners.BasePruner):
-        raise ValueError(f"pruner={pruner!r}: give an Optuna pruner (optuna.pruners.MedianPruner(), ...) or None.")
-    check_timeout(timeout)
-    catch = check_catch(catch)
+    space, catch = check_sweep(fn, space, trials, metric, direction, sampler, pruner, timeout, catch)
     view = make_view(progress)
     if cluster is None:
         slots, idle = plan_slots(devices, devices_per_trial, accelerator)
@@ -412,7 +401,8 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
         view.output(f"nbtrain: {idle}")
     if done >= trials:
         view.output(f"nbtrain: the study already holds {done} finished trials (trials={trials}): nothing to run. "
-                    "Raise trials= to run more" + (f", or give another run_dir for a new sweep ({run_dir})." if run_dir else "."))
+                    "Raise trials= to run more"
+                    + (f", or give another run_dir for a new sweep ({run_dir})." if run_dir else "."))
     run.runner = SlotRunner(slots, run.work, warm=cluster is None)
     verdict = "finished"
     try:
@@ -421,9 +411,9 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
     except KeyboardInterrupt as interrupt:
         verdict = "interrupted"
         kept = f" in {run_dir}" if run_dir else ""
-        interrupt._render_traceback_ = lambda: [
-            f"KeyboardInterrupt: the sweep was interrupted; nbtrain stopped every running trial. The finished trials are "
-            f"kept in the study{kept}: run the cell again to resume."]
+        interrupt._render_traceback_ = lambda: [  # type: ignore[attr-defined]  # IPython's hook
+            "KeyboardInterrupt: the sweep was interrupted; nbtrain stopped every running trial. The finished trials "
+            f"are kept in the study{kept}: run the cell again to resume."]
         raise
     except BaseException:
         verdict = "failed"
@@ -433,6 +423,26 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
         run.tick()
         view.finish(state, verdict)
     return Sweep(study, state, run.best, run_dir)
+
+
+def check_sweep(fn, space, trials, metric, direction, sampler, pruner, timeout, catch) -> tuple[dict, tuple]:
+    """The sweep's settings checked, each refused in one line: (space, catch) as the sweep uses them.
+    `submit(sweep, ...)` checks them too, before anything is written."""
+    optuna = _optuna()
+    if not callable(fn):
+        raise TypeError(f"sweep(fn=...) needs a callable trial function, got {type(fn).__name__}.")
+    space = check_space(space, optuna)
+    check_count(trials, "trials")
+    if not isinstance(metric, str) or not metric:
+        raise ValueError(f"metric={metric!r}: give the name fn logs with ctx.log(name, value), e.g. metric='loss'.")
+    if direction is not None and direction not in DIRECTIONS:
+        raise ValueError(f"direction={direction!r}: give 'minimize' or 'maximize'.")
+    if sampler is not None and not isinstance(sampler, optuna.samplers.BaseSampler):
+        raise ValueError(f"sampler={sampler!r}: give an Optuna sampler (optuna.samplers.TPESampler(), ...) or None.")
+    if pruner is not None and not isinstance(pruner, optuna.pruners.BasePruner):
+        raise ValueError(f"pruner={pruner!r}: give an Optuna pruner (optuna.pruners.MedianPruner(), ...) or None.")
+    check_timeout(timeout)
+    return space, check_catch(catch)
 
 
 def cluster_slots(devices, per_slot: int, accelerator: str) -> list[Slot]:

@@ -220,7 +220,7 @@ class WorkQueue:
 
         with self._lock:
             self.in_flight.pop(worker, None)
-            batch = []
+            batch: list[tuple[int, bytes]] = []
             while self.pending and len(batch) < count and self.failure is None and not self.stopped:
                 index = self.pending[0]
                 try:
@@ -237,7 +237,7 @@ class WorkQueue:
 
     def _fail(self, indices: list[int], summary: str, traceback: str = "") -> None:
         if self.failure is None:
-            self.failure = MapError(indices[0], summary, traceback, total=len(self.items), batch=indices)
+            self.failure = MapError(indices[0], summary, traceback, total=len(self.items), batch=tuple(indices))
 
     def lost(self, worker: int, error: BaseException) -> bool:
         """A worker's run ended in failure; True when it held items (the map then fails, naming the first)."""

@@ -33,6 +33,7 @@ class Job:
     plan: DevicePlan
     strategy: str
     timeout: float | None = None
+    stall: float | bool | None = None  # seconds without progress before the doctor says so (None: its default)
     start_timeout: float = 120.0  # a rank that never reports in is a stall, not a slow start
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

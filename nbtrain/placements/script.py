@@ -78,10 +78,11 @@ except (OSError, AttributeError):
 if parent == 1 or os.getppid() != parent:  # the launcher is already gone
     os._exit(1)
 os.umask({umask:#o})  # the kernel's: the launcher ran with 0o077
-if {tmpdir!r} is None:  # the kernel's TMPDIR again: only the launcher's own temp files go in the job dir
+kernel_tmpdir = {tmpdir!r}
+if kernel_tmpdir is None:  # the kernel's TMPDIR again: only the launcher's own temp files go in the job dir
     os.environ.pop("TMPDIR", None)
 else:
-    os.environ["TMPDIR"] = {tmpdir!r}
+    os.environ["TMPDIR"] = kernel_tmpdir
 sys.path[0:1] = {path!r}  # the kernel's import path, not this directory
 from nbtrain.rank.script_main import rank_main
 rank_main({job_dir!r}, parent)
@@ -117,7 +118,7 @@ def script_options(given: dict, num_nodes: int) -> dict:
         raise ValueError(f"num_nodes={num_nodes} needs rdzv_endpoint='HOST:PORT': node 0's address and a free port "
                          "on it, the same on every node.")
     if options["rdzv_endpoint"]:
-        parse_endpoint(options["rdzv_endpoint"])
+        parse_endpoint(str(options["rdzv_endpoint"]))
     return options
 
 
@@ -146,7 +147,8 @@ def launcher_command(launcher: str, job: Job, options: dict, script: str) -> lis
                 "--main_process_ip", addr, "--main_process_port", port, "--rdzv_backend", "static",
                 "--max_restarts", restarts, "--monitor_interval", "0.1", script]
     # GPUs by their indices: with --num_gpus DeepSpeed would take the first n, ignoring the plan.
-    gpus = ["--include", f"localhost:{plan.cuda_visible_devices}"] if plan.accelerator == "gpu" else ["--num_gpus", nproc]
+    gpus = (["--include", f"localhost:{plan.cuda_visible_devices}"] if plan.accelerator == "gpu"
+            else ["--num_gpus", nproc])
     return ["-m", "deepspeed.launcher.runner", *gpus, "--master_addr", addr, "--master_port", port, script]
 
 
@@ -295,7 +297,8 @@ class ScriptLauncher(ProcessLauncher):
         try:
             popen = subprocess.Popen(
                 [sys.executable, "-c", _DIE_WITH_KERNEL, str(os.getpid()), *command],
-                env=launcher_environ(job, channel_env, self._launcher_tmp()), stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                env=launcher_environ(job, channel_env, self._launcher_tmp()), stdin=subprocess.DEVNULL, stdout=out_w,
+                stderr=err_w,
                 start_new_session=True)  # its own group: a stop reaches it, the kernel's Ctrl-C does not
         finally:
             os.close(out_w)
@@ -306,14 +309,19 @@ class ScriptLauncher(ProcessLauncher):
         log = LauncherLog(err_r, pump.put)  # the log closes it
         started.append(LauncherProcess(popen, job.ranks, launcher, log, self._holds))
 
+    @property
+    def _job_dir(self) -> str:
+        assert self._dir is not None, "the job's directory exists from _prepare to _cleanup"
+        return self._dir
+
     def _launcher_tmp(self) -> str:
-        path = os.path.join(self._dir, "tmp")
+        path = os.path.join(self._job_dir, "tmp")
         os.mkdir(path, 0o700)
         return path
 
     def _write_job(self, job: Job) -> str:
         def private(name: str, data: bytes) -> str:
-            path = os.path.join(self._dir, name)
+            path = os.path.join(self._job_dir, name)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with open(fd, "wb") as f:
                 f.write(data)
@@ -328,7 +336,7 @@ class ScriptLauncher(ProcessLauncher):
         """A named pipe per rank and stream: the pump reads it, and we hold a write end."""
         for local, rank in enumerate(job.ranks):
             for stream in ("stdout", "stderr"):
-                path = os.path.join(self._dir, pipe_name(stream, local))
+                path = os.path.join(self._job_dir, pipe_name(stream, local))
                 os.mkfifo(path, 0o600)
                 read = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
                 pump.add(read, rank, stream)  # the pump closes it

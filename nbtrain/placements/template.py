@@ -1,4 +1,5 @@
-"""start='template': ranks forked from the warm template (see template_process.py here, and nbtrain/rank/template_main.py).
+"""start='template': ranks forked from the warm template (see template_process.py here, and
+nbtrain/rank/template_main.py).
 
 Safe where forking the kernel is not (CUDA initialised in it, libraries that refuse fork),
 at fork speed. Falls back to plain spawn, saying why, when the template cannot start or does

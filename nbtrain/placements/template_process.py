@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Literal, overload
 
 import psutil
 
@@ -95,6 +96,24 @@ class Template:
             raise RuntimeError("nbtrain's template process went away while forking a rank")
         return reply.pid
 
+    def detach(self, env: dict, target: str, args: list[str], log: str, record: str) -> None:
+        """Start `target` ("module:function", called with `args`) in a process that outlives the
+        kernel and this template, its output appended to `log`; returns once `record` names it
+        (`session.identity`). A fork of the template: torch is already imported."""
+        self.wait_ready()
+        request = {"env": {**os.environ, **env}, "cwd": os.getcwd(),
+                   "path": [os.getcwd() if p == "" else p for p in sys.path],
+                   "detach": target, "args": list(args), "log": log, "record": record}
+        reply = self._ask(request, (), FORK_SECONDS)
+        if not isinstance(reply, protocol.Forked):
+            raise RuntimeError("nbtrain's template process went away while starting a detached process")
+        self.wait_exit(reply.pid, FORK_SECONDS)  # the fork in between exits once it has written `record`
+        code = self.exit_code(reply.pid)
+        if code != 0:
+            raise RuntimeError("nbtrain's template process could not start a detached process: "
+                               + (f"it did not finish within {FORK_SECONDS:g} s" if code is None else
+                                  f"the fork that starts it exited with {code}"))
+
     def ping(self, timeout: float = ANSWER_SECONDS) -> None:
         """Make sure the template answers; TemplateUnresponsive (saying why, where it can) if not."""
         self.wait_ready()
@@ -156,6 +175,12 @@ _preload: tuple[str, ...] = ()  # the user's own additions (warm_up(preload=...)
 _failed: RuntimeError | None = None  # why the last start failed: not tried again at every launch, only by warm_up()
 _unresponsive: list[Template] = []  # stopped answering: left alone (their ranks may live), stopped at exit
 _guard = threading.Lock()
+
+
+@overload
+def template(start: Literal[True] = ...) -> Template: ...
+@overload
+def template(start: bool) -> Template | None: ...
 
 
 def template(start: bool = True) -> Template | None:

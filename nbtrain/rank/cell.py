@@ -11,6 +11,8 @@ import os
 import socket
 import sys
 import types
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import dill
 
@@ -28,8 +30,8 @@ class CellJob:
     strategies).
     """
 
-    def __init__(self, source: str, imports: list[tuple[str, str]] = (), payload: bytes | None = None,
-                 namespace: dict | None = None, sources: dict | None = None, origin: str | None = None):
+    def __init__(self, source: str, imports: Sequence[tuple[str, str]] = (), payload: bytes | None = None,
+                 namespace: Mapping[str, Any] | None = None, sources: dict | None = None, origin: str | None = None):
         self.source = source
         self.imports = list(imports)  # (name in the cell, module to import)
         self.payload = payload  # dill of {name: value} for the other names
@@ -66,6 +68,7 @@ class CellJob:
         body = compile(tree, CELL_FILENAME, "exec")
         if last is None:
             return body, None
+        assert isinstance(last, ast.Expr)  # popped only when it is one
         value = last.value
         if wrap:
             value = ast.copy_location(ast.Call(ast.Name(_WRAP, ast.Load()), [value], []), value)

@@ -100,7 +100,7 @@ def _stateful(objects: dict, verb: str) -> dict:
             raise ValueError(f"{name}=: a DeepSpeed engine keeps its ZeRO partitions in DeepSpeed's own checkpoint "
                              f"format: use {name}.save_checkpoint(directory) and {name}.load_checkpoint(directory).")
     models = {name: obj for name, obj in objects.items() if isinstance(obj, torch.nn.Module)}
-    state = {}
+    state: dict[str, object] = {}
     for name, obj in objects.items():
         if isinstance(obj, torch.nn.Module):
             state[name] = _ModelState(obj)
@@ -186,7 +186,7 @@ def save(ctx, path, objects: dict) -> None:
         with _single_process_is_meant():
             dcp.save(state, checkpoint_id=partial, storage_writer=_writer(partial), process_group=group,
                      no_dist=group is None)
-    except _FAILURES as exc:  # every rank hears of every rank's failure: each cleans up and says it
+    except _failures() as exc:  # every rank hears of every rank's failure: each cleans up and says it
         error = _explain(exc, "save", path, partial, ctx.rank)
         shutil.rmtree(partial, ignore_errors=True)  # a partial save only fills the disk
         raise error from None
@@ -222,12 +222,12 @@ def load(ctx, path, objects: dict) -> dict:
     missing = [name for name in objects if held is not None and name not in held]
     if missing:
         raise CheckpointError(f"load_checkpoint: {where} has no {', '.join(map(repr, missing))}; it holds "
-                              f"{', '.join(sorted(held))}.", filename=where)
+                              f"{', '.join(sorted(held or ()))}.", filename=where)
     group = _group(ctx)
     try:
         with _single_process_is_meant():
             dcp.load(state, checkpoint_id=where, process_group=group, no_dist=group is None)
-    except _FAILURES as exc:
+    except _failures() as exc:
         raise _explain(exc, "load", where, where, ctx.rank) from None
     return {name: objects[name] if isinstance(state[name], (_ModelState, _OptimizerState)) else state[name]
             for name in objects}
@@ -245,13 +245,12 @@ def _names(path: str) -> set[str] | None:
     return {key.split(".", 1)[0] for key in keys}
 
 
-def _checkpoint_exception():
+def _failures() -> tuple:
+    # DCP's CheckpointException is a BaseException. Imported here, not at the top: DCP pulls in
+    # DTensor and sympy (0.4 s), which a run that saves no checkpoint never needs.
     from torch.distributed.checkpoint.api import CheckpointException
 
-    return CheckpointException
-
-
-_FAILURES = (Exception, _checkpoint_exception())  # DCP's CheckpointException is a BaseException
+    return (Exception, CheckpointException)
 
 
 def _explain(exc: BaseException, verb: str, path: str, written: str, rank: int) -> CheckpointError:

@@ -10,9 +10,10 @@ computed in the kernel at import; an Accelerate state the kernel created.
 Where user code would still start ranks of its own from inside a rank (`torch.multiprocessing
 .spawn`, Accelerate's `notebook_launcher`, Lightning's `ddp_notebook` / `ddp_spawn`), one error
 names the call instead of a nested launch. And code that sets up its own process group (the
-PyTorch DDP tutorial's `setup()`) works: a call that matches the group the rank already has is
-a no-op, and under torchrun an address the user chose is honoured instead of waiting on
-torchrun's agent store at another port.
+PyTorch DDP tutorial's `setup()`) works, however it imported the functions: a call that matches
+the group the rank already has is a no-op, under torchrun an address the user chose is honoured
+instead of waiting on torchrun's agent store at another port, and a destroy waits for the end of
+the command.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import logging
 import os
 import sys
 import traceback
+import types
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -42,12 +44,18 @@ _INTERACTIVE_COPIES = tuple(
         ("pytorch_lightning", ("trainer.connectors.accelerator_connector", "callbacks.progress.rich_progress")),
         ("lightning.pytorch", ("trainer.connectors.accelerator_connector", "callbacks.progress.rich_progress")))
     for module in modules)
-# Whose frames tell which library asked for the nested launch, for the error's advice.
+# Whose frames tell which library asked for the nested launch, for the error's advice: the first
+# that matches (a Trainer's launch runs through Fabric's code too, so the Trainer comes first).
+_TRAINER = ("a Lightning Trainer with strategy 'ddp_notebook', 'ddp_fork' or 'ddp_spawn'",
+            "give the Trainer strategy='ddp' (or 'auto') and devices=LOCAL_WORLD_SIZE: it then joins nbtrain's ranks")
+_FABRIC = ("Lightning Fabric with strategy 'ddp_notebook', 'ddp_fork' or 'ddp_spawn'",
+           "give Fabric strategy='ddp' (or 'auto') and devices=LOCAL_WORLD_SIZE, and call fabric.launch() with no "
+           "function (or call your function directly): it then joins nbtrain's ranks")
 _LAUNCHERS = (
-    ("lightning", "a Lightning Trainer with strategy 'ddp_notebook', 'ddp_fork' or 'ddp_spawn'",
-     "give the Trainer strategy='ddp' (or 'auto') and devices=LOCAL_WORLD_SIZE: it then joins nbtrain's ranks"),
-    ("pytorch_lightning", "a Lightning Trainer with strategy 'ddp_notebook', 'ddp_fork' or 'ddp_spawn'",
-     "give the Trainer strategy='ddp' (or 'auto') and devices=LOCAL_WORLD_SIZE: it then joins nbtrain's ranks"),
+    ("pytorch_lightning", *_TRAINER),
+    ("lightning.pytorch", *_TRAINER),
+    ("lightning_fabric", *_FABRIC),
+    ("lightning.fabric", *_FABRIC),
     ("accelerate", "accelerate's notebook_launcher",
      "call the training function directly (Accelerator() joins nbtrain's ranks), or call "
      "nbtrain.notebook_launcher(fn, args, num_processes=N) from the notebook instead"),
@@ -61,6 +69,12 @@ class NestedLaunchError(RuntimeError):
 def become_torchrun_worker() -> None:
     """Called once in every rank before the user's code runs."""
     os.environ.setdefault("NBTRAIN_MASTER", f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}")
+    # torch's barrier at the end of init_process_group (off by default): no rank leaves the set-up
+    # until every rank's gloo mesh is connected. Without it a rank whose code returns right after
+    # (`Accelerator()` and return) tore its group down while a peer was still connecting to it,
+    # which failed that peer with "Gloo connectFullMesh failed ... Connection closed by peer"
+    # (1 launch in 120 on the template here). The user's own setting wins.
+    os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
     _forget_the_kernel()
     _refuse_nested_launches()
     _adopt_process_group_calls()
@@ -72,7 +86,7 @@ def _forget_the_kernel() -> None:
     for name in _INTERACTIVE_COPIES:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "_IS_INTERACTIVE", False):
-            module._IS_INTERACTIVE = False
+            module._IS_INTERACTIVE = False  # type: ignore[attr-defined]  # checked just above (getattr)
     state = sys.modules.get("accelerate.state")
     if state is not None:  # the kernel made an Accelerator before the fork: its singleton is not this rank's
         state.AcceleratorState._reset_state(reset_partial_state=True)
@@ -88,11 +102,11 @@ def _refuse_nested_launches() -> None:
     def start_processes(*args, **kwargs):
         raise _nested("torch.multiprocessing.spawn / start_processes")
 
-    start_processes._nbtrain_guard = True
+    start_processes._nbtrain_guard = True  # type: ignore[attr-defined]  # a mark on the function, which mypy does not model
     # torch.multiprocessing.spawn() calls its module's start_processes: replace both names (the
     # module by its sys.modules name: `torch.multiprocessing.spawn` the attribute is the function).
     torch.multiprocessing.start_processes = start_processes
-    sys.modules["torch.multiprocessing.spawn"].start_processes = start_processes
+    sys.modules["torch.multiprocessing.spawn"].start_processes = start_processes  # type: ignore[attr-defined]  # a module
     # Accelerate's notebook_launcher starts torchrun's agent first (which binds its fixed port):
     # refuse there, before anything binds.
     when_imported("torch.distributed.launcher.api", _refuse_elastic_launch)
@@ -128,11 +142,9 @@ _DESTROY_ASKED = [False]  # the user's destroy_process_group(), carried out when
 
 
 def _adopt_process_group_calls() -> None:
-    original_init, original_destroy = c10d.init_process_group, c10d.destroy_process_group
-    if getattr(original_init, "_nbtrain_adopts", False):
+    if hasattr(destroy_asked_group, "destroy"):
         return
 
-    @functools.wraps(original_init)
     def init_process_group(backend=None, *args, **kwargs):
         if _DESTROY_ASKED[0]:  # destroyed, then set up again in the same command: do both now
             destroy_asked_group()
@@ -140,29 +152,58 @@ def _adopt_process_group_calls() -> None:
             _check_same_group(backend, kwargs.get("world_size", -1), kwargs.get("rank", -1))
             return None
         _honour_a_chosen_address()
-        return original_init(backend, *args, **kwargs)
+        return real_init(backend, *args, **kwargs)
 
     # The DDP tutorial's cleanup() destroys the group while its DDP model is still alive in the
     # caller's frame; freeing the model after that hangs the rank in PyTorch's teardown about one
-    # time in two. Destroying the default group once the command is over (its objects freed)
+    # time in ten. Destroying the default group once the command is over (its objects freed)
     # keeps the user's order of calls and loses the hang.
-    @functools.wraps(original_destroy)
     def destroy_process_group(group=None):
         if group is None or group is c10d.GroupMember.WORLD:
             _DESTROY_ASKED[0] = dist.is_initialized()
             return None
-        return original_destroy(group)
+        return real_destroy(group)
 
-    init_process_group._nbtrain_adopts = True
-    c10d.init_process_group = dist.init_process_group = init_process_group
-    c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
-    destroy_asked_group.destroy = original_destroy
+    real_init = _take_over(c10d.init_process_group, init_process_group)
+    real_destroy = _take_over(c10d.destroy_process_group, destroy_process_group)
+    destroy_asked_group.destroy = real_destroy  # type: ignore[attr-defined]  # a mark on the function, which mypy does not model
+
+
+def _take_over(torchs, ours):
+    """Make torch's function object itself run `ours`; return a copy that runs torch's code.
+
+    Code holds torch's functions under many names: `dist.init_process_group`, a library's
+    reference, and `from torch.distributed import destroy_process_group` in the notebook or a
+    user's module, which a rank forked from the kernel inherits bound before any patch (a template
+    or spawned rank imports it afresh). Changing the one function object they all name makes one
+    rule for every placement, at no cost per name. torch's `init_process_group` is a decorator's
+    wrapper that calls what its one cell holds; `destroy_process_group` is a plain function, whose
+    code is swapped for a call to ours. Anything else (another torch) has its module names replaced."""
+    cells = tuple(types.CellType(cell.cell_contents) for cell in torchs.__closure__ or ())
+    real = types.FunctionType(torchs.__code__, torchs.__globals__, torchs.__name__, torchs.__defaults__, cells or None)
+    real.__kwdefaults__, real.__qualname__ = torchs.__kwdefaults__, torchs.__qualname__
+    if torchs.__code__.co_freevars == ("func",):
+        torchs.__closure__[0].cell_contents = ours
+    elif not torchs.__code__.co_freevars:
+        handoff = f"_nbtrain_{torchs.__name__}"
+        namespace: dict = {}
+        exec(f"def trampoline(*args, **kwargs):\n    return {handoff}(*args, **kwargs)", namespace)
+        torchs.__globals__[handoff] = ours
+        torchs.__code__, torchs.__defaults__, torchs.__kwdefaults__ = namespace["trampoline"].__code__, None, None
+        torchs.__wrapped__ = real  # inspect.signature shows torch's parameters
+    else:
+        functools.update_wrapper(ours, real)
+        setattr(c10d, torchs.__name__, ours)
+        setattr(dist, torchs.__name__, ours)
+    return real
 
 
 def destroy_asked_group() -> None:
     """Carry out a destroy_process_group() the user's code asked for during the command."""
     if _DESTROY_ASKED[0]:
-        gc.collect()  # the command's models, and their communication hooks, go first
+        # The command's models, and their communication hooks, go first. A collection walks only
+        # what the rank made: what it inherited was frozen as it started (loop.serve).
+        gc.collect()
         destroy_group_now()
 
 

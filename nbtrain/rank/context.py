@@ -22,6 +22,7 @@ from ..common import protocol
 from . import strategies
 from .checkpoint import load, save
 from .compat import destroy_group_now
+from .doctor import progressed, timed_batches
 from .strategies import DDP_STRATEGIES, DEFAULT_MIN_PARAMS, SHARDED_STRATEGIES
 
 PROGRESS_INTERVAL = 0.1  # seconds between progress events of one bar
@@ -328,7 +329,7 @@ class Context:
         """
         from torch.utils.data import DataLoader, DistributedSampler
 
-        sampler = None
+        sampler: DistributedSampler | None = None
         if self.world_size > 1 and not {"sampler", "batch_sampler"} & dataloader_kwargs.keys():
             shuffle = dataloader_kwargs.pop("shuffle", False)
             sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
@@ -496,6 +497,7 @@ class Context:
             for item in iterable:
                 yield item
                 n += 1
+                progressed()
                 if self._recorder is not None and level == self._deepest and not self._explicit_steps:
                     self._recorder.step()
                 now = time.monotonic()
@@ -519,7 +521,7 @@ class EpochLoader:
         if self._sampler is not None:
             self._sampler.set_epoch(self._epoch)
         self._epoch += 1
-        return iter(self.loader)
+        return timed_batches(iter(self.loader))  # the wait for each batch is the rank's data wait
 
     def __len__(self) -> int:
         return len(self.loader)

@@ -16,7 +16,7 @@ ARGUMENTS = "arguments.pkl"  # the call's arguments, pickled at export
 VALUE = "value.pkl"  # rank 0's return value, in the run directory
 
 
-def main(fn, here: str) -> None:
+def main(fn, here: str | Path) -> None:
     here = Path(here)
     args, kwargs = runlog.read_pickle(here / ARGUMENTS)  # only from a file of ours, no link
     run_dir = Path(os.environ.setdefault("NBTRAIN_RUN_DIR", str(here / "run")))

@@ -3,7 +3,8 @@
 One loop serves `launch` (one `run` command, then the rank exits) and live `Ranks` (commands
 until `stop`), whatever started the rank. Commands run on the main thread, so an interrupt
 (SIGINT, raised only while user code runs) lands in the user's code as KeyboardInterrupt; the
-channel's second thread receives commands, interrupts, stack requests and debugger input.
+channel's second thread receives commands, interrupts, stack requests, the doctor's `Where`
+(answered from there: `doctor.py`) and debugger input.
 
 The messages both ways are `common/protocol.py`'s records. A command (`Run`, `Call`, `Exec`,
 `Eval`, `Push`, `Pull`, `Start`, `Debug`) carries its `seq` and `everyone` (sent to every rank, so
@@ -17,6 +18,7 @@ from __future__ import annotations
 import ast
 import builtins
 import faulthandler
+import gc
 import linecache
 import os
 import queue
@@ -36,6 +38,7 @@ from ..common.tracebacks import package_path
 from ..common.transfer import pack_exception, pack_result, unpack_job, unpack_push
 from .compat import become_torchrun_worker, destroy_asked_group
 from .context import Context, set_current
+from .doctor import TALLY, count_collectives, whereabouts
 from .output import show_in_notebook
 from .process import enable_stacks, end_output, limit_threads
 from .process import forward_output as forward
@@ -51,7 +54,8 @@ class RankLoop:
         self.commands: queue.Queue = queue.Queue()
         self.names: queue.Queue = queue.Queue()
         self.stdin: queue.Queue = queue.Queue()
-        self.namespace = _fresh_main(ctx) if live else None
+        # None only in a rank that is not live, where no command that reads it comes
+        self.namespace: dict = _fresh_main(ctx) if live else None  # type: ignore[assignment]
         self.borrowed: dict[str, object] = {}  # names taken from the notebook, as they came
         self.last_traceback = None
         self._lock = threading.Lock()
@@ -66,11 +70,14 @@ class RankLoop:
     def on_message(self, message) -> None:
         if isinstance(message, protocol.Interrupt):
             with self._lock:
-                if self._running is not None and self._running == message.seq:
+                if self._running is not None and self._running == message.seq and self._main is not None:
                     self._interrupting = True
                     signal.pthread_kill(self._main, signal.SIGINT)
-        elif isinstance(message, protocol.Stacks):  # remote ranks; local ones are asked by signal (works even when the GIL is held)
+        elif isinstance(message, protocol.Stacks):
+            # remote ranks; local ones are asked by signal (works even when the GIL is held)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        elif isinstance(message, protocol.Where):  # answered here: the main thread may be stuck
+            self.link.emit(whereabouts(self.link.rank))
         elif isinstance(message, protocol.Stdin):
             self.stdin.put(message.line)
         elif isinstance(message, protocol.Names):
@@ -103,8 +110,10 @@ class RankLoop:
     def _execute(self, command, once: bool) -> int:
         rank, seq = self.link.rank, command.seq
         self.ctx._begin_command()
+        TALLY.reset()
         self.link.emit(protocol.Begin(rank, seq))
         handler = getattr(self, f"_do_{command.kind}", None)
+        reply: protocol.Returned | protocol.Raised
         try:
             if handler is None:
                 raise ValueError(f"unknown command {command.kind!r}")
@@ -123,6 +132,8 @@ class RankLoop:
         finally:
             with self._lock:
                 self._running, self._interrupting = None, False
+        if TALLY.seq or TALLY.batches:  # what the doctor compares across ranks: before the reply
+            self.link.emit(TALLY.step_times(rank))
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         # Printed output travels on pipes of its own: the end mark lets the notebook show all of a
@@ -237,7 +248,7 @@ class RankLoop:
 
     def _breakpoint(self, *args, **kwargs) -> None:
         """`breakpoint()` in code running on a live rank: pdb, through the notebook."""
-        RemoteDebugger(self).set_trace(sys._getframe(1))
+        RemoteDebugger(self).set_trace(sys._getframe(1))  # type: ignore[attr-defined]  # __new__ gives a Pdb
 
     # -- names the rank lacks ------------------------------------------------------------
     def _fetch_missing(self, seq: int, names) -> None:
@@ -392,7 +403,7 @@ def user_traceback(exc: BaseException) -> str:
 
 # A rank forked while the kernel was handling an exception (a launch from an `except:` block, a
 # restart after Ctrl-C) inherits it as the exception being handled: it is not the rank's story.
-def _cut_inherited(exc: BaseException) -> None:
+def _cut_inherited(exc: BaseException | None) -> None:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -428,12 +439,17 @@ def serve(first=None, once: bool = False, live: bool = False, forward_output: bo
     travel over the channel instead.
     """
     _RANK_START_EXCEPTION[0] = sys.exc_info()[1]
+    # What the rank inherited (a fork of the kernel: its whole heap) or imported is never garbage a
+    # collection must find: frozen, a collection (the user's destroy_process_group's, Python's own
+    # oldest generation's) walks only what the rank makes, in milliseconds, not a second.
+    gc.freeze()
     rank = int(os.environ["RANK"])
     try:
         link = Link.from_environ(rank)
     except ChannelUnreachable as exc:  # one line on stderr: the notebook shows it as the rank's failure
         print(f"nbtrain: {exc}", file=sys.stderr, flush=True)
         return 1
+    assert link is not None, "a rank nbtrain starts always has its notebook's address"
     if forward_output:
         forward(link)
         notice = os.environ.pop(NOTICE_VAR, None)
@@ -441,6 +457,7 @@ def serve(first=None, once: bool = False, live: bool = False, forward_output: bo
             print(f"nbtrain: {notice}", file=sys.stderr, flush=True)
     become_torchrun_worker()
     use_private_store()
+    count_collectives()
     show_in_notebook(link, rank)
     ctx = Context.from_environ(os.environ, link)
     set_current(ctx)

@@ -42,7 +42,7 @@ def show_in_notebook(link, rank: int) -> None:
     when_imported("rich.console", _rich_as_terminal)
     rich = sys.modules.get("rich")
     if getattr(rich, "_console", None) is not None:  # made in the kernel before the fork: it believes it is in Jupyter
-        rich._console = None
+        rich._console = None  # type: ignore[union-attr]  # set, so rich is there (getattr above)
     _tag_records(rank)
 
 
@@ -130,7 +130,7 @@ def _rich_as_terminal(console) -> None:
             return True
         return detect(self)
 
-    is_terminal._nbtrain = True
+    is_terminal._nbtrain = True  # type: ignore[attr-defined]  # a mark on the function, which mypy does not model
     cls.is_terminal = property(is_terminal, doc=detect.__doc__)
 
 
@@ -146,5 +146,5 @@ def _tag_records(rank: int) -> None:
         made.rank = rank
         return made
 
-    record._nbtrain_inner = make
+    record._nbtrain_inner = make  # type: ignore[attr-defined]  # a mark on the function, which mypy does not model
     logging.setLogRecordFactory(record)

@@ -16,7 +16,7 @@ import threading
 import time
 
 from ..common import protocol
-from ..common.output_reader import OutputReader, end_mark
+from ..common.output_reader import OutputReader, end_mark, frame_stderr
 from ..common.process_tree import end_descendants, watch_rank
 
 STACKS_SIGNAL = signal.SIGUSR1  # the notebook sends it to see where a rank is stuck
@@ -64,10 +64,38 @@ def redirect_output(stdout_fd: int, stderr_fd: int) -> None:
     os.dup2(stdout_fd, 1)
     os.dup2(stderr_fd, 2)
     inherited = sys.stdout, sys.stderr
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, errors="replace")
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, errors="replace")
+    sys.stdout = io.TextIOWrapper(_Pipe(1), line_buffering=True, errors="replace")
+    sys.stderr = io.TextIOWrapper(_Pipe(2, frame=frame_stderr), line_buffering=True, errors="replace")
     for old, new in zip(inherited, (sys.stdout, sys.stderr)):
         _follow(old, new)
+
+
+class _Pipe(io.RawIOBase):
+    """fd 1 or 2 as Python writes to it. What Python writes to stderr goes on the stdout pipe,
+    framed, so the notebook reads both streams in the order they were written (two pipes are read
+    in whatever order they become ready); `fileno()` is still the real fd, so faulthandler's
+    stacks and a subprocess given sys.stderr write to fd 2. One lock: a frame is never split by
+    another thread's write."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, fd: int, frame=None):
+        super().__init__()
+        self.fd, self.frame = fd, frame
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        out, fd = (self.frame(data), 1) if self.frame else (data, self.fd)
+        with self._lock:
+            while out:
+                out = out[os.write(fd, out):]
+        return len(data)
 
 
 def _follow(old, new) -> None:

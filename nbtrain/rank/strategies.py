@@ -118,7 +118,8 @@ def shard(module: torch.nn.Module, ctx, options: ShardOptions) -> torch.nn.Modul
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     # On a CPU run the parameters already live where offloading would put them.
     offload = options.cpu_offload if options.cpu_offload and ctx.device.type != "cpu" else OffloadPolicy()
-    settings = {"mesh": mesh, "reshard_after_forward": options.reshard_after_forward, "offload_policy": offload}
+    settings: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": options.reshard_after_forward,
+                                "offload_policy": offload}
     if options.mixed_precision is not None:
         settings["mp_policy"] = options.mixed_precision
     for unit in units(module, options):
@@ -126,7 +127,7 @@ def shard(module: torch.nn.Module, ctx, options: ShardOptions) -> torch.nn.Modul
     # None: FSDP2 keeps the root gathered after forward (backward starts with it) under
     # full sharding; False (keep everything gathered) is kept as asked.
     settings["reshard_after_forward"] = None if options.reshard_after_forward else False
-    return fully_shard(module, **settings)
+    return fully_shard(module, **settings)  # type: ignore[return-value]  # the module itself, now also an FSDPModule
 
 
 def units(module: torch.nn.Module, options: ShardOptions) -> list[torch.nn.Module]:
@@ -138,7 +139,8 @@ def units(module: torch.nn.Module, options: ShardOptions) -> list[torch.nn.Modul
     contained = _self_contained(module)
     if options.shard is not None:
         return [m for m in _post_order(module) if m is not module and isinstance(m, options.shard) and contained(m)]
-    chosen, pending = [], {}  # pending: parameters of a module not yet in a chosen unit
+    chosen: list[torch.nn.Module] = []
+    pending: dict[int, int] = {}  # pending: parameters of a module not yet in a chosen unit
     for m in _post_order(module):
         count = sum(p.numel() for p in m.parameters(recurse=False))
         count += sum(pending.pop(id(child), 0) for child in m.children())
@@ -150,7 +152,8 @@ def units(module: torch.nn.Module, options: ShardOptions) -> list[torch.nn.Modul
 
 
 def _registrations(module: torch.nn.Module) -> Counter:
-    return Counter(id(p) for m in module.modules() for _, p in m.named_parameters(recurse=False, remove_duplicate=False))
+    return Counter(id(p) for m in module.modules()
+                   for _, p in m.named_parameters(recurse=False, remove_duplicate=False))
 
 
 def _self_contained(root: torch.nn.Module):
@@ -192,7 +195,7 @@ def broadcast_from_rank0(module: torch.nn.Module, ctx) -> None:
 def _remember_skeleton(module: torch.nn.Module) -> None:
     # Tensors become meta placeholders in the copy: it costs no memory, and the module's
     # structure, class and attributes are what the gathered weights are loaded into.
-    memo = {}
+    memo: dict[int, torch.Tensor] = {}
     for p in module.parameters():
         memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in module.buffers():
@@ -261,7 +264,8 @@ def gather_returned(value, ctx):
             listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
             raise RuntimeError(f"every rank must return the sharded model, as each holds a part of it; the "
                                f"numbers of sharded modules returned differ ({listed}). Return the model on every "
-                               f"rank; under {ctx.strategy}, only rank 0's copy comes back (whole), the others as None.")
+                               f"rank; under {ctx.strategy}, only rank 0's copy comes back (whole), the others as "
+                               "None.")
     modules = {id(f): _engine_module(f) or f for f in found}
     done = {}
     for top in [f for f in found if not any(o is not f and _contains(modules[id(o)], modules[id(f)]) for o in found)]:

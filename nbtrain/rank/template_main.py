@@ -35,8 +35,9 @@ import socket
 import struct
 import sys
 import traceback
+from pathlib import Path
 
-from ..common import protocol
+from ..common import protocol, runlog, session
 from .loop import serve
 from .process import die_with_parent, enable_stacks, limit_threads, redirect_output
 
@@ -102,6 +103,8 @@ def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
                 pid = os.fork()  # from the main thread, with no other thread: nothing held in the child
                 if pid == 0:
                     sock.close()
+                    if "detach" in request:
+                        _detach(request)
                     _become_rank(request, fds)
                 for fd in fds:
                     os.close(fd)
@@ -118,15 +121,52 @@ def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
     os._exit(0)
 
 
+def _take_on(request: dict) -> None:
+    """The notebook's present state, in a fork: its environment, directory and import path."""
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.path[:] = request["path"]
+    importlib.invalidate_caches()  # files created since the template started
+
+
+def _detach(request: dict) -> None:
+    """In the fork: start a process that outlives the kernel and this template (a submitted run's
+    supervisor), as `python -c` would with torch already imported. Never returns.
+
+    This fork forks again: the grandchild, a session of its own (`cancel()` stops the session
+    its pid names), runs `request["detach"]`'s function with `request["args"]`, re-parented away
+    from the template at once (the template dies with the kernel; no parent-death signal or
+    watchdog survives a fork). This fork records the grandchild's identity in `request["record"]`
+    before it exits, so the kernel, which waits for this fork's exit, knows it is on record."""
+    try:
+        _take_on(request)
+        pid = os.fork()
+        if pid:
+            runlog.write_json(Path(request["record"]), session.identity(pid))
+            os._exit(0)
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND)
+        for fd, target in ((null, 0), (log, 1), (log, 2)):
+            os.dup2(fd, target)
+        module_name, _, function = request["detach"].partition(":")
+        code = getattr(importlib.import_module(module_name), function)(*request["args"])
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except SystemExit as end:
+        code = end.code if isinstance(end.code, int) else 1
+    except BaseException:  # noqa: B036 - whatever happens, the fork must never return into the template's loop
+        traceback.print_exc()
+        code = 1
+    os._exit(code)
+
+
 def _become_rank(request: dict, fds: list[int]) -> None:
     """In the fork: take on the notebook's present state, then serve as a rank. Never returns."""
     try:
         os.setsid()  # its own group: a stop reaches its children (DataLoader workers), nobody's Ctrl-C does
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        sys.path[:] = request["path"]
-        importlib.invalidate_caches()  # files created since the template started
+        _take_on(request)
         die_with_parent(request["template"])
         redirect_output(*fds)
         for fd in fds:

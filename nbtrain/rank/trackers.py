@@ -8,8 +8,9 @@ writes its files; nothing here knows their formats.
 
 Every wait on a tracker is bounded, and a tracker that fails is named with where it writes: a
 server that does not answer fails the run within a minute (MLflow: each request given 10 s and 2
-retries; W&B: its init and finish timeouts), a full disk is said as such. Values are written on a thread of their own, so a slow
-tracker slows no training step; what queued up meanwhile goes in one batch.
+retries; W&B: its init and finish timeouts), a full disk is said as such. Values are written on a
+thread of their own, so a slow tracker slows no training step; what queued up meanwhile goes in
+one batch.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..common.private import new_private_dir, new_private_file, private_files
 
@@ -298,7 +300,7 @@ def check_trackers(trackers) -> tuple:
         given = list(given)
     except TypeError:
         raise ValueError(f"trackers={trackers!r} is not a tracker. {ACCEPTED}") from None
-    found = []
+    found: list[Any] = []
     for tracker in given:
         if isinstance(tracker, str):
             kind = KINDS.get(tracker.strip().lower())
@@ -307,7 +309,7 @@ def check_trackers(trackers) -> tuple:
             tracker = kind()
         elif not isinstance(tracker, tuple(KINDS.values())):
             raise ValueError(f"trackers={tracker!r} is not a tracker. {ACCEPTED}")
-        _require(tracker.module, tracker.extra, tracker.name)
+        _require(tracker.module, tracker.extra, tracker.name)  # type: ignore[union-attr]  # one of KINDS
         found.append(tracker)
     names = [t.name for t in found]
     if len(set(names)) != len(names):
@@ -346,7 +348,7 @@ class _TensorBoardWriter(_Writer):
             # What add_hparams writes, into this writer's own file: add_hparams opens a second
             # writer (a second run in TensorBoard) for them.
             for summary in hparams(_plain(run.settings), {}):
-                self.writer.file_writer.add_summary(summary)
+                self.writer.file_writer.add_summary(summary)  # type: ignore[attr-defined]  # open until close()
 
     def log(self, key: str, value: float, step: int) -> None:
         self.writer.add_scalar(key, value, step)
@@ -389,6 +391,7 @@ class _MLflowWriter(_Writer):
 
     def _flush(self) -> None:
         if self.pending:
+            assert self.run_id is not None  # set by start(), before any metric
             self.client.log_batch(self.run_id, metrics=self.pending)  # MLflow splits it into requests of 1,000
         self.pending, self.sent = [], time.monotonic()
 
@@ -409,10 +412,13 @@ class _WandBWriter(_Writer):
         bounded = {k: v for k, v in WANDB_TIMEOUTS.items() if f"WANDB_{k.upper()}" not in os.environ}
         new_private_dir(Path(os.fspath(settings.dir or run.dir), "wandb"))  # W&B's own folder there: private
         try:
-            self.run = wandb.init(project=settings.project, entity=settings.entity, mode=settings.mode,
+            self.run = wandb.init(project=settings.project, entity=settings.entity,
+                                  mode=settings.mode,  # type: ignore[arg-type]  # checked by W&B's settings
                                   dir=os.fspath(settings.dir or run.dir), name=name, group=run.name,
-                                  job_type=f"rank{run.rank}", config=run.settings if run.rank == 0 else {"rank": run.rank},
-                                  reinit="create_new", settings=wandb.Settings(finish_timeout_raises=True, **bounded))
+                                  job_type=f"rank{run.rank}",
+                                  config=run.settings if run.rank == 0 else {"rank": run.rank},
+                                  reinit="create_new", settings=wandb.Settings(finish_timeout_raises=True,
+                                                                          **bounded))  # type: ignore[arg-type]
         except BaseException:
             wandb.teardown()  # the wandb-core process it started ends now
             raise
@@ -485,9 +491,9 @@ class Trackers:
                 self._writer(tracker)
         for tracker in self.settings:
             if getattr(tracker, "shared", False):
-                run_id = share(self.writers[tracker.name].run_id if self.run.rank == 0 else None)
+                run_id = share(self.writers[tracker.name].run_id if self.run.rank == 0 else None)  # type: ignore[attr-defined]
                 if self.run.rank != 0:
-                    self._writer(tracker).join(run_id)
+                    self._writer(tracker).join(run_id)  # type: ignore[attr-defined]  # shared: MLflow's writer
         self.thread.start()
 
     def _writer(self, tracker) -> _Writer:

@@ -41,7 +41,7 @@ def serve_items(spec: WorkSpec, namespace: dict | None = None) -> int:
     """Run items until the queue says done; the number of items this worker ran."""
     import dill
 
-    fn = bind(spec.fn, namespace) if spec.bind else spec.fn
+    fn = bind(spec.fn, namespace if namespace is not None else {}) if spec.bind else spec.fn
     worker = spec.worker if spec.worker is not None else context().rank
     answers: queue.Queue = queue.Queue()
     link = Link(worker, spec.environ, on_command=answers.put, on_lost=lambda: answers.put(None))

@@ -203,7 +203,7 @@ def notebook_addresses(toward: tuple[str, ...] = ()) -> list[str]:
 
 def _resolve(name: str) -> list[str]:
     try:
-        return [info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)]
+        return [str(info[4][0]) for info in socket.getaddrinfo(name, None, socket.AF_INET)]
     except OSError:
         return []
 

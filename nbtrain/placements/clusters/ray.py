@@ -132,6 +132,8 @@ class Ray(Cluster):
 
 
 class RayPlacement(RemotePlacement):
+    cluster: Ray  # the base knows a Cluster; this placement is made only for a Ray
+
     def __init__(self, cluster: Ray):
         super().__init__(cluster)
         self.group: RayGroup | None = None
@@ -166,7 +168,8 @@ class RayPlacement(RemotePlacement):
         if self.cluster.num_workers is not None:
             return [dict(per_worker) for _ in range(plan.world_size)], "PACK", 1
         node = {k: v * plan.nprocs for k, v in per_worker.items()}
-        return [dict(node) for _ in range(plan.num_nodes)], ("STRICT_SPREAD" if plan.num_nodes > 1 else "PACK"), plan.nprocs
+        strategy = "STRICT_SPREAD" if plan.num_nodes > 1 else "PACK"
+        return [dict(node) for _ in range(plan.num_nodes)], strategy, plan.nprocs
 
     def _start(self, job, channel_env, pump, started) -> None:
         from ray.util.placement_group import placement_group
@@ -174,7 +177,8 @@ class RayPlacement(RemotePlacement):
 
         ray = self.ray
         bundles, strategy, per_bundle = self._bundles(job.plan)
-        group = self.group = RayGroup(placement_group(bundles, strategy=strategy, name=f"nbtrain-{uuid.uuid4().hex[:8]}"),
+        group = self.group = RayGroup(placement_group(bundles, strategy=strategy,
+                                                      name=f"nbtrain-{uuid.uuid4().hex[:8]}"),
                                       bundles, strategy)
         resources = dict(self.cluster.resources)
         options = {"num_cpus": resources.pop("CPU", 0), "num_gpus": resources.pop("GPU", 0),

@@ -145,9 +145,9 @@ class Slurm(Cluster):
         if time is not None and not (type(time) is int and time > 0 or isinstance(time, str) and time.strip()):
             raise ValueError(f"time={time!r}: give minutes (an int > 0) or a SLURM time such as '2:00:00' or "
                              "'1-00:00:00', or None for the partition's default limit.")
-        for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
-            if value is not None and (type(value) is not int or value < 1):
-                raise ValueError(f"{name}={value!r}: give an int >= 1, or None.")
+        for name, given in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
+            if given is not None and (type(given) is not int or given < 1):
+                raise ValueError(f"{name}={given!r}: give an int >= 1, or None.")
         if setup is not None and (isinstance(setup, str) or not all(isinstance(line, str) for line in setup)):
             raise ValueError(f"setup={setup!r}: give a list of shell lines, e.g. ['module load cuda/12.4'].")
         self.partition, self.time, self.account = partition, time, account
@@ -196,6 +196,8 @@ def _sbatch_options(options: dict) -> dict:
 
 
 class SlurmPlacement(RemotePlacement):
+    cluster: Slurm  # the base knows a Cluster; this placement is made only for a Slurm
+
     def __init__(self, cluster: Slurm):
         super().__init__(cluster)
         self.folder: Path | None = None
@@ -405,7 +407,7 @@ class Queue:
         if outcome is not None:
             kind, value = outcome
             return value if kind == "success" and type(value) is int else 1
-        if self.gone.is_set() and (self.cancelled or time.monotonic() - self.gone_at > RESULT_GRACE):
+        if self.gone.is_set() and (self.cancelled or time.monotonic() - (self.gone_at or 0.0) > RESULT_GRACE):
             return 1  # the job ended and this task left no result: killed, or its node failed
         return None
 
@@ -528,7 +530,7 @@ def slurm_says(text: str, job: str, task: int) -> str | None:
 
 def _task_numbers(spec: str) -> set[int]:
     """srun's task list: '1', '0-3', '0,2-3'."""
-    numbers = set()
+    numbers: set[int] = set()
     for part in spec.split(","):
         low, _, high = part.partition("-")
         if low.isdigit() and (not high or high.isdigit()):

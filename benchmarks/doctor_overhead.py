@@ -1,0 +1,130 @@
+"""What the doctor's always-on measurement costs: per collective, per training step, per stall check.
+
+In one process (gloo, world 1, so no peer's speed shows), interleaved, the median of repeats, timed by
+the thread's CPU time (time.thread_time: other jobs on a shared machine do not count):
+  collective  dist.all_reduce of 4 floats, plain (torch's own function) vs counted (rank/doctor.py's
+              wrapper: sequence number, op, shape, dtype, caller, wall time), and the wrapper alone
+              around a no-op
+  step        one SGD step of benchmarks/step_overhead.py's MLP (64x256x256x10, batch 64), its batch
+              taken from a DataLoader and its loss all-reduced: plain vs measured (the loader's wait
+              timed by ctx.loader's iterator, the all_reduce counted)
+  stall check the supervisor's check per tick while nothing stalls (stall_after on the recent step
+              time), and a rank's answer to `Where` (its main thread's user frame, read on request)
+
+    python benchmarks/doctor_overhead.py [--repeats 7] [--no-save]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _common import median, record  # noqa: E402
+from nbtrain.rank import doctor  # noqa: E402
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                               torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+# The calling thread's CPU time, not the wall clock: on a machine shared with other jobs, time spent
+# waiting for a core is theirs, not the code's (torch runs one intra-op thread here, the loader none).
+CLOCK = time.thread_time
+
+
+def per_call(fn, arg, n: int) -> float:
+    started = CLOCK()
+    for _ in range(n):
+        fn(arg)
+    return (CLOCK() - started) / n
+
+
+def steps(reduce, batches, n: int) -> float:
+    torch.manual_seed(0)
+    model, data = _mlp(), torch.utils.data.TensorDataset(torch.randn(64 * n, 64), torch.randint(0, 10, (64 * n,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(data, batch_size=64)
+    started = CLOCK()
+    for x, y in batches(iter(loader)):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        reduce(loss.detach())
+    return (CLOCK() - started) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 1000))
+    torch.set_num_threads(1)  # a rank of 2 on a 2-core machine, as step_overhead.py runs them
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    plain = dist.all_reduce
+    counted = doctor._counted("all_reduce", plain)
+    nop = lambda t: None  # noqa: E731
+    wrapped_nop = doctor._counted("all_reduce", nop)
+    t = torch.zeros(4)
+    names = ("plain", "counted", "nop", "wrapped", "step plain", "step measured")
+    rows: dict[str, list[float]] = {k: [] for k in names}
+    for _ in range(args.repeats):
+        rows["plain"].append(per_call(plain, t, 20000))
+        rows["counted"].append(per_call(counted, t, 20000))
+        rows["nop"].append(per_call(nop, t, 200000))
+        rows["wrapped"].append(per_call(wrapped_nop, t, 200000))
+        rows["step plain"].append(steps(plain, lambda it: it, 200))
+        rows["step measured"].append(steps(counted, doctor.timed_batches, 200))
+    from nbtrain.notebook.doctor import stall_after
+
+    check = per_call(lambda _: stall_after(None, 0.01), None, 200000)
+    n = 200000
+    items = [None] * n
+    started = CLOCK()
+    for _ in iter(items):
+        pass
+    bare = (CLOCK() - started) / n
+    started = CLOCK()
+    for _ in doctor.timed_batches(iter(items)):
+        pass
+    timed = (CLOCK() - started) / n - bare
+    where = per_call(doctor.whereabouts, 0, 20000)
+    dist.destroy_process_group()
+    m = {k: median(v) for k, v in rows.items()}
+    wrapper = m["wrapped"] - m["nop"]
+    step_cost = (m["step measured"] - m["step plain"]) / m["step plain"]
+    body = "\n".join([
+        "| what | plain | measured | cost |", "|---|---|---|---|",
+        f"| all_reduce (4 floats, world 1) | {m['plain'] * 1e6:.2f} µs | {m['counted'] * 1e6:.2f} µs | "
+        f"{(m['counted'] - m['plain']) * 1e6:+.2f} µs |",
+        f"| the counting wrapper alone (around a no-op) | {m['nop'] * 1e6:.3f} µs | {m['wrapped'] * 1e6:.3f} µs | "
+        f"{wrapper * 1e6:+.3f} µs per collective |",
+        f"| one step of step_overhead's MLP (loader batch, loss all-reduced) | {m['step plain'] * 1e3:.3f} ms | "
+        f"{m['step measured'] * 1e3:.3f} ms | {step_cost:+.2%} |",
+        f"| timing one batch of ctx.loader's iterator | | | {timed * 1e6:+.3f} µs per batch |",
+        f"| per step, from its parts (one counted collective, one timed batch) | | | "
+        f"{(wrapper + timed) * 1e6:+.3f} µs = {(wrapper + timed) / m['step plain']:.3%} of the step |",
+        f"| the supervisor's stall check per tick (nothing stalled) | | {check * 1e6:.3f} µs | |",
+        f"| a rank's answer to `Where` (asked only after `stall` s quiet) | | {where * 1e6:.1f} µs | |",
+        "", f"Medians of {args.repeats} interleaved repeats, the calling thread's CPU time. Whole steps differ by "
+        "several percent from run to run either way on a shared machine (the same code twice does too), so the "
+        "per-step cost is read from its parts. Stall checks ask the ranks nothing until no progress message came "
+        "for `stall` seconds; then one `Where` per rank every min(stall, 5) s."])
+    if args.no_save:
+        print(body)
+    else:
+        record("The doctor's always-on measurement (doctor_overhead.py)", body)
+
+
+if __name__ == "__main__":
+    main()

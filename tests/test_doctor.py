@@ -1,0 +1,177 @@
+"""The doctor on real ranks (gloo on CPU, 2 and 4 ranks): stalls said while they happen, timeouts
+that blame the rank the others wait for, mismatched collectives named, stragglers without a profile."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nbtrain
+from nbtrain import WorkerError
+from nbtrain.display.text import QuietDisplay
+
+pytestmark = pytest.mark.slow
+WORLDS = [2, 4]
+
+
+class Notes(QuietDisplay):
+    """A display that keeps what the run said (the doctor's note among it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.notes = []
+
+    def note(self, text):
+        self.notes.append(text)
+
+
+def late_rank(nap):
+    ctx = nbtrain.context()
+    ctx.barrier()
+    t = torch.ones(3)
+    if ctx.rank == ctx.world_size - 1:
+        time.sleep(nap)  # the stuck rank: not in a collective
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_stall_is_said_while_it_happens_and_the_run_goes_on(world, no_leftovers):
+    notes = Notes()
+    result = nbtrain.launch(late_rank, 6, devices=world, accelerator="cpu", start="fork", progress=notes, stall=1.5)
+    assert result.value == [float(world)] * 3  # not killed
+    said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+    assert len(said) == 1, notes.notes  # once
+    last = world - 1
+    assert "rank 0 waits in all_reduce #2 (float32[3]) at test_doctor.py:" in said[0]
+    assert f"rank {last} is not in a collective: at test_doctor.py:" in said[0] and "(time.sleep(nap))" in said[0]
+    assert said[0].endswith(f"The others wait for rank {last}. The run goes on: interrupt it to stop it "
+                            "(stall= sets when this is said; timeout= ends a run).")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_timeout_blames_the_rank_the_others_wait_for(world, no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(late_rank, 60, devices=world, accelerator="cpu", start="fork", progress=False, timeout=4,
+                       stall=False)
+    error, last = info.value, world - 1
+    assert error.rank == last
+    assert f"The others wait for rank {last}." in error.summary
+    assert f"rank 0: stopped after rank {last} failed (waiting for rank {last} in all_reduce #2" in str(error)
+    assert error.traceback.startswith(f"--- rank {last} stack ---")
+    assert "--- rank 0 stack (waiting) ---" in error.traceback
+    assert sorted(error.stacks) == list(range(world)) and "late_rank" in error.stacks[last]
+
+
+def skips_a_collective():
+    ctx = nbtrain.context()
+    ctx.barrier()
+    if ctx.rank != 1:
+        dist.all_reduce(torch.ones(2))
+    return ctx.rank
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_skipped_collective_names_the_rank_that_skipped_it(world, no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(skips_a_collective, devices=world, accelerator="cpu", start="fork", progress=False, timeout=60)
+    said = str(info.value)
+    assert info.value.rank == 1
+    assert "rank 1 ended (returned from skips_a_collective()) while the others still needed it" in said
+
+
+def mismatched(kind):
+    ctx = nbtrain.context()
+    ctx.barrier()
+    if kind == "shape":
+        t = torch.ones(3 + ctx.rank)
+    else:
+        t = torch.ones(3, dtype=torch.float64 if ctx.rank == 1 else torch.float32)
+    dist.all_reduce(t)
+    return ctx.rank
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_mismatched_shapes_are_named(world, no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(mismatched, "shape", devices=world, accelerator="cpu", start="fork", progress=False,
+                       timeout=60)
+    said = info.value.summary
+    assert said.startswith("Collective #2 does not match across ranks (different shapes): "
+                           "rank 0: all_reduce #2 (float32[3]) at test_doctor.py:"), said
+    assert "rank 1: all_reduce #2 (float32[4])" in said
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_mismatched_dtypes_are_named(world, no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(mismatched, "dtype", devices=world, accelerator="cpu", start="fork", progress=False,
+                       timeout=60)
+    said = info.value.summary
+    # gloo either names both calls (each rank reported its own) or kills a rank inside the call
+    assert ("(different dtypes)" in said and "rank 1: all_reduce #2 (float64[3])" in said) or \
+        ("died inside all_reduce (test_doctor.py line" in said and "float64[3]" in said and "float32[3]" not in said
+         and "compare their shapes and dtypes" in said) or \
+        ("died inside all_reduce (test_doctor.py line" in said and "rank 1: all_reduce #2 (float64[3])" in said), said
+
+
+class SlowData(torch.utils.data.Dataset):
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        if nbtrain.context().rank == 1:
+            time.sleep(0.01)
+        return torch.ones(4)
+
+
+def straggles(where):
+    ctx = nbtrain.context()
+    ctx.barrier()
+    data = SlowData() if where == "data" else [torch.ones(4)] * 96
+    for x in ctx.loader(data, batch_size=4):
+        if where == "compute" and ctx.rank == 1:
+            time.sleep(0.1)  # clearly above what the other ranks' steps take on a loaded machine
+        dist.all_reduce(x)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("where, words", [("data", "of its step waiting for data"),
+                                          ("compute", "of its step computing")])
+def test_a_straggler_is_named_without_a_profile(world, where, words, no_leftovers, capsys):
+    result = nbtrain.launch(straggles, where, devices=world, accelerator="cpu", start="fork", progress="text")
+    assert result.straggler is not None and result.straggler.startswith("rank 1 is ") and words in result.straggler
+    assert " slower than the others: " in result.straggler
+    assert sorted(result.step_times) == list(range(world)) and all(t.batches > 0 for t in result.step_times.values())
+    shown = capsys.readouterr().out
+    assert result.straggler in shown and "rank 0: data " in shown  # the static summary says it, with each split
+
+
+def own_port(base):
+    import os
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{base + rank}", rank=rank, world_size=world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_rendezvous_that_never_completes_names_each_ranks_address(world, no_leftovers):
+    from nbtrain.placements.base import free_port
+
+    base = free_port()  # rank 0 hosts base; the others look for base+1.. where nobody listens
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(own_port, base, devices=world, accelerator="cpu", start="fork", progress=False, timeout=6)
+    said = info.value.summary
+    assert f"rank 0 waits to join the process group at tcp://127.0.0.1:{base} (hosting it)" in said
+    assert f"rank 1 waits to join the process group at tcp://127.0.0.1:{base + 1} (rank 0 should host it)" in said
+    assert "The ranks wait at different addresses" in said
+
+
+@pytest.mark.parametrize("world", [2])
+def test_live_ranks_say_a_stall_and_keep_serving(world, no_leftovers):
+    notes = Notes()
+    with nbtrain.Ranks(devices=world, accelerator="cpu", start="fork", progress=False, stall=1.5) as ranks:
+        assert ranks.run(late_rank, 5, progress=notes).values == [[float(world)] * 3] * world
+        said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+        assert len(said) == 1 and f"The others wait for rank {world - 1}." in said[0], notes.notes
+        assert ranks.eval("ctx.rank") == list(range(world))  # still serving

@@ -1,0 +1,161 @@
+"""The doctor's verdicts as pure functions: who waits, where, for whom; mismatches; stragglers; folded stacks."""
+import pytest
+
+from nbtrain.common.protocol import StepTimes, Whereabouts
+from nbtrain.notebook.doctor import check_stall, mismatch, stall_after, stall_verdict, straggler
+from nbtrain.notebook.stacks import fold_native
+
+
+def where(rank, current=None, file="/home/me/train.py", line=8, code="time.sleep(30)", idle=90.0):
+    return Whereabouts(rank, 2, current, file, line, code, idle)
+
+
+REDUCE = (2, "all_reduce", (3,), "float32", "/home/me/train.py", 5)
+
+
+def test_the_rank_outside_the_collective_is_the_one_the_others_wait_for():
+    verdict = stall_verdict({0: where(0, REDUCE, line=5, code="dist.all_reduce(t)"), 1: where(1)})
+    assert verdict.text == ("rank 0 waits in all_reduce #2 (float32[3]) at train.py:5; rank 1 is not in a collective: "
+                            "at train.py:8 (time.sleep(30)). The others wait for rank 1.")
+    assert verdict.culprits == [1] and verdict.waiting == [0]
+
+
+def test_a_rank_that_did_not_answer_is_named_and_waited_for():
+    verdict = stall_verdict({0: where(0, REDUCE, line=5, code="")}, silent=[1])
+    assert "rank 1 did not say where it is (busy in C code that holds the GIL)" in verdict.text
+    assert verdict.culprits == [1]
+
+
+def test_ranks_at_different_collectives_have_skipped_one():
+    barrier = (3, "barrier", None, None, "/home/me/train.py", 9)
+    verdict = stall_verdict({0: where(0, REDUCE, line=5), 1: where(1, barrier, line=9)})
+    assert "rank 0 waits in all_reduce #2" in verdict.text and "rank 1 waits in barrier #3" in verdict.text
+    assert "a rank skipped one, or called one more" in verdict.text and verdict.culprits == []
+
+
+def test_every_rank_in_the_same_collective_blames_the_backend():
+    verdict = stall_verdict({0: where(0, REDUCE, line=5), 1: where(1, REDUCE, line=5)})
+    assert "the backend is stuck" in verdict.text
+
+
+def test_a_collective_called_from_a_library_names_the_users_line_too():
+    verdict = stall_verdict({0: where(0, REDUCE, line=40, code="ctx.barrier()"), 1: where(1)})
+    assert "all_reduce #2 (float32[3]) at train.py:5 (from train.py:40 (ctx.barrier()))" in verdict.text
+
+
+@pytest.mark.parametrize("other, words", [
+    ((2, "all_reduce", (4,), "float32", "/x/train.py", 5),
+     "(different shapes): rank 0: all_reduce #2 (float32[3]) at train.py:5; rank 1: all_reduce #2 (float32[4]) "
+     "at train.py:5."),
+    ((2, "all_reduce", (3,), "float64", "/x/train.py", 5), "(different dtypes)"),
+    ((2, "broadcast", (3,), "float32", "/x/train.py", 6), "(different ops)"),
+])
+def test_mismatches_name_each_ranks_call(other, words):
+    barrier = (1, "barrier", None, None, "t.py", 1)
+    said = mismatch({0: [barrier, REDUCE], 1: [barrier, other]})
+    assert said.startswith("Collective #2 does not match across ranks") and words in said
+
+
+def test_matching_collectives_are_no_mismatch():
+    assert mismatch({0: [REDUCE], 1: [REDUCE], 2: []}) is None
+
+
+def times(rank, total, data, collective):
+    return StepTimes(rank, 10, total, data, collective, [])
+
+
+def test_a_rank_waiting_for_data_is_the_straggler():
+    said = straggler({0: times(0, 10, 0.1, 6.5), 1: times(1, 10, 7.0, 0.1)})
+    assert said == "rank 1 is 2.8x slower than the others: 70 % of its step waiting for data"
+
+
+def test_a_rank_computing_longer_is_the_straggler():
+    said = straggler({0: times(0, 10, 0.1, 5.0), 1: times(1, 10, 0.1, 0.1), 2: times(2, 10, 0.1, 5.0)})
+    assert said == "rank 1 is 2.0x slower than the others: 98 % of its step computing"
+
+
+def test_balanced_ranks_have_no_straggler():
+    assert straggler({0: times(0, 10, 1, 1), 1: times(1, 10, 1.1, 0.9)}) is None
+    assert straggler({0: times(0, 10, 1, 1)}) is None
+
+
+def test_the_stall_default_and_its_checks():
+    assert stall_after(None, None) == 60.0 and stall_after(None, 9.0) == 90.0
+    assert stall_after(5, 9.0) == 5.0 and stall_after(False, 1.0) is None
+    assert check_stall(2.5) == 2.5 and check_stall(False) is False and check_stall(None) is None
+    for bad in (0, -1, True, "60"):
+        with pytest.raises(ValueError, match=r"stall=.*give a positive number of seconds"):
+            check_stall(bad)
+
+
+def test_native_frames_fold_to_those_that_say_something():
+    stack = "\n".join(["__GI___clock_nanosleep (libc.so.6)", "0x7f12 (libc.so.6)", "0x7f13 (libc.so.6)",
+                       "pthread_cond_wait (libc.so.6)", "c10d::Work::wait (libtorch_cpu.so)", "_PyEval_EvalFrame",
+                       "all_reduce (torch/distributed/distributed_c10d.py:3252)"])
+    assert fold_native(stack).splitlines() == [
+        "__GI___clock_nanosleep (libc.so.6)", "    (2 frames folded)", "pthread_cond_wait (libc.so.6)",
+        "c10d::Work::wait (libtorch_cpu.so)", "    (1 frame folded)",
+        "all_reduce (torch/distributed/distributed_c10d.py:3252)"]
+
+
+def profiled(step, comm, idle):
+    return {"steps": 2, "step_time": step, "split": {"communication": comm, "data": 0.0, "compute": step - comm - idle,
+                                                     "idle": idle}, "top": [], "collective": "gloo:all_reduce"}
+
+
+def test_the_profile_headline_names_the_rank_the_others_wait_for_not_the_longer_step():
+    from nbtrain.display.profile import ProfileTable
+
+    # Rank 0 waits for rank 1 and so has the longer step; rank 1 is the one to blame.
+    table = ProfileTable({0: profiled(0.030, 0.020, 0.0), 1: profiled(0.025, 0.001, 0.020)})
+    assert table.slowest() == 1
+    assert table.verdict().startswith("slowest: rank 1, 25 ms per step, 80 % idle")
+    assert "rank 0 waits for it: 67 % waiting in gloo:all_reduce" in table.verdict()
+    even = ProfileTable({0: profiled(0.030, 0.001, 0.0), 1: profiled(0.031, 0.001, 0.0)})
+    assert even.verdict().startswith("no rank stands out")
+
+
+def test_ranks_waiting_at_different_rendezvous_addresses_are_named():
+    verdict = stall_verdict({0: where(0, code="dist.init_process_group(...)")._replace(rendezvous="tcp://127.0.0.1:29411"),
+                             1: where(1, code="dist.init_process_group(...)")._replace(rendezvous="tcp://127.0.0.1:29412")})
+    assert verdict.text.startswith("rank 0 waits to join the process group at tcp://127.0.0.1:29411 (hosting it), at "
+                                   "train.py:8 (dist.init_process_group(...)); rank 1 waits to join the process group "
+                                   "at tcp://127.0.0.1:29412 (rank 0 should host it)")
+    assert "The ranks wait at different addresses: give every rank the same init_method" in verdict.text
+
+
+def test_a_rendezvous_waits_for_the_rank_that_never_joins():
+    verdict = stall_verdict({0: where(0, code="ctx.barrier()")._replace(rendezvous="env://"), 1: where(1)})
+    assert verdict.text == ("rank 0 waits to join the process group at env:// (the launch's private store), at "
+                            "train.py:8 (ctx.barrier()); rank 1 is not joining: at train.py:8 (time.sleep(30)). "
+                            "The others wait for rank 1 to join.")
+    assert verdict.culprits == [1] and verdict.waiting == [0]
+
+
+def test_the_live_view_says_a_stall_until_a_rank_progresses():
+    from nbtrain.common.protocol import Hello, Progress
+    from nbtrain.display import widgets
+    from nbtrain.notebook.runmodel import RunState
+
+    state, display = RunState("ddp on 2 CPU ranks", [0, 1]), widgets.WidgetDisplay()
+    display.start(state)
+    state.handle(Hello(0, 1))
+    state.set_stall("rank 0 waits in all_reduce #2 at train.py:5; rank 1 is not in a collective: at train.py:8")
+    display._draw_header(state)
+    assert "stalled: rank 0 waits in all_reduce #2 at train.py:5; rank 1 is not" in display.snapshot()["header"]
+    state.handle(Progress(0, 0, "epoch", 1, 3, False, 1.0))
+    display._draw_header(state)
+    assert "stalled" not in display.snapshot()["header"] and state.stall is None
+    display.finish(state, True)
+
+
+def test_a_worker_errors_stacks_survive_pickling():
+    import pickle
+
+    from nbtrain.common.errors import WorkerError
+
+    error = WorkerError.from_failure(1, "timed out after 5 s", "--- rank 1 stack ---", stacks={0: "a", 1: "b"},
+                                     original=ValueError("x"))
+    again = pickle.loads(pickle.dumps(error))
+    assert again.stacks == {0: "a", 1: "b"} and again.rank == 1 and isinstance(again, ValueError)
+    assert WorkerError(0, "x").stacks == {}
