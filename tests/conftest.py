@@ -108,6 +108,23 @@ class Kernel:
                                         stdin_hook=stdin_hook)
         return "".join(out), "".join(err), error, results
 
+    def wait_for_output(self, msg_id: str, *texts: str, timeout: float = 60) -> str:
+        """Read the output of a cell started with `self.client.execute` (its id: `msg_id`) until
+        each of `texts` has been printed: an event to act on, where a sleep would guess."""
+        import queue
+        import time
+
+        shown, deadline = "", time.monotonic() + timeout
+        while not all(text in shown for text in texts):
+            left = deadline - time.monotonic()
+            try:
+                message = self.client.get_iopub_msg(timeout=max(left, 0.01))
+            except queue.Empty:
+                raise AssertionError(f"not printed within {timeout:g} s: {texts}; printed: {shown!r}") from None
+            if message["parent_header"].get("msg_id") == msg_id and message["msg_type"] == "stream":
+                shown += message["content"]["text"]
+        return shown
+
     def value(self, expression: str):
         # Sent as display data, not printed: ipykernel's stdout flush gives up after a timeout
         # under heavy load, and the cell can then end before its printed text has been sent.

@@ -67,14 +67,13 @@ def test_a_flood_of_strangers_is_bounded_forgotten_and_never_delays_a_rank(hub, 
     silent = [dial(hub) for _ in range(300)]  # connect, and never answer the challenge
     for _ in range(1000):  # connect and leave at once
         dial(hub).close()
-    started = time.monotonic()
     link = Link(0, hub.environ)  # a rank, in the middle of it
     link.emit(Hello(0, os.getpid()))
-    assert inbox.get(timeout=10) == Hello(0, os.getpid())
-    assert time.monotonic() - started < 5  # no queue of strangers ahead of it
+    # No queue of strangers ahead of it: behind the 64 held, each kept 2 s, it would wait two minutes.
+    assert inbox.get(timeout=30) == Hello(0, os.getpid())
     assert len(hub._strangers) <= channel.MAX_STRANGERS  # bounded: the oldest made room for the newest
     assert threading.active_count() <= threads + channel.MAX_STRANGERS + 10
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while (hub._strangers or threading.active_count() > threads + 5) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not hub._strangers and list(hub._served) == [hub._by_rank[0]]  # nothing of them kept

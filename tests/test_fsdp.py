@@ -119,8 +119,17 @@ def test_bad_options_say_what_is_accepted(options, words):
 
 
 def test_options_are_accepted_and_unused_by_other_strategies():
-    model = Context().setup(Net(), shard=(Block,), mixed_precision="bf16", cpu_offload=True)
-    assert type(model) is Net and model.inp.weight.dtype == torch.float32
+    net = Net()
+    before = {name: p.detach().clone() for name, p in net.state_dict().items()}
+    model = Context().setup(net, shard=(Block,), mixed_precision="bf16", cpu_offload=True)
+    # The very module, untouched: not sharded (no FSDP class, no hooks), not cast, not moved.
+    assert model is net and type(model) is Net and all(type(b) is Block for b in model.blocks)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in before)
+    x = torch.randn(3, 8)
+    assert model(x).dtype == torch.float32  # computed in full precision: bf16 applies under fsdp only
 
 
 def test_setup_needs_a_module():

@@ -52,6 +52,16 @@ def silent_address():
         subprocess.run(["ip", "link", "del", outside], capture_output=True)
 
 
+class _Pending:
+    """A handshake's result: what it saw (first_to_answer closes the losers' results)."""
+
+    def __init__(self, value: bool):
+        self.value = value
+
+    def close(self):
+        pass
+
+
 @pytest.fixture
 def hub():
     hub = Hub(queue.Queue())
@@ -67,16 +77,20 @@ def test_a_silent_address_listed_first_does_not_hold_up_the_one_that_answers(hub
     with silent_address() as silent:
         with pytest.raises(OSError, match="timed out"):  # it is silent: the kernel's own connect times out
             socket.create_connection((silent, int(port)), timeout=0.5).close()
-        began = time.monotonic()
-        conn = dial([(silent, int(port)), (host, int(port))], key, rank=4)
-        took = time.monotonic() - began
-        conn.close()
-        assert took < 1.5, f"connected in {took:.2f} s: the silent address held it up"
+        dial([(silent, int(port)), (host, int(port))], key, rank=4).close()
+        # Not held up: the address that answers is tried while the silent one still waits (in
+        # turn, it would be tried only after the silent one's 30 s). How long it takes:
+        # benchmarks/dial_addresses.py.
+        silent_attempt = f"nbtrain-dial-{silent}:{port}"
+
+        def while_the_silent_one_waits(sock, left):
+            return _Pending(any(t.name == silent_attempt and t.is_alive() for t in threading.enumerate()))
+
+        index, pending = first_to_answer([(silent, int(port)), (host, int(port))], while_the_silent_one_waits, 30.0)
+        assert index == 1 and pending.value, "the answering address was tried only after the silent one gave up"
 
         environ = {ADDRESS_VAR: f"{silent}:{port},{host}:{port}"}
-        began = time.monotonic()
         base.check_reachable(environ, 0)
-        assert time.monotonic() - began < 1.5
         assert environ[ADDRESS_VAR] == f"{host}:{port},{silent}:{port}"  # the one that answered, first
 
         with socket.socket() as refused:
@@ -112,11 +126,12 @@ def test_the_address_given_first_wins_when_several_answer():
 
 
 def test_an_address_that_fails_starts_the_next_at_once():
-    """A refusal does not wait out the stagger: the next address is tried straight away."""
+    """A refusal does not wait out the stagger: the next address is tried straight away. The
+    stagger is an hour and the race ends within a minute: waited out, the live address would
+    never be tried."""
     with socket.socket() as refused, socket.create_server(("127.0.0.1", 0)) as live:
         refused.bind(("127.0.0.1", 0))
-        began = time.monotonic()
         index, _ = first_to_answer([refused.getsockname(), live.getsockname()], lambda sock, left: None, 5.0,
-                                   stagger=3.0)
-        assert index == 1 and time.monotonic() - began < 1.0
+                                   stagger=3600.0, until=time.monotonic() + 60)
+        assert index == 1
     assert not _dial_threads()

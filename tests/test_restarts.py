@@ -48,14 +48,22 @@ def test_a_rank_that_dies_once_is_restarted_and_ends_with_the_uninterrupted_weig
     assert plain.restarts == [] and torch.equal(restarted.value, plain.value)
 
 
+def fails_naming_its_attempt(where):
+    """Rank 0 fails every attempt, with the attempt's number (counted in files in `where`)."""
+    if nbtrain.context().rank == 0:
+        attempt = len(os.listdir(where))
+        open(os.path.join(where, str(attempt)), "w").close()
+        raise ValueError(f"attempt {attempt}")
+
+
 @pytest.mark.slow
 def test_a_failure_beyond_the_restarts_raises_the_last_error(tmp_path, no_leftovers):
-    def always_fails():
-        if nbtrain.context().rank == 0:
-            raise ValueError("again")
-
-    with pytest.raises(nbtrain.WorkerError, match="rank 0 failed: ValueError: again"):
-        nbtrain.launch(always_fails, devices=2, accelerator="cpu", progress=False, max_restarts=1)
+    # Each attempt fails with words of its own: the error raised is the second attempt's, not the first's.
+    with pytest.raises(nbtrain.WorkerError, match="rank 0 failed: ValueError: attempt 1") as caught:
+        nbtrain.launch(fails_naming_its_attempt, str(tmp_path), devices=2, accelerator="cpu", progress=False,
+                       max_restarts=1)
+    assert "attempt 0" not in str(caught.value), caught.value
+    assert sorted(os.listdir(tmp_path)) == ["0", "1"]  # two attempts, no third
 
 
 @pytest.mark.parametrize("given, words", [

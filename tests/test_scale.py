@@ -1,4 +1,4 @@
-"""Worlds of 8, 16 and 32 ranks: every placement starts them all, three times in one kernel, and
+"""Worlds of 8, 16 and 32 ranks: every placement starts them, once each, in one kernel, and
 leaves nothing behind. CPU ranks are cheap (each meets the others in a barrier and returns its
 rank), so this 2-core machine can start as many as an 8-GPU node or a two-node job connects at
 once. Every rank dials the notebook's channel at the same moment: this is what a listener with
@@ -6,7 +6,6 @@ a backlog of 1 failed (a rank waited forever for a handshake the notebook had dr
 import os
 import socket
 import threading
-import time
 
 import pytest
 
@@ -15,11 +14,11 @@ from nbtrain.common.channel import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable,
 
 pytestmark = pytest.mark.slow
 
-REPEATS = 3  # launches in one kernel: 8 ranks failed 2 runs in 3 before the fix
-# Fewer of the larger ones, which cost the most on CI's 2 cores (32 spawned interpreters each
-# import torch); each size still runs, and 8 ranks, where users hit the defect, three times.
-TIMES = {8: 3, 16: 2, 32: 1}
-CLUSTER_TIMES = 2  # SLURM and Ray, 8 ranks: one job, or one set of actors, per launch
+# Each world is started once: scale is proven by the world starting at all (64 ranks dialling
+# the channel at once is test_many_ranks_connect_at_once; launch times are benchmarks/scaling.py).
+# The placements that start an interpreter per rank (spawn, torchrun) are the costly ones on 2
+# cores: they start their largest world only, which holds the smaller ones' every step.
+CLUSTER_TIMES = 2  # SLURM, 8 ranks: one job per launch
 
 SETUP = '''
 import os, time
@@ -32,15 +31,16 @@ def meet():
     ctx.barrier()  # every rank joined the group
     return ctx.rank, ctx.world_size
 
-def launch_times(n, start, repeats=REPEATS):
+def launch_times(n, start, repeats=1, **options):
     times = []
     for _ in range(repeats):
         began = time.monotonic()
-        result = nbtrain.launch(meet, devices=n, accelerator="cpu", start=start, progress=False, timeout=150)
+        result = nbtrain.launch(meet, devices=n, accelerator="cpu", start=start, progress=False, timeout=150,
+                                **options)
         times.append(round(time.monotonic() - began, 2))
         assert sorted(result.values) == [(r, n) for r in range(n)], result.values
     return times
-'''.replace("REPEATS", str(REPEATS))
+'''
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,7 @@ def big(kernel):
 
 
 def _launch(kernel, n, start):
-    _, err, error, _ = kernel.run(f"times = launch_times({n}, {start!r}, {TIMES.get(n, REPEATS)})",
-                                  timeout=REPEATS * 200)
+    _, err, error, _ = kernel.run(f"times = launch_times({n}, {start!r})", timeout=200)
     assert error is None, f"start={start} with {n} ranks: {error['ename']}: {error['evalue']}\n{err[-3000:]}"
     print(f"start={start} x{n}: {kernel.value('times')} s")
     assert kernel.value("children()") == [], "ranks left behind"
@@ -71,14 +70,12 @@ def test_template(big, n):
     _launch(big, n, "template")
 
 
-@pytest.mark.parametrize("n", [8, 16, 32])
-def test_plain_spawn(big, n):
-    _launch(big, n, "spawn")
+def test_plain_spawn_32(big):
+    _launch(big, 32, "spawn")
 
 
-@pytest.mark.parametrize("n", [8, 16])
-def test_script(big, n):
-    _launch(big, n, "torchrun")
+def test_script_16(big):
+    _launch(big, 16, "torchrun")
 
 
 def test_live_ranks_16(big):
@@ -88,18 +85,18 @@ ranks = nbtrain.Ranks(devices=16, accelerator="cpu", timeout=150)
 assert ranks.eval("dist.get_world_size()") == [16] * 16, ranks
 ranks.exec("import time")
 '''
-    for _ in range(TIMES[16]):
-        _, err, error, _ = big.run(code, timeout=200)
-        assert error is None, f"{error['ename']}: {error['evalue']}\n{err[-3000:]}"
-        timer = threading.Timer(3.0, big.manager.interrupt_kernel)
-        timer.start()
-        _, _, error, _ = big.run('ranks.exec("time.sleep(60)")', timeout=120)
-        timer.join()
-        assert error is not None and error["ename"] == "KeyboardInterrupt", error
-        assert big.value("ranks.eval('dist.get_rank()')") == list(range(16))
-        _, _, error, _ = big.run("ranks.close()")
-        assert error is None, error
-        assert big.value("children()") == []
+    _, err, error, _ = big.run(code, timeout=200)
+    assert error is None, f"{error['ename']}: {error['evalue']}\n{err[-3000:]}"
+    asked = big.client.execute('ranks.exec("print(\'sleeping\', flush=True)\\ntime.sleep(60)")')
+    big.wait_for_output(asked, *(f"[rank {r}] sleeping" for r in range(16)), timeout=120)
+    big.manager.interrupt_kernel()
+    while (reply := big.client.get_shell_msg(timeout=45))["msg_type"] != "execute_reply":
+        pass  # within 45 s: not after the ranks' minute
+    assert reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
+    assert big.value("ranks.eval('dist.get_rank()')") == list(range(16))
+    _, _, error, _ = big.run("ranks.close()")
+    assert error is None, error
+    assert big.value("children()") == []
 
 
 def test_a_rank_that_cannot_reach_the_notebook_says_so_in_seconds():
@@ -108,14 +105,11 @@ def test_a_rank_that_cannot_reach_the_notebook_says_so_in_seconds():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound but not listening: every connect is refused
-        began = time.monotonic()
         with pytest.raises(ChannelUnreachable) as caught:
             dial(("127.0.0.1", port), os.urandom(32), rank=5, seconds=2.0)
-    took = time.monotonic() - began
     message = str(caught.value)
     assert f"rank 5: could not reach the notebook at 127.0.0.1:{port}" in message, message
     assert "attempts in 2 s" in message and "refused" in message.lower(), message
-    assert took < 10, took
 
 
 def test_a_silent_notebook_is_not_waited_on_forever():
@@ -134,10 +128,11 @@ def test_a_wrong_authkey_is_named_at_once():
     hub.start()
     try:
         host, port = hub.environ[ADDRESS_VAR].rsplit(":", 1)
-        began = time.monotonic()
-        with pytest.raises(ChannelUnreachable, match="refused this rank's authkey"):
+        with pytest.raises(ChannelUnreachable) as caught:
             dial((host, int(port)), os.urandom(32), rank=1, seconds=30.0)
-        assert time.monotonic() - began < 5
+        message = str(caught.value)  # at once: not "could not reach ... N attempts in 30 s"
+        assert "refused this rank's authkey" in message and "NBTRAIN_AUTHKEY is not this launch's" in message
+        assert "attempts in" not in message, message
     finally:
         hub.close()
 
@@ -208,9 +203,8 @@ def test_ray_8_actors():
         _, _, error, _ = kernel.run(SETUP + CHILDREN + "import ray\nray.init(num_cpus=8, include_dashboard=False)\n",
                                     timeout=300)
         assert error is None, error
-        _, err, error, _ = kernel.run(f"times = launch_times(8, 'auto', {CLUSTER_TIMES}, "
-                                      "cluster=nbtrain.Ray(num_workers=8))",
-                                      timeout=REPEATS * 200)
+        _, err, error, _ = kernel.run("times = launch_times(8, 'auto', cluster=nbtrain.Ray(num_workers=8))",
+                                      timeout=300)
         assert error is None, f"{error['ename']}: {error['evalue']}\n{err[-3000:]}"
         print(f"ray x8: {kernel.value('times')} s")
         kernel.run("ray.shutdown()", timeout=120)

@@ -41,11 +41,13 @@ def train(steps):
 
 
 def job_processes(job_id: str) -> list[int]:
-    """This machine's processes that belong to SLURM job `job_id` (its tasks and steps)."""
-    found = []
+    """This machine's processes that belong to SLURM job `job_id` (its tasks and steps) of this
+    session's clusters: another session's (a second xdist worker's) numbers its jobs from 1 too."""
+    found, cluster = [], f"nbtrain{os.getpid()}"  # conftest.LocalSlurm's ClusterName
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get("SLURM_JOB_ID") == job_id:
+            env = proc.environ()
+            if env.get("SLURM_JOB_ID") == job_id and env.get("SLURM_CLUSTER_NAME") == cluster:
                 found.append(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

@@ -216,7 +216,7 @@ class TwoNodeRay:
         LocalSlurm.running.add(self.daemons[-1].pid)  # the session's daemons: not a test's leftovers
         log.close()
 
-    def start(self, timeout: float = 120.0) -> None:
+    def start(self, timeout: float = 180.0) -> None:
         import ray
 
         port = self.address.rsplit(":", 1)[1]
@@ -230,9 +230,25 @@ class TwoNodeRay:
         deadline = time.monotonic() + timeout
         if not wait_until(lambda: _listens(self.address), timeout):
             raise RuntimeError(f"no Ray head at {self.address} after {timeout:g} s:\n{self.logs()}")
-        ray.init(address=self.address, _node_ip_address=self.network.gateway)
+        self._connect(deadline)
         if not wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 3, deadline - time.monotonic()):
             raise RuntimeError(f"the Ray nodes did not join within {timeout:g} s:\n{self.logs()}")
+
+    def _connect(self, deadline: float) -> None:
+        """ray.init as this session's driver, again until the deadline: under load the head's port
+        listens before its GCS answers, and ray.init then raises ConnectionError."""
+        import ray
+
+        while True:
+            try:
+                ray.init(address=self.address, _node_ip_address=self.network.gateway)
+                return
+            except ConnectionError as exc:
+                ray.shutdown()  # a half-made connection would make the next ray.init refuse to start
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"could not connect to the Ray head at {self.address}: {exc}\n"
+                                       f"{self.logs()}") from None
+                time.sleep(1)
 
     def logs(self) -> str:
         return "\n".join(f"--- {name}\n{open(os.path.join(self.root, name)).read()[-2000:]}"

@@ -457,16 +457,7 @@ class Queue:
                     texts.append(f.read()[-65536:])
             except OSError:
                 pass
-        text = "\n".join(texts)
-        cancelled = CANCELLED.search(text)
-        if cancelled:
-            why = cancelled["why"]
-            return (f"SLURM job {self.id} was cancelled at {cancelled['at']}"
-                    + (f" due to {why.strip().lower()}" if why else " (scancel)"))
-        for found in SRUN_TASK.finditer(text):
-            if task in _task_numbers(found["tasks"]):
-                return f"SLURM job {self.id}, task {task} on {found['host']}: {_srun_words(found['what'])}"
-        return None
+        return slurm_says("\n".join(texts), self.id, task)
 
     # -- stopping ----------------------------------------------------------------------------
     def all_ended(self) -> bool:
@@ -521,6 +512,20 @@ class SlurmTask(RemoteRank):
 
     def status(self) -> tuple[str, bool] | None:
         return self.queue.status() if self.task == 0 else None
+
+
+def slurm_says(text: str, job: str, task: int) -> str | None:
+    """What srun and slurmstepd wrote in a job's stderr (`text`) about task `task`'s end, in
+    nbtrain's words: the job's cancellation, or the task's exit code or signal; None if nothing."""
+    cancelled = CANCELLED.search(text)
+    if cancelled:
+        why = cancelled["why"]
+        return (f"SLURM job {job} was cancelled at {cancelled['at']}"
+                + (f" due to {why.strip().lower()}" if why else " (scancel)"))
+    for found in SRUN_TASK.finditer(text):
+        if task in _task_numbers(found["tasks"]):
+            return f"SLURM job {job}, task {task} on {found['host']}: {_srun_words(found['what'])}"
+    return None
 
 
 def _task_numbers(spec: str) -> set[int]:
