@@ -109,7 +109,7 @@ LAUNCH = textwrap.dedent("""
         return ctx.rank
 
     if __name__ == "__main__":
-        print("values", nbtrain.launch(train, devices=2, accelerator="cpu", strategy="ddp_fork").values)
+        print("values", nbtrain.launch(train, devices=2, accelerator="cpu", strategy="ddp", start="fork").values)
 """)
 
 
@@ -128,7 +128,7 @@ def test_launch_outside_jupyter_reads_as_a_log(tmp_path):
     out, err = done.stdout, done.stderr
     assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
     assert "[rank 0] careful on 0" in err and "[rank 1] careful on 1" in err
-    assert "nbtrain: ddp_fork on 2 CPU ranks, gloo: finished in" in out
+    assert "\nnbtrain: ddp on 2 CPU ranks, gloo: finished in " in out, out
     # The step rate and memory show when the run lasted long enough to sample them.
     assert re.search(r"  rank 1  finished  epoch 2/2 batch 3/3  (\S+ it/s  )?(RSS \S+ \S+  )?loss=0.3333", out)
     assert "values [0, 1]" in out

@@ -539,9 +539,9 @@ def _size(path: Path) -> int:
         return 0
 
 
-# How a kernel can die while submit starts the supervisor: each replaces the kernel's
-# subprocess.run (submit's only call of it starts the intermediate process) and kills the kernel
-# with SIGKILL at that moment.
+# How a kernel can die while submit starts the supervisor the fresh-interpreter way (where no warm
+# template can start): each replaces the kernel's subprocess.run (submit's only call of it starts the
+# intermediate process) and kills the kernel with SIGKILL at that moment.
 DIES = {
     # before anything is started: the run never starts, and reads so
     "before the supervisor starts": "def dying(*args, **kwargs):\n    os.kill(os.getpid(), signal.SIGKILL)\n",
@@ -564,7 +564,10 @@ DIES = {
 def test_a_kernel_killed_while_starting_the_supervisor_leaves_a_run_that_reads_true_and_cancels(tmp_path, moment):
     kernel = Kernel()
     try:
-        setup = f"{TAKES_LONG}\nimport os, signal, subprocess\n{DIES[moment]}subprocess.run = dying\n"
+        setup = (f"{TAKES_LONG}\nimport os, signal, subprocess\n{DIES[moment]}subprocess.run = dying\n"
+                 "import nbtrain.notebook.submit as submitting\n"
+                 "def no_template():\n    raise RuntimeError('no warm template in this test')\n"
+                 "submitting.template = no_template\n")
         assert kernel.run(setup)[2] is None
         kernel.client.execute(f"nbtrain.submit(takes_long, b'', 600, devices=1, accelerator='cpu', "
                               f"run_dir={str(tmp_path / 'run')!r})")
