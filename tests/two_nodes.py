@@ -239,6 +239,14 @@ class TwoNodeRay:
         listens before its GCS answers, and ray.init then raises ConnectionError."""
         import ray
 
+        # Ray's C++ side reads its auth mode and token once per process: when an earlier test
+        # imported Ray here, before this cluster's token was set, it would dial without one.
+        try:
+            from ray._private.authentication_test_utils import reset_auth_token_state
+        except ImportError:  # an older Ray: no token authentication to reset
+            pass
+        else:
+            reset_auth_token_state()
         while True:
             try:
                 ray.init(address=self.address, _node_ip_address=self.network.gateway)
