@@ -165,6 +165,10 @@ helper(nbtrain.context().rank)
     ("--devices x --accelerator cpu", "devices='x': on CPU, give a number of ranks. Accepted:"),
     ("--nnodes 0", "argument --nnodes: 0 is too small: give an integer >= 1"),
     ("--timeout -1", "argument --timeout: '-1': give a positive number of seconds"),
+    ("--stall soon", "argument --stall: 'soon': give a positive number of seconds without progress before the doctor "
+                     "says where each rank is, or off to never check (default: max(60 s, 10x the recent step time))"),
+    ("--stall 0", "argument --stall: '0': give a positive number of seconds without progress"),
+    ("--stall 5 --submit", "--stall applies to a run this kernel watches; --submit runs keep the default"),
     ("--rdzv-endpoint nohost", "argument --rdzv-endpoint: rdzv_endpoint='nohost': give HOST:PORT"),
     ("--nnodes 2 --accelerator cpu", "num_nodes=2 needs rdzv_endpoint='HOST:PORT'"),
     ("--strategy dp --launcher accelerate --accelerator cpu", "--launcher accelerate starts a script under torchrun: it "
@@ -293,3 +297,41 @@ for i in ctx.progress(range(8)):
     assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
     _, err, error, _ = nb.run("%%nbtrain --trackers tensorbord\nprint('the cell ran')")
     assert "UsageError: argument --trackers: invalid choice: 'tensorbord'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_cell_with_stall_says_where_each_rank_waits(nb):
+    out, err = run_ok(nb, """%%nbtrain --devices 2 --accelerator cpu --start fork --stall 3
+import torch.distributed as dist
+ctx = nbtrain.context()
+ctx.barrier()
+if ctx.rank == 1:
+    time.sleep(9)
+dist.all_reduce(torch.ones(2))
+ctx.rank
+""")
+    said = out + err
+    assert "No rank has progressed for " in said, said
+    # Lines are the cell's own, below its magic line.
+    assert "rank 0 waits in all_reduce #2 (float32[2]) at <nbtrain cell>:6;" in said
+    assert "rank 1 is not in a collective: at <nbtrain cell>:5 (time.sleep(9))" in said
+    assert "The others wait for rank 1." in said
+    assert nb.value("_nbtrain_result.values") == [0, 1]  # the run went on
+    assert nb.value("children()") == []
+
+
+def test_stall_off_and_on_for_live_ranks_and_config(nb):
+    out, _ = run_ok(nb, "%nbtrain config --stall off")
+    try:
+        assert "--timeout 60.0 --stall off" in out and "(set by %nbtrain config: --timeout, --stall)" in out
+    finally:
+        run_ok(nb, "%nbtrain config reset")
+        run_ok(nb, NO_HANGS)
+    _, err, _, _ = nb.run("%nbtrain start --stall -2 --devices 2 --accelerator cpu")
+    assert "UsageError: argument --stall: '-2': give a positive number of seconds" in err
+    assert len(err.strip().splitlines()) == 1
+    run_ok(nb, "%nbtrain start --devices 2 --accelerator cpu --start fork --stall 2.5")
+    try:
+        assert nb.value("ranks.stall") == 2.5
+    finally:
+        run_ok(nb, "%nbtrain stop")
+    assert nb.value("children()") == []

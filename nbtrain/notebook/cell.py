@@ -23,6 +23,7 @@ from ..common.source import free_names, shippable
 from ..display import make_display
 from ..rank.cell import CellJob
 from .choices import IN_KERNEL, choose, deepspeed_options, words
+from .doctor import check_stall
 from .launch import launch, launch_chosen
 from .restarts import check_restarts
 
@@ -75,19 +76,20 @@ def _pack_names(values: dict) -> bytes:
 def run_cell(source: str, namespace: Mapping[str, Any], *, strategy: str = "auto", start: str = "auto",
              devices="auto", accelerator: str = "auto", num_nodes: int = 1, node_rank: int = 0,
              rdzv_endpoint: str | None = None, max_restarts: int = 0, launcher: str = "torchrun",
-             timeout: float | None = None, progress=True, hidden=(), rerun_as: str | None = None, cluster=None,
-             trackers=None, profile=None, run_dir=None):
+             timeout: float | None = None, stall: float | bool | None = None, progress=True, hidden=(),
+             rerun_as: str | None = None, cluster=None, trackers=None, profile=None, run_dir=None):
     """Run a cell's code on every rank and return the `Result` (the last expression's value
     on each rank in `values`, rank 0's in `value`). What `%%nbtrain` calls; `strategy`, `start`
     and the rest as for `launch`, with torchrun's settings (`node_rank`, `rdzv_endpoint`,
     `launcher`) as arguments of their own: given, start='auto' is torchrun. `max_restarts` is
-    torchrun's under torchrun, launch's otherwise."""
+    torchrun's under torchrun, launch's otherwise; `stall` is launch's."""
     check_restarts(max_restarts)  # torchrun's restarts, here: the same bound as launch's own
+    check_stall(stall)
     insight = {"trackers": trackers, "profile": profile, "run_dir": run_dir}
     if cluster is not None:
         job = cell_job(source, namespace, hidden=hidden)
         return launch(job, strategy=strategy, start=start, devices=devices, accelerator=accelerator,
-                      num_nodes=num_nodes, timeout=timeout, progress=progress, cluster=cluster,
+                      num_nodes=num_nodes, timeout=timeout, stall=stall, progress=progress, cluster=cluster,
                       max_restarts=max_restarts, **insight)
     given = {k: v for k, v, default in (("launcher", launcher, "torchrun"), ("node_rank", node_rank, 0),
                                         ("rdzv_endpoint", rdzv_endpoint, None)) if v != default}
@@ -104,5 +106,5 @@ def run_cell(source: str, namespace: Mapping[str, Any], *, strategy: str = "auto
     job = cell_job(source, namespace, choice.start in IN_PLACE, hidden)
     display = make_display(progress)
     asked.say(display.note)
-    return launch_chosen(job, (), {}, plan, choice, display, timeout=timeout,
+    return launch_chosen(job, (), {}, plan, choice, display, timeout=timeout, stall=stall,
                          max_restarts=0 if choice.start == "torchrun" else max_restarts, **insight)

@@ -10,6 +10,7 @@ from IPython.core.magic_arguments import argument
 from ..placements.clusters import Ray, Slurm
 from ..placements.script import parse_endpoint
 from .choices import ALIASES, STARTS, STRATEGIES
+from .doctor import DEFAULT_STALL, STALL_STEPS
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed")
@@ -18,7 +19,8 @@ RUN_NAME = "_nbtrain_run"  # the Run of the last `%%nbtrain --submit` cell
 CLUSTERS = ("slurm", "ray")
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 DEFAULTS = {"strategy": "auto", "start": "auto", "devices": "auto", "accelerator": "auto", "nnodes": 1, "node_rank": 0,
-            "rdzv_endpoint": None, "max_restarts": 0, "launcher": "torchrun", "timeout": None, "no_progress": False,
+            "rdzv_endpoint": None, "max_restarts": 0, "launcher": "torchrun", "timeout": None, "stall": None,
+            "no_progress": False,
             "cluster": None, "partition": None, "time": None, "account": None, "sbatch": None, "address": None,
             "num_workers": None, "notebook_address": None, "trackers": None, "profile": None, "run_dir": None,
             "submit": False}
@@ -54,6 +56,33 @@ def _seconds(text: str) -> float:
     return value
 
 
+def stall_seconds(text: str) -> float | bool:
+    """`--stall SECONDS` or `--stall off`: launch's `stall=` as a number, or False."""
+    if text.strip().lower() == "off":
+        return False
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a positive number of seconds without progress before the doctor says where each rank "
+            f"is, or off to never check (default: max({DEFAULT_STALL:g} s, {STALL_STEPS}x the recent step time))")
+    return value
+
+
+def shown_setting(key: str, value) -> str | None:
+    """A setting as `%nbtrain config` shows it ('--stall off', '--profile'), None for one left out."""
+    flag = f"--{key.replace('_', '-')}"
+    if value is None or (value is False and key != "stall"):  # a flag that is off, or no value
+        return None
+    if value is True:
+        return flag
+    if value is False:
+        return f"{flag} off"
+    return f"{flag} {' '.join(value) if isinstance(value, list) else value}"
+
+
 def _endpoint(text: str) -> str:
     try:
         parse_endpoint(text)
@@ -79,6 +108,8 @@ RUN_OPTIONS = [
     argument("--launcher", choices=LAUNCHERS, help="what runs the script under --start torchrun: torchrun (default), "
              "accelerate; deepspeed (the launcher of --strategy deepspeed)"),
     argument("--timeout", type=_seconds, help="seconds before the run is stopped, with every rank's stack"),
+    argument("--stall", type=stall_seconds, metavar="SECONDS|off", help="seconds without progress on any rank "
+             "before the cell says where each rank waits (launch's stall=; the run goes on); off: never"),
     argument("--no-progress", dest="no_progress", action="store_true", default=None, help="no progress display"),
     argument("--trackers", nargs="+", choices=TRACKERS, metavar="TRACKER",
              help=f"where ctx.log's values go besides the notebook: {', '.join(TRACKERS)}"),

@@ -32,7 +32,7 @@ from .cell import cell_job, run_cell
 from .choices import choose, deepspeed_options, words
 from .export import export
 from .launch import check_cluster_words
-from .magic_options import COMMANDS, DEFAULTS, RESULT_NAME, RUN_NAME, _given, make_cluster, run_options
+from .magic_options import COMMANDS, DEFAULTS, RESULT_NAME, RUN_NAME, _given, make_cluster, run_options, shown_setting
 from .ranks_magics import command as live_command
 from .ranks_magics import register as register_live
 from .runs import attach, runs
@@ -141,7 +141,8 @@ class NbtrainMagics(Magics):
             cell, self.shell.user_ns, strategy=options["strategy"], start=options["start"], devices=options["devices"],
             accelerator=options["accelerator"], num_nodes=options["nnodes"], node_rank=options["node_rank"],
             rdzv_endpoint=options["rdzv_endpoint"], max_restarts=options["max_restarts"],
-            launcher=_launcher(options), timeout=options["timeout"], progress=not options["no_progress"],
+            launcher=_launcher(options), timeout=options["timeout"], stall=options["stall"],
+            progress=not options["no_progress"],
             hidden=self.shell.user_ns_hidden, cluster=make_cluster(options), trackers=options["trackers"],
             profile=bool(options["profile"]), run_dir=options["run_dir"],
             rerun_as=rerun_line(options) if options["nnodes"] > 1 and not options["cluster"] else None)
@@ -149,6 +150,9 @@ class NbtrainMagics(Magics):
     def submit(self, cell: str, options: dict):
         if options["cluster"]:
             raise UsageError("--submit runs on this machine for now; --cluster runs live with the kernel.")
+        if options["stall"] is not None:  # said by the live view of a kernel; a submitted run keeps the default
+            raise UsageError("--stall applies to a run this kernel watches; --submit runs keep the default "
+                             "(leave --stall out, or run without --submit).")
         job = cell_job(cell, self.shell.user_ns, hidden=self.shell.user_ns_hidden)
         script = script_settings(options)
         # --max-restarts restarts the submitted run's ranks (all of them, from ctx.run_dir's checkpoint).
@@ -199,9 +203,7 @@ class NbtrainMagics(Magics):
             check_options({**DEFAULTS, **self.config_options, **given})
             self.config_options.update(given)
         settings = {**DEFAULTS, **self.config_options}
-        shown = " ".join(f"--{k.replace('_', '-')}"
-                         + ("" if v is True else f" {' '.join(v) if isinstance(v, list) else v}")
-                         for k, v in settings.items() if v is not None and v is not False)
+        shown = " ".join(word for word in (shown_setting(k, v) for k, v in settings.items()) if word)
         mine = ", ".join(f"--{k.replace('_', '-')}" for k in DEFAULTS if k in self.config_options) or "none"
         print(f"nbtrain: %%nbtrain defaults: {shown} (set by %nbtrain config: {mine})")
 

@@ -1,7 +1,7 @@
 """Magics for live ranks, loaded with the others by `%load_ext nbtrain`.
 
     %nbtrain start [--devices 2] [--accelerator cpu] [--backend gloo] [--strategy auto|ddp|fsdp]
-                   [--start auto|fork|template|spawn]
+                   [--start auto|fork|template|spawn] [--timeout S] [--stall S|off]
                    [--cluster slurm|ray [--partition P --time T --account A --sbatch K=V --address A --num-workers N]]
     %%ranks [--rank 0] [--timeout S] [--no-progress]   the cell runs in every live rank (or those named)
     %nbtrain stop                                       close the live ranks
@@ -20,7 +20,7 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..placements.template_process import warm_up
-from .magic_options import ACCELERATORS, CLUSTER_ARGUMENTS, DEFAULTS, _seconds, make_cluster
+from .magic_options import ACCELERATORS, CLUSTER_ARGUMENTS, DEFAULTS, _seconds, make_cluster, stall_seconds
 from .ranks import START_METHODS, WRAPPINGS, Ranks
 
 if TYPE_CHECKING:
@@ -48,6 +48,8 @@ START_ARGUMENTS = [
     argument("--start", default="auto", choices=START_METHODS, help="where the ranks come from: auto (a fork of the "
              "kernel when safe, else the warm template), fork, template, spawn"),
     argument("--timeout", type=_seconds, default=None, help="default limit, in seconds, of each cell on the ranks"),
+    argument("--stall", type=stall_seconds, default=None, metavar="SECONDS|off", help="seconds without progress "
+             "before a cell says where each rank waits (Ranks' stall=; the cell goes on); off: never"),
     *CLUSTER_ARGUMENTS,
 ]
 
@@ -120,7 +122,8 @@ def command(shell, name: str, rest: str):
         cluster = make_cluster({**DEFAULTS, **{k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None}})
         try:
             ranks = Ranks(devices=args.devices, accelerator=args.accelerator, backend=args.backend,
-                          timeout=args.timeout, strategy=args.strategy, start=args.start, cluster=cluster)
+                          timeout=args.timeout, strategy=args.strategy, start=args.start, cluster=cluster,
+                          stall=args.stall)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise UsageError(str(exc)) from None
         shell.user_ns["ranks"] = ranks
