@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import sys
 import time
 
 import pytest
@@ -25,6 +26,33 @@ def ddp_train(steps: int, straggler: int | None = None):
         opt.zero_grad()
         loss.backward()
         opt.step()
+
+
+def nap():
+    time.sleep(0.03)  # the straggler's own line: no operator runs here
+
+
+def sleepy_train(steps: int):
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Linear(8, 1))
+    for _ in ctx.progress(range(steps)):
+        if ctx.rank == 1:
+            nap()
+        model(torch.randn(4, 8)).sum().backward()
+
+
+@pytest.mark.slow
+def test_a_straggler_outside_operators_is_told_by_its_own_line(tmp_path, no_leftovers):
+    result = nbtrain.launch(sleepy_train, 8, profile=True, run_dir=tmp_path, **CPU2)
+    table = result.profile
+    line = nap.__code__.co_firstlineno + 1
+    assert table.slowest() == 1
+    assert table.frames(1)[0][0] == f"test_profiling.py:{line} nap()", table.frames(1)
+    assert table.frames(1)[0][1] > 0.015  # most of its 30 ms outside operators
+    assert table.frames(0) == []  # rank 0 waits in all_reduce: its operators tell it
+    row = [r for r in table.rows() if r[0] == "1"][0]
+    assert row[-1].startswith(f"outside operators: test_profiling.py:{line} nap() "), row
+    assert f", at test_profiling.py:{line} nap(); rank 0 waits for it" in table.verdict(), table.verdict()
 
 
 @pytest.mark.slow
@@ -174,6 +202,114 @@ def test_a_window_without_steps_says_so():
     from nbtrain.rank.profiling import summarize
 
     assert summarize([_event("aten::mm", 1, 0, 100)]) == {"steps": 0}
+
+
+# -- where the time outside operators went: the main thread's samples, from the user's own lines --
+
+HERE = ("/home/u/train.py", 12, "load")
+THERE = ("/home/u/train.py", 30, "train")
+
+
+def test_samples_outside_operators_name_the_users_lines_by_their_share():
+    from nbtrain.rank.profiling import frames_outside
+
+    # Two steps, begun at 5,000,000 and 7,000,000 ns by the samples' clock, at 100 and 2,300 us by the
+    # profiler's (which runs on its own origin); outside operators: 100-1,100 and 2,300-2,800 us.
+    marks, starts, outside = [5_000_000, 7_000_000], [100.0, 2300.0], [(100.0, 1100.0), (2300.0, 2800.0)]
+    samples = [(4_000_000, THERE),  # before the window: not counted
+               (5_100_000, HERE), (5_500_000, HERE), (5_900_000, None),  # step 1, at 200/600/1,000 us: outside
+               (6_500_000, THERE),  # step 1 at 1,600 us: in an operator, which tells it
+               (7_200_000, THERE), (7_400_000, HERE)]  # step 2 at 2,500 and 2,700 us: outside
+    assert frames_outside(samples, marks, starts, outside) == [(HERE, pytest.approx(3 / 5)),
+                                                               (THERE, pytest.approx(1 / 5))]
+    assert frames_outside(samples, marks, starts, outside, count=1) == [(HERE, pytest.approx(3 / 5))]
+    assert frames_outside([], marks, starts, outside) == []
+    assert frames_outside([(6_500_000, THERE)], marks, starts, outside) == []  # nothing outside: nothing said
+
+
+def test_the_summary_gives_the_users_lines_their_share_of_the_time_outside_operators():
+    from nbtrain.rank.profiling import summarize
+
+    # _two_steps: outside operators (idle, data) 0-100, 900-1,000 and 1,400-1,900 us; steps begin at 0 and 1,000 us.
+    marks = [10_000_000, 11_000_000]
+    samples = [(10_050_000, HERE), (10_950_000, HERE), (11_500_000, THERE), (11_700_000, THERE),
+               (11_800_000, THERE), (10_300_000, HERE)]  # the last one in aten::mm: not counted
+    summary = summarize(_two_steps(), samples, marks)
+    away = summary["split"]["idle"] + summary["split"]["data"]  # 350 us a step
+    assert summary["frames"] == [(*THERE, pytest.approx(away * 3 / 5)), (*HERE, pytest.approx(away * 2 / 5))]
+    assert summarize(_two_steps())["frames"] == []  # no samples (an older rank): no lines
+
+
+def test_only_the_users_own_code_is_a_place():
+    import json
+
+    from nbtrain.rank.profiling import own_code, user_place
+
+    assert own_code(__file__) and own_code("/tmp/ipykernel_1/123.py") and own_code("<nbtrain cell>")
+    assert not own_code(torch.__file__) and not own_code(json.__file__) and not own_code(nbtrain.__file__)
+    assert not own_code("<frozen importlib._bootstrap>")
+    try:
+        json.loads("{")  # raises two frames down, in json/decoder.py
+    except ValueError as exc:
+        tb = exc.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        innermost = tb.tb_frame
+    assert not own_code(innermost.f_code.co_filename)
+    # Past json's two frames, this test's own, at the line it runs now (the frame lives on).
+    here = sys._getframe()
+    assert user_place(innermost) == (__file__, here.f_lineno, "test_only_the_users_own_code_is_a_place")
+    assert user_place(None) is None
+
+
+def test_the_sampler_sees_a_thread_in_the_users_code_and_stops():
+    import threading
+
+    from nbtrain.rank.profiling import StackSampler
+
+    done = threading.Event()
+
+    def wait_until_done():
+        while not done.wait(0.001):
+            pass
+
+    worker = threading.Thread(target=wait_until_done)
+    worker.start()
+    sampler = StackSampler(worker.ident)
+    sampler.start()
+    try:
+        while len(sampler.samples) < 3:
+            time.sleep(0.005)
+    finally:
+        sampler.stop()
+        done.set()
+        worker.join()
+    assert not [t for t in threading.enumerate() if t.name == "nbtrain-profile-sampler"]
+    places = {place for _, place in sampler.samples}
+    assert places == {(__file__, wait_until_done.__code__.co_firstlineno + 1, "wait_until_done")}, places
+    times = [at for at, _ in sampler.samples]
+    assert times == sorted(times)
+
+
+def profiled(split, frames=()):
+    return {"steps": 2, "step_time": sum(split.values()), "top": [("aten::mm", 0.001)], "collective": "gloo:all_reduce",
+            "split": {"communication": 0.0, "data": 0.0, "compute": 0.0, "idle": 0.0, **split}, "frames": list(frames)}
+
+
+def test_the_table_names_the_users_lines_when_the_step_is_mostly_outside_operators():
+    from nbtrain.display.profile import ProfileTable
+
+    lines = [("/home/u/train.py", 12, "load", 0.018), ("/home/u/train.py", 3, "<module>", 0.001)]
+    table = ProfileTable({0: profiled({"communication": 0.020, "compute": 0.002}, [(*THERE, 0.0001)]),
+                          1: profiled({"data": 0.004, "idle": 0.015, "compute": 0.003}, lines)})
+    assert table.frames(1) == [("train.py:12 load()", 0.018), ("train.py:3", 0.001)]
+    assert table.frames(0) == []  # mostly waiting in a collective: its operators tell it
+    rows = {r[0]: r[-1] for r in table.rows()[1:]}
+    assert rows == {"0": "aten::mm 1 ms", "1": "outside operators: train.py:12 load() 18 ms, train.py:3 1 ms"}
+    assert table.verdict().startswith("slowest: rank 1, 22 ms per step, 68 % idle (in no operator: Python code, "
+                                      "sleeps, I/O), at train.py:12 load(); rank 0 waits for it"), table.verdict()
+    older = ProfileTable({0: {k: v for k, v in profiled({"idle": 0.01}).items() if k != "frames"}})
+    assert older.frames(0) == [] and older.rows()[1][-1] == "aten::mm 1 ms"  # a summary from before the lines
 
 
 @pytest.mark.gpu

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import html
 
+from ..common.tracebacks import place_name
+
 WORDS = {"communication": "waiting in {collective}", "data": "loading data", "compute": "computing",
          "idle": "idle (in no operator: Python code, sleeps, I/O)"}
 # A rank waiting this much less of its step in collectives than another is the one they wait for
 # (a share of the step: tiny CPU steps differ by 10 points from run to run with no straggler).
 WAIT_GAP = 0.25
 SPREAD = 0.20  # time outside collectives this much longer than the others' (median): that rank is slower
+OUTSIDE = 0.5  # a step at least this much idle or loading data is told by the user's lines, not operators
 
 
 class ProfileTable:
-    """One row per rank: step time, its split (communication, data, compute, idle), top operators."""
+    """One row per rank: step time, its split (communication, data, compute, idle), top operators
+    (or, for a step mostly in no operator, the user's lines where it went)."""
 
     def __init__(self, summaries: dict[int, dict]):
         self.summaries = dict(sorted(summaries.items()))
@@ -68,7 +72,18 @@ class ProfileTable:
 
     def _main(self, rank: int) -> str:
         split = self.ranks[rank]["split"]
-        return self._part(rank, max(split, key=split.get))
+        main = max(split, key=split.get)
+        frames = self.frames(rank)
+        where = f", at {frames[0][0]}" if main in ("idle", "data") and frames else ""
+        return self._part(rank, main) + where
+
+    def frames(self, rank: int) -> list[tuple[str, float]]:
+        """Where in the user's code a rank's step went while in no operator, most first, as
+        ("train.py:12 load()", seconds per step), when that is most of its step; else none."""
+        if self.share(rank, "idle") + self.share(rank, "data") < OUTSIDE:
+            return []
+        return [(_place(file, line, function), seconds)
+                for file, line, function, seconds in self.ranks[rank].get("frames", ())]
 
     def _part(self, rank: int, category: str) -> str:
         collective = self.ranks[rank].get("collective") or "collectives"
@@ -82,7 +97,10 @@ class ProfileTable:
                 rows.append([str(rank), "", "", "", "", "", summary.get("note", "")])
                 continue
             shares = [f"{self.share(rank, c):.0%}" for c in ("communication", "data", "compute", "idle")]
-            top = ", ".join(f"{name} {_ms(seconds)}" for name, seconds in summary["top"][:3])
+            frames = self.frames(rank)
+            named = frames or summary["top"]
+            top = ("outside operators: " if frames else "") + ", ".join(
+                f"{name} {_ms(seconds)}" for name, seconds in named[:3])
             rows.append([str(rank), _ms(summary["step_time"]), *shares, top])
         return rows
 
@@ -101,6 +119,12 @@ class ProfileTable:
             + "".join(f"<td style='text-align:left'>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
         return (f'<div class="nbtrain-profile"><div><b>nbtrain profile</b> · {html.escape(self.verdict())}</div>'
                 f"<table><tr>{head}</tr>{body}</table></div>")
+
+
+def _place(file: str, line: int, function: str) -> str:
+    """'train.py:12 load()', 'In[3]:7' for a cell's own lines (IPython's name, in the kernel)."""
+    where = f"{place_name(file)}:{line}"
+    return where if function.startswith("<") else f"{where} {function}()"
 
 
 def _ms(seconds: float) -> str:

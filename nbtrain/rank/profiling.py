@@ -4,24 +4,36 @@ A step is one iteration of the innermost `ctx.progress` loop (or one `ctx.step()
 records its own window, saves `rank{N}.pt.trace.json` (TensorBoard's profiler and ui.perfetto.dev
 open it) and sends the notebook a summary: its step time split into communication (collectives,
 on any thread), data loading, compute (other operators) and idle (no operator at all: Python,
-sleeps, I/O), and its top operators. On a CUDA rank it also saves a memory snapshot for
-PyTorch's memory viewer (pytorch.org/memory_viz).
+sleeps, I/O), and its top operators. Time outside operators has no operator to name, so while the
+window records, a thread looks at the rank's main thread every few milliseconds and the summary
+names the user's own lines where that time went (`StackSampler`). On a CUDA rank it also saves a
+memory snapshot for PyTorch's memory viewer (pytorch.org/memory_viz).
 """
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import re
+import sys
+import threading
+import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
+
+from ..common.tracebacks import package_path
 
 COLLECTIVE = re.compile(r"gloo:|nccl:|c10d::|all_?reduce|all_?gather|reduce_?scatter|broadcast|barrier|all_to_all",
                         re.IGNORECASE)
 DATA = re.compile(r"DataLoader|_DataLoaderIter")
 STEP = re.compile(r"ProfilerStep[#*]\d*")  # one step's span ("ProfilerStep*" as events() names it)
 CATEGORIES = ("communication", "data", "compute", "idle")  # a moment in two counts once, for the first
-TOP = 5  # operators listed per rank
+TOP = 5  # operators (and lines of the user's own code) listed per rank
+# A look at the main thread's stack costs some 10-20 us (benchmarks/profile_sampler.py): every 5 ms
+# is well under 1 % of a profiled step, and still some 20 looks in a window of 5 steps of 20 ms.
+SAMPLE_EVERY = 0.005
 # torch.profiler keeps every operator of the window in the rank's memory until it ends, then makes
 # each a Python object for the summary (measured on 2 CPU ranks, a small DDP model: a window of
 # 1,000 steps took 950 MB per rank instead of 260, and 15 s instead of 3.5; 3,000 steps 2.6 GB),
@@ -129,6 +141,8 @@ class Recorder:
         self.steps = 0
         self.started = False
         self.summary: dict | None = None
+        self.sampler = StackSampler(threading.get_ident())
+        self.marks: list[int] = []  # when each recorded step began (perf_counter_ns): the samples' clock
         self.trace = os.path.join(out_dir, f"rank{rank}.pt.trace.json")
         self.profiler = torch.profiler.profile(
             activities=activities, profile_memory=self.memory, on_trace_ready=self._ready,
@@ -138,14 +152,25 @@ class Recorder:
         os.makedirs(self.out_dir, exist_ok=True)
         if self.cuda and self.memory:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self.sampler.thread_id = threading.get_ident()  # the thread the user's steps run on
         self.profiler.start()
         self.started = True
+        self._sample()
 
     def step(self) -> None:
         self.steps += 1
+        if self.steps not in self.settings.window:
+            self.sampler.stop()  # before the step that may end the window: its summary reads the samples
         self.profiler.step()
+        self._sample()
+
+    def _sample(self) -> None:
+        if self.steps in self.settings.window:
+            self.marks.append(time.perf_counter_ns())
+            self.sampler.start()
 
     def stop(self) -> dict:
+        self.sampler.stop()
         self.profiler.stop()  # a window still open ends here: its trace is saved all the same
         summary = self.summary or {"rank": self.rank, "steps": 0, "trace": None,
                                    "note": f"no step of {_window_words(self.settings.window)} was reached "
@@ -159,36 +184,46 @@ class Recorder:
 
     def _ready(self, profiler) -> None:
         profiler.export_chrome_trace(self.trace)
-        self.summary = {"rank": self.rank, "trace": self.trace, **summarize(profiler.events())}
+        self.summary = {"rank": self.rank, "trace": self.trace,
+                        **summarize(profiler.events(), self.sampler.samples, self.marks)}
 
 
 def _window_words(window: range) -> str:
     return f"steps {window.start}-{window.stop - 1}"
 
 
-def summarize(events) -> dict:
-    """Mean step time and its split into CATEGORIES (seconds per step), and the top operators.
-    Time linear in the events (and a sort): a window of 100 steps has some 10,000 of them."""
+def summarize(events, samples=(), marks=()) -> dict:
+    """Mean step time and its split into CATEGORIES (seconds per step), the top operators, and
+    the user's lines where the time outside operators (idle, data) went: `samples` are the
+    main thread's (perf_counter_ns, place) as `StackSampler` saw it, `marks` when each step
+    began by the same clock. Time linear in the events (and a sort): a window of 100 steps
+    has some 10,000 of them."""
     kind = _kinds()
     steps = [e for e in events if kind(e.name) == "step"]
     if not steps:
         return {"steps": 0}
     main = steps[0].thread
-    marks = []  # (time, +1/-1, label)
+    edges = []  # (time, +1/-1, label)
     for e in events:
         start, end = e.time_range.start, e.time_range.end
         label = kind(e.name)
         if end <= start or label in ("data", "compute") and e.thread != main:
             continue  # only collectives count on other threads (gloo's own)
-        marks += [(start, 1, label), (end, -1, label)]
-    marks.sort(key=lambda m: (m[0], m[1]))
+        edges += [(start, 1, label), (end, -1, label)]
+    edges.sort(key=lambda m: (m[0], m[1]))
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     open_ = dict.fromkeys((*CATEGORIES, "step"), 0)
+    outside: list[tuple[float, float]] = []  # the main thread's time in no operator (idle) or loading data
     last = None
-    for at, change, label in marks:
+    for at, change, label in edges:
         if last is not None and at > last and open_["step"]:
             winner = next((c for c in CATEGORIES[:-1] if open_[c]), "idle")
             seconds[winner] += (at - last) / 1e6  # microseconds
+            if winner in ("idle", "data"):
+                if outside and outside[-1][1] == last:
+                    outside[-1] = (outside[-1][0], at)
+                else:
+                    outside.append((last, at))
         open_[label] += change
         last = at
     n = len(steps)
@@ -198,8 +233,85 @@ def summarize(events) -> dict:
                 windows, 1)
     top = _top([e for e in events if kind(e.name) != "step" and e.cpu_parent is not None
                 and kind(e.cpu_parent.name) == "step"], windows, TOP)
+    # The step marks stand for the samples' clock: the i-th recorded step began at marks[i].
+    starts = sorted(e.time_range.start for e in steps)
+    away = per_step["idle"] + per_step["data"]
+    frames = [(*place, share * away) for place, share in
+              frames_outside(samples, list(marks)[:len(starts)], starts[:len(marks)], outside)]
     return {"steps": n, "step_time": sum(e.time_range.elapsed_us() for e in steps) / n / 1e6,
-            "split": per_step, "top": top, "collective": comm[0][0] if comm else None}
+            "split": per_step, "top": top, "collective": comm[0][0] if comm else None, "frames": frames}
+
+
+def frames_outside(samples, marks: list[int], starts: list[float], outside: list[tuple[float, float]],
+                   count: int = TOP) -> list[tuple[tuple[str, int, str], float]]:
+    """The user's places (file, line, function) the main thread was seen at while in no operator,
+    each with its share of the samples taken then (a sample with no user frame counts, for no
+    place), most seen first. `samples` are (perf_counter_ns, place or None); step i began at
+    `marks[i]` (ns, the samples' clock) and `starts[i]` (us, the profiler's); `outside` are
+    the profiler's intervals (us, sorted, disjoint) in no operator."""
+    seen: Counter = Counter()
+    total = 0
+    begins = [a for a, _ in outside]
+    for at, place in samples:
+        i = bisect.bisect_right(marks, at) - 1  # the step this sample fell in, by the samples' clock
+        if i < 0:
+            continue  # before the window's first step
+        moment = starts[i] + (at - marks[i]) / 1000
+        j = bisect.bisect_right(begins, moment) - 1
+        if j < 0 or moment >= outside[j][1]:
+            continue  # in an operator (or after the window): the operators say where that went
+        total += 1
+        if place is not None:
+            seen[place] += 1
+    return [(place, k / total) for place, k in seen.most_common(count)]
+
+
+@functools.lru_cache(maxsize=4096)
+def own_code(path: str) -> bool:
+    """Whether `path` is the user's own code: not torch, nbtrain, an installed package or the
+    standard library (a notebook cell's file is the user's)."""
+    return package_path(path) is None and not path.startswith("<frozen")
+
+
+def user_place(frame) -> tuple[str, int, str] | None:
+    """The innermost frame of the user's own code in a stack (file, line, function), or None."""
+    while frame is not None:
+        code = frame.f_code
+        if own_code(code.co_filename):
+            return code.co_filename, frame.f_lineno, code.co_name
+        frame = frame.f_back
+    return None
+
+
+class StackSampler:
+    """Where one thread is, every SAMPLE_EVERY s while started: the innermost frame of the
+    user's own code there (`user_place`), with when it was seen (perf_counter_ns). It reads the
+    thread's frame from another thread (`sys._current_frames`), so the sampled thread runs on:
+    no signal interrupts it, no tracing slows its every call."""
+
+    def __init__(self, thread_id: int):
+        self.thread_id = thread_id
+        self.samples: list[tuple[int, tuple[str, int, str] | None]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="nbtrain-profile-sampler", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_EVERY):
+            frame = sys._current_frames().get(self.thread_id)
+            self.samples.append((time.perf_counter_ns(), user_place(frame)))
+            del frame  # a frame kept alive keeps its locals alive
 
 
 def _kinds():
