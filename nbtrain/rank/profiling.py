@@ -31,8 +31,8 @@ DATA = re.compile(r"DataLoader|_DataLoaderIter")
 STEP = re.compile(r"ProfilerStep[#*]\d*")  # one step's span ("ProfilerStep*" as events() names it)
 CATEGORIES = ("communication", "data", "compute", "idle")  # a moment in two counts once, for the first
 TOP = 5  # operators (and lines of the user's own code) listed per rank
-# A look at the main thread's stack costs some 10-20 us (benchmarks/profile_sampler.py): every 5 ms
-# is well under 1 % of a profiled step, and still some 20 looks in a window of 5 steps of 20 ms.
+# A look at the main thread's stack costs about 1 us; every 5 ms its cost is lost in a profiled step's
+# noise, every 1 ms it read 2-5 % (benchmarks/profile_sampler.py). 5 steps of 20 ms get 20 looks.
 SAMPLE_EVERY = 0.005
 # torch.profiler keeps every operator of the window in the rank's memory until it ends, then makes
 # each a Python object for the summary (measured on 2 CPU ranks, a small DDP model: a window of
