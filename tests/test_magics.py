@@ -168,7 +168,7 @@ helper(nbtrain.context().rank)
     ("--stall soon", "argument --stall: 'soon': give a positive number of seconds without progress before the doctor "
                      "says where each rank is, or off to never check (default: max(60 s, 10x the recent step time))"),
     ("--stall 0", "argument --stall: '0': give a positive number of seconds without progress"),
-    ("--stall 5 --submit", "--stall applies to a run this kernel watches; --submit runs keep the default"),
+    ("--stall 5 --submit", "--stall applies to a run this kernel watches; a --submit run keeps the default"),
     ("--rdzv-endpoint nohost", "argument --rdzv-endpoint: rdzv_endpoint='nohost': give HOST:PORT"),
     ("--nnodes 2 --accelerator cpu", "num_nodes=2 needs rdzv_endpoint='HOST:PORT'"),
     ("--strategy dp --launcher accelerate --accelerator cpu", "--launcher accelerate starts a script under torchrun: it "

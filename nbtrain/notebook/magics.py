@@ -127,8 +127,12 @@ class NbtrainMagics(Magics):
         """
         if cell is None:
             return self._command(line)
-        options = {**DEFAULTS, **self.config_options, **_given(parse_argstring(self.nbtrain, line))}
+        given = _given(parse_argstring(self.nbtrain, line))
+        options = {**DEFAULTS, **self.config_options, **given}
         check_options(options)
+        if options["submit"] and "stall" in given:  # said by the live view of a kernel; a session default is not
+            raise UsageError("--stall applies to a run this kernel watches; a --submit run keeps the default "
+                             "(leave --stall out, or run without --submit).")
         self.last_cell = (cell, options)  # for `%nbtrain export PATH`
         if options["submit"]:
             self.shell.user_ns[RUN_NAME] = run = self.submit(cell, options)
@@ -150,9 +154,6 @@ class NbtrainMagics(Magics):
     def submit(self, cell: str, options: dict):
         if options["cluster"]:
             raise UsageError("--submit runs on this machine for now; --cluster runs live with the kernel.")
-        if options["stall"] is not None:  # said by the live view of a kernel; a submitted run keeps the default
-            raise UsageError("--stall applies to a run this kernel watches; --submit runs keep the default "
-                             "(leave --stall out, or run without --submit).")
         job = cell_job(cell, self.shell.user_ns, hidden=self.shell.user_ns_hidden)
         script = script_settings(options)
         # --max-restarts restarts the submitted run's ranks (all of them, from ctx.run_dir's checkpoint).
