@@ -233,7 +233,7 @@ def summarize(events, samples=(), marks=()) -> dict:
                 windows, 1)
     top = _top([e for e in events if kind(e.name) != "step" and e.cpu_parent is not None
                 and kind(e.cpu_parent.name) == "step"], windows, TOP)
-    # The step marks stand for the samples' clock: the i-th recorded step began at marks[i].
+    # Recorded step i began at marks[i] by the samples' clock and at starts[i] by the profiler's.
     starts = sorted(e.time_range.start for e in steps)
     away = per_step["idle"] + per_step["data"]
     frames = [(*place, share * away) for place, share in
