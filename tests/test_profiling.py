@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import nbtrain
+from nbtrain.display.profile import WORDS
 
 CPU2 = {"devices": 2, "accelerator": "cpu", "start": "fork", "progress": False, "timeout": 120}
 
@@ -91,7 +92,12 @@ def test_explicit_steps_set_the_window_in_process(tmp_path):
     assert summary["steps"] == 3 and summary["step_time"] > 0
     assert summary["split"]["compute"] > 0 and summary["split"]["communication"] == 0
     assert "aten::" in repr(result.profile)  # the top operators (aten::matmul, aten::tanh)
-    assert result.profile.verdict().startswith("rank 0: ") and "computing" in result.profile.verdict()
+    # The verdict names the step's largest share: computing on a quiet machine, idle where other
+    # processes take the core between operators (the suite's other workers).
+    leader = max(summary["split"], key=summary["split"].get)
+    assert leader in ("compute", "idle"), summary["split"]
+    verdict = result.profile.verdict()
+    assert verdict.startswith("rank 0: ") and WORDS[leader].split(" (")[0] in verdict
     assert (tmp_path / "profile" / "rank0.pt.trace.json").exists()
 
 
