@@ -183,8 +183,16 @@ class Supervisor:
                 and message.summary.startswith("KeyboardInterrupt"):
             self._interrupted_at[rank] = message.traceback
             self.state.stop(rank)  # interrupted by us, because another rank failed or time ran out
+        elif isinstance(message, protocol.Raised) and message.summary.startswith("SystemExit") \
+                and (gone := self._engine_gone()) is not None:
+            # Ray ends its workers with SIGTERM, and its handler raises SystemExit in the user's
+            # code: that the engine went away is the cause, told as when no reply came.
+            self.state.fail(rank, f"rank {rank} was lost with Ray: {gone}", message.traceback, crashed=True)
         else:
             self.state.handle(message)
+
+    def _engine_gone(self) -> str | None:
+        return next((why for proc in self.pool.processes if (why := proc.engine_gone()) is not None), None)
 
     def _await_output(self) -> None:
         """Live ranks that replied: wait (bounded) for the mark that ends their output, so

@@ -172,6 +172,10 @@ class RankProcess:
         because another rank failed). One process per rank: its own exit says it all."""
         return describe_exit(code, pid), True
 
+    def engine_gone(self) -> str | None:
+        """Why the engine that runs these ranks went away under them (Ray shut down), or None."""
+        return None
+
     def lost_reason(self, rank: int) -> str | None:
         """How `rank` ended, when its connection closed but the engine has no exit code for it
         yet (a SLURM task of a job that still runs); None when not known."""

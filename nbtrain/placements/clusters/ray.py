@@ -347,6 +347,9 @@ class RayRank(RemoteRank):
                 self.error, self.code = exc, 1
         return self.code
 
+    def engine_gone(self) -> str | None:
+        return self.group.gone()
+
     def stop(self) -> None:
         import ray
 
