@@ -28,7 +28,7 @@ def _group(item) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("dist", "no") != "loadgroup":
+    if not config.getoption("loadgroup", False):  # set by xdist in its workers, where the marks are read
         return
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_group(item)))
