@@ -3,22 +3,22 @@ import os
 import psutil
 import pytest
 
-
 # -- the suite on several workers (pytest-xdist; pyproject's addopts: -n 3 --dist loadgroup) ------
-# Each test file runs whole on one worker: its module-scoped kernel, its tests' order. The files
-# that touch Ray share one worker, one after another: a `ray.init()` with no address joins the
-# machine's newest cluster (`ray start` of the two-node tests), and test_ray finds its actors by
-# name among the machine's processes. SLURM needs no such care: each worker starts a cluster of its
-# own (LocalSlurm: its own name, ports, state). The longest go first, so no worker is left with a
-# long file at the end (seconds measured serially on 2 cores, `--durations=0`).
-ONE_WORKER = {"ray": ("tests/test_ray.py", "tests/test_ray_gone.py", "tests/test_two_nodes.py", "tests/test_scale.py",
-                      "tests/test_sweep.py", "tests/test_clusters.py", "tests/test_readme.py",
-                      "notebooks/08_clusters.ipynb")}
-MEASURED = {"ray": 472, "tests/test_submit.py": 135, "tests/test_trackers.py": 132, "tests/test_hostile.py": 128,
-            "tests/test_slurm.py": 98, "tests/test_libraries.py": 74, "tests/test_launch.py": 64,
-            "tests/test_deepspeed.py": 64, "tests/test_doctor.py": 53, "tests/test_template.py": 51,
-            "tests/test_browser.py": 50, "tests/test_rendezvous.py": 49, "tests/test_process_tree.py": 46,
-            "tests/test_ddp_tutorial_series.py": 46, "tests/test_packaging.py": 42, "tests/test_script.py": 41}
+# Each test file runs whole on one worker: its module-scoped kernel, its tests' order. The Ray files
+# that start clusters of their own under load share one worker, one after another (two Ray clusters
+# starting at once on 2 cores miss Ray's own start-up deadlines); what they look for among the
+# machine's processes is their worker's (`this_workers`). SLURM needs no such care: each worker
+# starts a cluster of its own (LocalSlurm: its own name, ports, state). The longest go first, so
+# no worker is left with a long file at the end (seconds measured serially on 2 cores).
+ONE_WORKER = {"ray": ("tests/test_ray.py", "tests/test_ray_gone.py", "tests/test_two_nodes.py")}
+MEASURED = {"ray": 258, "tests/test_submit.py": 135, "tests/test_trackers.py": 132, "tests/test_hostile.py": 128,
+            "tests/test_slurm.py": 98, "tests/test_scale.py": 92, "tests/test_libraries.py": 74,
+            "tests/test_launch.py": 64, "tests/test_deepspeed.py": 64, "tests/test_sweep.py": 57,
+            "tests/test_doctor.py": 53, "tests/test_template.py": 51, "tests/test_browser.py": 50,
+            "tests/test_rendezvous.py": 49, "tests/test_process_tree.py": 46, "tests/test_ddp_tutorial_series.py": 46,
+            "tests/test_packaging.py": 42, "tests/test_script.py": 41, "tests/test_mapping.py": 38,
+            "tests/test_run_files.py": 38, "tests/test_cli.py": 35, "tests/test_restarts.py": 34,
+            "tests/test_readme.py": 32}
 
 
 def _group(item) -> str:
@@ -51,6 +51,16 @@ def no_leftovers():
     assert not children, f"processes left behind: {[(c.pid, c.name()) for c in children]}"
     assert me.num_fds() <= fds_before, f"file descriptors leaked: {fds_before} -> {me.num_fds()}"
     assert "MASTER_PORT" not in os.environ
+
+
+def this_workers(process) -> bool:
+    """Whether a process of the machine was started under this pytest process (or this xdist worker):
+    found by name among the machine's processes (Ray's actors, reparented once their raylet is
+    killed), another worker's must not count. Every process started here inherits the variable."""
+    try:
+        return process.environ().get("PYTEST_XDIST_WORKER") == os.environ.get("PYTEST_XDIST_WORKER")
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
 
 
 def _is_template(process) -> bool:
