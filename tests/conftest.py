@@ -3,38 +3,6 @@ import os
 import psutil
 import pytest
 
-# -- the suite on several workers (pytest-xdist; pyproject's addopts: -n 3 --dist loadgroup) ------
-# Each test file runs whole on one worker: its module-scoped kernel, its tests' order. The Ray files
-# that start clusters of their own under load share one worker, one after another (two Ray clusters
-# starting at once on 2 cores miss Ray's own start-up deadlines); what they look for among the
-# machine's processes is their worker's (`this_workers`). SLURM needs no such care: each worker
-# starts a cluster of its own (LocalSlurm: its own name, ports, state). The longest go first, so
-# no worker is left with a long file at the end (seconds measured serially on 2 cores).
-ONE_WORKER = {"ray": ("tests/test_ray.py", "tests/test_ray_gone.py", "tests/test_two_nodes.py")}
-MEASURED = {"ray": 258, "tests/test_submit.py": 135, "tests/test_trackers.py": 132, "tests/test_hostile.py": 128,
-            "tests/test_slurm.py": 98, "tests/test_scale.py": 92, "tests/test_libraries.py": 74,
-            "tests/test_launch.py": 64, "tests/test_deepspeed.py": 64, "tests/test_sweep.py": 57,
-            "tests/test_doctor.py": 53, "tests/test_template.py": 51, "tests/test_browser.py": 50,
-            "tests/test_rendezvous.py": 49, "tests/test_process_tree.py": 46, "tests/test_ddp_tutorial_series.py": 46,
-            "tests/test_packaging.py": 42, "tests/test_script.py": 41, "tests/test_mapping.py": 38,
-            "tests/test_run_files.py": 38, "tests/test_cli.py": 35, "tests/test_restarts.py": 34,
-            "tests/test_readme.py": 32}
-
-
-def _group(item) -> str:
-    path = item.nodeid.split("::")[0]
-    return next((name for name, paths in ONE_WORKER.items() if path in paths), path)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks
-def pytest_collection_modifyitems(config, items):
-    if not config.getoption("loadgroup", False):  # set by xdist in its workers, where the marks are read
-        return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
-    first = {group: index for index, group in enumerate(dict.fromkeys(map(_group, items)))}
-    items.sort(key=lambda item: (-MEASURED.get(_group(item), 0), first[_group(item)]))  # stable: files stay whole
-
 
 @pytest.fixture
 def no_leftovers():
