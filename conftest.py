@@ -10,11 +10,13 @@ import pytest
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     # nbval runs every notebook cell in a Jupyter kernel: each cell is a slow test.
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.slow)
+    if hasattr(config, "workerinput"):  # an xdist worker: the order it collects is the controller's queue
+        longest_first(items)
 
 
 # Every way a test can start a process goes through one of these: subprocess (its own name for
@@ -58,3 +60,52 @@ def pytest_runtest_setup(item):  # fixtures (a kernel, a server) start here
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     return (yield from _watch_process_starts(item))
+
+
+# -- the suite on several workers (pytest-xdist: pyproject's addopts has -n) ---------------------
+# Each test file runs whole on one worker (its module-scoped kernel, its tests' order, a notebook's
+# cells in one kernel). The Ray files that start clusters of their own share one worker, one after
+# another: two Ray clusters starting at once on 2 cores miss Ray's own start-up deadlines (what they
+# look for among the machine's processes is their worker's: tests/conftest.py's `this_workers`).
+# SLURM needs no such care: each worker starts a cluster of its own (its own name, ports, state).
+# The longest go first, so that no worker is left with a long file at the end (seconds measured
+# serially on 2 cores with --durations=0). xdist's own --dist loadgroup cannot do this: under
+# pytest 9 it no longer changes the tests' ids, and splits a file's tests across workers.
+SHARED_WORKER = {"tests/test_ray.py": "ray", "tests/test_ray_gone.py": "ray", "tests/test_two_nodes.py": "ray",
+                 "tests/test_scale.py": "ray",
+                 # W&B's service and its temporary folders are looked for machine-wide
+                 "tests/test_trackers.py": "trackers", "tests/test_readme.py": "trackers",
+                 "notebooks/10_trackers_profiles.ipynb": "trackers",
+                 # DeepSpeed's shared-memory buffers are looked for machine-wide
+                 "tests/test_deepspeed.py": "deepspeed", "tests/test_quiet_cells.py": "deepspeed",
+                 "notebooks/07_sharded.ipynb": "deepspeed"}
+MEASURED = {"ray": 350, "tests/test_submit.py": 135, "trackers": 168, "tests/test_hostile.py": 128,
+            "tests/test_slurm.py": 98, "tests/test_libraries.py": 74,
+            "tests/test_launch.py": 64, "deepspeed": 93, "tests/test_sweep.py": 57,
+            "tests/test_doctor.py": 53, "tests/test_template.py": 51, "tests/test_browser.py": 50,
+            "tests/test_rendezvous.py": 49, "tests/test_process_tree.py": 46, "tests/test_ddp_tutorial_series.py": 46,
+            "tests/test_packaging.py": 42, "tests/test_script.py": 41, "tests/test_mapping.py": 38,
+            "tests/test_run_files.py": 38, "tests/test_cli.py": 35, "tests/test_restarts.py": 34}
+
+
+def worker_group(nodeid: str) -> str:
+    """The unit of work one worker runs whole: the test's file, or the group its file shares."""
+    path = nodeid.split("::")[0]
+    return SHARED_WORKER.get(path, path)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WholeFiles(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    config.option.loadscopereorder = False  # the workers' collection order (below) is the order
+    return WholeFiles(config, log)
+
+
+def longest_first(items) -> None:
+    """Order the groups by their measured time, longest first; within a group, as collected."""
+    first = {group: index for index, group in enumerate(dict.fromkeys(worker_group(i.nodeid) for i in items))}
+    items.sort(key=lambda i: (-MEASURED.get(worker_group(i.nodeid), 0), first[worker_group(i.nodeid)]))

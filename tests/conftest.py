@@ -21,6 +21,16 @@ def no_leftovers():
     assert "MASTER_PORT" not in os.environ
 
 
+def this_workers(process) -> bool:
+    """Whether a process of the machine was started under this pytest process (or this xdist worker):
+    found by name among the machine's processes (Ray's actors, reparented once their raylet is
+    killed), another worker's must not count. Every process started here inherits the variable."""
+    try:
+        return process.environ().get("PYTEST_XDIST_WORKER") == os.environ.get("PYTEST_XDIST_WORKER")
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
 def _is_template(process) -> bool:
     import nbtrain.placements.template_process
 

@@ -8,6 +8,8 @@ import time
 import psutil
 import pytest
 
+from conftest import this_workers
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                  reason="ray is not installed (pip install 'nbtrain[ray]')")]
@@ -99,10 +101,10 @@ def _close_with_ray(kernel) -> None:
 
 
 def rank_actors() -> list[psutil.Process]:
-    """This machine's processes that are nbtrain's Ray actors (Ray names them by class)."""
+    """This machine's processes that are nbtrain's Ray actors (Ray names them by class), of this test run."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
-        if any("RankActor" in part for part in proc.info["cmdline"] or ()):
+        if any("RankActor" in part for part in proc.info["cmdline"] or ()) and this_workers(proc):
             found.append(proc)
     return found
 

@@ -87,10 +87,11 @@ def test_live_ranks_on_ray_end_within_seconds_of_a_killed_kernel():
 
     import psutil
 
-    from conftest import Kernel
+    from conftest import Kernel, this_workers
 
     def actors():
-        return [p for p in psutil.process_iter(["cmdline"]) if any("RankActor" in x for x in p.info["cmdline"] or ())]
+        return [p for p in psutil.process_iter(["cmdline"])
+                if any("RankActor" in x for x in p.info["cmdline"] or ()) and this_workers(p)]
 
     kernel = Kernel()
     pid = kernel.manager.provisioner.pid

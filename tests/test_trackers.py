@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 import nbtrain
+from conftest import this_workers
 from nbtrain.rank.trackers import TrackerError
 
 CPU2 = {"devices": 2, "accelerator": "cpu", "start": "fork", "progress": False, "timeout": 120}
@@ -98,7 +99,7 @@ def test_wandb_offline_writes_each_ranks_run(tmp_path, no_leftovers):
     nbtrain.launch(train, STEPS, trackers=nbtrain.WandB(project="insight", mode="offline"), run_dir=tmp_path, **CPU2)
     runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb")))
     assert len(runs) == 2 and all(os.path.getsize(r) > 0 for r in runs)  # rank 0's, and rank 1's own values
-    left = [p.info for p in psutil.process_iter(["pid", "name"]) if p.info["name"] == "wandb-core"]
+    left = [p.info for p in psutil.process_iter(["pid", "name"]) if p.info["name"] == "wandb-core" and this_workers(p)]
     assert not left, f"W&B's service left running: {left}"
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "*wandb*"))) == temp  # its temporary folders removed
 
@@ -227,7 +228,8 @@ def test_a_wandb_server_that_does_not_answer_fails_the_run_in_bounded_time(serve
     with pytest.raises(nbtrain.WorkerError) as caught:
         nbtrain.launch(train, STEPS, trackers=nbtrain.WandB(mode="online"), run_dir=tmp_path, **BOUNDED)
     assert f"TrackerError: W&B (online, {url}) in {tmp_path} could not start: {said}" in str(caught.value)
-    left = [p.info for p in psutil.process_iter(["pid", "name", "ppid"]) if p.info["name"] == "wandb-core"]
+    left = [p.info for p in psutil.process_iter(["pid", "name", "ppid"])
+            if p.info["name"] == "wandb-core" and this_workers(p)]
     assert not left, f"W&B's service left running: {left}"
 
 
