@@ -5,7 +5,7 @@ import re
 import pytest
 
 from nbtrain.common.lines import Screen
-from nbtrain.common.protocol import PIPE_ENDED, Live, Output, OutputEnd
+from nbtrain.common.protocol import Live, Output, OutputEnd
 
 ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-ln-z]|\x1b\]|\x1b\[\?")  # anything but colour (SGR, "...m")
 
@@ -167,8 +167,7 @@ def test_the_output_reader_sends_lines_live_redraws_and_the_end_mark():
     records = _read_all(lambda fds: os.write(fds[0], b"plain\n\r 1/2\r 2/2\n" + end_mark(1)), (3, "stderr"))
     # A bar read in one piece with what follows is a line; read apart, a live line: either way once.
     stays = [m.text for m in records if isinstance(m, Output) or (isinstance(m, Live) and m.done)]
-    # the end mark, then the pipe's own end (after everything it carried)
-    assert stays == ["plain", " 2/2"] and records[-2:] == [OutputEnd(3, "stderr", 1), OutputEnd(3, "stderr", PIPE_ENDED)]
+    assert stays == ["plain", " 2/2"] and records[-1] == OutputEnd(3, "stderr", 1)
     assert all((m.rank, m.stream) == (3, "stderr") for m in records) and not any("\r" in str(m) for m in records)
 
 
@@ -181,10 +180,9 @@ def test_a_launchers_prefixed_lines_name_their_rank_and_only_a_whole_mark_ends_o
         return int(line[1]), line[4:]
 
     records = _read_all(lambda fds: os.write(fds[0], b"[1]:hello\n[0]:bye\n"), (None, "stdout"), rank_of=rank_of)
-    assert records == [Output(1, "stdout", "hello"), Output(0, "stdout", "bye"), OutputEnd(None, "stdout", PIPE_ENDED)]
+    assert records == [Output(1, "stdout", "hello"), Output(0, "stdout", "bye")]
     records = _read_all(lambda fds: os.write(fds[0], end_mark(3)[:-3] + b"x\n" + end_mark(4)), (2, "stdout"))
-    assert records == [Output(2, "stdout", end_mark(3)[:-3].decode() + "x"), OutputEnd(2, "stdout", 4),
-                       OutputEnd(2, "stdout", PIPE_ENDED)]
+    assert records == [Output(2, "stdout", end_mark(3)[:-3].decode() + "x"), OutputEnd(2, "stdout", 4)]
 
 
 FORWARDS = """

@@ -118,8 +118,6 @@ class OutputReader:
                     parts.append((name, screen.flush()))
         for part_stream, events in parts:
             self._put(rank, part_stream, rank_of, events)
-        if not chunk:  # after its last words: whoever reads them in order knows they are all there
-            self.put(protocol.OutputEnd(rank, stream, protocol.PIPE_ENDED))
 
     def _put(self, rank, stream, rank_of, events) -> None:
         for kind, text, *done in events:  # `lines.Screen`'s ("line", text) and ("live", text, done)

@@ -210,14 +210,10 @@ class Live(NamedTuple):
 
 @_kind("output_end")
 class OutputEnd(NamedTuple):
-    """Everything `rank` wrote on `stream` during the command `seq` came before this; with seq
-    PIPE_ENDED, everything it will ever write there (its pipe reached end of file: it is gone)."""
+    """Everything `rank` wrote on `stream` during the command `seq` came before this."""
     rank: int | None
     stream: str
     seq: int
-
-
-PIPE_ENDED = -1  # OutputEnd's seq when the pipe itself ended
 
 
 @_kind("closed")

@@ -67,7 +67,6 @@ class Pool:
         # What the pool notes of the ranks' messages (`_note`):
         self._closed: set[int] = set()  # ranks whose channel closed
         self._stderr: dict[int, deque] = defaultdict(lambda: deque(maxlen=STDERR_TAIL))
-        self._pipe_ended: set[tuple[int | None, str]] = set()
         self._dying: set[int] = set()  # ranks that wrote faulthandler's fatal report
         self._chatter = Chatter()  # third-party start-up lines: once per launch, or not at all
         self._current: dict[int, int] = {}  # rank: the seq of the command it last began
@@ -237,8 +236,6 @@ class Pool:
         rank = message.rank
         if isinstance(message, protocol.Closed):
             self._closed.add(rank)
-        elif isinstance(message, protocol.OutputEnd) and message.seq == protocol.PIPE_ENDED:
-            self._pipe_ended.add((rank, message.stream))
         elif isinstance(message, protocol.OutputEnd):
             self._marks[(rank, message.stream)] = message.seq
         elif isinstance(message, protocol.Output) and message.stream == "stderr" and rank is not None:
@@ -438,11 +435,6 @@ class Pool:
     def began(self, rank: int) -> bool:
         """`rank` began the latest command: what it says now is about that command."""
         return self._current.get(rank) == self._seq
-
-    def stderr_ended(self, rank: int) -> bool:
-        """`rank`'s stderr pipe reached its end (or that of the process holding every rank's output):
-        a crashed rank's last words (faulthandler's) have all arrived."""
-        return (rank, "stderr") in self._pipe_ended or (None, "stderr") in self._pipe_ended
 
     def output_done(self, rank: int) -> bool:
         """Everything `rank` printed during the latest command has arrived (both streams' end marks)."""

@@ -72,7 +72,6 @@ class Watched(Protocol):
     def output_done(self, rank: int) -> bool: ...  # all it printed during this command has come
     def shows(self, output) -> bool: ...  # an output line goes to the cell
     def last_words(self, rank: int) -> str: ...  # what a crashed rank said last
-    def stderr_ended(self, rank: int) -> bool: ...  # its last words have all arrived
     def answer(self, message, display) -> None: ...  # a Need or a Prompt
     def interrupt(self, ranks: list[int]) -> None: ...
     def ask_stacks(self, pids: dict[int, int | None]) -> None: ...
@@ -215,7 +214,7 @@ class Supervisor:
             proc.exited_at = proc.exited_at or now
             missing = [r for r in proc.ranks
                        if r in self.state.ranks and self.state.ranks[r].status in ("starting", "running")]
-            drained = all(self.pool.closed(r) and self.pool.stderr_ended(r) for r in missing)
+            drained = all(self.pool.closed(r) for r in missing)
             if not missing or (not drained and now - proc.exited_at < EXIT_DRAIN):
                 continue  # its own result or error report may still be on the way
             for r in missing:
