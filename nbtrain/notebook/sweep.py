@@ -20,6 +20,7 @@ import time
 from collections import deque
 
 from ..common.errors import WorkerError
+from ..common.tracebacks import name_cells
 from ..display.sweep_view import SweepState, TrialRow, make_view, summary_html, summary_text
 from .choices import words
 from .insight import _name
@@ -254,7 +255,7 @@ class _SweepRun:
             raise
         except WorkerError as error:
             trial.set_user_attr(ERROR, why(error))
-            trial.set_user_attr(TRACEBACK, error.traceback[-TRACEBACK_CHARS:])
+            trial.set_user_attr(TRACEBACK, name_cells(error.traceback)[-TRACEBACK_CHARS:])  # In[3], not a temp file
             self._end(trial, row, "failed", why(error), TrialState.FAIL)
             if not isinstance(error, self.catch):
                 raise
