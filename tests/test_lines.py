@@ -222,3 +222,35 @@ def test_forwarded_output_redraws_drops_the_unheard_and_goes_before_the_reply():
     assert stays == [("stdout", " 2/2"), ("stdout", "plain"), ("stdout", "partial")]
     assert {m for m in records if isinstance(m, OutputEnd)} == {OutputEnd(4, "stdout", 7), OutputEnd(4, "stderr", 7)}
     assert all(m.rank == 4 for m in records)
+
+
+def test_a_ranks_last_words_in_its_own_pipe_count_as_unread_until_handed_on():
+    """The supervisor waits for them before it makes a crashed rank's error (a busy machine reads late)."""
+    import os
+    import time
+
+    from nbtrain.common.output_reader import OutputReader
+
+    records = []
+    reader = OutputReader(records.append)
+    own_r, own_w = os.pipe()
+    shared_r, shared_w = os.pipe()
+    held_r, held_w = os.pipe()  # as when the rank's DataLoader worker outlives it, silent
+    reader.add(own_r, 0, "stderr", sole=True)
+    reader.add(shared_r, 1, "stderr")  # torchrun's: other writers keep it open, its bytes are not waited for
+    reader.add(held_r, 2, "stderr", sole=True)
+    try:
+        os.write(own_w, b"Fatal Python error: Segmentation fault\n")
+        os.close(own_w)
+        os.write(shared_w, b"not awaited\n")
+        assert reader.unread(0) and not reader.unread(1) and not reader.unread(2) and not reader.unread(7)
+        reader.start()
+        deadline = time.monotonic() + 5
+        while reader.unread(0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not reader.unread(0)
+        assert Output(0, "stderr", "Fatal Python error: Segmentation fault") in records  # handed on before
+    finally:
+        reader.close()
+        os.close(shared_w)
+        os.close(held_w)

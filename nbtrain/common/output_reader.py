@@ -14,6 +14,7 @@ wrote them; the stderr pipe keeps what C code and faulthandler write to fd 2 (`r
 from __future__ import annotations
 
 import os
+import select
 import selectors
 import threading
 import time
@@ -76,11 +77,31 @@ class OutputReader:
         self._frames: dict[int, _Frames] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._sole: dict[int, int] = {}  # fd: the rank that alone holds its write end
+        self._reading = threading.Lock()  # held from a read to the hand-over of what it read
 
-    def add(self, fd: int, rank: int | None, stream: str, rank_of=None) -> None:
+    def add(self, fd: int, rank: int | None, stream: str, rank_of=None, sole: bool = False) -> None:
+        """Read `fd`; `sole`: only `rank`'s process writes it, so what is left in it once the
+        rank ended is the rank's last words (`unread`)."""
         os.set_blocking(fd, False)
         self._frames[fd] = _Frames(stream)
-        self._selector.register(fd, selectors.EVENT_READ, (rank, stream, rank_of))
+        with self._reading:
+            if sole and rank is not None:
+                self._sole[fd] = rank
+            self._selector.register(fd, selectors.EVENT_READ, (rank, stream, rank_of))
+
+    def unread(self, rank: int) -> bool:
+        """Bytes or the end of a pipe only `rank` writes wait to be read: what it wrote before
+        it ended (faulthandler's report, a C++ error) is not all handed on yet. A pipe a child of
+        the rank still holds, silent, has nothing waiting."""
+        with self._reading:
+            fds = [fd for fd, owner in self._sole.items() if owner == rank]
+            if not fds:
+                return False
+            waiting = select.poll()
+            for fd in fds:
+                waiting.register(fd, select.POLLIN)
+            return bool(waiting.poll(0))
 
     def start(self) -> None:
         if self._thread is None:
@@ -94,7 +115,8 @@ class OutputReader:
                 self._stop.wait(0.05)
                 continue
             for key, _ in self._selector.select(timeout=0.1):
-                self._read(key)
+                with self._reading:
+                    self._read(key)
 
     def _read(self, key) -> None:
         fd, (rank, stream, rank_of) = key.fd, key.data
@@ -109,6 +131,7 @@ class OutputReader:
                      for part_stream, part in self._frames[fd].feed(chunk)]
         else:  # end of file: the last partial lines are still output
             self._selector.unregister(fd)
+            self._sole.pop(fd, None)
             os.close(fd)
             cut = self._frames.pop(fd).pending  # a frame's header the rank never finished: the stream's bytes
             parts = [(stream, self._screens.setdefault((fd, stream), Screen()).feed(cut))] if cut else []
@@ -140,7 +163,9 @@ class OutputReader:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
-        for key in list(self._selector.get_map().values()):
-            self._selector.unregister(key.fd)
-            os.close(key.fd)
+        with self._reading:
+            for key in list(self._selector.get_map().values()):
+                self._selector.unregister(key.fd)
+                os.close(key.fd)
+            self._sole.clear()
         self._selector.close()

@@ -429,6 +429,10 @@ class Pool:
         """`rank`'s link closed: nothing more comes from it."""
         return rank in self._closed
 
+    def output_unread(self, rank: int) -> bool:
+        """What `rank` wrote on pipes only it writes waits to be read (`OutputReader.unread`)."""
+        return self._reader.unread(rank)
+
     def closed_ranks(self) -> list[int]:
         return sorted(self._closed)
 

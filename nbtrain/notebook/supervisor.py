@@ -32,6 +32,7 @@ TICK = 0.05  # seconds between checks of the processes
 OUTPUT_WAIT = 2.0  # live ranks that replied: how long their last output may take to follow
 SETTLING = (protocol.Returned, protocol.Raised, protocol.Closed)
 EXIT_DRAIN = 1.0  # after a process exits, how long its last messages may take to arrive
+LAST_WORDS_WAIT = 5.0  # ... and what it wrote on its own pipes, left unread, may take to be read
 PEER_ERRORS = 0.3  # after a failure, how long to listen for the others' before naming the cause
 CULPRIT_WAIT = 5.0  # when every failure so far is a lost peer: how long to wait for the rank that was lost
 INTERRUPT_GRACE = 2.0  # live ranks: how long an interrupted rank may take to return
@@ -67,6 +68,7 @@ class Watched(Protocol):
     def receive(self, timeout: float): ...  # the next message (the pool noted it), or None
     def process_of(self, rank: int): ...
     def closed(self, rank: int) -> bool: ...  # its link closed
+    def output_unread(self, rank: int) -> bool: ...  # its last words wait in a pipe only it writes
     def closed_ranks(self) -> list[int]: ...
     def began(self, rank: int) -> bool: ...  # it began this command: its words are about it
     def output_done(self, rank: int) -> bool: ...  # all it printed during this command has come
@@ -212,12 +214,15 @@ class Supervisor:
             if code is None:
                 continue
             proc.exited_at = proc.exited_at or now
-            missing = [r for r in proc.ranks
-                       if r in self.state.ranks and self.state.ranks[r].status in ("starting", "running")]
+            missing = self._missing(proc)
             drained = all(self.pool.closed(r) for r in missing)
-            if not missing or (not drained and now - proc.exited_at < EXIT_DRAIN):
+            waited = now - proc.exited_at
+            if not missing or (not drained and waited < EXIT_DRAIN):
                 continue  # its own result or error report may still be on the way
-            for r in missing:
+            if waited < LAST_WORDS_WAIT and any(self.pool.output_unread(r) for r in missing):
+                continue  # its last words (faulthandler's, C++'s) are in its pipe: a busy machine reads late
+            self._pump(0)  # what the reader passed on last
+            for r in self._missing(proc):
                 summary, crashed = proc.exit_reason(r, code, self.state.ranks[r].pid or proc.pid)
                 if self.pool.ended_by:  # closed under this command, by another thread
                     summary = f"the live ranks were {self.pool.ended_by} while this command ran ({summary})"
@@ -228,6 +233,10 @@ class Supervisor:
             self.pool.lost(proc, code)
         if self.pool.remote:
             self._check_connections(now)
+
+    def _missing(self, proc) -> list[int]:
+        """`proc`'s ranks that have neither replied nor been stopped."""
+        return [r for r in proc.ranks if r in self.state.ranks and self.state.ranks[r].status in ("starting", "running")]
 
     def _check_connections(self, now: float) -> None:
         """A remote rank whose connection closed without a reply has ended: its process is the

@@ -160,8 +160,8 @@ class _Pipes:
         for rank in ranks:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
-            pump.add(out_r, rank, "stdout")
-            pump.add(err_r, rank, "stderr")
+            pump.add(out_r, rank, "stdout", sole=True)
+            pump.add(err_r, rank, "stderr", sole=True)
             self.write_ends[rank] = (out_w, err_w)
             self.read_ends += [out_r, err_r]
 
