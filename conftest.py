@@ -5,6 +5,8 @@ At the repository root so that it also holds for `pytest notebooks/`.
 import _posixsubprocess
 import os
 import subprocess
+import time
+from collections import defaultdict
 
 import pytest
 
@@ -109,3 +111,26 @@ def longest_first(items) -> None:
     """Order the groups by their measured time, longest first; within a group, as collected."""
     first = {group: index for index, group in enumerate(dict.fromkeys(worker_group(i.nodeid) for i in items))}
     items.sort(key=lambda i: (-MEASURED.get(worker_group(i.nodeid), 0), first[worker_group(i.nodeid)]))
+
+
+# Where a run's time went, per worker: what each was busy with and when it ran out of work. A
+# worker done long before the others shows what to split or move (MEASURED, SHARED_WORKER).
+_BUSY: dict = defaultdict(float)
+_DONE: dict = {}
+_START = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    node = getattr(report, "node", None)  # set on the controller for a worker's report
+    if node is not None:
+        worker = node.gateway.id
+        _BUSY[worker] += report.duration
+        _DONE[worker] = time.monotonic() - _START
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _BUSY:
+        terminalreporter.write_sep("=", "where each worker's time went")
+        for worker in sorted(_BUSY):
+            terminalreporter.write_line(f"{worker}: {_BUSY[worker]:.0f} s in tests, out of work at "
+                                        f"{_DONE[worker]:.0f} s")

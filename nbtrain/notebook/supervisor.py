@@ -236,7 +236,8 @@ class Supervisor:
 
     def _missing(self, proc) -> list[int]:
         """`proc`'s ranks that have neither replied nor been stopped."""
-        return [r for r in proc.ranks if r in self.state.ranks and self.state.ranks[r].status in ("starting", "running")]
+        ranks = self.state.ranks
+        return [r for r in proc.ranks if r in ranks and ranks[r].status in ("starting", "running")]
 
     def _check_connections(self, now: float) -> None:
         """A remote rank whose connection closed without a reply has ended: its process is the
