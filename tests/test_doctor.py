@@ -1,5 +1,6 @@
 """The doctor on real ranks (gloo on CPU, 2 and 4 ranks): stalls said while they happen, timeouts
 that blame the rank the others wait for, mismatched collectives named, stragglers without a profile."""
+import re
 import time
 
 import pytest
@@ -108,12 +109,11 @@ def test_mismatched_dtypes_are_named(world, no_leftovers):
         nbtrain.launch(mismatched, "dtype", devices=world, accelerator="cpu", start="fork", progress=False,
                        timeout=60)
     said = info.value.summary
-    # gloo either names both calls (each rank reported its own) or kills a rank inside the call
-    # (its line is named when it reported the call before it died: a race on a loaded machine)
+    # gloo either names both calls (each rank reported its own) or kills a rank inside the call,
+    # named with the calls that were reported (on a loaded machine, perhaps none of the others')
     assert ("(different dtypes)" in said and "rank 1: all_reduce #2 (float64[3])" in said) or \
-        ("died inside all_reduce" in said and "float64[3]" in said and "float32[3]" not in said
-         and "compare their shapes and dtypes" in said) or \
-        ("died inside all_reduce" in said and "rank 1: all_reduce #2 (float64[3])" in said), said
+        (re.search(r"rank \d died inside all_reduce \(test_doctor.py line \d+ in mismatched\)", said)
+         and "compare their shapes and dtypes" in said), said
 
 
 class SlowData(torch.utils.data.Dataset):
@@ -122,7 +122,7 @@ class SlowData(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         if nbtrain.context().rank == 1:
-            time.sleep(0.01)
+            time.sleep(0.025)  # 0.1 s a batch: clearly above what a step takes on a loaded machine
         return torch.ones(4)
 
 

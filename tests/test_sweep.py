@@ -256,11 +256,16 @@ def test_the_sqlite_study_in_run_dir_resumes(tmp_path, no_leftovers):
     assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(run_dir / "study.db").st_mode) == 0o600
     before = [(t.number, t.params) for t in first.study.get_trials()]
+    # Run again with nothing left to run: the best trial ran in this kernel, its Result is kept.
+    same = nbtrain.sweep(constant, SPACE, trials=3, metric="loss", devices=2, accelerator="cpu", run_dir=run_dir,
+                         progress=False)
+    assert same.best_result is not None and same.best_result.value == first.best_value
     again = nbtrain.sweep(constant, SPACE, trials=5, metric="loss", devices=2, accelerator="cpu", run_dir=run_dir,
                           progress=False)
     trials = again.study.get_trials()
     assert [(t.number, t.params) for t in trials][:3] == before and len(trials) == 5
     assert all(t.state.name == "COMPLETE" for t in trials)
+    assert again.best_result is not None and again.best_result.value == again.best_value  # whichever sweep ran it
     with pytest.raises(ValueError, match="optimises 'loss'"):
         nbtrain.sweep(constant, SPACE, trials=5, metric="accuracy", devices=1, accelerator="cpu", run_dir=run_dir)
 

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from multiprocessing.reduction import ForkingPickler
 
 from . import protocol
-from .happy_eyeballs import NoneAnswered, first_to_answer
+from .happy_eyeballs import NOT_TRIED, NoneAnswered, first_to_answer
 
 log = logging.getLogger(__name__)
 
@@ -416,7 +416,11 @@ def dial(address, authkey: bytes, rank: int, seconds: float = CONNECT_SECONDS) -
             return first_to_answer(candidates, lambda sock, left: _handshake(sock, authkey, left), limit,
                                    until=deadline)[1]
         except NoneAnswered as failed:
-            reasons = {candidate: _reason(exc) for candidate, exc in failed.reasons.items()}
+            for candidate, exc in failed.reasons.items():
+                reason = _reason(exc)
+                # A last round cut short by the deadline says less than the round before it.
+                if candidate not in reasons or not reason.startswith(NOT_TRIED):
+                    reasons[candidate] = reason
         if all(reason.startswith("refused this rank's authkey") for reason in reasons.values()):
             # A wrong key will not become right: say so now.
             raise ChannelUnreachable(f"rank {rank}: {_tried(reasons)}; NBTRAIN_AUTHKEY is not this launch's")

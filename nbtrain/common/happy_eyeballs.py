@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 STAGGER_SECONDS = 0.25  # RFC 8305's recommended Connection Attempt Delay
 SETTLE_SECONDS = 0.05  # answering this close together, the address given first wins
+NOT_TRIED = "not tried"  # an address the race had no time left to try
 _IN_PROGRESS = (errno.EINPROGRESS, errno.EWOULDBLOCK)  # a non-blocking connect under way
 
 Address = tuple[str, int]
@@ -103,7 +104,7 @@ def first_to_answer(addresses: Sequence[Address], handshake: Callable[[socket.so
         return winner
     for index in range(len(addresses)):
         reasons.setdefault(index, TimeoutError(f"no answer within {seconds:.3g} s" if index < len(attempts)
-                                               else "not tried: out of time"))
+                                               else f"{NOT_TRIED}: out of time"))
     raise NoneAnswered({addresses[i]: reasons[i] for i in range(len(addresses))})
 
 

@@ -507,14 +507,16 @@ class Supervisor:
                 recent.setdefault(rank, []).append(where.current)
         found = mismatch(recent)
         cause = self.state.root_cause()
-        died_in = blocked_on_peers(cause.traceback) if cause.crashed and cause.rank not in recent else None
-        if found or not died_in or not recent:
+        aborted = cause.crashed and "SIGABRT" in cause.summary  # how gloo ends a rank on a size mismatch
+        died_in = blocked_on_peers(cause.traceback) if aborted else None
+        if found or not died_in:
             return found
-        # A rank killed by the backend inside a collective (gloo aborts on a size mismatch) sent no record of it.
-        theirs = "; ".join(f"rank {r}: {call_words(calls[-1])}" for r, calls in sorted(recent.items()) if calls)
-        return (f"rank {cause.rank} died inside {died_in}; the others' last collectives: {theirs}. If these are the "
-                "same call, compare their shapes and dtypes: a collective whose tensors differ across ranks "
-                "kills the backend.")
+        # A rank killed by the backend inside a collective (gloo aborts on a size mismatch); the
+        # others' record of the call may not have come (they were stopped first on a busy machine).
+        calls = "; ".join(f"rank {r}: {call_words(c[-1])}" for r, c in sorted(recent.items()) if c)
+        reported = f"; the last collectives the ranks reported: {calls}" if calls else ""
+        return (f"rank {cause.rank} died inside {died_in}{reported}. A collective whose tensors differ across "
+                "ranks kills the backend: compare their shapes and dtypes on every rank.")
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -32,6 +32,9 @@ from .sweep_study import ERROR, INTERRUPTED, KERNEL, SLOT, TRACEBACK, TRACEBACK_
 
 OPTUNA_MISSING = "nbtrain.sweep runs on Optuna, which is not installed: pip install 'nbtrain[sweep]' (or optuna)."
 DIRECTIONS = ("minimize", "maximize")
+# Each study's best trial's Result (its model) once it ran in this kernel: a sweep run again to
+# resume or to add trials still has it when that trial stays the best. One per study.
+_KEPT: dict[tuple, tuple[int, Result]] = {}
 
 
 def _optuna():
@@ -99,7 +102,8 @@ class Sweep:
     @property
     def best_result(self) -> Result | None:
         """The best trial's `Result` (its ``value`` is what ``fn`` returned: the trained model),
-        kept when that trial ran in this kernel; None when it ran in an earlier session."""
+        kept when that trial ran in this kernel (in this sweep or an earlier one of the same
+        study); None when it ran in an earlier session."""
         if self._best is None or self._best[0] != self.study.best_trial.number:
             return None
         return self._best[1]
@@ -387,8 +391,10 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
     else:
         check_cluster_words(words(strategy, start), cluster)  # refused here, not by every trial
         slots, idle = cluster_slots(devices, devices_per_trial, accelerator), None
+    given = study
     study, run_dir = open_study(optuna, study, fn, direction=direction, sampler=sampler, pruner=pruner, metric=metric,
                                 run_dir=run_dir)
+    kept_as = (run_dir if run_dir else given if isinstance(given, str) else id(given), study.study_name)
     done = resume(optuna, study)
     kind = "GPU" if slots[0].accelerator == "gpu" else "CPU" if cluster is None else cluster.engine
     where = f"{len(slots)} {kind} slot{'s' if len(slots) > 1 else ''}" + (
@@ -397,6 +403,7 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
     run = _SweepRun(optuna, study, fn, space, metric, catch, trials - done,
                     None if timeout is None else time.monotonic() + timeout, strategy, start, cluster, state, view)
     run._best()
+    run.best = _KEPT.get(kept_as)  # a best trial an earlier sweep of this study ran in this kernel
     view.start(state)
     if idle:
         view.output(f"nbtrain: {idle}")
@@ -423,6 +430,8 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
         state.ended = time.monotonic()
         run.tick()
         view.finish(state, verdict)
+        if run.best is not None:
+            _KEPT[kept_as] = run.best
     return Sweep(study, state, run.best, run_dir)
 
 
