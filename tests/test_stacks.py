@@ -19,6 +19,14 @@ def test_a_barrier_names_the_user_s_line_past_torch_s_wrappers():
     assert blocked_on_peers(waiting) == "barrier (31.py line 7 in train)"
 
 
+def test_a_users_folder_named_like_a_library_is_the_users_and_nbtrain_elsewhere_is_not():
+    # A clone named nbtrain (its tests), a project named torch; nbtrain's own frames on another machine.
+    for mine in ("/home/me/nbtrain/tests/test_doctor.py", "/home/me/torch/train.py"):
+        waiting = stack((C10D, 2800, "all_reduce"), ("/elsewhere/src/nbtrain/nbtrain/rank/context.py", 300,
+                                                      "all_reduce"), (mine, 9, "train"))
+        assert blocked_on_peers(waiting) == f"all_reduce ({mine.rsplit('/', 1)[1]} line 9 in train)"
+
+
 def test_the_outermost_collective_is_named_the_one_the_user_called():
     # init_process_group waits in the rendezvous, which waits in the store: the user called the first.
     waiting = stack((f"{TORCH}/distributed/rendezvous.py", 60, "_create_c10d_store"),

@@ -14,7 +14,7 @@ import re
 import shutil
 import subprocess
 
-from ..common.tracebacks import plain_native_stack
+from ..common.tracebacks import package_path, plain_native_stack
 
 NATIVE_LINES = 40  # frames of a stuck rank's native stack kept (`error.stacks`); fewer shown (`fold_native`)
 # Native frames that say where a rank waits: a collective (gloo, NCCL, c10d), a lock, a syscall.
@@ -32,7 +32,9 @@ OWN_THREADS = ("in _send_loop", "in _receive_loop", "in _watch_parent", "in _rea
 # Below it: nbtrain's loop, the launcher, the kernel.
 RANK_ENTRY = re.compile(r"in (serve|_execute|_do_\w+|_user_code)$")
 LOOP_FILE = "nbtrain/rank/loop.py"  # the command loop's file, as a rank's stack names it (any machine)
-_LIBRARY = re.compile(r"(^|/)(torch|nbtrain)/")  # frames that are not the caller's (nbtrain counts collectives)
+# Frames that are not the caller's: an installed package's (another machine's site-packages too)
+# or nbtrain's; a user's folder that happens to be named torch/ or nbtrain/ is the user's.
+_INSTALLED = re.compile(r"/(site|dist)-packages/")
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 # Where a rank blocks on its peers: torch.distributed's collectives, rendezvous and DDP's start-up syncs.
 _DIST_FILES = re.compile(r"torch/distributed/|torch/nn/parallel/distributed\.py")
@@ -62,10 +64,24 @@ def blocked_on_peers(stack: str) -> str | None:
         if not waits:
             continue
         op = frames[waits[-1]]["func"]  # the outermost torch.distributed call: the one the user made
-        caller = next((m for m in frames[waits[-1] + 1:] if not _LIBRARY.search(m["file"])), None)
+        caller = next((m for m in frames[waits[-1] + 1:] if not _library(m["file"])), None)
         where = f" ({os.path.basename(caller['file'])} line {caller['line']} in {caller['func']})" if caller else ""
         return f"{op}{where}"
     return None
+
+
+def _library(path: str) -> bool:
+    return package_path(path) is not None or bool(_INSTALLED.search(path)) or _nbtrain_file(path)
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this nbtrain/
+
+
+def _nbtrain_file(path: str) -> bool:
+    """A file of nbtrain installed elsewhere (a rank on another machine, an editable install):
+    what follows its last `nbtrain/` is a file of this package."""
+    _, found, tail = path.rpartition("nbtrain/")
+    return bool(found) and os.path.isfile(os.path.join(_PACKAGE, tail))
 
 
 def fatal_report(lines: list[str]) -> str:
