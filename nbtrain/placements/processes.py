@@ -65,7 +65,7 @@ def _fork_main(first, live, env, stdout_fd, stderr_fd, inherited_fds, parent_pid
     _close_listening_sockets()
     _become_rank(parent_pid, env, stdout_fd, stderr_fd, forked=True)
 
-    os._exit(serve(first, once=not live, live=live))
+    os._exit(serve(first, once=not live, live=live, exits=True))
 
 
 def _close_listening_sockets() -> None:
@@ -109,7 +109,7 @@ SPAWNED = ("import os, pickle, sys; os.setpgid(0, 0); sys.path[:], sys.argv[:] =
 def spawned_main(first, live, env, parent_pid):
     _become_rank(parent_pid, env, 1, 2, forked=False)  # its stdout and stderr are its pipes already
 
-    os._exit(serve(first, once=not live, live=live))
+    os._exit(serve(first, once=not live, live=live, exits=True))
 
 
 def _own_group(pid: int) -> None:

@@ -49,8 +49,9 @@ NOTHING = object()  # an exec whose code ends without an expression
 
 
 class RankLoop:
-    def __init__(self, ctx, link, live: bool):
+    def __init__(self, ctx, link, live: bool, exits: bool = False):
         self.ctx, self.link, self.live = ctx, link, live
+        self.exits = exits  # the process ends with os._exit once it replied: its group goes with it
         self.commands: queue.Queue = queue.Queue()
         self.names: queue.Queue = queue.Queue()
         self.stdin: queue.Queue = queue.Queue()
@@ -121,7 +122,7 @@ class RankLoop:
             destroy_asked_group()  # the user's destroy_process_group(), now that the command's objects are freed
             if once or isinstance(command, (protocol.Call, protocol.Pull, protocol.Eval)):
                 value = self._ready_to_leave(value, command.everyone)
-            if once:
+            if once and not self.exits:  # (the group's teardown, ~20 ms of gloo's, is the OS's then)
                 self.ctx.close()
             reply, code = protocol.Returned(rank, self._pack(value), where), 0
         except BaseException as exc:  # KeyboardInterrupt included: the notebook must hear of it
@@ -432,11 +433,13 @@ def _exit_site(exc: SystemExit) -> str:
 NOTICE_VAR = "NBTRAIN_NOTICE"  # a line for the notebook from a remote rank's start (see serve)
 
 
-def serve(first=None, once: bool = False, live: bool = False, forward_output: bool = False) -> int:
+def serve(first=None, once: bool = False, live: bool = False, forward_output: bool = False,
+          exits: bool = False) -> int:
     """Be a rank (environment already set): connect, say hello, run commands; the exit code.
 
     `forward_output`: this rank has no pipe to the notebook (another machine): its fds 1 and 2
-    travel over the channel instead.
+    travel over the channel instead. `exits`: the caller ends the process with `os._exit` as
+    this returns (no destructor runs), so the process group is left to the OS.
     """
     _RANK_START_EXCEPTION[0] = sys.exc_info()[1]
     # What the rank inherited (a fork of the kernel: its whole heap) or imported is never garbage a
@@ -461,7 +464,7 @@ def serve(first=None, once: bool = False, live: bool = False, forward_output: bo
     show_in_notebook(link, rank)
     ctx = Context.from_environ(os.environ, link)
     set_current(ctx)
-    loop = RankLoop(ctx, link, live)
+    loop = RankLoop(ctx, link, live, exits)
     link.listen(loop.on_message, _notebook_gone)
     link.emit(protocol.Hello(rank, os.getpid(), socket.gethostname()))
     become_subreaper()  # what the code starts, in a session of its own or orphaned, stays in reach

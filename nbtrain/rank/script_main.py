@@ -47,7 +47,7 @@ def rank_main(job_dir: str, parent: int) -> None:
         fn, args, kwargs = unpack_job(payload)
         return (_leave_to_launcher(fn) if _restarts_left() else fn), args, kwargs
 
-    _exit(serve(protocol.Run(0, True, load_job), once=True))
+    _exit(serve(protocol.Run(0, True, load_job), once=True, exits=True))
 
 
 def _exit(code: int) -> None:

@@ -174,7 +174,7 @@ def _become_rank(request: dict, fds: list[int]) -> None:
         enable_stacks()
         limit_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
         first = pickle.loads(request["first"])
-        code = serve(first, once=not request["live"], live=request["live"])
+        code = serve(first, once=not request["live"], live=request["live"], exits=True)
     except BaseException:  # noqa: B036 - whatever happens, the fork must never return into the template's loop
         traceback.print_exc()
         code = 1
