@@ -89,7 +89,7 @@ def run_accelerate(n=2):
 # The floor: plain forks of this kernel that join a gloo group through a FileStore (as nbtrain's
 # ranks do) and take the same 5 DDP steps; no channel, no output pipes, no watcher, no teardown
 # beyond os._exit. The kernel holds what DDP imports lazily (as nbtrain's fork launches see to).
-import tempfile, torch._dynamo, torch.nn.parallel.distributed, torch.distributed as dist
+import shutil, tempfile, torch._dynamo, torch.nn.parallel.distributed, torch.distributed as dist
 def bare_fork(n=2):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     directory = tempfile.mkdtemp()
@@ -111,6 +111,7 @@ def bare_fork(n=2):
         for pid in pids:
             os.waitpid(pid, 0)
     timed(ranks)
+    shutil.rmtree(directory, ignore_errors=True)  # after the clock: the store's folder is not left in /tmp
 '''
 
 TORCHRUN_SCRIPT = '''
