@@ -355,4 +355,5 @@ def test_gpu_bf16_mixed_precision_over_nccl_and_cpu_offload(tmp_path):
     script = tmp_path / "fsdp_gpu.py"
     script.write_text(textwrap.dedent(GPU_TRAIN))
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
+    assert run.returncode == 0 and run.stdout.splitlines()[-1] == f"ok {torch.cuda.device_count()}", \
+        run.stdout + run.stderr

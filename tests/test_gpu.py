@@ -85,15 +85,15 @@ print("OK")
     print(out)
 
 
-def test_cuda_in_the_kernel_then_auto_trains_through_the_template():
+def test_cuda_in_the_kernel_then_ddp_starts_its_ranks_from_the_template():
     out = run_fresh(TRAIN + """
 import os, nbtrain.placements.template_process
 torch.zeros(1, device="cuda")                      # the kernel touched the GPU: forking it is unsafe
-result = nbtrain.launch(train, devices=1, strategy="auto", progress=False)
+result = nbtrain.launch(train, devices=1, strategy="ddp", progress=False)   # start="auto"
 print(result.strategy, result.start, result.value[:3], torch.cuda.device_count())
 def where():
     return os.getppid()
-parents = nbtrain.launch(where, devices=1, strategy="auto", progress=False).values
+parents = nbtrain.launch(where, devices=1, strategy="ddp", progress=False).values
 print("template parent:", parents == [nbtrain.placements.template_process.template(start=False).pid])
 """)
     assert "ddp template ('DistributedDataParallel', 'cuda:0', 'nccl')" in out

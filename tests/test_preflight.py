@@ -423,7 +423,7 @@ def test_real_cuda_initialisation_is_named(tmp_path):
         assert torch.cuda.is_initialized()
         try:
             nbtrain.launch(work, devices=2, accelerator="cpu", start="fork", progress=False)
-        except ForkUnsafeError as exc:
+        except nbtrain.ForkUnsafeError as exc:
             print("REFUSED", exc)
         r = nbtrain.launch(work, devices=2, accelerator="cpu", progress=False)
         print("AUTO", r.strategy, r.start, r.values)
