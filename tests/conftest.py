@@ -135,14 +135,19 @@ class Kernel:
                 shown += message["content"]["text"]
         return shown
 
-    def value(self, expression: str):
-        # Sent as display data, not printed: ipykernel's stdout flush gives up after a timeout
-        # under heavy load, and the cell can then end before its printed text has been sent.
-        _, _, error, results = self.run(
-            f"__import__('IPython').display.display({{'text/x-python-repr': repr(({expression}))}}, raw=True)")
-        assert error is None, error
-        [shown] = [r["text/x-python-repr"] for r in results if "text/x-python-repr" in r]
-        return eval(shown)
+    def value(self, expression: str, timeout: float = 120):
+        """`expression`'s value in the kernel, read from the execute reply (`user_expressions`, on
+        the shell channel): neither a printed line (ipykernel's stdout flush gives up under heavy
+        load) nor display data on IOPub (once missing from the cell after an interrupted one)."""
+        # A cell of its own, counted as the display cell it replaced was (tests name `Cell In[n]`).
+        msg_id = self.client.execute("pass", user_expressions={"v": f"repr(({expression}))"})
+        while True:
+            reply = self.client.get_shell_msg(timeout=timeout)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        shown = reply["content"]["user_expressions"]["v"]
+        assert shown["status"] == "ok", f"{expression}: {shown.get('ename')}: {shown.get('evalue')}"
+        return eval(eval(shown["data"]["text/plain"]))
 
     def close(self):
         self.client.stop_channels()

@@ -2,7 +2,7 @@
 the user's line that called it (`blocked_on_peers`), its own frames first (`tidy_stacks`), what
 a rank killed by a signal said last (`fatal_report`, `last_words`). faulthandler's text, as a
 rank writes it (most recent call first)."""
-from nbtrain.notebook.stacks import blocked_on_peers, fatal_report, last_words, tidy_stacks
+from nbtrain.notebook.stacks import blocked_on_peers, exception_message, fatal_report, last_words, tidy_stacks
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
 C10D = f"{TORCH}/distributed/distributed_c10d.py"
@@ -84,3 +84,26 @@ def test_last_words_are_the_report_or_else_the_last_lines():
     assert said.startswith("Fatal Python error: Segmentation fault") and "Extension modules" not in said
     chatter = [f"line {i}" for i in range(100)]
     assert last_words(chatter) == "\n".join(chatter[-40:])  # no report: the last 40 lines
+
+
+# A C++ exception that ended a rank: libstdc++'s handler (then faulthandler's report), or a handler
+# that another library installed (Ray's, in a fork of a kernel that imported ray), which writes its
+# own stacks and silences faulthandler.
+ENFORCE = ("[enforce fail at /pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:456] op.preamble.length <= "
+           "op.nbytes. 8 vs 4. Received data size doesn't match expected size. Is there a distributed collective "
+           "mismatch in your code?")
+MESSAGE = ENFORCE.split("] ", 1)[1]
+
+
+def test_a_cpp_exception_s_message_is_read_without_its_source_place_or_a_handler_s_frames():
+    libstdcxx = ["terminate called after throwing an instance of 'gloo::EnforceNotMet'", f"  what():  {ENFORCE}",
+                 "Fatal Python error: Aborted", "", 'Thread 0x1 (most recent call first):',
+                 '  File "train.py", line 9 in main']
+    assert exception_message("\n".join(libstdcxx)) == MESSAGE
+    ray = [f"[2026-11-26 10:50:34,932 E 29331 29349] logging.cc:118: Unhandled exception: N4gloo13EnforceNotMetE. "
+           f"what(): {ENFORCE} /venv/lib/python3.11/site-packages/ray/_raylet.so(+0x1812b9a) [0x7f9c] "
+           "ray::operator<<()"] + [f"/lib/libstdc++.so.6(+0xa8e{i}) [0x7f9d] frame{i}" for i in range(30)]
+    assert exception_message("\n".join(ray)) == MESSAGE
+    said = last_words(["earlier chatter"] * 50 + ray)  # from the exception on, though its stacks run long
+    assert said.startswith("[2026-11-26") and said.endswith("frame29") and "earlier chatter" not in said
+    assert exception_message("Fatal Python error: Segmentation fault") is None

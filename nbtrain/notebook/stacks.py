@@ -28,6 +28,11 @@ NATIVE_HINT = ("(Frames in C/C++ that do not return: a collective waiting for a 
                "group destroyed while a DDP model still used it, or a library's own teardown.)")
 LAST_LINES = 40  # of a crashed rank's stderr, when it wrote no fatal report
 FATAL = "Fatal Python error"  # the first line of faulthandler's report of a fatal signal
+# A C++ exception that ended the process: libstdc++'s terminate handler writes "  what():  ...";
+# another library's handler (Ray's, inherited from a kernel that imported ray) may write it inline,
+# then reset the signal handlers, so faulthandler's report never comes.
+WHAT = "what():"
+_WHAT_MESSAGE = re.compile(r"what\(\):\s*(?:\[enforce fail at [^\]]*\]\s*)?(.*?)(?=\s+/\S+\(\+0x|$)", re.M)
 OWN_THREADS = ("in _send_loop", "in _receive_loop", "in _watch_parent", "in _read_pipes")  # nbtrain's threads in a rank
 # Below it: nbtrain's loop, the launcher, the kernel.
 RANK_ENTRY = re.compile(r"in (serve|_execute|_do_\w+|_user_code)$")
@@ -91,9 +96,18 @@ def fatal_report(lines: list[str]) -> str:
 
 
 def last_words(lines: list[str]) -> str:
-    """What a crashed rank said last: its fatal report, else its last stderr lines; tidied."""
-    starts = [i for i, line in enumerate(lines) if line.startswith(FATAL)]
+    """What a crashed rank said last: its fatal report, else from its last C++ exception's message
+    (a terminate handler's stack after it), else its last stderr lines; tidied."""
+    starts = [i for i, line in enumerate(lines) if line.startswith(FATAL)] or \
+        [i for i, line in enumerate(lines[-LAST_LINES * 2:], max(len(lines) - LAST_LINES * 2, 0)) if WHAT in line]
     return tidy_stacks("\n".join(lines[starts[-1]:] if starts else lines[-LAST_LINES:]))
+
+
+def exception_message(words: str) -> str | None:
+    """The message of the C++ exception a rank's last words carry ('what(): ...'), without gloo's
+    '[enforce fail at file:line]' and a terminate handler's frames on the same line; None if none."""
+    found = _WHAT_MESSAGE.findall(words)
+    return found[-1].strip() if found else None
 
 
 def native_stack(pid: int, lines: int = NATIVE_LINES) -> str | None:

@@ -13,6 +13,7 @@ and tells the run's model (`RunState`) what it finds; the stacks are read by `st
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Protocol
 
@@ -24,7 +25,7 @@ from ..display.rank_output import KINDS as RANK_OUTPUT
 from ..display.rank_output import deliver
 from .doctor import Verdict, call_words, mismatch, stall_after, stall_verdict
 from .runmodel import RunState, brief
-from .stacks import blocked_on_peers, native_note, tidy_stacks
+from .stacks import blocked_on_peers, exception_message, native_note, tidy_stacks
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ EARLY_EXIT_AFTER = 1.0  # a rank ended this long ago while others still run: loo
 EARLY_EXIT_PROBES = 2  # consecutive stacks showing the same wait before it counts as a deadlock
 PROBE_INTERVAL = 1.0
 WHERE_WAIT = 1.0  # for the ranks' answers to `Where`: a rank holding the GIL in C code does not answer
+# What gloo says when it aborts a rank in a collective whose sizes differ across ranks.
+BACKEND_MISMATCH = re.compile(r"collective mismatch|doesn't match expected size")
 
 CONNECTION_CLOSED = ("its connection to the notebook closed (its process exited or was killed, or its machine "
                      "went away)")
@@ -509,13 +512,16 @@ class Supervisor:
         cause = self.state.root_cause()
         aborted = cause.crashed and "SIGABRT" in cause.summary  # how gloo ends a rank on a size mismatch
         died_in = blocked_on_peers(cause.traceback) if aborted else None
-        if found or not died_in:
+        said = exception_message(cause.traceback) if aborted and not died_in else None
+        if found or not (died_in or (said and BACKEND_MISMATCH.search(said))):
             return found
         # A rank killed by the backend inside a collective (gloo aborts on a size mismatch); the
         # others' record of the call may not have come (they were stopped first on a busy machine).
+        # Without its stack (a terminate handler that silenced faulthandler), the backend's words say it.
         calls = "; ".join(f"rank {r}: {call_words(c[-1])}" for r, c in sorted(recent.items()) if c)
         reported = f"; the last collectives the ranks reported: {calls}" if calls else ""
-        return (f"rank {cause.rank} died inside {died_in}{reported}. A collective whose tensors differ across "
+        how = f"died inside {died_in}" if died_in else f'was ended by the backend inside a collective ("{said}")'
+        return (f"rank {cause.rank} {how}{reported}. A collective whose tensors differ across "
                 "ranks kills the backend: compare their shapes and dtypes on every rank.")
 
 
