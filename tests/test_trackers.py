@@ -37,6 +37,15 @@ def train(steps, lr=0.5):
     return ctx.rank
 
 
+def train_seeing_wandb(steps):
+    import wandb
+
+    train(steps)
+    run = nbtrain.context()._trackers.writers["wandb"].run  # the rank's W&B run, as nbtrain started it
+    assert isinstance(run, wandb.Run)
+    return run.settings.init_timeout, run.settings.finish_timeout
+
+
 def _tensorboard_of_train(run_dir):
     """What `train` wrote, read back by TensorBoard's own reader: every step, the synced value
     once; the hyper-parameters returned."""
@@ -96,7 +105,9 @@ def test_mlflow_honours_the_tracking_uri_of_the_environment(tmp_path, monkeypatc
 def test_wandb_offline_writes_each_ranks_run(tmp_path, no_leftovers):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install 'nbtrain[wandb]')")
     temp = set(glob.glob(os.path.join(tempfile.gettempdir(), "*wandb*")))
-    nbtrain.launch(train, STEPS, trackers=nbtrain.WandB(project="insight", mode="offline"), run_dir=tmp_path, **CPU2)
+    result = nbtrain.launch(train_seeing_wandb, STEPS, trackers=nbtrain.WandB(project="insight", mode="offline"),
+                            run_dir=tmp_path, **CPU2)
+    assert result.values == [(30.0, 120.0)] * 2  # nbtrain's bounds on W&B's start and end (its own: 90 s, none)
     runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb")))
     assert len(runs) == 2 and all(os.path.getsize(r) > 0 for r in runs)  # rank 0's, and rank 1's own values
     left = [p.info for p in psutil.process_iter(["pid", "name"]) if p.info["name"] == "wandb-core" and this_workers(p)]
@@ -224,6 +235,9 @@ def test_a_wandb_server_that_does_not_answer_fails_the_run_in_bounded_time(serve
     pytest.importorskip("wandb", reason="wandb is not installed (pip install 'nbtrain[wandb]')")
     url = f"http://127.0.0.1:{request.getfixturevalue(server)}"
     monkeypatch.setenv("WANDB_BASE_URL", url)
+    # A bound of the user's own, shorter than nbtrain's 30 s (test_wandb_is_bounded_unless_the_user_says):
+    # the run still fails saying why, and its W&B service still ends.
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "8")
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # any key: the server is never reached
     with pytest.raises(nbtrain.WorkerError) as caught:
         nbtrain.launch(train, STEPS, trackers=nbtrain.WandB(mode="online"), run_dir=tmp_path, **BOUNDED)
@@ -231,6 +245,14 @@ def test_a_wandb_server_that_does_not_answer_fails_the_run_in_bounded_time(serve
     left = [p.info for p in psutil.process_iter(["pid", "name", "ppid"])
             if p.info["name"] == "wandb-core" and this_workers(p)]
     assert not left, f"W&B's service left running: {left}"
+
+
+def test_wandb_is_bounded_unless_the_user_says():
+    from nbtrain.rank.trackers import wandb_timeouts
+
+    assert wandb_timeouts({}) == {"init_timeout": 30.0, "finish_timeout": 120.0}  # W&B's own: 90 s, and no end
+    assert wandb_timeouts({"WANDB_INIT_TIMEOUT": "8"}) == {"finish_timeout": 120.0}  # the user's own wins
+    assert wandb_timeouts({"WANDB_INIT_TIMEOUT": "8", "WANDB_FINISH_TIMEOUT": "0"}) == {}
 
 
 @pytest.mark.slow

@@ -404,12 +404,17 @@ class _MLflowWriter(_Writer):
         self.pending = []  # a store that failed once is not asked again: each try could wait its timeout
 
 
+def wandb_timeouts(environ) -> dict[str, float]:
+    """nbtrain's bounds on W&B's start and finish, less those the user set in `environ`."""
+    return {k: v for k, v in WANDB_TIMEOUTS.items() if f"WANDB_{k.upper()}" not in environ}
+
+
 class _WandBWriter(_Writer):
     def __init__(self, settings: WandB, run):
         import wandb
 
         name = run.name if run.rank == 0 else f"{run.name}-rank{run.rank}"
-        bounded = {k: v for k, v in WANDB_TIMEOUTS.items() if f"WANDB_{k.upper()}" not in os.environ}
+        bounded = wandb_timeouts(os.environ)
         new_private_dir(Path(os.fspath(settings.dir or run.dir), "wandb"))  # W&B's own folder there: private
         try:
             self.run = wandb.init(project=settings.project, entity=settings.entity,
