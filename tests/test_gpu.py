@@ -113,3 +113,24 @@ with nbtrain.Ranks(devices=1) as ranks:
 """)
     assert "placement template" in out and "backend ['nccl'] ['cuda:0']" in out
     assert "pulled cpu" in out and "memory [True]" in out
+
+
+def test_a_real_kernel_that_used_cuda_trains_on_the_gpu_through_the_magic_and_launch(kernel):
+    """What Accelerate's notebook launcher fails on ("Cannot re-initialize CUDA in forked
+    subprocess"), in a real Jupyter kernel: CUDA used in a cell, then a DDP launch and a
+    `%%nbtrain` cell on the GPU."""
+    cells = [TRAIN, "torch.zeros(1, device='cuda'); print(torch.cuda.is_initialized())",
+             "r = nbtrain.launch(train, devices=1, strategy='ddp', progress=False)\n"
+             "print(r.strategy, r.start, r.value[:3])",
+             "%load_ext nbtrain",
+             "%%nbtrain --devices 1 --accelerator gpu --strategy ddp\n"
+             "ctx = nbtrain.context(); ctx.start_group()\n"
+             "x = torch.ones(4, device=ctx.device); torch.distributed.all_reduce(x); print(x.device, ctx.backend)"]
+    said = []
+    for cell in cells:
+        out, err, error, _ = kernel.run(cell, timeout=240)
+        assert error is None, (cell, error, err)
+        said.append(out)
+    assert said[1].strip() == "True"
+    assert "ddp template ('DistributedDataParallel', 'cuda:0', 'nccl')" in said[2], said[2]
+    assert "(started by template" in said[4] and "[rank 0] cuda:0 nccl" in said[4], said[4]
