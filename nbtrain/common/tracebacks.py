@@ -85,14 +85,14 @@ def _library_roots() -> tuple[str, ...]:
     return tuple(sorted((root.rstrip("/") + "/" for root in roots if root), key=len, reverse=True))
 
 
-_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nbtrain/, wherever installed
+OWN_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nbtrain/, wherever installed
 
 
 def package_path(path: str) -> str | None:
     """`path` from its package on (`torch/nn/modules/linear.py`) for a file of an installed
     package, the standard library or nbtrain itself; None for the user's own files."""
-    if path.startswith(_OWN + os.sep):
-        return os.path.relpath(path, os.path.dirname(_OWN))
+    if path.startswith(OWN_PACKAGE + os.sep):
+        return os.path.relpath(path, os.path.dirname(OWN_PACKAGE))
     return next((path[len(root):] for root in _library_roots() if path.startswith(root)), None)
 
 

@@ -14,7 +14,7 @@ import re
 import shutil
 import subprocess
 
-from ..common.tracebacks import package_path, plain_native_stack
+from ..common.tracebacks import OWN_PACKAGE, package_path, plain_native_stack
 
 NATIVE_LINES = 40  # frames of a stuck rank's native stack kept (`error.stacks`); fewer shown (`fold_native`)
 # Native frames that say where a rank waits: a collective (gloo, NCCL, c10d), a lock, a syscall.
@@ -79,14 +79,11 @@ def _library(path: str) -> bool:
     return package_path(path) is not None or bool(_INSTALLED.search(path)) or _nbtrain_file(path)
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this nbtrain/
-
-
 def _nbtrain_file(path: str) -> bool:
     """A file of nbtrain installed elsewhere (a rank on another machine, an editable install):
     what follows its last `nbtrain/` is a file of this package."""
     _, found, tail = path.rpartition("nbtrain/")
-    return bool(found) and os.path.isfile(os.path.join(_PACKAGE, tail))
+    return bool(found) and os.path.isfile(os.path.join(OWN_PACKAGE, tail))
 
 
 def fatal_report(lines: list[str]) -> str:
