@@ -603,18 +603,11 @@ def reply_to(nb, timeout=60):
             return reply["content"]
 
 
-def tcp_received_but_unread(pid: int) -> int:
-    """Bytes waiting in the receive queues of `pid`'s TCP sockets (from /proc/net/tcp)."""
-    import psutil
-
-    ports = {c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp4") if c.raddr}
-    waiting = 0
-    with open("/proc/net/tcp") as table:
-        for line in list(table)[1:]:
-            fields = line.split()
-            if int(fields[1].split(":")[1], 16) in ports:
-                waiting += int(fields[4].split(":")[1], 16)
-    return waiting
+def received_but_unread(pid: int) -> int:
+    """Bytes waiting in the receive queues of `pid`'s sockets: TCP, and unix (a forked rank's
+    channel is a socketpair), as `ss` reads them from the kernel."""
+    listed = subprocess.run(["ss", "-H", "-n", "-p", "-t", "-x"], capture_output=True, text=True, check=True).stdout
+    return sum(int(line.split()[2]) for line in listed.splitlines() if f"pid={pid}," in line)
 
 
 def push_to_a_stopped_rank(nb, pid: int) -> None:
@@ -625,7 +618,7 @@ def push_to_a_stopped_rank(nb, pid: int) -> None:
     os.kill(pid, signal.SIGSTOP)
     nb.client.execute("ranks.push(big=bytes(100_000_000))")
     deadline = time.monotonic() + 60
-    while tcp_received_but_unread(pid) < 1 << 16:  # part of the message sits unread in rank 0's socket
+    while received_but_unread(pid) < 1 << 16:  # part of the message sits unread in rank 0's socket
         assert time.monotonic() < deadline, "the push never started sending"
         time.sleep(0.05)
 

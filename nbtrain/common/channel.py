@@ -5,7 +5,10 @@ placement asks for another address — and ranks find it through `NBTRAIN_CHANNE
 address, or several to try in order: `HOST:PORT,HOST:PORT`) / `NBTRAIN_AUTHKEY` in their
 environment, so forked, spawned, template-forked, torchrun-,
 SLURM- and Ray-started ranks speak the same protocol. The authkey is the security boundary:
-a connection that fails its challenge is dropped before anything is read from it.
+a connection that fails its challenge is dropped before anything is read from it. A rank forked
+from the kernel dials nothing: it inherits its end of a `socketpair` made for it alone
+(`Hub.adopt`, `NBTRAIN_CHANNEL_FD`), a connection no other process can hold, so it has no
+challenge to pass (a dial and a challenge cost 7.5 ms of its start).
 
 Ranks -> notebook: `protocol` records, each naming its sender's rank, batched on a thread of
 the rank's own so a slow notebook never slows a training step; replies (`protocol.URGENT`) are
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 
 ADDRESS_VAR = "NBTRAIN_CHANNEL"
 AUTHKEY_VAR = "NBTRAIN_AUTHKEY"
+FD_VAR = "NBTRAIN_CHANNEL_FD"  # a forked rank's end of its socketpair; popped by its Link
 FLUSH_SECONDS = 0.1
 BATCH_LIMIT = 512
 AUTH_SECONDS = 10.0  # a connection that has not proven the authkey by then is dropped
@@ -128,6 +132,23 @@ class Hub:
         if not passed:
             conn.close()
             return
+        self._keep(conn)
+
+    def adopt(self, sock: socket.socket) -> None:
+        """Serve `sock`, a connection made before its rank started: one end of a `socketpair`
+        whose other end only the rank forked for it holds. Nothing listens for it and nobody
+        else can reach it, so it is served as an authenticated connection."""
+        conn = Connection(sock.detach())
+        thread = threading.Thread(target=self._keep, args=(conn,), name="nbtrain-hub-adopted", daemon=True)
+        with self._lock:
+            if self._closed.is_set():
+                conn.close()
+                return
+            self._served[conn] = thread
+        thread.start()
+
+    def _keep(self, conn) -> None:
+        """Read an authenticated connection until it ends; then say that its rank is `Closed`."""
         rank = None
         try:
             rank = self._read_loop(conn)
@@ -319,7 +340,11 @@ class Link:
 
     def __init__(self, rank: int, environ=os.environ, on_command=None, on_lost=None):
         self.rank = rank
-        self._conn = dial(addresses(environ[ADDRESS_VAR]), bytes.fromhex(environ[AUTHKEY_VAR]), rank)
+        inherited = environ.pop(FD_VAR, None)  # gone before this rank's code starts a process
+        if inherited is not None:  # forked with its connection made (`Hub.adopt`)
+            self._conn = Connection(int(inherited))
+        else:
+            self._conn = dial(addresses(environ[ADDRESS_VAR]), bytes.fromhex(environ[AUTHKEY_VAR]), rank)
         self._pending: list[tuple] = []
         self._lock = threading.Condition()
         self._closing = False

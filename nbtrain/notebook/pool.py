@@ -138,6 +138,7 @@ class Pool:
         pool's start-up) to its end; the processes stay until `close`."""
         job, launcher = self._job, self._launcher
         launcher.note = display.note
+        launcher.adopt = self._hub.adopt
         launcher._prepare(job)
         job.live = self._live
         job.first = protocol.Start(0, True) if self._live else protocol.Run(0, True, launcher._first_job(job))

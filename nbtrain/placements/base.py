@@ -217,6 +217,11 @@ class ProcessLauncher:
     def note(self, text: str) -> None:
         """Tell the user something while starting (the pool points this at its display)."""
 
+    def adopt(self, sock: socket.socket) -> None:
+        """Serve a connection made for a rank before it started (the pool points this at its
+        channel's `Hub.adopt`); launchers whose ranks dial the channel never call it."""
+        raise NotImplementedError
+
     def _first_job(self, job: Job):
         """How the function travels to the ranks: in memory (fork) or as a payload (the others)."""
         return job.options.get("payload")  # script mode: the ranks read it from their job directory

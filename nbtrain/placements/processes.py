@@ -15,6 +15,7 @@ import threading
 import warnings
 from typing import IO, Any
 
+from ..common.channel import FD_VAR
 from ..common.preflight import check_fork
 from ..common.transfer import pack_job
 from ..rank.loop import serve
@@ -57,7 +58,7 @@ def _become_rank(parent_pid: int, env: dict, stdout_fd: int, stderr_fd: int, for
 
 
 def _fork_main(first, live, env, stdout_fd, stderr_fd, inherited_fds, parent_pid):
-    for fd in inherited_fds:  # other ranks' pipe ends: holding them would hide their EOF
+    for fd in inherited_fds:  # other ranks' pipe and channel ends: holding them would hide their EOF
         try:
             os.close(fd)
         except OSError:
@@ -189,13 +190,17 @@ class ForkLauncher(ProcessLauncher):
 
         context = multiprocess.get_context("fork")
         pipes = _Pipes(job.ranks, pump)
-        every_end = pipes.read_ends + [fd for fds in pipes.write_ends.values() for fd in fds]
+        # Each rank's channel, connected before it starts: no dial, no challenge (`Hub.adopt`).
+        channels = {rank: socket.socketpair() for rank in job.ranks}
+        every_end = (pipes.read_ends + [fd for fds in pipes.write_ends.values() for fd in fds]
+                     + [end.fileno() for pair in channels.values() for end in pair])
         try:
             for local, rank in enumerate(job.ranks):
-                env = {**rank_environ(job, local, channel_env), **parent_thread()}
+                ours, theirs = channels[rank]
+                env = {**rank_environ(job, local, channel_env), **parent_thread(), FD_VAR: str(theirs.fileno())}
                 env.setdefault("TOKENIZERS_PARALLELISM", os.environ.get("TOKENIZERS_PARALLELISM", "false"))
                 out_w, err_w = pipes.write_ends[rank]
-                others = [fd for fd in every_end if fd not in (out_w, err_w)]
+                others = [fd for fd in every_end if fd not in (out_w, err_w, theirs.fileno())]
                 proc = context.Process(target=_fork_main, name=f"nbtrain-rank{rank}",
                                        args=(job.first, job.live, env, out_w, err_w, others, os.getpid()))
                 with warnings.catch_warnings():
@@ -207,8 +212,14 @@ class ForkLauncher(ProcessLauncher):
                     proc.start()
                 _own_group(proc.pid)
                 started.append(_forked(proc, [rank]))
+                self.adopt(ours)
         finally:
             pipes.close_write_ends()
+            # The ranks' ends, once every rank is forked: a descriptor freed before a fork could be
+            # reused by then, and closed by that rank as another's. (An adopted end is detached.)
+            for pair in channels.values():
+                for end in pair:
+                    end.close()
 
 
 class SpawnLauncher(ProcessLauncher):

@@ -40,7 +40,7 @@ from .compat import become_torchrun_worker, destroy_asked_group
 from .context import Context, set_current
 from .doctor import TALLY, count_collectives, whereabouts
 from .output import show_in_notebook
-from .process import enable_stacks, end_output, limit_threads
+from .process import enable_stacks, end_output, limit_threads, watched_from_here
 from .process import forward_output as forward
 from .rendezvous import use_private_store
 from .strategies import contains_sharded
@@ -468,6 +468,7 @@ def serve(first=None, once: bool = False, live: bool = False, forward_output: bo
     link.listen(loop.on_message, _notebook_gone)
     link.emit(protocol.Hello(rank, os.getpid(), socket.gethostname()))
     become_subreaper()  # what the code starts, in a session of its own or orphaned, stays in reach
+    watched_from_here()  # before any code that may start a process runs
     try:
         return loop.serve(first, once)
     finally:

@@ -33,21 +33,50 @@ def die_with_parent(parent_pid: int, thread_bound: bool = True, watched: bool = 
     where the *thread* that started it is its parent's main thread (`thread_bound`): it fires
     when that thread ends, and a rank started from another thread (live ranks restarted from a
     thread, a timer) would die with that thread.
+
+    The watchdog thread starts the watcher first (its `posix_spawn`, 1-6 ms in a fork of a large
+    kernel, overlaps the rank's start-up); `watched_from_here` waits for it before the rank runs
+    code that may start a process. Until then the parent-death signal stands in: the rank has
+    nothing else to end.
     """
-    # With a watcher, no parent-death signal (a launcher's bootstrap set one, in script mode): the
-    # watcher kills the rank itself, once it has ended the rest.
-    death = 0 if watched and watch_rank(parent_pid) else signal.SIGKILL if thread_bound else None
-    if death is not None:
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, death)
-        except (OSError, AttributeError):  # not Linux: the watchdog below still covers it
-            pass
+    if thread_bound:
+        _parent_death(signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before any of this took effect
         os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), name="nbtrain-watchdog", daemon=True).start()
+    _watcher[:] = [threading.Event()] if watched else []
+    threading.Thread(target=_watch_parent, args=(parent_pid, _watcher[0] if watched else None),
+                     name="nbtrain-watchdog", daemon=True).start()
 
 
-def _watch_parent(parent_pid: int) -> None:
+_watcher: list[threading.Event] = []  # set once this rank's watcher was started (or failed to start)
+_watcher_runs: list[bool] = []
+
+
+def watched_from_here() -> None:
+    """Once this rank's watcher runs (`die_with_parent`), it alone ends the rank when the parent is
+    gone: no parent-death signal (a launcher's bootstrap set one, in script mode), so the watcher
+    kills the rank itself once it has ended the rest. On the main thread (the signal is the
+    calling thread's); a no-op where no watcher was started."""
+    if not _watcher:
+        return
+    _watcher.pop().wait()
+    if _watcher_runs == [True]:
+        _parent_death(0)
+
+
+def _parent_death(sig: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    except (OSError, AttributeError):  # not Linux: the watchdog covers it
+        pass
+
+
+def _watch_parent(parent_pid: int, watcher: threading.Event | None) -> None:
+    if watcher is not None:
+        try:
+            _watcher_runs[:] = [watch_rank(parent_pid)]
+        finally:
+            watcher.set()
     while os.getppid() == parent_pid:
         time.sleep(1.0)
     end_descendants()  # a watcher does it first, where there is one
