@@ -95,8 +95,9 @@ def fatal_report(lines: list[str]) -> str:
 def last_words(lines: list[str]) -> str:
     """What a crashed rank said last: its fatal report, else from its last C++ exception's message
     (a terminate handler's stack after it), else its last stderr lines; tidied."""
+    recent = max(len(lines) - 2 * LAST_LINES, 0)  # an exception's message is looked for near the end only
     starts = [i for i, line in enumerate(lines) if line.startswith(FATAL)] or \
-        [i for i, line in enumerate(lines[-LAST_LINES * 2:], max(len(lines) - LAST_LINES * 2, 0)) if WHAT in line]
+        [i for i in range(recent, len(lines)) if WHAT in lines[i]]
     return tidy_stacks("\n".join(lines[starts[-1]:] if starts else lines[-LAST_LINES:]))
 
 
