@@ -140,10 +140,13 @@ class Kernel:
         the shell channel): neither a printed line (ipykernel's stdout flush gives up under heavy
         load) nor display data on IOPub (once missing from the cell after an interrupted one)."""
         # A cell of its own, counted as the display cell it replaced was (tests name `Cell In[n]`).
-        msg_id = self.client.execute("pass", user_expressions={"v": f"repr(({expression}))"})
-        while True:
-            reply = self.client.get_shell_msg(timeout=timeout)
-            if reply["parent_header"].get("msg_id") == msg_id:
+        # A request that reaches ipykernel just after a cell failed (an interrupt included) can be
+        # aborted unrun (status "aborted", nothing shown): it is sent again.
+        for _ in range(5):
+            msg_id = self.client.execute("pass", user_expressions={"v": f"repr(({expression}))"})
+            while (reply := self.client.get_shell_msg(timeout=timeout))["parent_header"].get("msg_id") != msg_id:
+                pass
+            if reply["content"]["status"] != "aborted":
                 break
         shown = reply["content"]["user_expressions"]["v"]
         assert shown["status"] == "ok", f"{expression}: {shown.get('ename')}: {shown.get('evalue')}"
