@@ -114,8 +114,11 @@ class Kernel:
             elif kind == "error":
                 error = content
 
-        self.client.execute_interactive(code, timeout=timeout, output_hook=hook, allow_stdin=answers is not None,
-                                        stdin_hook=stdin_hook)
+        for _ in range(5):  # a cell ipykernel aborted unrun (just after a failed cell) is sent again
+            reply = self.client.execute_interactive(code, timeout=timeout, output_hook=hook,
+                                                    allow_stdin=answers is not None, stdin_hook=stdin_hook)
+            if reply["content"]["status"] != "aborted":
+                break
         return "".join(out), "".join(err), error, results
 
     def wait_for_output(self, msg_id: str, *texts: str, timeout: float = 60) -> str:
