@@ -56,17 +56,7 @@ def watch_rank(parent_pid: int) -> bool:
     except (OSError, AttributeError):  # Linux before 5.3, or not Linux: the watcher polls instead
         parent = -1
     try:
-        if parent >= 0:
-            os.set_inheritable(parent, True)
-        devnull = os.open(os.devnull, os.O_RDWR)
-        try:
-            watcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watcher.py")
-            psutil_root = os.path.dirname(os.path.dirname(os.path.abspath(psutil.__file__)))
-            pid = os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", watcher, str(os.getpid()),
-                                                  str(parent_pid), str(parent), psutil_root], dict(os.environ),
-                                 file_actions=[(os.POSIX_SPAWN_DUP2, devnull, fd) for fd in (0, 1, 2)])
-        finally:
-            os.close(devnull)
+        pid = spawn_watcher([str(os.getpid()), str(parent_pid), str(parent)], [parent] if parent >= 0 else [])
     except (OSError, AttributeError):  # no posix_spawn, or no interpreter to run
         return False
     finally:
@@ -74,6 +64,22 @@ def watch_rank(parent_pid: int) -> bool:
             os.close(parent)
     _watcher[:] = [pid]
     return True
+
+
+def spawn_watcher(args: list[str], inherited: list[int], setsid: bool = False) -> int:
+    """posix_spawn `python -I -S watcher.py ARGS... PSUTIL_ROOT` with the fds `inherited`, its output
+    going nowhere; its pid."""
+    for fd in inherited:
+        os.set_inheritable(fd, True)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        watcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watcher.py")
+        psutil_root = os.path.dirname(os.path.dirname(os.path.abspath(psutil.__file__)))
+        return os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", watcher, *args, psutil_root],
+                              dict(os.environ), setsid=setsid,
+                              file_actions=[(os.POSIX_SPAWN_DUP2, devnull, fd) for fd in (0, 1, 2)])
+    finally:
+        os.close(devnull)
 
 
 def parent_of(pid: int) -> int | None:
@@ -144,24 +150,32 @@ def end_descendants(pid: int | None = None, grace: float = 1.0, spare: tuple[int
     """SIGTERM every descendant of `pid` (this process by default) but those in `spare` (this
     rank's watcher by default, which dies with it), SIGKILL what is left after `grace` seconds;
     this process's own children are reaped."""
-    pid = pid or os.getpid()
-    spared = set(_watcher if spare is None else spare)
-    if not [p for p in tree(pid) if p.pid not in spared]:
+    end_trees([pid or os.getpid()], grace, tuple(_watcher) if spare is None else spare)
+
+
+def end_trees(roots: list[int], grace: float = 1.0, spare: tuple[int, ...] = ()) -> None:
+    """`end_descendants` for the trees below each of `roots` at once: one grace for all (a kernel's
+    watcher ends every rank's tree)."""
+    spared = set(spare)
+    if not _below(roots, spared):
         return
     for sig, seconds in ((signal.SIGTERM, grace), (signal.SIGKILL, 1.0)):
-        # Listed again each time: an orphan of an ended child is handed to this subreaper.
-        for child in tree(pid):
-            if child.pid not in spared:
-                with contextlib.suppress(psutil.Error):
-                    child.send_signal(sig)
+        # Listed again each time: an orphan of an ended child is handed to its subreaper.
+        for child in _below(roots, spared):
+            with contextlib.suppress(psutil.Error):
+                child.send_signal(sig)
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and _reap_some(pid, spared):
+        while time.monotonic() < deadline and _reap_some(roots, spared):
             time.sleep(0.02)
 
 
-def _reap_some(pid: int, spared: set[int]) -> bool:
+def _below(roots: list[int], spared: set[int]) -> list[psutil.Process]:
+    return [p for root in roots for p in tree(root) if p.pid not in spared]
+
+
+def _reap_some(roots: list[int], spared: set[int]) -> bool:
     """Collect this process's ended children; whether any descendant is still running."""
-    if pid == os.getpid():
+    if os.getpid() in roots:
         while True:
             try:
                 ended, _ = os.waitpid(-1, os.WNOHANG)
@@ -169,4 +183,4 @@ def _reap_some(pid: int, spared: set[int]) -> bool:
                 break
             if not ended:
                 break
-    return any(running(child) for child in tree(pid) if child.pid not in spared)
+    return any(running(child) for child in _below(roots, spared))

@@ -15,6 +15,7 @@ import threading
 import warnings
 from typing import IO, Any
 
+from ..common import kernel_watcher
 from ..common.channel import FD_VAR
 from ..common.preflight import check_fork
 from ..common.transfer import pack_job
@@ -45,26 +46,26 @@ def warm_kernel() -> None:
         _warm = True
 
 
-def _become_rank(parent_pid: int, env: dict, stdout_fd: int, stderr_fd: int, forked: bool) -> None:
+def _become_rank(parent_pid: int, env: dict, stdout_fd: int, stderr_fd: int, forked: bool, watcher: str | None) -> None:
     try:
         os.setpgid(0, 0)  # stops reach the rank's own children; the kernel's Ctrl-C does not
     except OSError:
         pass
-    die_with_parent(parent_pid, thread_bound=env.get(PARENT_THREAD_VAR) != "other")
+    die_with_parent(parent_pid, thread_bound=env.get(PARENT_THREAD_VAR) != "other", kernel_watcher=watcher)
     redirect_output(stdout_fd, stderr_fd)
     os.environ.update(env)
     enable_stacks()
     limit_threads(int(env["LOCAL_WORLD_SIZE"]), forked_from_kernel=forked)
 
 
-def _fork_main(first, live, env, stdout_fd, stderr_fd, inherited_fds, parent_pid):
+def _fork_main(first, live, env, stdout_fd, stderr_fd, inherited_fds, parent_pid, watcher):
     for fd in inherited_fds:  # other ranks' pipe and channel ends: holding them would hide their EOF
         try:
             os.close(fd)
         except OSError:
             pass
     _close_listening_sockets()
-    _become_rank(parent_pid, env, stdout_fd, stderr_fd, forked=True)
+    _become_rank(parent_pid, env, stdout_fd, stderr_fd, forked=True, watcher=watcher)
 
     os._exit(serve(first, once=not live, live=live, exits=True))
 
@@ -107,8 +108,8 @@ SPAWNED = ("import os, pickle, sys; os.setpgid(0, 0); sys.path[:], sys.argv[:] =
            "from nbtrain.placements.processes import spawned_main; spawned_main(*rank)")
 
 
-def spawned_main(first, live, env, parent_pid):
-    _become_rank(parent_pid, env, 1, 2, forked=False)  # its stdout and stderr are its pipes already
+def spawned_main(first, live, env, parent_pid, watcher):
+    _become_rank(parent_pid, env, 1, 2, forked=False, watcher=watcher)  # its stdout and stderr are its pipes already
 
     os._exit(serve(first, once=not live, live=live, exits=True))
 
@@ -192,6 +193,7 @@ class ForkLauncher(ProcessLauncher):
         pipes = _Pipes(job.ranks, pump)
         # Each rank's channel, connected before it starts: no dial, no challenge (`Hub.adopt`).
         channels = {rank: socket.socketpair() for rank in job.ranks}
+        watcher = kernel_watcher.address()  # the kernel's one watcher of its ranks, started at its first launch
         every_end = (pipes.read_ends + [fd for fds in pipes.write_ends.values() for fd in fds]
                      + [end.fileno() for pair in channels.values() for end in pair])
         try:
@@ -202,7 +204,7 @@ class ForkLauncher(ProcessLauncher):
                 out_w, err_w = pipes.write_ends[rank]
                 others = [fd for fd in every_end if fd not in (out_w, err_w, theirs.fileno())]
                 proc = context.Process(target=_fork_main, name=f"nbtrain-rank{rank}",
-                                       args=(job.first, job.live, env, out_w, err_w, others, os.getpid()))
+                                       args=(job.first, job.live, env, out_w, err_w, others, os.getpid(), watcher))
                 with warnings.catch_warnings():
                     # A kernel always has threads (Python 3.12+ warns on every fork). The child
                     # touches none of their state: it replaces the kernel's streams and runs
@@ -234,6 +236,7 @@ class SpawnLauncher(ProcessLauncher):
         # Where Python has it (3.11+), the child leaves the kernel's group before it runs at all.
         own_group: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {}
         pipes = _Pipes(job.ranks, pump)
+        watcher = kernel_watcher.address()  # its children, as forked ranks are: the kernel's one watcher
         try:
             for local, rank in enumerate(job.ranks):
                 env = {**rank_environ(job, local, channel_env), **parent_thread()}
@@ -241,7 +244,7 @@ class SpawnLauncher(ProcessLauncher):
                 proc = subprocess.Popen([sys.executable, "-c", SPAWNED], stdin=subprocess.PIPE, stdout=out_w,
                                         stderr=err_w, **own_group)
                 started.append(_spawned(proc, [rank]))
-                _send(proc.stdin, (sys.path, sys.argv), (job.first, job.live, env, os.getpid()))
+                _send(proc.stdin, (sys.path, sys.argv), (job.first, job.live, env, os.getpid(), watcher))
         finally:
             pipes.close_write_ends()
 

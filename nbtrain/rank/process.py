@@ -16,6 +16,7 @@ import threading
 import time
 
 from ..common import protocol
+from ..common.kernel_watcher import register
 from ..common.output_reader import OutputReader, end_mark, frame_stderr
 from ..common.process_tree import end_descendants, watch_rank
 
@@ -23,24 +24,40 @@ STACKS_SIGNAL = signal.SIGUSR1  # the notebook sends it to see where a rank is s
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent_pid: int, thread_bound: bool = True, watched: bool = True) -> None:
+def die_with_parent(parent_pid: int, thread_bound: bool = True, watched: bool = True,
+                    kernel_watcher: str | None = None) -> None:
     """A rank must not outlive the process that started it (an orphan can sit in gloo forever),
     nor may what it started (`common.process_tree`).
 
-    Its watcher process (`watched`; the template, which is no rank, has none) ends it and its
-    whole tree once the parent is gone; a watchdog thread here does the same if the watcher
-    could not start. Without a watcher, Linux's parent-death signal kills the process, but only
-    where the *thread* that started it is its parent's main thread (`thread_bound`): it fires
-    when that thread ends, and a rank started from another thread (live ranks restarted from a
-    thread, a timer) would die with that thread.
+    A rank its kernel started (forked or spawned) registers with the kernel's one watcher
+    (`kernel_watcher`, its address: `common.kernel_watcher`), which ends it and its whole tree
+    once the kernel is gone. Any other rank, or one whose registration failed, starts a watcher
+    process of its own (`watched`; the template, which is no rank, has none), which does the same
+    once its parent is gone; a watchdog thread here does the same if that watcher could not start.
+    Without a watcher, Linux's parent-death signal kills the process, but only where the *thread*
+    that started it is its parent's main thread (`thread_bound`): it fires when that thread ends,
+    and a rank started from another thread (live ranks restarted from a thread, a timer) would die
+    with that thread.
 
-    The watchdog thread starts the watcher first (its `posix_spawn`, 1-6 ms in a fork of a large
-    kernel, overlaps the rank's start-up); `watched_from_here` waits for it before the rank runs
-    code that may start a process. Until then the parent-death signal stands in: the rank has
+    The watchdog thread starts a rank's own watcher (its `posix_spawn`, 1-6 ms in a fork of a
+    large kernel, overlaps the rank's start-up); `watched_from_here` waits for it before the rank
+    runs code that may start a process. Until then the parent-death signal stands in: the rank has
     nothing else to end.
     """
     if thread_bound:
         _parent_death(signal.SIGKILL)
+    if kernel_watcher is not None and register(kernel_watcher):
+        # The parent-death signal stood until the send returned: a kernel that died before then
+        # killed the rank, which had nothing else to end yet. Once it returned, the watcher holds
+        # the rank's pidfd, and it reads everything queued before it acts on the kernel's end; so the
+        # signal goes now, before any code of the user's runs (the watcher must find the rank alive
+        # to end what that code started). Looked at again after the send, for a rank with no
+        # signal (started from another thread) whose kernel died before it.
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        if thread_bound:
+            _parent_death(0)
+        return
     if os.getppid() != parent_pid:  # the parent died before any of this took effect
         os._exit(1)
     _watcher[:] = [threading.Event()] if watched else []
