@@ -31,11 +31,9 @@ def main(rank: int, parent: int, pidfd: int, psutil_root: str) -> None:
         ended, _, _ = select.select([pidfd, rank_fd], [], [])  # readable once that process has ended
         if rank_fd in ended:
             return
-    # After the standard library: no module beside this one shadows one of its.
-    sys.path += [os.path.dirname(os.path.abspath(__file__)), psutil_root]
     import signal
 
-    import process_tree  # type: ignore[import-not-found]  # this folder's, by its file (see above)
+    process_tree = _process_tree(psutil_root)
 
     if pidfd < 0:
         import time
@@ -52,7 +50,8 @@ def main(rank: int, parent: int, pidfd: int, psutil_root: str) -> None:
 def watch_kernel(kernel: int, kernel_fd: int, sock_fd: int, psutil_root: str) -> None:
     """Until the kernel (pidfd KERNEL_FD) ends: take each rank's pidfd sent to the bound datagram
     socket SOCK_FD (`kernel_watcher.register`), forget a rank once it ends. Then stop every rank
-    still running, end their trees and kill them, and exit.
+    still running, end their trees and kill them, and exit. (KERNEL, the kernel's pid, tells `ps`
+    and the tests whose watcher it is.)
 
     It forks first and goes on in the child, in a session of its own (the kernel started it with
     setsid): the kernel reaps the parent at once, so the watcher is no child of the kernel (a kernel's
@@ -87,10 +86,9 @@ def watch_kernel(kernel: int, kernel_fd: int, sock_fd: int, psutil_root: str) ->
     # What a rank sent before the kernel ended is queued here still: each rank drops its own
     # parent-death signal only once its send returned.
     _take(sock, ranks, watched)
-    sys.path += [os.path.dirname(os.path.abspath(__file__)), psutil_root]
     import signal
 
-    import process_tree  # type: ignore[import-not-found]  # this folder's, by its file (see above)
+    process_tree = _process_tree(psutil_root)
 
     stopped = {}
     for fd, pid in ranks.items():
@@ -111,6 +109,14 @@ def watch_kernel(kernel: int, kernel_fd: int, sock_fd: int, psutil_root: str) ->
         os.rmdir(os.path.dirname(address))
     except OSError:  # removed already, as a dead kernel's, by another kernel's first launch
         pass
+
+
+def _process_tree(psutil_root: str):
+    # After the standard library: no module beside this one shadows one of its.
+    sys.path += [os.path.dirname(os.path.abspath(__file__)), psutil_root]
+    import process_tree  # type: ignore[import-not-found]  # this folder's, by its file (see above)
+
+    return process_tree
 
 
 def _take(sock, ranks: dict[int, int], watched) -> None:
