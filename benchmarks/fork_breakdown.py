@@ -1,5 +1,6 @@
 """Where a 2-rank fork launch's start-up goes, timed inside the ranks, and what the ranks' watchers
-cost end to end (the numbers fork_floor.py's section in RESULTS.md quotes).
+cost end to end: the kernel's one watcher, a watcher per rank (as before it), none (the numbers
+fork_floor.py's section in RESULTS.md quotes).
 
 Plain Python as the kernel. nbtrain's functions are wrapped with timers here, in the parent: the
 forked ranks inherit the wrappers. Prints medians; `PYTHONPATH=DIR` times another checkout.
@@ -86,12 +87,16 @@ def main() -> None:
     for label in rows[0]:
         print(f"{label}: {statistics.median(row[label] for row in rows):.2f} ms (median, {len(rows)} rank starts)")
 
-    def unwatched(parent_pid, thread_bound=True):
+    def per_rank(parent_pid, thread_bound=True, **_):  # each rank starts a watcher of its own
+        return watched(parent_pid, thread_bound)
+
+    def unwatched(parent_pid, thread_bound=True, **_):
         return watched(parent_pid, thread_bound, watched=False)
 
-    times: dict[str, list[float]] = {"with watchers": [], "without watchers": []}
-    for round_ in range(args.launches + 2):  # interleaved pairs; the first two warm up
-        for label, die_with_parent in (("with watchers", watched), ("without watchers", unwatched)):
+    ways = {"the kernel's watcher": watched, "a watcher per rank": per_rank, "no watcher": unwatched}
+    times: dict[str, list[float]] = {label: [] for label in ways}
+    for round_ in range(args.launches + 2):  # interleaved rounds; the first two warm up
+        for label, die_with_parent in ways.items():
             processes.die_with_parent = die_with_parent
             start = time.perf_counter()
             nbtrain.launch(five_steps, devices=2, accelerator="cpu", start="fork", progress=False)

@@ -76,6 +76,18 @@ def test_one_watcher_serves_every_launch_of_a_kernel_and_is_no_leftover(no_lefto
     assert running(seen.pop())  # kept for the next launch; no child of this process (no_leftovers)
 
 
+def test_a_watcher_that_was_killed_is_replaced_at_the_next_launch(no_leftovers):
+    nbtrain.launch(_rank_view, devices=2, accelerator="cpu", start="fork", progress=False)
+    first = watchers_of(os.getpid())
+    assert len(first) == 1
+    os.kill(first[0], signal.SIGKILL)  # ours: started by this process's first launch
+    assert not _gone(first)
+    values = nbtrain.launch(_rank_view, devices=2, accelerator="cpu", start="fork", progress=False).values
+    assert all(children == [] and "nbtrain-watchdog" not in threads for _, threads, children in values)
+    second = watchers_of(os.getpid())
+    assert len(second) == 1 and second != first
+
+
 # A plain Python parent as the kernel: it launches ranks that start a server in a session of its
 # own and an orphan, say every pid, and hold the GIL (a regular expression's backtracking, for
 # hours): none of a rank's own threads can run, so only the watcher can end it and its daemons.

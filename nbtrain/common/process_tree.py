@@ -9,15 +9,16 @@ no-op elsewhere).
 A rank killed outright cannot: a rank that died by its parent-death signal (SIGKILL, since a
 rank blocked in a collective ignores anything milder) when the kernel was killed left what it
 started running. So each rank on the kernel's machine has a watcher (`watch_rank`): a small
-interpreter of its own, the rank's child, that waits for the rank's parent (the kernel, the
-template, the launcher, a submitted run's supervisor) to end, then stops the rank, ends its
-whole tree and kills it; it dies with the rank otherwise. Measured against the alternatives: a
+interpreter of its own, the rank's child, that waits for the rank's parent (the template, the
+launcher) to end, then stops the rank, ends its whole tree and kills it; it dies with the rank
+otherwise. The ranks a kernel (or a submitted run's supervisor) forks or spawns share one such
+watcher instead, the kernel's (`kernel_watcher`). Measured against the alternatives: a
 keeper process above each rank (a second fork of the kernel's size) made a forked launch 50%
 slower, a watchdog beside the rank finds nothing once the rank is gone, and a cgroup needs a
 delegated hierarchy that kernels on shared machines rarely get.
 
 The watcher is `watcher.py`, run as a script; it imports this module by its file once the rank's
-parent is gone, so this module imports nothing but the standard library and psutil. psutil lists
+parent (or the kernel) is gone, so this module imports nothing but the standard library and psutil. psutil lists
 the trees and signals through `psutil.Process`, which checks that a pid still names the process
 it was (pids are reused) before it sends anything.
 """
