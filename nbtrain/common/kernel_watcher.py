@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 
@@ -87,8 +88,8 @@ def register(address: str) -> bool:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
             sock.settimeout(REGISTER_TIMEOUT)
-            sock.connect(address)  # (send_fds ignores an address it is given, Python 3.11)
-            socket.send_fds(sock, [b"rank"], [me])
+            sock.sendmsg([b"rank"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, me.to_bytes(4, sys.byteorder))], 0,
+                         address)
         return True
     except OSError:  # no watcher holds the socket now, or it is stopped and its queue full
         return False

@@ -83,9 +83,16 @@ def watched_from_here() -> None:
 
 def _parent_death(sig: int) -> None:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+        if _LIBC is not None:
+            _LIBC.prctl(PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):  # not Linux: the watchdog covers it
         pass
+
+
+try:  # loaded once, as the kernel imports this module: a forked rank has it (~0.2 ms of its start each time)
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:
+    _LIBC = None
 
 
 def _watch_parent(parent_pid: int, watcher: threading.Event | None) -> None:
