@@ -86,6 +86,8 @@ def test_a_watcher_that_was_killed_is_replaced_at_the_next_launch(no_leftovers):
     assert all(children == [] and "nbtrain-watchdog" not in threads for _, threads, children in values)
     second = watchers_of(os.getpid())
     assert len(second) == 1 and second != first
+    directories = glob.glob(os.path.join(tempfile.gettempdir(), f"nbtrain-watch-{os.getpid()}-*"))
+    assert len(directories) == 1, f"the killed watcher's directory stayed: {directories}"
 
 
 # A plain Python parent as the kernel: it launches ranks that start a server in a session of its

@@ -35,8 +35,10 @@ def address() -> str | None:
     none running; None where none can start (no pidfd or posix_spawn, a temporary directory whose
     path is too long for a socket): its ranks start watchers of their own."""
     with _lock:
-        if _started.get("owner") == os.getpid() and _listening(_started["address"]):
-            return _started["address"]
+        if _started.get("owner") == os.getpid():
+            if _listening(_started["address"]):
+                return _started["address"]
+            shutil.rmtree(os.path.dirname(_started["address"]), ignore_errors=True)  # killed: its directory stayed
         _started.clear()  # it ended, or it is the watcher of a process this one is a fork of
         started = _start()
         if started:
