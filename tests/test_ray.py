@@ -1,5 +1,7 @@
-"""Ranks as Ray actors, against a real local Ray started in a real kernel (2 CPUs): values,
-metrics, errors, the live view, interrupts, cells, live ranks."""
+"""Ranks as Ray actors, against a real local Ray started in a real kernel: values, metrics, errors,
+the live view, interrupts, cells, live ranks, a sweep's trials, a world of 8. One Ray for the
+module (8 logical CPUs on this 2-core machine, one per actor, as on a bigger node): a Ray start
+is seconds of CPU that the other modules' tests need."""
 import importlib.util
 import os
 import socket
@@ -30,7 +32,7 @@ def start_ray(deadline=240.0):
     give_up = time.monotonic() + deadline
     while True:
         try:
-            return ray.init(num_cpus=2, include_dashboard=False)
+            return ray.init(num_cpus=8, include_dashboard=False)
         except Exception:
             ray.shutdown()
             if time.monotonic() > give_up:
@@ -262,8 +264,8 @@ plain = nbtrain.launch(seeded, 4, devices=2, cluster=nbtrain.Ray(), progress=Fal
             time.sleep(0.5)
         assert len(rank_actors()) == 2 and rk.value("endless.status") == "running", rk.value("endless.reason")
         # The supervisor joined this kernel's Ray (its own ray.init would start a second one):
-        # the kernel sees its actors hold the CPUs.
-        assert rk.value("ray.available_resources().get('CPU', 0)") == 0
+        # the kernel sees its actors hold two of the CPUs.
+        assert rk.value("ray.cluster_resources()['CPU'] - ray.available_resources().get('CPU', 0)") == 2
         supervisor = rk.value("__import__('json').loads((endless.dir / 'supervisor.json').read_text())['pid']")
     finally:
         run(rk, "endless.cancel()")
@@ -298,3 +300,42 @@ again = nbtrain.launch(fails_once, {str(tmp_path / "failed")!r}, cluster=nbtrain
         time.sleep(0.2)
     assert rank_actors() == [], "actor processes are left"
     assert rk.value("settled(ray_is_empty)")
+
+
+def test_eight_actors_form_one_world_and_leave_nothing(rk):
+    """Ray's world of 8 (tests/test_scale.py has the other placements' worlds): every actor meets
+    the others in a barrier, at the same moment dialling the notebook's channel."""
+    run(rk, """
+def meet():
+    ctx = nbtrain.context()
+    ctx.barrier()
+    return ctx.rank, ctx.world_size
+
+world = nbtrain.launch(meet, devices=8, accelerator="cpu", cluster=nbtrain.Ray(num_workers=8), progress=False,
+                       timeout=150)
+""", timeout=300)
+    assert sorted(rk.value("world.values")) == [(r, 8) for r in range(8)]
+    deadline = time.monotonic() + SETTLE
+    while rank_actors() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rank_actors() == [], "actor processes are left"
+    assert rk.value("settled(ray_is_empty)")
+
+
+def test_a_sweep_runs_its_trials_as_ray_actors(rk):
+    run(rk, """
+import optuna
+
+def on_ray(x):
+    nbtrain.context().log("loss", x)
+    return x, os.environ.get("RAY_JOB_ID") is not None or "ray" in sys.modules
+
+study = optuna.create_study()
+for x in (0.4, 0.1, 0.7):
+    study.enqueue_trial({"x": x})
+swept = nbtrain.sweep(on_ray, {"x": optuna.distributions.FloatDistribution(0, 1)}, trials=3, metric="loss",
+                      devices=2, accelerator="cpu", study=study, cluster=nbtrain.Ray(), progress=False)
+""", timeout=600)
+    assert rk.value("sorted(t.value for t in study.trials)") == [0.1, 0.4, 0.7]
+    assert rk.value("swept.best_result.value") == (0.1, True)
+    assert rk.value("settled(ray_is_empty)")  # every trial's actors gone (Ray frees an ended actor's CPU a moment later)

@@ -354,52 +354,6 @@ swept = nbtrain.sweep(slow, {{'x': optuna.distributions.FloatDistribution(0, 1)}
     assert kernel.value("children()") == []
 
 
-RAY = '''
-import ray, time, optuna, nbtrain
-
-def start_ray(deadline=240.0):  # as tests/test_ray.py: Ray's own 30 s for its raylet is short on a loaded machine
-    give_up = time.monotonic() + deadline
-    while True:
-        try:
-            return ray.init(num_cpus=2, include_dashboard=False)
-        except Exception:
-            ray.shutdown()
-            if time.monotonic() > give_up:
-                raise
-
-start_ray()
-
-def on_ray(x):
-    import os
-    nbtrain.context().log("loss", x)
-    return x, os.environ.get("RAY_JOB_ID") is not None or "ray" in __import__("sys").modules
-
-study = optuna.create_study()
-for x in (0.4, 0.1, 0.7):
-    study.enqueue_trial({"x": x})
-swept = nbtrain.sweep(on_ray, {"x": optuna.distributions.FloatDistribution(0, 1)}, trials=3, metric="loss",
-                      devices=2, accelerator="cpu", study=study, cluster=nbtrain.Ray(), progress=False)
-'''
-
-
-@pytest.mark.slow
-def test_trials_as_ray_actors(kernel):
-    pytest.importorskip("ray", reason="ray is not installed (pip install 'nbtrain[ray]')")
-    _, _, error, _ = kernel.run(RAY, timeout=600)
-    assert error is None, error
-    assert kernel.value("sorted(t.value for t in study.trials)") == [0.1, 0.4, 0.7]
-    assert kernel.value("swept.best_result.value") == (0.1, True)
-    kernel.run("def settled(timeout=30.0):\n"  # Ray frees an ended actor's CPU a moment later
-               "    deadline = time.monotonic() + timeout\n"
-               "    while ray.available_resources().get('CPU') != ray.cluster_resources()['CPU']:\n"
-               "        if time.monotonic() > deadline:\n"
-               "            return False\n"
-               "        time.sleep(0.2)\n"
-               "    return True\n")
-    assert kernel.value("settled()")  # every trial's actors gone
-    kernel.run("ray.shutdown()")
-
-
 @pytest.mark.slow
 def test_in_jupyter_the_live_table_is_replaced_in_place_by_the_summary(kernel):
     _, _, error, _ = kernel.run(SETUP)
