@@ -178,7 +178,8 @@ def test_a_rendezvous_that_never_completes_names_each_ranks_address(world, no_le
 
     base = free_port()  # rank 0 hosts base; the others look for base+1.. where nobody listens
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(own_port, base, devices=world, accelerator="cpu", start="fork", progress=False, timeout=6)
+        # 4 s, as the timeout test above: forked ranks call init_process_group first thing
+        nbtrain.launch(own_port, base, devices=world, accelerator="cpu", start="fork", progress=False, timeout=4)
     said = info.value.summary
     assert f"rank 0 waits to join the process group at tcp://127.0.0.1:{base} (hosting it)" in said
     assert f"rank 1 waits to join the process group at tcp://127.0.0.1:{base + 1} (rank 0 should host it)" in said

@@ -110,8 +110,12 @@ def test_a_rank_that_holds_the_gil_is_ended_with_its_daemons_by_its_watcher():
         kernel.client.execute("nbtrain.launch(start_daemons, hold_the_gil=True, devices=2, accelerator='cpu', "
                               "strategy='ddp_fork', progress=False)")
         pids = _printed_pids(kernel, 2)
-        time.sleep(2)  # in the regular expression now
-        assert all(psutil.Process(p).status() == psutil.STATUS_RUNNING for p in pids[::3]), "not busy"
+        busy, deadline = 0, time.monotonic() + 60
+        while busy < 5 and time.monotonic() < deadline:  # in the regular expression now: running for 0.5 s on end
+            running_now = all(psutil.Process(p).status() == psutil.STATUS_RUNNING for p in pids[::3])
+            busy = busy + 1 if running_now else 0
+            time.sleep(0.1)
+        assert busy == 5, "not busy"
         _kill_kernel_and_check(kernel, pids)
     finally:
         kernel.client.stop_channels()

@@ -30,6 +30,8 @@ def attempt(what, how):
     except Exception as exc:
         tried[what] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
 def join_tcp_store():
+    import socket
+    socket.create_connection(("127.0.0.1", port), timeout=3).close()  # refused at once where nothing listens
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=3))
     store.set("stranger", "was here")
 attempt("MASTER_PORT", join_tcp_store)

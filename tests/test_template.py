@@ -102,8 +102,11 @@ r1 = spawn(look)
 def test_a_killed_template_is_replaced(nb):
     ok(nb, "nbtrain.warm_up()")
     before = nb.value("template_pid()")
-    os.kill(nb.value("nbtrain.placements.template_process.template(start=False).process.pid"), signal.SIGKILL)
-    time.sleep(0.5)
+    killed = nb.value("nbtrain.placements.template_process.template(start=False).process.pid")
+    os.kill(killed, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while running(killed) and time.monotonic() < deadline:  # dead (a zombie until the kernel reaps it)
+        time.sleep(0.05)
     ok(nb, "r = spawn(where)")
     after = nb.value("template_pid()")
     assert after != before and nb.value("[v['ppid'] for v in r.values]") == [after, after]
@@ -179,8 +182,12 @@ def test_the_template_and_its_ranks_die_with_a_killed_kernel():
     try:
         ok(kernel, SETUP)
         ok(kernel, "nbtrain.warm_up()\nimport threading\nthreading.Thread(target=spawn, args=(lambda: time.sleep(600),), daemon=True).start()")
-        time.sleep(3)
+        deadline = time.monotonic() + 120
+        while kernel.value("template_pid()") is None and time.monotonic() < deadline:  # ready, then its ranks
+            time.sleep(0.1)
         template = kernel.value("nbtrain.placements.template_process.template(start=False).process.pid")
+        while len(psutil.Process(template).children()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
         family = [template, *(c.pid for c in psutil.Process(template).children())]
         os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
         kernel.manager.provisioner.process.wait(10)
