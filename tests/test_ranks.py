@@ -244,7 +244,8 @@ def test_a_dead_rank_is_named_and_work_refused_until_restart(nb):
     assert "rank 1 ended: exited with code 3" in shown
     ok(nb, "ranks.restart()")
     assert nb.value("ranks.eval('ctx.rank')") == [0, 1]
-    assert len(nb.value("children()")) == 4  # the new ranks and their watchers; the old ones are gone
+    # The new ranks; the old ones are gone (the kernel's one watcher is no child of the kernel's).
+    assert len(nb.value("children()")) == 2
     shown, _ = failing(nb, "ranks[0].debug()")
     assert "rank 0 has no failure to debug" in shown
 

@@ -99,6 +99,15 @@ r1 = spawn(look)
     assert nb.value("r2.value[3]") == 2
 
 
+def test_stop_template_ends_it_cleanly_not_by_a_kill(nb):
+    # It leaves its loop once the kernel's end of the connection closes: a close() alone sent no
+    # end of file while the kernel's reader thread was blocked reading, so every stop waited 2 s
+    # and killed the template (exit code -9).
+    ok(nb, "nbtrain.warm_up(); stopped = nbtrain.placements.template_process.template(start=False).process\n"
+           "nbtrain.stop_template()")
+    assert nb.value("stopped.returncode") == 0
+
+
 def test_a_killed_template_is_replaced(nb):
     ok(nb, "nbtrain.warm_up()")
     before = nb.value("template_pid()")

@@ -195,7 +195,10 @@ class Pool:
 
     def _wait_exits(self, limit: float) -> None:
         deadline = time.monotonic() + limit
-        while self.any_alive() and time.monotonic() < deadline:
+        if not self.remote:  # each join wakes as its process ends, where a look every 2 ms came late
+            for p in self._processes:
+                p.join(max(deadline - time.monotonic(), 0.0))
+        while self.any_alive() and time.monotonic() < deadline:  # a remote rank, a launcher's log not read yet
             time.sleep(0.002)
 
     def _stop_processes(self, grace: float = STOP_GRACE) -> None:

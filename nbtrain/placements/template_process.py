@@ -147,7 +147,14 @@ class Template:
 
     def close(self) -> None:
         try:
-            self._sock.close()  # the template leaves its loop on EOF
+            # The template leaves its loop on EOF. A close alone sends none while the reader
+            # thread is blocked reading this socket (the kernel still holds the connection): the
+            # template then waited out the 2 s below and was killed on every stop.
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self._sock.close()
         except OSError:
             pass
         try:
@@ -193,6 +200,7 @@ def template(start: bool = True) -> Template | None:
         if _template is not None and not _template.alive():
             _template.close()
             _template = None
+        fresh = _template is None
         if _template is None and start:
             if _failed:
                 raise type(_failed)(f"{_failed} (nbtrain.warm_up() tries again)")
@@ -210,11 +218,16 @@ def template(start: bool = True) -> Template | None:
             raise
         except RuntimeError as exc:
             with _guard:
-                _failed = exc
                 if _template is handle:
                     _template = None
+                if fresh:
+                    _failed = exc
             handle.close()
-            raise
+            if fresh:
+                raise
+            # One that ran until now died since (killed): replaced, as a dead one found above is.
+            # Its end may not be seen yet (a killed process's threads go one by one), hence here.
+            return template(start)
     return handle
 
 
