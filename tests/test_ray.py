@@ -111,6 +111,14 @@ def rank_actors() -> list[psutil.Process]:
     return found
 
 
+def actors_gone() -> bool:
+    """Whether this run's Ray actors end within SETTLE seconds (Ray reaps a killed actor a moment later)."""
+    deadline = time.monotonic() + SETTLE
+    while rank_actors() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return rank_actors() == []
+
+
 def run(kernel, code, timeout=300):
     out, err, error, _ = kernel.run(code, timeout=timeout)
     assert error is None, f"{error}\n{out}\n{err}"
@@ -179,10 +187,7 @@ def test_interrupting_the_kernel_kills_the_actors_and_frees_the_cluster(rk):
         if reply["msg_type"] == "execute_reply":
             break
     assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
-    deadline = time.monotonic() + SETTLE
-    while rank_actors() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert rank_actors() == [], "actor processes are left"
+    assert actors_gone(), "actor processes are left"
     assert rk.value("settled(ray_is_empty)"), rk.value("ray.available_resources(), ray.util.placement_group_table()")
 
 
@@ -270,10 +275,7 @@ plain = nbtrain.launch(seeded, 4, devices=2, cluster=nbtrain.Ray(), progress=Fal
     finally:
         run(rk, "endless.cancel()")
     assert rk.value("endless.status") == "cancelled"
-    deadline = time.monotonic() + SETTLE
-    while rank_actors() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert rank_actors() == [], "actor processes are left"
+    assert actors_gone(), "actor processes are left"
     assert not psutil.pid_exists(supervisor) or psutil.Process(supervisor).status() == psutil.STATUS_ZOMBIE
     assert rk.value("settled(ray_is_empty)"), rk.value("ray.available_resources(), ray.util.placement_group_table()")
 
@@ -295,10 +297,7 @@ again = nbtrain.launch(fails_once, {str(tmp_path / "failed")!r}, cluster=nbtrain
                   "finishing this task.", why
     (_, _), (rank, pid) = rk.value("again.values")
     assert rank == 1 and pid != int((tmp_path / "failed").read_text()), "the retry ran in a new actor"
-    deadline = time.monotonic() + SETTLE
-    while rank_actors() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert rank_actors() == [], "actor processes are left"
+    assert actors_gone(), "actor processes are left"
     assert rk.value("settled(ray_is_empty)")
 
 
@@ -315,10 +314,7 @@ world = nbtrain.launch(meet, devices=8, accelerator="cpu", cluster=nbtrain.Ray(n
                        timeout=150)
 """, timeout=300)
     assert sorted(rk.value("world.values")) == [(r, 8) for r in range(8)]
-    deadline = time.monotonic() + SETTLE
-    while rank_actors() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert rank_actors() == [], "actor processes are left"
+    assert actors_gone(), "actor processes are left"
     assert rk.value("settled(ray_is_empty)")
 
 

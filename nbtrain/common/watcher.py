@@ -1,7 +1,7 @@
 """A rank's watcher (see `process_tree`), run by `process_tree.watch_rank` as
 `python -I -S watcher.py RANK PARENT PIDFD PSUTIL_ROOT`: the rank's child, which ends the rank and
 its whole tree once the rank's parent is gone, and dies with the rank otherwise. Or a kernel's
-one watcher of all its ranks, run by `kernel_watcher.start` as
+one watcher of all its ranks, run by `kernel_watcher.address` as
 `python -I -S watcher.py --kernel KERNEL PIDFD SOCKET PSUTIL_ROOT` (`watch_kernel`).
 
 One runs beside every rank, so it starts on the fewest modules it can (no site-packages, no
