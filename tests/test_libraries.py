@@ -142,6 +142,10 @@ def torchrun_worker():
             "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU")
     return {k: os.environ.get(k) for k in keys}, hasattr(sys, "ps1")
 
+def libraries_in_turn():
+    """Each library in turn in one pair of script ranks: a script rank's imports cost seconds."""
+    return torchrun_worker(), lightning(), accelerate_loop(), fabric_loop()
+
 PLACEMENTS = {"fork": dict(start="fork"), "template": dict(start="template"), "spawn": dict(start="spawn"),
               "script": dict(start="torchrun")}
 
@@ -175,9 +179,7 @@ def failure(kernel, code, timeout=300) -> str:
     return error["evalue"]
 
 
-@pytest.mark.parametrize("placement", ["fork", "template", "spawn", "script"])
-def test_every_rank_looks_like_a_torchrun_worker(nb, placement):
-    seen = values(nb, f"on({placement!r}, torchrun_worker)")
+def looks_like_torchrun_workers(seen):
     for rank, (env, interactive) in enumerate(seen):
         assert not interactive, "IPython's prompt would tell Lightning the rank is interactive"
         assert env["RANK"] == env["LOCAL_RANK"] == env["ROLE_RANK"] == str(rank)
@@ -185,11 +187,40 @@ def test_every_rank_looks_like_a_torchrun_worker(nb, placement):
         assert env["TORCHELASTIC_RUN_ID"] and env["MASTER_PORT"] and env["ACCELERATE_USE_CPU"] == "true"
 
 
-@pytest.mark.parametrize("placement", ["fork", "template", "script"])
-def test_a_lightning_trainer_with_strategy_ddp_joins_the_ranks(nb, placement):
-    (world0, rank0, name, weight0), (world1, rank1, _, weight1) = values(nb, f"on({placement!r}, lightning)")
+def lightning_joined(seen):
+    (world0, rank0, name, weight0), (world1, rank1, _, weight1) = seen
     assert (world0, world1, rank0, rank1, name) == (2, 2, 0, 1, "DDPStrategy")
     assert weight0 == pytest.approx(weight1), "one distributed run: DDP keeps the ranks' weights equal"
+
+
+def accelerate_joined(seen):
+    assert [v[:3] for v in seen] == [(2, 0, "DistributedType.MULTI_CPU"), (2, 1, "DistributedType.MULTI_CPU")]
+    assert seen[0][3] == pytest.approx(seen[1][3])
+
+
+def fabric_joined(seen):
+    assert [v[:3] for v in seen] == [(2, 0, "DDPStrategy"), (2, 1, "DDPStrategy")]
+    assert seen[0][3] == pytest.approx(seen[1][3])
+
+
+@pytest.mark.parametrize("placement", ["fork", "template", "spawn"])
+def test_every_rank_looks_like_a_torchrun_worker(nb, placement):
+    looks_like_torchrun_workers(values(nb, f"on({placement!r}, torchrun_worker)"))
+
+
+@pytest.mark.parametrize("placement", ["fork", "template"])
+def test_a_lightning_trainer_with_strategy_ddp_joins_the_ranks(nb, placement):
+    lightning_joined(values(nb, f"on({placement!r}, lightning)"))
+
+
+def test_script_ranks_look_like_torchrun_workers_and_lightning_accelerate_and_fabric_join_them(nb):
+    # Script mode (start='torchrun'): each library in turn in the same two ranks, each checked as
+    # the fork and template cases are; the group the first makes is the one the next ones join.
+    worker, lightning, accelerate, fabric = zip(*values(nb, "on('script', libraries_in_turn)"))
+    looks_like_torchrun_workers(worker)
+    lightning_joined(lightning)
+    accelerate_joined(accelerate)
+    fabric_joined(fabric)
 
 
 def test_a_lightning_trainer_with_strategy_auto_joins_the_ranks_too(nb):
@@ -212,18 +243,14 @@ def test_lightning_ddp_notebook_inside_a_rank_is_refused_naming_the_call(nb):
     assert "give the Trainer strategy='ddp' (or 'auto') and devices=LOCAL_WORLD_SIZE" in message
 
 
-@pytest.mark.parametrize("placement", ["fork", "template", "script"])
+@pytest.mark.parametrize("placement", ["fork", "template"])
 def test_accelerate_joins_the_ranks(nb, placement):
-    seen = values(nb, f"on({placement!r}, accelerate_loop)")
-    assert [v[:3] for v in seen] == [(2, 0, "DistributedType.MULTI_CPU"), (2, 1, "DistributedType.MULTI_CPU")]
-    assert seen[0][3] == pytest.approx(seen[1][3])
+    accelerate_joined(values(nb, f"on({placement!r}, accelerate_loop)"))
 
 
-@pytest.mark.parametrize("placement", ["fork", "template", "script"])
+@pytest.mark.parametrize("placement", ["fork", "template"])
 def test_lightning_fabric_joins_the_ranks(nb, placement):
-    seen = values(nb, f"on({placement!r}, fabric_loop)")
-    assert [v[:3] for v in seen] == [(2, 0, "DDPStrategy"), (2, 1, "DDPStrategy")]
-    assert seen[0][3] == pytest.approx(seen[1][3])
+    fabric_joined(values(nb, f"on({placement!r}, fabric_loop)"))
 
 
 def test_a_nested_fabric_ddp_notebook_is_refused_with_fabrics_advice(nb):

@@ -167,8 +167,9 @@ def test_the_built_wheel_installs_in_a_fresh_venv_and_runs_the_demo(tmp_path):
     python, exe = venv / "bin" / "python", venv / "bin" / "nbtrain"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     # CPU torch first, from local disk: a bare `torch` requirement would pull a CUDA build.
-    run([python, "-m", "pip", "install", "-q", "torch==2.13.0"], cwd=tmp_path, env=env)
-    run([python, "-m", "pip", "install", "-q", str(wheel)], cwd=tmp_path, env=env)
+    # --no-compile: byte-compiling all of torch is 15 s of CPU; the demo compiles what it imports.
+    run([python, "-m", "pip", "install", "-q", "--no-compile", "torch==2.13.0"], cwd=tmp_path, env=env)
+    run([python, "-m", "pip", "install", "-q", "--no-compile", str(wheel)], cwd=tmp_path, env=env)
 
     where = run([python, "-c", "import nbtrain; print(nbtrain.__file__, nbtrain.__version__)"], cwd=tmp_path, env=env)
     assert where.split() == [str(venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"

@@ -19,9 +19,17 @@ HELPERS = '''
 import threading
 
 def ray_daemons():
-    """This kernel's own Ray: the GCS and raylet it started (never another test's)."""
-    return [p for p in psutil.Process().children(recursive=True)
-            if any(name in " ".join(p.cmdline()) for name in ("gcs_server", "raylet"))]
+    """This kernel's own Ray: the GCS and raylet it started (never another test's), still running
+    (one that ended and is not yet reaped is a zombie, whose command line psutil cannot read)."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and any(name in " ".join(p.cmdline())
+                                                          for name in ("gcs_server", "raylet")):
+                found.append(p)
+        except psutil.Error:  # ended meanwhile
+            pass
+    return found
 
 def wait_until(done, seconds):
     deadline = time.monotonic() + seconds

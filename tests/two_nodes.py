@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import psutil
@@ -221,10 +222,11 @@ class TwoNodeRay:
 
         port = self.address.rsplit(":", 1)[1]
         common = ["--block", "--disable-usage-stats"]
-        self._daemon("head", ["ray", "start", "--head", f"--port={port}", f"--node-ip-address={self.network.gateway}",
+        ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")  # this venv's, active or not
+        self._daemon("head", [ray_cli, "start", "--head", f"--port={port}", f"--node-ip-address={self.network.gateway}",
                               "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={self.root}/head", *common])
         for name, address in self.network.nodes.items():
-            self._daemon(name, self.network.run_on(name, "ray", "start", f"--address={self.address}",
+            self._daemon(name, self.network.run_on(name, ray_cli, "start", f"--address={self.address}",
                                                    f"--node-ip-address={address}", "--num-cpus=2",
                                                    f"--temp-dir={self.root}/{name}", *common))
         deadline = time.monotonic() + timeout
