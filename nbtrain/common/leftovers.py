@@ -20,11 +20,13 @@ def alive(pid: int) -> bool:
 def remove_orphans(root: str, name: re.Pattern, remove: Callable[[str], None]) -> None:
     """`remove(path)` for each entry of `root` whose whole name matches `name` (group 1: the
     pid of the kernel that made it), owned by this user, and whose kernel has died."""
-    for entry in os.listdir(root):
+    for entry in os.listdir(root):  # a shared /tmp holds hundreds of others' entries: match first
         owner = name.fullmatch(entry)
+        if owner is None:
+            continue
         path = os.path.join(root, entry)
         try:
-            if owner and os.stat(path).st_uid == os.getuid() and not alive(int(owner.group(1))):
+            if os.stat(path).st_uid == os.getuid() and not alive(int(owner.group(1))):
                 remove(path)
         except OSError:  # gone meanwhile
             pass

@@ -1,7 +1,6 @@
 """`launch()`: resolve devices, choose the strategy, run the ranks, return a `Result`."""
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 from ..common.devices import DevicePlan, plan_devices
@@ -180,9 +179,6 @@ def launch_chosen(fn: Callable, args: tuple, kwargs: dict, plan: DevicePlan, cho
     return with_restarts(attempt, max_restarts, display)
 
 
-CLOSE_NOTE_AFTER = 2.0  # seconds after the ranks reported before the cell says it waits for their exit
-CLOSE_NOTE = "every rank has reported; waiting for their processes to exit"
-
 def run_once(launcher, job: Job, display) -> Result:
     """Start the ranks with `job.fn` as their one command, watch it, stop them: a `Result`."""
     pool = Pool(launcher, job, live=False)
@@ -193,17 +189,8 @@ def run_once(launcher, job: Job, display) -> Result:
     finally:
         # Every rank may have reported while their processes still take seconds to end (a
         # library's teardown, torchrun, a SLURM job): the view would read "finished" while the
-        # cell still runs. Say what it waits for.
-        waiting = threading.Timer(CLOSE_NOTE_AFTER, display.note, (CLOSE_NOTE,)) if ok else None
-        if waiting is not None:
-            waiting.daemon = True
-            waiting.start()
-        try:
-            pool.close(ok, display)
-        finally:
-            if waiting is not None:
-                waiting.cancel()
-                waiting.join()  # gone when launch returns: a launch leaves no thread behind
+        # cell still runs, so the close says what it waits for.
+        pool.close(ok, display, exit_note=display.note)
         if pool.state is not None:  # None: it failed in its checks, before anything was shown
             display.finish(pool.state, ok)
     assert pool.state is not None, "a pool that ran has its state"

@@ -37,6 +37,8 @@ from .runmodel import RunState
 from .supervisor import CONNECTION_CLOSED, NOT_SENT, Supervisor
 
 EXIT_WAIT = 5.0  # ranks that replied: how long they may take to exit on their own
+EXIT_NOTE_AFTER = 2.0  # seconds of that wait before the cell says it waits (the view would read "finished")
+EXIT_NOTE = "every rank has reported; waiting for their processes to exit"
 STOP_GRACE = 1.0  # between SIGTERM and SIGKILL
 IDLE_CHECK = 0.25  # live ranks between commands: seconds between looks at their processes and links
 EXIT_CODE_WAIT = 1.0  # a rank whose link closed: how long its exit code may take to be known
@@ -165,9 +167,10 @@ class Pool:
     def _title(self) -> str:
         return f"{'live ranks' if self._live else self._job.strategy} on {self._job.plan.describe()}"
 
-    def close(self, ok: bool = True, display=None, why: str | None = None) -> None:
+    def close(self, ok: bool = True, display=None, why: str | None = None, exit_note=None) -> None:
         """Stop the ranks (a launch's have exited on their own when `ok`), drain their output.
-        `why` ("restarted by .restart()") is what a command still running (another thread's) is told."""
+        `why` ("restarted by .restart()") is what a command still running (another thread's) is told;
+        `exit_note(line)` is told when ranks that reported take seconds to exit."""
         if self._stopped:
             return
         self._stopped = True
@@ -180,7 +183,7 @@ class Pool:
                 for rank in self.ranks:
                     self._hub.send(rank, protocol.Stop())
             if ok or self._live:
-                self._wait_exits(EXIT_WAIT if ok else 1.0)
+                self._wait_exits(EXIT_WAIT if ok else 1.0, exit_note if ok else None)
             self._stop_processes()
             self._reader.drain(timeout=1.0)
             self._drain_output(display)
@@ -193,8 +196,15 @@ class Pool:
             if self._files is not None:
                 self._files.cleanup()
 
-    def _wait_exits(self, limit: float) -> None:
+    def _wait_exits(self, limit: float, note=None) -> None:
         deadline = time.monotonic() + limit
+        if note is not None:  # said from here, not from a timer thread: a launch starts no thread for it
+            self._join_until(min(deadline, time.monotonic() + EXIT_NOTE_AFTER))
+            if self.any_alive():
+                note(EXIT_NOTE)
+        self._join_until(deadline)
+
+    def _join_until(self, deadline: float) -> None:
         if not self.remote:  # each join wakes as its process ends, where a look every 2 ms came late
             for p in self._processes:
                 p.join(max(deadline - time.monotonic(), 0.0))
