@@ -70,8 +70,8 @@ def pytest_runtest_call(item):
 # another: two Ray clusters starting at once on 2 cores miss Ray's own start-up deadlines (what they
 # look for among the machine's processes is their worker's: tests/conftest.py's `this_workers`).
 # SLURM needs no such care: each worker starts a cluster of its own (its own name, ports, state).
-# The longest go first, so that no worker is left with a long file at the end (seconds each took
-# in a full run of the suite on 3 workers, 2 cores). xdist's own --dist loadgroup cannot do this: under
+# The longest go first, so that no worker is left with a long file at the end (seconds measured
+# serially on 2 cores with --durations=0). xdist's own --dist loadgroup cannot do this: under
 # pytest 9 it no longer changes the tests' ids, and splits a file's tests across workers.
 SHARED_WORKER = {"tests/test_ray.py": "ray", "tests/test_ray_gone.py": "ray", "tests/test_two_nodes.py": "ray",
                  "tests/test_scale.py": "ray",
@@ -81,13 +81,13 @@ SHARED_WORKER = {"tests/test_ray.py": "ray", "tests/test_ray_gone.py": "ray", "t
                  # DeepSpeed's shared-memory buffers are looked for machine-wide
                  "tests/test_deepspeed.py": "deepspeed", "tests/test_quiet_cells.py": "deepspeed",
                  "notebooks/07_sharded.ipynb": "deepspeed"}
-MEASURED = {"ray": 496, "deepspeed": 199, "tests/test_submit.py": 180, "trackers": 154, "tests/test_hostile.py": 143,
-            "tests/test_slurm.py": 124, "tests/test_libraries.py": 85, "tests/test_ddp_tutorial_series.py": 75,
-            "tests/test_launch.py": 67, "tests/test_template.py": 66, "tests/test_process_tree.py": 65,
-            "tests/test_script.py": 61, "tests/test_doctor.py": 54, "notebooks/08_clusters.ipynb": 54,
-            "tests/test_browser.py": 51, "tests/test_magics.py": 50, "tests/test_restarts.py": 45,
-            "tests/test_run_files.py": 43, "tests/test_sweep.py": 40, "tests/test_kernel_watcher.py": 38,
-            "tests/test_packaging.py": 35, "tests/test_cli.py": 35, "tests/test_module_reload.py": 34}
+MEASURED = {"ray": 350, "tests/test_submit.py": 135, "trackers": 168, "tests/test_hostile.py": 128,
+            "tests/test_slurm.py": 98, "tests/test_libraries.py": 74,
+            "tests/test_launch.py": 64, "deepspeed": 93, "tests/test_sweep.py": 57,
+            "tests/test_doctor.py": 53, "tests/test_template.py": 51, "tests/test_browser.py": 50,
+            "tests/test_rendezvous.py": 49, "tests/test_process_tree.py": 46, "tests/test_ddp_tutorial_series.py": 46,
+            "tests/test_packaging.py": 42, "tests/test_script.py": 41, "tests/test_mapping.py": 38,
+            "tests/test_run_files.py": 38, "tests/test_cli.py": 35, "tests/test_restarts.py": 34}
 
 
 def worker_group(nodeid: str) -> str:
