@@ -209,8 +209,10 @@ def test_every_rank_looks_like_a_torchrun_worker(nb, placement):
 
 
 @pytest.mark.parametrize("placement", ["fork", "template"])
-def test_a_lightning_trainer_with_strategy_ddp_joins_the_ranks(nb, placement):
-    lightning_joined(values(nb, f"on({placement!r}, lightning)"))
+@pytest.mark.parametrize("function, joined", [("lightning", lightning_joined), ("accelerate_loop", accelerate_joined),
+                                              ("fabric_loop", fabric_joined)], ids=["lightning", "accelerate", "fabric"])
+def test_a_lightning_trainer_accelerate_and_fabric_join_the_ranks(nb, placement, function, joined):
+    joined(values(nb, f"on({placement!r}, {function})"))
 
 
 def test_script_ranks_look_like_torchrun_workers_and_lightning_accelerate_and_fabric_join_them(nb):
@@ -241,16 +243,6 @@ def test_lightning_ddp_notebook_inside_a_rank_is_refused_naming_the_call(nb):
     message = failure(nb, "on('fork', lightning, 'ddp_notebook')")
     assert "NestedLaunchError: a Lightning Trainer with strategy 'ddp_notebook'" in message, message
     assert "give the Trainer strategy='ddp' (or 'auto') and devices=LOCAL_WORLD_SIZE" in message
-
-
-@pytest.mark.parametrize("placement", ["fork", "template"])
-def test_accelerate_joins_the_ranks(nb, placement):
-    accelerate_joined(values(nb, f"on({placement!r}, accelerate_loop)"))
-
-
-@pytest.mark.parametrize("placement", ["fork", "template"])
-def test_lightning_fabric_joins_the_ranks(nb, placement):
-    fabric_joined(values(nb, f"on({placement!r}, fabric_loop)"))
 
 
 def test_a_nested_fabric_ddp_notebook_is_refused_with_fabrics_advice(nb):
