@@ -134,3 +134,45 @@ def test_a_real_kernel_that_used_cuda_trains_on_the_gpu_through_the_magic_and_la
     assert said[1].strip() == "True"
     assert "ddp template ('DistributedDataParallel', 'cuda:0', 'nccl')" in said[2], said[2]
     assert "(started by template" in said[4] and "[rank 0] cuda:0 nccl" in said[4], said[4]
+
+
+def test_a_sweep_and_a_map_run_their_trials_and_workers_on_the_gpu():
+    """Wave 4's many-runs paths on a real GPU: each sweep trial and each map worker is its own
+    process on its slot's GPU (CUDA_VISIBLE_DEVICES narrowed to it), and `Ranks.map` runs on live
+    CUDA ranks with the model they hold."""
+    out = run_fresh("""
+import os, optuna, torch, nbtrain
+from optuna.distributions import FloatDistribution
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+def fit(lr):
+    ctx = nbtrain.context()
+    model = torch.nn.Linear(8, 1).to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    x = torch.randn(64, 8, device=ctx.device); y = x.sum(1, keepdim=True)
+    for step in range(10):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        ctx.log("loss", loss, step=step)
+    return str(next(model.parameters()).device), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+search = nbtrain.sweep(fit, {"lr": FloatDistribution(1e-3, 0.1, log=True)}, trials=2, metric="loss",
+                       accelerator="gpu", progress=False)
+print("sweep", len(search.study.trials), search.best_result.value, search.best_value < 1e9)
+
+def where(x):
+    return str(x.cuda().device), float(x.cuda().sum())
+print("map", nbtrain.map(where, [torch.ones(3), torch.ones(5)], accelerator="gpu", progress=False))
+
+torch.zeros(1, device="cuda")                  # CUDA in the kernel: live ranks from the template
+with nbtrain.Ranks(devices=1, progress=False) as ranks:
+    ranks.exec("model = torch.nn.Linear(4, 1, bias=False).to(ctx.device); torch.nn.init.ones_(model.weight)")
+    def predict(x):
+        with torch.no_grad():
+            return str(model.weight.device), float(model(x.to(model.weight.device)).sum())
+    print("ranks.map", ranks.map(predict, [torch.ones(2, 4), torch.ones(1, 4)]))
+""")
+    print(out)
+    assert "sweep 2 ('cuda:0', '0') True" in out, out
+    assert "map [('cuda:0', 3.0), ('cuda:0', 5.0)]" in out, out
+    assert "ranks.map [('cuda:0', 8.0), ('cuda:0', 4.0)]" in out, out
