@@ -136,7 +136,7 @@ def test_a_real_kernel_that_used_cuda_trains_on_the_gpu_through_the_magic_and_la
     assert "(started by template" in said[4] and "[rank 0] cuda:0 nccl" in said[4], said[4]
 
 
-def test_a_sweep_and_a_map_run_their_trials_and_workers_on_the_gpu():
+def test_a_sweep_and_a_map_run_their_trials_and_workers_on_the_gpu(tmp_path):
     """Wave 4's many-runs paths on a real GPU: each sweep trial and each map worker is its own
     process on its slot's GPU (CUDA_VISIBLE_DEVICES narrowed to it), and `Ranks.map` runs on live
     CUDA ranks with the model they hold."""
@@ -157,7 +157,7 @@ def fit(lr):
     return str(next(model.parameters()).device), os.environ.get("CUDA_VISIBLE_DEVICES")
 
 search = nbtrain.sweep(fit, {"lr": FloatDistribution(1e-3, 0.1, log=True)}, trials=2, metric="loss",
-                       accelerator="gpu", progress=False)
+                       accelerator="gpu", progress=False, run_dir=RUN_DIR)
 print("sweep", len(search.study.trials), search.best_result.value, search.best_value < 1e9)
 
 def where(x):
@@ -171,7 +171,7 @@ with nbtrain.Ranks(devices=1, progress=False) as ranks:
         with torch.no_grad():
             return str(model.weight.device), float(model(x.to(model.weight.device)).sum())
     print("ranks.map", ranks.map(predict, [torch.ones(2, 4), torch.ones(1, 4)]))
-""")
+""".replace("RUN_DIR", repr(str(tmp_path / "sweep"))))
     print(out)
     assert "sweep 2 ('cuda:0', '0') True" in out, out
     assert "map [('cuda:0', 3.0), ('cuda:0', 5.0)]" in out, out
