@@ -228,6 +228,17 @@ def test_timeout_names_finished_ranks(no_leftovers):
     assert "timed out after 3 s; still running: ranks [0]; finished: ranks [1]" in str(info.value)
     assert "slow_data_loading" in info.value.traceback
 
+def test_a_timeout_before_the_ranks_started_says_they_were_still_starting(no_leftovers):
+    # Plain spawned ranks import torch first (seconds); a timeout of 0.2 s comes before either
+    # reached the notebook, so none could send a stack: the report says why, not only "no answer".
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(one_rank_never_returns, devices=2, accelerator="cpu", start="spawn", timeout=0.2,
+                       progress=False)
+    assert "timed out after 0.2 s; still running: ranks [0, 1]" in str(info.value)
+    assert info.value.traceback.count("(no stack: the rank was still starting: it had not reached the notebook yet)") \
+        == 2, info.value.traceback
+
+
 
 def stuck_in_native_code():
     if nbtrain.context().rank == 1:

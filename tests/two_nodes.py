@@ -192,17 +192,27 @@ class TwoNodeRay:
     session (stopping them stops their Ray processes; never `ray stop`, which stops every Ray
     on the machine). Token authentication, with a token of its own (Ray's default for `ray start`)."""
 
+    STARTED = "Ray runtime started."  # what `ray start` prints once its node registered
+
     def __init__(self, root, network: Network):
         import secrets
-        import socket
 
-        self.root, self.network, self.daemons = str(root), network, []
-        with socket.socket() as s:
-            s.bind(("", 0))
-            self.address = f"{network.gateway}:{s.getsockname()[1]}"
+        self.root, self.network, self.daemons, self.attempt = str(root), network, [], 0
+        self.address = self._free_address()
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
         # This process is the driver: Ray reads its token once, so before anything here uses Ray.
         os.environ.update({k: self.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})
+
+    def _free_address(self) -> str:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return f"{self.network.gateway}:{s.getsockname()[1]}"
+
+    @property
+    def _attempt_dir(self) -> str:
+        return os.path.join(self.root, str(self.attempt))  # short: Ray puts unix sockets (108 bytes at most) below it
 
     def _daemon(self, name: str, command: list[str]) -> None:
         import ctypes
@@ -211,30 +221,62 @@ class TwoNodeRay:
         def die_with_the_session():  # SIGTERM: `ray start --block` then stops what it started
             ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: survives exec
 
-        log = open(os.path.join(self.root, f"{name}.log"), "w")
+        log = open(os.path.join(self._attempt_dir, f"{name}.log"), "w")
         self.daemons.append(subprocess.Popen(command, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, preexec_fn=die_with_the_session))
         LocalSlurm.running.add(self.daemons[-1].pid)  # the session's daemons: not a test's leftovers
         log.close()
 
-    def start(self, timeout: float = 180.0) -> None:
+    def start(self, timeout: float = 300.0, tries: int = 3) -> None:
+        """Start the head and the nodes. A try in which a daemon ends before its node registered
+        is stopped whole and made again: Ray gives a starting node a fixed 30 s to register with
+        its GCS, which a loaded 2-core machine can miss ("The current node timed out during
+        startup"), and a `ray start` that gave up leaves nothing to connect to (a driver's
+        `ray.init` then waits minutes on each try)."""
         import ray
 
+        deadline = time.monotonic() + timeout
+        while True:
+            self.attempt += 1
+            os.makedirs(self._attempt_dir)
+            self._start_daemons()
+            ended = self._wait_started(deadline)
+            if ended is None:
+                break
+            if time.monotonic() >= deadline or self.attempt == tries:
+                raise RuntimeError(f"the Ray {ended} did not start (try {self.attempt} of {tries}):\n{self.logs()}")
+            self._stop_daemons()
+            self.address = self._free_address()
+        self._connect(deadline)
+        if not wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 3, deadline - time.monotonic()):
+            raise RuntimeError(f"the Ray nodes did not join within {timeout:g} s:\n{self.logs()}")
+
+    def _start_daemons(self) -> None:
         port = self.address.rsplit(":", 1)[1]
         common = ["--block", "--disable-usage-stats"]
         ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")  # this venv's, active or not
         self._daemon("head", [ray_cli, "start", "--head", f"--port={port}", f"--node-ip-address={self.network.gateway}",
-                              "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={self.root}/head", *common])
+                              "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={self._attempt_dir}/head",
+                              *common])
         for name, address in self.network.nodes.items():
             self._daemon(name, self.network.run_on(name, ray_cli, "start", f"--address={self.address}",
                                                    f"--node-ip-address={address}", "--num-cpus=2",
-                                                   f"--temp-dir={self.root}/{name}", *common))
-        deadline = time.monotonic() + timeout
-        if not wait_until(lambda: _listens(self.address), timeout):
-            raise RuntimeError(f"no Ray head at {self.address} after {timeout:g} s:\n{self.logs()}")
-        self._connect(deadline)
-        if not wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 3, deadline - time.monotonic()):
-            raise RuntimeError(f"the Ray nodes did not join within {timeout:g} s:\n{self.logs()}")
+                                                   f"--temp-dir={self._attempt_dir}/{name}", *common))
+
+    def _wait_started(self, deadline: float) -> str | None:
+        """None once every daemon said that its node started; else the first that ended (its
+        name and exit code), or 'cluster' at the deadline."""
+        waiting = dict(zip(["head", *self.network.nodes], self.daemons))
+        while waiting and time.monotonic() < deadline:
+            for name, process in list(waiting.items()):
+                with open(os.path.join(self._attempt_dir, f"{name}.log")) as log:
+                    said = log.read()
+                if self.STARTED in said:
+                    del waiting[name]
+                elif process.poll() is not None:
+                    return f"{name} (exit code {process.returncode})"
+            time.sleep(0.2)
+        return "cluster" if waiting else None
 
     def _connect(self, deadline: float) -> None:
         """ray.init as this session's driver, again until the deadline: under load the head's port
@@ -261,8 +303,9 @@ class TwoNodeRay:
                 time.sleep(1)
 
     def logs(self) -> str:
-        return "\n".join(f"--- {name}\n{open(os.path.join(self.root, name)).read()[-2000:]}"
-                         for name in sorted(os.listdir(self.root)) if name.endswith(".log"))
+        where = self._attempt_dir  # the latest try's
+        return "\n".join(f"--- {name}\n{open(os.path.join(where, name)).read()[-2000:]}"
+                          for name in sorted(os.listdir(where)) if name.endswith(".log"))
 
     def actors_on(self, node: str) -> list[int]:
         """The rank actors' processes (`ray::RankActor`) on a node."""
@@ -281,6 +324,13 @@ class TwoNodeRay:
         ray.shutdown()
         for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
             os.environ.pop(name, None)
+        self._stop_daemons()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _stop_daemons(self) -> None:
+        """Stop this cluster's `ray start` processes, then what they started and left: a `ray
+        start` that gave up leaves its GCS or raylet running. Those are found by this cluster's
+        own temporary folder in their command lines, never by name."""
         for process in reversed(self.daemons):  # the workers first, then the head
             process.terminate()
         for process in self.daemons:
@@ -290,18 +340,16 @@ class TwoNodeRay:
                 process.kill()
                 process.wait()
             LocalSlurm.running.discard(process.pid)
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _listens(address: str) -> bool:
-    import socket
-
-    host, port = address.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=1).close()
-        return True
-    except OSError:
-        return False
+        self.daemons = []
+        left = []
+        for process in psutil.process_iter(["cmdline"]):
+            if any(self.root in part for part in process.info["cmdline"] or ()):
+                left.append(process)
+                try:
+                    process.kill()
+                except psutil.NoSuchProcess:
+                    pass
+        psutil.wait_procs(left, timeout=10)
 
 
 def wait_until(condition, timeout: float = 30.0) -> bool:

@@ -319,7 +319,7 @@ class Supervisor:
         for r in order:
             folded, whole = native_note(r, self.state.ranks[r].pid, self.pool.remote)
             role = " (waiting)" if r in waiting else ""
-            python = stacks.get(r) or "(no stack: the rank did not answer)"
+            python = stacks.get(r) or _no_stack(self.state.ranks[r].status)
             shown.append(f"--- rank {r} stack{role} ---\n{python}{folded}")
             self._stacks[r] = f"{python}{whole}"
         self.state.fail(order[0], summary, "\n\n".join(shown))
@@ -527,3 +527,11 @@ class Supervisor:
 
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _no_stack(status: str) -> str:
+    """What stands for a rank's stack when it sent none: one still starting (importing, or not
+    yet connected to the notebook) cannot answer, which says more than a silence."""
+    if status == "starting":
+        return "(no stack: the rank was still starting: it had not reached the notebook yet)"
+    return "(no stack: the rank did not answer)"
