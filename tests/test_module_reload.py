@@ -14,18 +14,31 @@ def write_module(path, answer: int) -> None:
     os.utime(path, (stamp, stamp))
 
 
-@pytest.fixture
-def nb(tmp_path):
+@pytest.fixture(scope="module")
+def one_kernel():
+    """One kernel for the module (a kernel is seconds of CPU): each test imports its own `edited`."""
     from conftest import Kernel
 
-    write_module(tmp_path / "edited.py", 1)
     kernel = Kernel()
-    _, _, error, _ = kernel.run("%load_ext nbtrain\nimport importlib, os, sys, nbtrain\n"
-                                f"sys.path.insert(0, {str(tmp_path)!r})\nos.chdir(sys.path[0])\nimport edited")
+    try:
+        _, _, error, _ = kernel.run("%load_ext nbtrain\nimport importlib, os, sys, nbtrain")
+        assert error is None, error
+        yield kernel
+    finally:
+        kernel.close()
+
+
+@pytest.fixture
+def nb(one_kernel, tmp_path):
+    """The kernel with a fresh `edited` (version 1) from this test's folder: the last test's module
+    is forgotten and its folder off the path, its template stopped (it imported the old file)."""
+    write_module(tmp_path / "edited.py", 1)
+    _, _, error, _ = one_kernel.run(f"sys.modules.pop('edited', None)\nsys.path.insert(0, {str(tmp_path)!r})\n"
+                                    "os.chdir(sys.path[0])\nimport edited")
     assert error is None, error
-    yield kernel
-    kernel.run("nbtrain.stop_template()")
-    kernel.close()
+    yield one_kernel
+    _, _, error, _ = one_kernel.run(f"nbtrain.stop_template()\nsys.path.remove({str(tmp_path)!r})")
+    assert error is None, error
 
 
 @pytest.mark.slow
