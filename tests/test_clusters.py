@@ -312,3 +312,40 @@ def test_live_ranks_on_several_nodes_need_a_cluster():
     for bad in (2, 0, "2"):
         with pytest.raises(ValueError, match=r"num_nodes=.*: give an int >= 1; more than one node needs a cluster"):
             nbtrain.Ranks(devices=1, num_nodes=bad)
+
+
+class _RayStartingLate:
+    """Stands in for the `ray` module's start (only its init and shutdown): its first starts fail
+    as Ray's do on a loaded machine, a node that missed Ray's fixed 30 s to register."""
+
+    def __init__(self, failures: int, words: str = "The current node timed out during startup. This could happen "
+                 "because some of the raylet failed to startup or the GCS has become overloaded."):
+        self.failures, self.words, self.calls = failures, words, []
+
+    def init(self, address=None):
+        self.calls.append(("init", address))
+        if len([c for c in self.calls if c[0] == "init"]) <= self.failures:
+            raise Exception(self.words)
+
+    def shutdown(self):
+        self.calls.append(("shutdown", None))
+
+
+def test_a_local_ray_whose_start_timed_out_is_shut_down_and_started_once_more(capsys):
+    from nbtrain.placements.clusters.ray import _init
+
+    once = _RayStartingLate(failures=1)
+    _init(once, None)
+    assert once.calls == [("init", None), ("shutdown", None), ("init", None)]
+    assert "Ray's local start timed out" in capsys.readouterr().err
+    twice = _RayStartingLate(failures=2)
+    with pytest.raises(Exception, match="timed out during startup"):
+        _init(twice, None)  # said, not tried forever
+    joining = _RayStartingLate(failures=1)
+    with pytest.raises(Exception, match="timed out during startup"):
+        _init(joining, "10.0.0.1:6379")  # a cluster the user named: its failure is theirs to see at once
+    assert joining.calls == [("init", "10.0.0.1:6379")]
+    other = _RayStartingLate(failures=1, words="ValueError: num_cpus must be positive")
+    with pytest.raises(Exception, match="num_cpus"):
+        _init(other, None)
+    assert other.calls == [("init", None)]

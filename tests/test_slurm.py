@@ -112,15 +112,16 @@ def test_a_waiting_job_says_why_and_its_wait_is_not_a_stall(slurm, tmp_path):
             return bool(held)
 
         if wait_until(is_held, 60):
-            time.sleep(12)
+            time.sleep(35)  # longer than the run's timeout below
             subprocess.run(["scontrol", "release", held[0]], check=True)
 
     releaser = threading.Thread(target=release_when_held)
     releaser.start()
     recorder = Recorder(tmp_path / "unused")
     try:  # held longer than the run's timeout: the time in the queue must not count
+        # 30 s: the tasks' own start (each imports torch) counts, and took more than 10 s under load
         result = nbtrain.launch(lambda: nbtrain.context().rank, devices=2, cluster=nbtrain.Slurm(hold=True),
-                                timeout=10, progress=recorder)
+                                timeout=30, progress=recorder)
     finally:
         releaser.join()
     assert result.values == [0, 1]

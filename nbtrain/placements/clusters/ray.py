@@ -34,6 +34,8 @@ from .base import (
 
 PLACING_QUIET = 1.0  # seconds a placement may take before the display says it waits for resources
 GCS_LOOK = 1.0  # seconds between looks at whether Ray's cluster still answers (and a look's limit)
+LOCAL_START_TRIES = 2  # a local Ray whose start timed out is started once more (see _init)
+STARTUP_TIMED_OUT = "timed out during startup"  # Ray's words for a node that missed its deadline
 
 
 class Ray(Cluster):
@@ -46,7 +48,8 @@ class Ray(Cluster):
     ----------
     address : str, optional
         None joins the Ray that ``ray.init`` already started in this kernel, or starts a local
-        one (or joins ``RAY_ADDRESS``); 'auto', 'HOST:6379' or 'ray://HOST:10001' join a
+        one (or joins ``RAY_ADDRESS``; a local start that misses Ray's start-up deadline on a
+        loaded machine is tried once more); 'auto', 'HOST:6379' or 'ray://HOST:10001' join a
         running cluster.
     num_workers : int, optional
         Ranks, placed wherever they fit. Without it, launch's ``devices`` ranks on each of
@@ -145,7 +148,7 @@ class RayPlacement(RemotePlacement):
             if _LOST and self.cluster.address is None:  # a new local Ray is not the one that was lost
                 raise RuntimeError(f"{_LOST[-1]}. Connect again with ray.init(...) (nbtrain then uses that Ray), "
                                    "or give nbtrain.Ray(address=...).")
-            ray.init(address=self.cluster.address)
+            _init(ray, self.cluster.address)
         return ray
 
     def channel_options(self, job: Job) -> dict:
@@ -200,6 +203,25 @@ class RayPlacement(RemotePlacement):
     def _cleanup(self, job: Job) -> None:
         if self.group is not None:
             self.group.remove()
+
+
+def _init(ray, address: str | None) -> None:
+    """`ray.init`; a local Ray that missed Ray's own start-up deadline is started once more.
+
+    Ray gives a new node's raylet a fixed 30 s to register with its GCS ("The current node timed
+    out during startup"), which a loaded machine (a shared login node, a 2-core notebook server)
+    can miss; the half-started node is shut down first. Joining a cluster (`address`) is not
+    retried: a cluster that does not answer is the user's to see at once.
+    """
+    for attempt in range(LOCAL_START_TRIES):
+        try:
+            ray.init(address=address)
+            return
+        except Exception as exc:
+            if address is not None or STARTUP_TIMED_OUT not in str(exc) or attempt == LOCAL_START_TRIES - 1:
+                raise
+            ray.shutdown()
+            print(f"nbtrain: Ray's local start timed out ({exc}); starting it again", file=sys.stderr, flush=True)
 
 
 def _keep_print() -> None:
