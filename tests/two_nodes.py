@@ -28,6 +28,9 @@ import psutil
 from conftest import LocalSlurm
 
 HOSTS = "/etc/hosts"
+# A starting Ray node's processes run ahead of the other tests' (niceness below 0 needs root, as
+# the two nodes do): Ray's fixed 30 s for a raylet to register is otherwise missed under load.
+STARTING_NICENESS = -5
 
 
 def unavailable() -> str | None:
@@ -214,33 +217,37 @@ class TwoNodeRay:
     def _attempt_dir(self) -> str:
         return os.path.join(self.root, str(self.attempt))  # short: Ray puts unix sockets (108 bytes at most) below it
 
-    def _daemon(self, name: str, command: list[str]) -> None:
+    def _daemon(self, name: str, command: list[str]) -> subprocess.Popen:
         import ctypes
         import signal
 
-        def die_with_the_session():  # SIGTERM: `ray start --block` then stops what it started
-            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: survives exec
+        def as_a_starting_daemon():
+            # PR_SET_PDEATHSIG (survives exec): SIGTERM, and `ray start --block` stops what it started
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+            os.setpriority(os.PRIO_PROCESS, 0, STARTING_NICENESS)  # see start(); its children inherit it
 
         log = open(os.path.join(self._attempt_dir, f"{name}.log"), "w")
         self.daemons.append(subprocess.Popen(command, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
-                                             stderr=subprocess.STDOUT, preexec_fn=die_with_the_session))
+                                             stderr=subprocess.STDOUT, preexec_fn=as_a_starting_daemon))
         LocalSlurm.running.add(self.daemons[-1].pid)  # the session's daemons: not a test's leftovers
         log.close()
+        return self.daemons[-1]
 
     def start(self, timeout: float = 300.0, tries: int = 3) -> None:
-        """Start the head and the nodes. A try in which a daemon ends before its node registered
-        is stopped whole and made again: Ray gives a starting node a fixed 30 s to register with
-        its GCS, which a loaded 2-core machine can miss ("The current node timed out during
-        startup"), and a `ray start` that gave up leaves nothing to connect to (a driver's
-        `ray.init` then waits minutes on each try)."""
+        """Start the head, then each node once the one before has registered. Ray gives a starting
+        node a fixed 30 s to register with its GCS, which a loaded 2-core machine misses (three
+        nodes starting at once beside the other tests' work: "The current node timed out during
+        startup"); so the nodes start one at a time, their processes ahead of the other tests'
+        (`STARTING_NICENESS`) until all have joined, then back at the usual priority, where the
+        tests' ranks run. A try in which a daemon still gave up is stopped whole and made again:
+        a `ray start` that gave up leaves nothing to connect to."""
         import ray
 
         deadline = time.monotonic() + timeout
         while True:
             self.attempt += 1
             os.makedirs(self._attempt_dir)
-            self._start_daemons()
-            ended = self._wait_started(deadline)
+            ended = self._start_nodes(deadline)
             if ended is None:
                 break
             if time.monotonic() >= deadline or self.attempt == tries:
@@ -248,35 +255,45 @@ class TwoNodeRay:
             self._stop_daemons()
             self.address = self._free_address()
         self._connect(deadline)
-        if not wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 3, deadline - time.monotonic()):
+        joined = wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 3, deadline - time.monotonic())
+        self._at_usual_priority()
+        if not joined:
             raise RuntimeError(f"the Ray nodes did not join within {timeout:g} s:\n{self.logs()}")
 
-    def _start_daemons(self) -> None:
+    def _start_nodes(self, deadline: float) -> str | None:
+        """Start the head, then each node, each once the last said that it started; None when all
+        did, else the first that ended (its name and exit code) or did not start by the deadline."""
         port = self.address.rsplit(":", 1)[1]
         common = ["--block", "--disable-usage-stats"]
         ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")  # this venv's, active or not
-        self._daemon("head", [ray_cli, "start", "--head", f"--port={port}", f"--node-ip-address={self.network.gateway}",
-                              "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={self._attempt_dir}/head",
-                              *common])
+        commands = {"head": [ray_cli, "start", "--head", f"--port={port}", f"--node-ip-address={self.network.gateway}",
+                             "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={self._attempt_dir}/head",
+                             *common]}
         for name, address in self.network.nodes.items():
-            self._daemon(name, self.network.run_on(name, ray_cli, "start", f"--address={self.address}",
-                                                   f"--node-ip-address={address}", "--num-cpus=2",
-                                                   f"--temp-dir={self._attempt_dir}/{name}", *common))
-
-    def _wait_started(self, deadline: float) -> str | None:
-        """None once every daemon said that its node started; else the first that ended (its
-        name and exit code), or 'cluster' at the deadline."""
-        waiting = dict(zip(["head", *self.network.nodes], self.daemons))
-        while waiting and time.monotonic() < deadline:
-            for name, process in list(waiting.items()):
+            commands[name] = self.network.run_on(name, ray_cli, "start", f"--address={self.address}",
+                                                 f"--node-ip-address={address}", "--num-cpus=2",
+                                                 f"--temp-dir={self._attempt_dir}/{name}", *common)
+        for name, command in commands.items():
+            process = self._daemon(name, command)
+            while True:
                 with open(os.path.join(self._attempt_dir, f"{name}.log")) as log:
-                    said = log.read()
-                if self.STARTED in said:
-                    del waiting[name]
-                elif process.poll() is not None:
+                    if self.STARTED in log.read():
+                        break
+                if process.poll() is not None:
                     return f"{name} (exit code {process.returncode})"
-            time.sleep(0.2)
-        return "cluster" if waiting else None
+                if time.monotonic() >= deadline:
+                    return f"{name} (not started by the deadline)"
+                time.sleep(0.2)
+        return None
+
+    def _at_usual_priority(self) -> None:
+        """This cluster's processes (found by its folder in their command lines) back at priority 0."""
+        for process in psutil.process_iter(["cmdline"]):
+            try:
+                if any(self.root in part for part in process.info["cmdline"] or ()):
+                    process.nice(0)
+            except psutil.Error:
+                pass
 
     def _connect(self, deadline: float) -> None:
         """ray.init as this session's driver, again until the deadline: under load the head's port
