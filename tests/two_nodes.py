@@ -286,12 +286,14 @@ class TwoNodeRay:
                 time.sleep(0.2)
         return None
 
+    def _processes(self) -> list[psutil.Process]:
+        """This cluster's processes, found by its own folder in their command lines (never by name)."""
+        return [p for p in psutil.process_iter(["cmdline"]) if any(self.root in part for part in p.info["cmdline"] or ())]
+
     def _at_usual_priority(self) -> None:
-        """This cluster's processes (found by its folder in their command lines) back at priority 0."""
-        for process in psutil.process_iter(["cmdline"]):
+        for process in self._processes():
             try:
-                if any(self.root in part for part in process.info["cmdline"] or ()):
-                    process.nice(0)
+                process.nice(0)
             except psutil.Error:
                 pass
 
@@ -358,14 +360,12 @@ class TwoNodeRay:
                 process.wait()
             LocalSlurm.running.discard(process.pid)
         self.daemons = []
-        left = []
-        for process in psutil.process_iter(["cmdline"]):
-            if any(self.root in part for part in process.info["cmdline"] or ()):
-                left.append(process)
-                try:
-                    process.kill()
-                except psutil.NoSuchProcess:
-                    pass
+        left = self._processes()
+        for process in left:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
         psutil.wait_procs(left, timeout=10)
 
 
