@@ -79,6 +79,31 @@ def test_ranks_get_torchrun_environment(start, no_leftovers):
     assert ctx0 == (0, 2, True, "cpu") and ctx1 == (1, 2, False, "cpu")
 
 
+def join_a_gloo_group_counting_barriers():
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    met, real = [], c10d.barrier
+    c10d.barrier = lambda *args, **kwargs: (met.append(args or kwargs), real(*args, **kwargs))[1]
+    setting_before = os.environ["TORCH_DIST_INIT_BARRIER"]
+    dist.init_process_group("gloo")
+    return len(met), setting_before, os.environ["TORCH_DIST_INIT_BARRIER"]
+
+
+@pytest.mark.parametrize("users_setting, met", [(None, 1), ("0", 0)])
+def test_a_gloo_group_is_set_up_only_once_every_rank_is_connected(users_setting, met, monkeypatch, no_leftovers):
+    # A rank that returns right after its set-up tore its group down while a peer still connected
+    # (test_libraries.py's Accelerator race). The ranks meet once over the gloo mesh just made: c10d's
+    # barrier, not torch's store barrier (TORCH_DIST_INIT_BARRIER, ~4-10 ms polling the file store);
+    # the variable still reads "1" in the ranks, and a user's own setting wins.
+    if users_setting is not None:
+        monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", users_setting)
+    result = nbtrain.launch(join_a_gloo_group_counting_barriers, devices=2, accelerator="cpu", start="fork",
+                            progress=False)
+    setting = users_setting or "1"
+    assert result.values == [(met, setting, setting)] * 2
+
+
 def test_the_earlier_names_run_as_their_pair_and_are_said_once(capfd, monkeypatch, no_leftovers):
     monkeypatch.setattr(choices, "_said", set())  # as in a fresh kernel
     runs = [nbtrain.launch(report_environment, devices=2, accelerator="cpu", strategy="ddp_notebook", progress=False)

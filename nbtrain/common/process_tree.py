@@ -38,14 +38,21 @@ _watcher: list[int] = []  # this rank's watcher, spared by its own end_descendan
 
 
 def become_subreaper() -> None:
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def _prctl(option: int, value: int) -> bool:
+def prctl(option: int, value: int) -> bool:
+    """Linux's prctl(2); False where it failed or there is none."""
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl(option, value) == 0
-    except (OSError, AttributeError):  # not Linux
+        return _LIBC is not None and _LIBC.prctl(option, value) == 0
+    except AttributeError:  # a C library without prctl: not Linux
         return False
+
+
+try:  # loaded once, as the kernel imports this module: a forked rank has it (~0.4 ms of its start each time)
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:
+    _LIBC = None
 
 
 def watch_rank(parent_pid: int) -> bool:

@@ -1,4 +1,4 @@
-"""ddp_fork and plain spawn: ranks forked from the kernel (a `multiprocess` process), or fresh
+"""ddp_fork and plain spawn: ranks forked from the kernel (`os.fork`), or fresh
 interpreters (`subprocess`) that read their first command, already packed by dill, from a pipe.
 
 Each rank gets its own stdout and stderr pipes, read by the notebook, so C-level output and
@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
 import socket
 import subprocess
 import sys
 import threading
+import time
+import traceback
 import warnings
 from typing import IO, Any
 
@@ -122,25 +125,62 @@ def _own_group(pid: int) -> None:
         pass
 
 
-def _forked(proc, ranks: list[int]) -> RankProcess:
-    ended: list[int] = []  # the exit code, kept: a closed process object cannot be asked again
-    closed: list[bool] = []
+def _fork(target, *args) -> int:
+    """Fork this process to run `target(*args)`, which ends the child with `os._exit`; the child's
+    pid. A plain fork: multiprocessing's Process flushed the kernel's streams before each fork
+    (ipykernel's flush waits for its I/O thread) and ran its own bootstrap in the child, ~1-2 ms
+    of every rank's start. `_start` flushes once per launch."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _quiet_stdin()
+            target(*args)
+        except BaseException:  # noqa: B036 - a fork must never return into the kernel's code
+            traceback.print_exc()
+        os._exit(1)  # reached only where the target failed before its own exit
+    return pid
+
+
+def _quiet_stdin() -> None:
+    """A rank reads nothing from the kernel's stdin: an `input()` there reads end-of-file at once."""
+    try:
+        sys.stdin = open(os.devnull, encoding="utf-8")  # the process's stdin for its life
+    except OSError:
+        pass
+
+
+def _forked(pid: int, ranks: list[int]) -> RankProcess:
+    """A forked rank's process: reaped once (its exit code kept), waited on through a pidfd."""
+    ended: list[int] = []
+    try:
+        exits = [os.pidfd_open(pid)]  # readable once the process has ended
+    except (AttributeError, OSError):  # not Linux 5.3+: join looks every 5 ms
+        exits = []
 
     def poll() -> int | None:
-        if not ended and proc.exitcode is not None:
-            ended.append(proc.exitcode)
+        if not ended:
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else (a kernel that ignores SIGCHLD)
+                return None
+            if done:
+                ended.append(os.waitstatus_to_exitcode(status))
+                close()
         return ended[0] if ended else None
 
     def join(timeout: float) -> None:
-        if not ended:
-            proc.join(timeout)
+        deadline = time.monotonic() + timeout
+        while poll() is None and (left := deadline - time.monotonic()) > 0:
+            if exits:
+                select.select(exits, [], [], left)
+            else:
+                time.sleep(min(left, 0.005))
 
     def close() -> None:
-        if poll() is not None and not closed:
-            proc.close()
-            closed.append(True)
+        while exits:
+            os.close(exits.pop())
 
-    return RankProcess(ranks, proc.pid, poll, join, close)
+    return RankProcess(ranks, pid, poll, join, close)
 
 
 def _spawned(proc: subprocess.Popen, ranks: list[int]) -> RankProcess:
@@ -187,9 +227,11 @@ class ForkLauncher(ProcessLauncher):
         return (job.fn, job.args, job.kwargs)  # inherited by the fork: nothing needs to pickle
 
     def _start(self, job, channel_env, pump, started) -> None:
-        import multiprocess
-
-        context = multiprocess.get_context("fork")
+        for stream in (sys.stdout, sys.stderr):  # what the kernel holds unsent is not sent by its ranks too
+            try:
+                stream.flush()
+            except Exception:  # a closed or odd stream object: nothing to duplicate
+                pass
         pipes = _Pipes(job.ranks, pump)
         # Each rank's channel, connected before it starts: no dial, no challenge (`Hub.adopt`).
         channels = {rank: socket.socketpair() for rank in job.ranks}
@@ -197,24 +239,30 @@ class ForkLauncher(ProcessLauncher):
         every_end = (pipes.read_ends + [fd for fds in pipes.write_ends.values() for fd in fds]
                      + [end.fileno() for pair in channels.values() for end in pair])
         try:
+            # Everything the forks take is made first: after the first fork each page the kernel writes
+            # is copied (the rank shares them), and the next rank would start that much later.
+            forks = {}
             for local, rank in enumerate(job.ranks):
-                ours, theirs = channels[rank]
+                theirs = channels[rank][1]
                 env = {**rank_environ(job, local, channel_env), **parent_thread(), FD_VAR: str(theirs.fileno())}
                 env.setdefault("TOKENIZERS_PARALLELISM", os.environ.get("TOKENIZERS_PARALLELISM", "false"))
                 out_w, err_w = pipes.write_ends[rank]
                 others = [fd for fd in every_end if fd not in (out_w, err_w, theirs.fileno())]
-                proc = context.Process(target=_fork_main, name=f"nbtrain-rank{rank}",
-                                       args=(job.first, job.live, env, out_w, err_w, others, os.getpid(), watcher))
-                with warnings.catch_warnings():
-                    # A kernel always has threads (Python 3.12+ warns on every fork). The child
-                    # touches none of their state: it replaces the kernel's streams and runs
-                    # only the rank's own code; the kernel was warmed before forking.
-                    warnings.filterwarnings("ignore", message=".*multi-threaded, use of fork",
-                                            category=DeprecationWarning)
-                    proc.start()
-                _own_group(proc.pid)
-                started.append(_forked(proc, [rank]))
-                self.adopt(ours)
+                forks[rank] = (job.first, job.live, env, out_w, err_w, others, os.getpid(), watcher)
+            with warnings.catch_warnings():
+                # A kernel always has threads (Python 3.12+ warns on every fork). The child
+                # touches none of their state: it replaces the kernel's streams and runs
+                # only the rank's own code; the kernel was warmed before forking.
+                warnings.filterwarnings("ignore", message=".*multi-threaded, use of fork", category=DeprecationWarning)
+                for rank, args in forks.items():
+                    pid = _fork(_fork_main, *args)
+                    _own_group(pid)
+                    started.append(_forked(pid, [rank]))
+            # Served once every rank is forked: a reading thread's start (1-2 ms here, the new rank
+            # competing for the CPU) no longer delays the next fork; what a rank sends first waits
+            # in its socket's buffer.
+            for rank in job.ranks:
+                self.adopt(channels[rank][0])
         finally:
             pipes.close_write_ends()
             # The ranks' ends, once every rank is forked: a descriptor freed before a fork could be

@@ -69,11 +69,14 @@ class NestedLaunchError(RuntimeError):
 def become_torchrun_worker() -> None:
     """Called once in every rank before the user's code runs."""
     os.environ.setdefault("NBTRAIN_MASTER", f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}")
-    # torch's barrier at the end of init_process_group (off by default): no rank leaves the set-up
-    # until every rank's gloo mesh is connected. Without it a rank whose code returns right after
-    # (`Accelerator()` and return) tore its group down while a peer was still connecting to it,
-    # which failed that peer with "Gloo connectFullMesh failed ... Connection closed by peer"
-    # (1 launch in 120 on the template here). The user's own setting wins.
+    # A barrier at the end of init_process_group: no rank leaves the set-up until every rank's gloo
+    # mesh is connected. Without it a rank whose code returns right after (`Accelerator()` and
+    # return) tore its group down while a peer was still connecting to it, which failed that peer
+    # with "Gloo connectFullMesh failed ... Connection closed by peer" (1 launch in 120 on the
+    # template, 1 in 200 forked, here). torch's own (TORCH_DIST_INIT_BARRIER, off by default) waits
+    # on the store, which a FileStore polls every 10 ms; a gloo group meets over its own sockets
+    # instead (`init_process_group` below). The user's own setting wins.
+    _OUR_INIT_BARRIER[0] = "TORCH_DIST_INIT_BARRIER" not in os.environ
     os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
     _forget_the_kernel()
     _refuse_nested_launches()
@@ -139,6 +142,7 @@ def _nested(call: str) -> NestedLaunchError:
 
 
 _DESTROY_ASKED = [False]  # the user's destroy_process_group(), carried out when the command ends
+_OUR_INIT_BARRIER = [False]  # nbtrain, not the user, set TORCH_DIST_INIT_BARRIER (become_torchrun_worker)
 
 
 def _adopt_process_group_calls() -> None:
@@ -152,7 +156,17 @@ def _adopt_process_group_calls() -> None:
             _check_same_group(backend, kwargs.get("world_size", -1), kwargs.get("rank", -1))
             return None
         _honour_a_chosen_address()
-        return real_init(backend, *args, **kwargs)
+        if not (_OUR_INIT_BARRIER[0] and str(backend).lower() == "gloo"):
+            return real_init(backend, *args, **kwargs)
+        os.environ["TORCH_DIST_INIT_BARRIER"] = "0"  # read by torch's call: its store barrier is replaced below
+        try:
+            real_init(backend, *args, **kwargs)
+        finally:
+            os.environ["TORCH_DIST_INIT_BARRIER"] = "1"
+        # Over the mesh just connected (~0.1 ms where the store's took 4-10 ms), and as part of the
+        # set-up: c10d's own, not the doctor's counted `dist.barrier` (a user's collective).
+        c10d.barrier()
+        return None
 
     # The DDP tutorial's cleanup() destroys the group while its DDP model is still alive in the
     # caller's frame; freeing the model after that hangs the rank in PyTorch's teardown about one

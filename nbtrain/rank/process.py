@@ -5,7 +5,6 @@ process it runs in, for every placement (forked, spawned, template-forked, torch
 """
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import io
 import os
@@ -18,7 +17,7 @@ import time
 from ..common import protocol
 from ..common.kernel_watcher import register
 from ..common.output_reader import OutputReader, end_mark, frame_stderr
-from ..common.process_tree import end_descendants, watch_rank
+from ..common.process_tree import end_descendants, prctl, watch_rank
 
 STACKS_SIGNAL = signal.SIGUSR1  # the notebook sends it to see where a rank is stuck
 PR_SET_PDEATHSIG = 1
@@ -82,17 +81,7 @@ def watched_from_here() -> None:
 
 
 def _parent_death(sig: int) -> None:
-    try:
-        if _LIBC is not None:
-            _LIBC.prctl(PR_SET_PDEATHSIG, sig)
-    except (OSError, AttributeError):  # not Linux: the watchdog covers it
-        pass
-
-
-try:  # loaded once, as the kernel imports this module: a forked rank has it (~0.2 ms of its start each time)
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
-except OSError:
-    _LIBC = None
+    prctl(PR_SET_PDEATHSIG, sig)  # not Linux: the watchdog covers it
 
 
 def _watch_parent(parent_pid: int, watcher: threading.Event | None) -> None:
