@@ -152,6 +152,10 @@ def test_runs_and_attach_in_a_shell(tmp_path, no_leftovers):
     assert sorted(row.split()[1] for row in rows) == ["_fails", "_says_hello"]
     assert all(f" {status} " in f"{row} " for row, status in zip(sorted(rows), ("failed", "finished")))
     assert listing.stdout.strip() == repr(nbtrain.runs(tmp_path / "runs")).strip()
+    # The listing reads each run's files, never its pickles: no torch (its import was ~2.5 s of CPU a listing).
+    code = f"import sys, nbtrain.cli\nnbtrain.cli.main(['runs', {str(tmp_path / 'runs')!r}])\nprint('torch' in sys.modules)"
+    light = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert light.stdout.splitlines()[-1] == "False", light.stdout + light.stderr
 
     shown = nbtrain_cli("attach", str(good.dir), "--lines", "2")
     assert shown.returncode == 0, shown.stderr

@@ -40,6 +40,7 @@ ERROR = "error.pkl"  # the WorkerError, pickled (a failed run)
 SUPERVISOR_LOG = "supervisor.log"  # the supervisor's own stdout and stderr
 SUPERVISOR = "supervisor.json"  # the supervisor's pid and start time (common/session.py), or its SLURM job
 SUMMARY = "summary.json"  # what `runs()` shows: devices, ranks, rank 0's last metrics (display/recorder.py)
+STUDY = "study.db"  # a sweep's Optuna study (notebook/sweep_study.py)
 PARTIAL = ".partial-"  # a run directory being written: .partial-PID-START-NAME, renamed into place when whole
 
 ACTIVE = ("queued", "running", "restarting")

@@ -18,7 +18,6 @@ from typing import Any
 
 from ..common import protocol
 from ..common.protocol import Metric, Vital
-from ..common.transfer import unpack_result
 from . import doctor
 
 RECENT = 10.0  # seconds of (time, steps) kept per rank for its recent step rate
@@ -227,6 +226,8 @@ class RunState:
             self.per_rank_batch_size, self.effective_batch_size = event.per_rank, event.effective
 
     def _on_result(self, view: RankView, returned: protocol.Returned) -> bool:
+        from ..common.transfer import unpack_result  # torch: `nbtrain runs` reads run models without it
+
         try:
             value = unpack_result(returned.payload)
         except AttributeError as exc:  # a class only the rank has: "Can't get attribute 'MLP' on <module '__main__'>"

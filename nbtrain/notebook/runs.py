@@ -24,10 +24,8 @@ from ..common import protocol, runlog, session, wake
 from ..common.private import NotYours, check_own
 from ..display import check_progress, in_jupyter, make_display
 from ..display.widgets import WidgetDisplay
-from .export import export, load_job
 from .result import Result
 from .runmodel import RunState
-from .sweep_study import STUDY_FILE
 
 POLL = 0.2  # seconds between looks at the run directory
 BACKSTOP = 2.0  # ... while waiting for its end, where a change wakes the waiter
@@ -379,6 +377,8 @@ class Run:
         ValueError
             The run keeps no job of its own (an exported job's run), or it cannot be read back.
         """
+        from .export import export, load_job  # torch: `nbtrain runs` and `attach` list and follow runs without it
+
         job = self.dir / runlog.JOB
         if not os.path.lexists(job):
             raise ValueError(f"{self.dir} was run by an exported job's run.sh, which keeps no job of its own: "
@@ -453,7 +453,7 @@ class Run:
 
     def _trials(self) -> list[str]:
         """A submitted sweep's trials as its study holds them, a line each (none before it began)."""
-        path = self.dir / STUDY_FILE
+        path = self.dir / runlog.STUDY
         if not path.exists():
             return []
         try:

@@ -12,6 +12,7 @@ import os
 import socket
 from pathlib import Path
 
+from ..common import runlog
 from ..common.private import check_own, private_dir
 from .insight import RUNS, _name, check_run_dir
 
@@ -22,7 +23,7 @@ SLOT = "nbtrain_slot"  # ... where it ran,
 ERROR = "nbtrain_error"  # ... and, when it failed, the first line and the traceback (its end)
 TRACEBACK = "nbtrain_traceback"
 TRACEBACK_CHARS = 8000  # an Optuna attribute is a database row: the traceback's end is kept
-STUDY_FILE = "study.db"
+STUDY_FILE = runlog.STUDY
 
 
 def this_kernel() -> str:
