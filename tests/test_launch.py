@@ -104,6 +104,29 @@ def test_a_gloo_group_is_set_up_only_once_every_rank_is_connected(users_setting,
     assert result.values == [(met, setting, setting)] * 2
 
 
+def test_a_forked_rank_is_waited_for_until_it_ends_and_not_after():
+    # Forked ranks are plain os.fork children waited on through a pidfd. One that a kernel ignoring
+    # SIGCHLD had reaped itself cannot be waited for: join returns at once instead of looking until
+    # its deadline.
+    from nbtrain.placements.processes import _fork, _forked
+
+    exits = {}
+    for name, end in (("code", lambda: os._exit(3)), ("signal", lambda: os.kill(os.getpid(), signal.SIGKILL))):
+        process = _forked(_fork(end), [0])
+        process.join(30.0)
+        exits[name] = process.poll()
+    assert exits == {"code": 3, "signal": -signal.SIGKILL}
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        process = _forked(_fork(lambda: os._exit(0)), [0])
+        began = time.monotonic()
+        process.join(30.0)
+        assert time.monotonic() - began < 20 and process.poll() is None
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+        process.close()
+
+
 def test_the_earlier_names_run_as_their_pair_and_are_said_once(capfd, monkeypatch, no_leftovers):
     monkeypatch.setattr(choices, "_said", set())  # as in a fresh kernel
     runs = [nbtrain.launch(report_environment, devices=2, accelerator="cpu", strategy="ddp_notebook", progress=False)

@@ -127,7 +127,7 @@ def _own_group(pid: int) -> None:
 
 def _fork(target, *args) -> int:
     """Fork this process to run `target(*args)`, which ends the child with `os._exit`; the child's
-    pid. A plain fork: multiprocessing's Process flushed the kernel's streams before each fork
+    pid. A plain fork: multiprocess's Process flushed the kernel's streams before each fork
     (ipykernel's flush waits for its I/O thread) and ran its own bootstrap in the child, ~1-2 ms
     of every rank's start. `_start` flushes once per launch."""
     pid = os.fork()
@@ -171,10 +171,10 @@ def _forked(pid: int, ranks: list[int]) -> RankProcess:
     def join(timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while poll() is None and (left := deadline - time.monotonic()) > 0:
-            if exits:
-                select.select(exits, [], [], left)
-            else:
+            if not exits:
                 time.sleep(min(left, 0.005))
+            elif select.select(exits, [], [], left)[0] and poll() is None:
+                return  # it ended, and someone else reaped it: nothing left to wait for
 
     def close() -> None:
         while exits:
