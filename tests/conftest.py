@@ -1,4 +1,5 @@
 import os
+import sys
 
 import psutil
 import pytest
@@ -83,13 +84,25 @@ def running(pid: int) -> bool:
         return False
 
 
+def start_kernel(**kwargs):
+    """jupyter_client's `start_new_kernel` (kernel `python3`), tried once more if the kernel did not
+    come up. jupyter_client picks five free TCP ports and the kernel binds them a moment later;
+    under the suite's load another process (a rank's gloo, another worker's kernel) once took one in
+    between, and the kernel died at start ("Address already in use"). A second try picks new ports."""
+    from jupyter_client.manager import start_new_kernel
+
+    try:
+        return start_new_kernel(kernel_name="python3", **kwargs)
+    except RuntimeError as error:  # start_new_kernel shut that kernel down before raising
+        print(f"the kernel did not start ({error}): starting another", file=sys.stderr)
+        return start_new_kernel(kernel_name="python3", **kwargs)
+
+
 class Kernel:
     """A real Jupyter kernel (the same python as the tests) driven through jupyter_client."""
 
     def __init__(self):
-        from jupyter_client.manager import start_new_kernel
-
-        self.manager, self.client = start_new_kernel(kernel_name="python3")
+        self.manager, self.client = start_kernel()
 
     def run(self, code: str, timeout: float = 120, answers: list[str] | None = None):
         """Execute a cell; return (stdout text, stderr text, error content or None, results).

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 
+from conftest import start_kernel
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -139,10 +141,8 @@ class ReadmeKernel:
     """A real kernel of this environment, started in an empty directory, with text progress."""
 
     def __init__(self, cwd: Path):
-        from jupyter_client.manager import start_new_kernel
-
         env = {**os.environ, "NBTRAIN_PROGRESS": "text"}  # plain lines: quick, and readable on failure
-        self.manager, self.client = start_new_kernel(kernel_name="python3", cwd=str(cwd), env=env)
+        self.manager, self.client = start_kernel(cwd=str(cwd), env=env)
 
     def run(self, code: str, timeout: float = 300) -> tuple[int | None, dict | None]:
         """(execution count, error content or None)."""
