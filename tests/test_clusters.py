@@ -339,8 +339,11 @@ def test_a_local_ray_whose_start_timed_out_is_shut_down_and_started_once_more(ca
     assert once.calls == [("init", None), ("shutdown", None), ("init", None)]
     assert "Ray's local start timed out" in capsys.readouterr().err
     twice = _RayStartingLate(failures=2)
+    _init(twice, None)
+    assert [c[0] for c in twice.calls] == ["init", "shutdown", "init", "shutdown", "init"]
+    thrice = _RayStartingLate(failures=3)
     with pytest.raises(Exception, match="timed out during startup"):
-        _init(twice, None)  # said, not tried forever
+        _init(thrice, None)  # said, not tried forever
     joining = _RayStartingLate(failures=1)
     with pytest.raises(Exception, match="timed out during startup"):
         _init(joining, "10.0.0.1:6379")  # a cluster the user named: its failure is theirs to see at once

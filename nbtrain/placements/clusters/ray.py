@@ -34,7 +34,7 @@ from .base import (
 
 PLACING_QUIET = 1.0  # seconds a placement may take before the display says it waits for resources
 GCS_LOOK = 1.0  # seconds between looks at whether Ray's cluster still answers (and a look's limit)
-LOCAL_START_TRIES = 2  # a local Ray whose start timed out is started once more (see _init)
+LOCAL_START_TRIES = 3  # a local Ray whose start timed out is started again, twice at most (see _init)
 STARTUP_TIMED_OUT = "timed out during startup"  # Ray's words for a node that missed its deadline
 
 
@@ -206,7 +206,8 @@ class RayPlacement(RemotePlacement):
 
 
 def _init(ray, address: str | None) -> None:
-    """`ray.init`; a local Ray that missed Ray's own start-up deadline is started once more.
+    """`ray.init`; a local Ray that missed Ray's own start-up deadline is started again (twice at most:
+    once was not always enough on a loaded 2-core machine).
 
     Ray gives a new node's raylet a fixed 30 s to register with its GCS ("The current node timed
     out during startup"), which a loaded machine (a shared login node, a 2-core notebook server)
