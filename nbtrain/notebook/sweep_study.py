@@ -23,7 +23,6 @@ SLOT = "nbtrain_slot"  # ... where it ran,
 ERROR = "nbtrain_error"  # ... and, when it failed, the first line and the traceback (its end)
 TRACEBACK = "nbtrain_traceback"
 TRACEBACK_CHARS = 8000  # an Optuna attribute is a database row: the traceback's end is kept
-STUDY_FILE = runlog.STUDY
 
 
 def this_kernel() -> str:
@@ -69,7 +68,7 @@ def _study_file(optuna, fn, run_dir):
     finished sweep), and a busy database is waited for, not an error: slots write to it at once."""
     directory = Path(check_run_dir(run_dir) if run_dir is not None else Path(RUNS) / f"sweep-{_name(fn)}").absolute()
     private_dir(directory)
-    path = directory / STUDY_FILE
+    path = directory / runlog.STUDY
     try:  # made 0600 before SQLite opens it (its journal files take the database's mode)
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     except FileExistsError:
