@@ -4,6 +4,7 @@ At the repository root so that it also holds for `pytest notebooks/`.
 """
 import _posixsubprocess
 import os
+import resource
 import subprocess
 import time
 from collections import defaultdict
@@ -120,7 +121,45 @@ _DONE: dict = {}
 _START = time.monotonic()
 
 
+# CPU, not wall time, is what the suite runs short of on 2 cores. A test's CPU here is its
+# worker's own and that of the processes the worker reaped since the test's previous phase: a
+# module's kernel (with the ranks it reaped) counts when it is shut down, so per file. SLURM's
+# tasks and daemons outside the worker's tree are not counted: the machine's total says how much.
+_CPU: dict = defaultdict(float)
+_LAST_CPU = 0.0  # the CPU counted so far: from the end of collection
+
+
+def _cpu_seconds() -> float:
+    own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+
+
+def _machine_cpu_seconds() -> float:
+    with open("/proc/stat") as stat:  # first line: cpu user nice system idle iowait irq softirq ...
+        ticks = stat.readline().split()[1:]
+    return (sum(map(int, ticks[:3])) + sum(map(int, ticks[5:8]))) / os.sysconf("SC_CLK_TCK")
+
+
+_MACHINE_START = _machine_cpu_seconds()
+
+
+def pytest_collection_finish(session):
+    global _LAST_CPU
+    _LAST_CPU = _cpu_seconds()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    global _LAST_CPU
+    report = yield
+    now = _cpu_seconds()
+    report.user_properties.append(("cpu_s", round(now - _LAST_CPU, 3)))
+    _LAST_CPU = now
+    return report
+
+
 def pytest_runtest_logreport(report):
+    _CPU[report.nodeid.split("::")[0]] += dict(report.user_properties).get("cpu_s", 0.0)
     node = getattr(report, "node", None)  # set on the controller for a worker's report
     if node is not None:
         worker = node.gateway.id
@@ -134,3 +173,9 @@ def pytest_terminal_summary(terminalreporter):
         for worker in sorted(_BUSY):
             terminalreporter.write_line(f"{worker}: {_BUSY[worker]:.0f} s in tests, out of work at "
                                         f"{_DONE[worker]:.0f} s")
+    if _CPU:
+        counted, machine = sum(_CPU.values()), _machine_cpu_seconds() - _MACHINE_START
+        terminalreporter.write_sep("=", "where the CPU went, by file (the tests' processes they reaped)")
+        terminalreporter.write_line(f"{counted:.0f} s of CPU counted; the machine's, in this run: {machine:.0f} s")
+        for path, seconds in sorted(_CPU.items(), key=lambda kv: -kv[1])[:25]:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
