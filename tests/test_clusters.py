@@ -331,7 +331,7 @@ class _RayStartingLate:
         self.calls.append(("shutdown", None))
 
 
-def test_a_local_ray_whose_start_timed_out_is_shut_down_and_started_once_more(capsys):
+def test_a_local_ray_whose_start_timed_out_is_shut_down_and_started_again_twice_at_most(capsys):
     from nbtrain.placements.clusters.ray import _init
 
     once = _RayStartingLate(failures=1)
