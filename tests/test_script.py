@@ -189,8 +189,8 @@ def stuck_in_barrier():
 @slow
 def test_timeout_shows_where_each_rank_is_stuck(no_leftovers):
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(stuck_in_barrier, **{**CPU2, "timeout": 10})  # torchrun and two fresh torch imports first
-    assert "timed out after 10 s; still running: ranks [0, 1]" in str(info.value)
+        nbtrain.launch(stuck_in_barrier, **{**CPU2, "timeout": 30})  # torchrun and two fresh torch imports first: 10 s was too few on a loaded machine
+    assert "timed out after 30 s; still running: ranks [0, 1]" in str(info.value)
     rank1, rank0 = info.value.traceback.split("--- rank 0 stack (waiting) ---")  # the rank waited for comes first
     assert info.value.rank == 1 and "barrier" in rank0 and "stuck_in_barrier" in rank0
     assert "slow_data_loading" in rank1

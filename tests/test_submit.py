@@ -1,11 +1,13 @@
 """submit / attach: runs that outlive the kernel, restarts from the last checkpoint, cancel."""
 import functools
+import glob
 import io
 import json
 import os
 import re
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -96,6 +98,11 @@ def _ended_cleanly(run) -> None:
         return
     pid = who["pid"]
     _wait_for(lambda: not session.members(pid), 20, f"the run's processes to exit: {session.members(pid)}")
+    # The supervisor's kernel watcher is gone with its directory: removed by the supervisor, which
+    # ends the watcher with its other descendants, or by the watcher, once a killed supervisor's
+    # ranks have ended.
+    watcher = os.path.join(tempfile.gettempdir(), f"nbtrain-watch-{pid}-*")
+    _wait_for(lambda: not glob.glob(watcher), 10, f"{watcher} to be removed")
 
 
 def _rank_pids(run) -> list[int]:

@@ -46,6 +46,16 @@ def address() -> str | None:
         return started
 
 
+def remove_own() -> None:
+    """Remove the directory of the watcher this process started. For a subreaper that ends its
+    descendants as it ends (a submitted run's supervisor): the watcher is one of them, and ended
+    so, it never gets to remove the directory itself."""
+    with _lock:
+        if _started.get("owner") == os.getpid():
+            shutil.rmtree(os.path.dirname(_started["address"]), ignore_errors=True)
+        _started.clear()
+
+
 def _listening(address: str) -> bool:
     """Whether a process still holds the socket bound at `address` (a connect is refused once none does)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:

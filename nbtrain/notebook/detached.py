@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ..common import runlog, session
+from ..common import kernel_watcher, runlog, session
 from ..common.devices import plan_devices
 from ..common.errors import WorkerError
 from ..common.pickling import ship_bytes
@@ -140,7 +140,8 @@ def main(run_dir: str | Path, load=None, echo=None) -> int:
              "reads failed")
         return 3
     finally:
-        end_descendants()
+        end_descendants()  # the kernel watcher a launch started with the rest: its directory is ours to remove
+        kernel_watcher.remove_own()
 
 
 def _load(run_dir: Path) -> tuple:
