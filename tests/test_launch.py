@@ -1,4 +1,6 @@
 """launch() from a plain process: real ranks, real gloo, real failures."""
+import ctypes
+import faulthandler
 import os
 import signal
 import subprocess
@@ -232,6 +234,28 @@ def test_a_dying_rank_is_named_with_its_signal_or_code(how, expected, capfd, no_
     # faulthandler's whole report (every thread, the kernel's inherited frames, the extension
     # modules) stays out of the cell: the error shows the part that matters.
     assert "Fatal Python error" not in out.out + out.err and "Extension modules" not in out.out + out.err
+
+
+def test_a_dying_rank_reports_even_when_the_kernel_lost_faulthandler_s_handlers(capfd, no_leftovers):
+    # ray.init() replaces faulthandler's fatal-signal handlers in the notebook's process and
+    # ray.shutdown() leaves SIG_DFL there, while faulthandler still counts itself enabled: a forked
+    # rank's faulthandler.enable() then installed nothing, and the rank died without a word.
+    libc = ctypes.CDLL(None, use_errno=True)
+    enabled = faulthandler.is_enabled()
+    if not enabled:  # as pytest's faulthandler plugin and a kernel have it
+        faulthandler.enable(file=sys.__stderr__)
+    saved = ctypes.create_string_buffer(256)  # this process's struct sigaction for SIGSEGV (152 bytes on Linux)
+    assert libc.sigaction(signal.SIGSEGV, None, saved) == 0
+    assert libc.sigaction(signal.SIGSEGV, ctypes.create_string_buffer(256), None) == 0  # zeros: SIG_DFL
+    try:
+        with pytest.raises(WorkerError) as info:
+            nbtrain.launch(crash, "segv", devices=2, accelerator="cpu", start="fork", progress=False)
+    finally:
+        libc.sigaction(signal.SIGSEGV, saved, None)
+        if not enabled:
+            faulthandler.disable()
+    assert info.value.rank == 0 and "Signal 11 (SIGSEGV) received by PID" in str(info.value)
+    assert "Fatal Python error: Segmentation fault" in info.value.traceback
 
 
 def slow_data_loading():

@@ -193,6 +193,13 @@ def end_output(seq: int, marked: bool, timeout: float = 2.0) -> None:
 
 
 def enable_stacks() -> None:
+    # faulthandler.enable() installs its fatal-signal handlers only when it does not count itself
+    # enabled; a fork inherits that count from its parent (pytest's worker, a kernel that enabled
+    # faulthandler) with the parent's handlers as they are *now*. A library may have replaced them
+    # there since (Ray's driver does; ray.shutdown() leaves SIGSEGV and SIGABRT at SIG_DFL): enable
+    # would then only change the file, and a fatal signal would end the rank without its report.
+    # Disabled first, enable installs them afresh.
+    faulthandler.disable()
     faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
 
