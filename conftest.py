@@ -126,6 +126,7 @@ _START = time.monotonic()
 # module's kernel (with the ranks it reaped) counts when it is shut down, so per file. SLURM's
 # tasks and daemons outside the worker's tree are not counted: the machine's total says how much.
 _CPU: dict = defaultdict(float)
+_TEST_CPU: dict = defaultdict(float)  # the same by test: a module's kernel counts in its file's last test
 _LAST_CPU = 0.0  # the CPU counted so far: from the end of collection
 
 
@@ -159,7 +160,9 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_logreport(report):
-    _CPU[report.nodeid.split("::")[0]] += dict(report.user_properties).get("cpu_s", 0.0)
+    cpu = dict(report.user_properties).get("cpu_s", 0.0)
+    _CPU[report.nodeid.split("::")[0]] += cpu
+    _TEST_CPU[report.nodeid] += cpu
     node = getattr(report, "node", None)  # set on the controller for a worker's report
     if node is not None:
         worker = node.gateway.id
@@ -179,3 +182,6 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{counted:.0f} s of CPU counted; the machine's, in this run: {machine:.0f} s")
         for path, seconds in sorted(_CPU.items(), key=lambda kv: -kv[1])[:25]:
             terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+        terminalreporter.write_sep("=", "where the CPU went, by test (the 25 costliest)")
+        for test, seconds in sorted(_TEST_CPU.items(), key=lambda kv: -kv[1])[:25]:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {test}")
