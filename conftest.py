@@ -125,8 +125,7 @@ _START = time.monotonic()
 # worker's own and that of the processes the worker reaped since the test's previous phase: a
 # module's kernel (with the ranks it reaped) counts when it is shut down, so per file. SLURM's
 # tasks and daemons outside the worker's tree are not counted: the machine's total says how much.
-_CPU: dict = defaultdict(float)
-_TEST_CPU: dict = defaultdict(float)  # the same by test: a module's kernel counts in its file's last test
+_CPU: dict = defaultdict(float)  # by test: a module's kernel counts in its file's last test
 _LAST_CPU = 0.0  # the CPU counted so far: from the end of collection
 
 
@@ -160,9 +159,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_logreport(report):
-    cpu = dict(report.user_properties).get("cpu_s", 0.0)
-    _CPU[report.nodeid.split("::")[0]] += cpu
-    _TEST_CPU[report.nodeid] += cpu
+    _CPU[report.nodeid] += dict(report.user_properties).get("cpu_s", 0.0)
     node = getattr(report, "node", None)  # set on the controller for a worker's report
     if node is not None:
         worker = node.gateway.id
@@ -180,8 +177,14 @@ def pytest_terminal_summary(terminalreporter):
         counted, machine = sum(_CPU.values()), _machine_cpu_seconds() - _MACHINE_START
         terminalreporter.write_sep("=", "where the CPU went, by file (the tests' processes they reaped)")
         terminalreporter.write_line(f"{counted:.0f} s of CPU counted; the machine's, in this run: {machine:.0f} s")
-        for path, seconds in sorted(_CPU.items(), key=lambda kv: -kv[1])[:25]:
-            terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+        by_file: dict = defaultdict(float)
+        for test, seconds in _CPU.items():
+            by_file[test.split("::")[0]] += seconds
+        _write_costliest(terminalreporter, by_file)
         terminalreporter.write_sep("=", "where the CPU went, by test (the 25 costliest)")
-        for test, seconds in sorted(_TEST_CPU.items(), key=lambda kv: -kv[1])[:25]:
-            terminalreporter.write_line(f"{seconds:8.1f} s  {test}")
+        _write_costliest(terminalreporter, _CPU)
+
+
+def _write_costliest(terminalreporter, seconds_by_name: dict) -> None:
+    for name, seconds in sorted(seconds_by_name.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {name}")
