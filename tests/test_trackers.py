@@ -45,6 +45,12 @@ def train_seeing_wandb(steps):
         return None  # its writer opens on the trackers' thread, with its first value: not yet, perhaps
     run = nbtrain.context()._trackers.writers["wandb"].run  # rank 0's W&B run, opened as the run started
     assert isinstance(run, wandb.Run)
+    # Its system monitor ended before it could remove its socket, as a loaded machine once had it:
+    # the rank's W&B end removes what the monitor left.
+    monitors = [p for p in psutil.Process().children(recursive=True) if p.name() == "wandb-symon"]
+    assert monitors
+    for monitor in monitors:
+        monitor.kill()
     return run.settings.init_timeout, run.settings.finish_timeout
 
 

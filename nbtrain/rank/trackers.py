@@ -425,7 +425,7 @@ class _WandBWriter(_Writer):
                                   reinit="create_new", settings=wandb.Settings(finish_timeout_raises=True,
                                                                           **bounded))  # type: ignore[arg-type]
         except BaseException:
-            wandb.teardown()  # the wandb-core process it started ends now
+            _end_wandb()
             raise
         # Each name keeps its own step (ctx.log counts per name): W&B's own step would tie them together.
         self.run.define_metric("*", step_metric="step")
@@ -434,12 +434,30 @@ class _WandBWriter(_Writer):
         self.run.log({key: value, "step": step})
 
     def close(self, failed: bool = False) -> None:
-        import wandb
 
         try:
             self.run.finish(exit_code=1 if failed else 0)
         finally:
-            wandb.teardown()  # its wandb-core process ends now, not some time after this rank
+            _end_wandb()
+
+
+def _end_wandb() -> None:
+    """End this rank's wandb-core now, not some time after the rank, and remove the socket of any
+    system monitor it started that did not remove its own: wandb-core ends its monitor
+    (wandb-symon) as the run finishes, and a monitor ended before it unlinks
+    `wandb_symon-<core pid>-<monitor pid>-<ms>.sock` leaves that file in the temporary folder."""
+    import tempfile
+
+    import psutil
+    import wandb
+
+    cores = [p.pid for p in psutil.Process().children() if p.name() == "wandb-core"]  # this process's service
+    wandb.teardown()
+    for core in cores:
+        for sock in Path(tempfile.gettempdir()).glob(f"wandb_symon-{core}-*.sock"):
+            with contextlib.suppress(OSError):
+                if sock.lstat().st_uid == os.geteuid():  # a stranger's file is not ours to remove
+                    sock.unlink()
 
 
 def _plain(settings: dict) -> dict:
