@@ -22,6 +22,31 @@ def no_leftovers():
     assert "MASTER_PORT" not in os.environ
 
 
+@pytest.fixture(scope="module")
+def one_template():
+    """The module's warm template, kept from its first [template] test to the module's end, as a
+    notebook keeps it: each is an interpreter importing torch, which `no_leftovers` would
+    otherwise stop after every test that started one."""
+    yield
+    import nbtrain
+
+    nbtrain.stop_template()
+
+
+@pytest.fixture(autouse=True)
+def template_before_the_test(request):
+    """For a test that launches from this process on the template (a [template] test, or any in a
+    module that sets KEEP_THE_TEMPLATE: its submitted runs' supervisors are the template's forks):
+    the module's template, started before `no_leftovers` looks, so its check leaves it running
+    (the ranks, and what they started, are still checked)."""
+    wants = request.node.name.endswith("[template]") or getattr(request.module, "KEEP_THE_TEMPLATE", False)
+    if wants and "no_leftovers" in request.fixturenames:
+        import nbtrain
+
+        request.getfixturevalue("one_template")
+        nbtrain.warm_up()
+
+
 def this_workers(process) -> bool:
     """Whether a process of the machine was started under this pytest process (or this xdist worker):
     found by name among the machine's processes (Ray's actors, reparented once their raylet is

@@ -24,6 +24,8 @@ from nbtrain.common.protocol import Metric, Note, Output
 from nbtrain.display.recorder import RunRecorder
 from nbtrain.notebook.runmodel import RunState
 
+KEEP_THE_TEMPLATE = True  # a local run's supervisor is a fork of it: one for the module (conftest.py)
+
 LAUNCH = {"strategy": "auto", "devices": 2, "accelerator": "cpu", "num_nodes": 1, "backend": None, "timeout": None,
           "launcher_options": None}
 

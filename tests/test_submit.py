@@ -23,6 +23,8 @@ from conftest import Kernel
 from nbtrain.common import protocol, runlog, session
 from nbtrain.display.text import LineDisplay
 
+KEEP_THE_TEMPLATE = True  # a local run's supervisor is a fork of it: one for the module (conftest.py)
+
 # Defined in the kernel as a notebook would, and here for the plain launch it is compared with.
 TRAIN = '''
 import os, time, torch, nbtrain
@@ -358,11 +360,12 @@ def work(n, fail=False, wait=0):
 
 ATTACH = '''
 import sys, nbtrain
-run = nbtrain.attach(sys.argv[1])
-try:
-    print(run.status, run.result(timeout=5).values, repr(run.logs(1)))
-except nbtrain.WorkerError as error:
-    print(run.status, "WorkerError", error.rank, str(error).splitlines()[0])
+for where in sys.argv[1:]:
+    run = nbtrain.attach(where)
+    try:
+        print(run.status, run.result(timeout=5).values, repr(run.logs(1)))
+    except nbtrain.WorkerError as error:
+        print(run.status, "WorkerError", error.rank, str(error).splitlines()[0])
 '''
 
 
@@ -386,8 +389,8 @@ def test_an_exported_run_is_a_run_directory_that_attach_reads(tmp_path, no_lefto
     assert ran[0].returncode == 0 and "rank 0 returned: 21" in ran[0].stdout, ran[0].stderr[-2000:]
     assert "[rank 1] rank 1 works" in ran[0].stdout  # the terminal shows the run as launch does
     assert ran[1].returncode == 1 and "ValueError: rank 1 is broken" in ran[1].stderr, ran[1].stderr[-2000:]
-    attached = [subprocess.run([sys.executable, "-c", ATTACH, str(job / "run")], capture_output=True, text=True,
-                               timeout=60).stdout.strip() for job in jobs]  # a fresh process, as a later kernel
+    attached = subprocess.run([sys.executable, "-c", ATTACH, *(str(job / "run") for job in jobs[:2])],
+                              capture_output=True, text=True, timeout=60).stdout.splitlines()  # as a later kernel
     assert attached[0] == "finished [21, 42] 'rank 1 works\\n'"
     said = r"was run by an exported job's run.sh.*the exported directory \(.*good\) is the job"
     with pytest.raises(ValueError, match=said):
