@@ -125,24 +125,34 @@ def test_results_metrics_environment_and_private_job_dir(no_leftovers):
     assert_gone([pid0, pid1])
 
 
+class BadBatch(ValueError):
+    """The user's own exception class, with a field: caught here by its class, the field kept."""
+
+    def __init__(self, message, batch=None):  # pickle rebuilds it from its message, then sets .batch
+        super().__init__(message)
+        self.batch = batch
+
+
 def talk_and_fail(rank_to_fail):
     ctx = nbtrain.context()
     print(f"hello from {ctx.rank} pid {os.getpid()}", flush=True)
     print(f"warning from {ctx.rank}", file=sys.stderr, flush=True)
     ctx.barrier()  # both have spoken before one fails: otherwise rank 0 may be stopped first
     if ctx.rank == rank_to_fail:
-        raise ValueError(f"bad batch on rank {ctx.rank}")
+        raise BadBatch(f"bad batch on rank {ctx.rank}", batch=7)
     time.sleep(60)  # the surviving rank must be stopped, not waited for
     print(f"rank {ctx.rank} was waited for", flush=True)
 
 
 @slow
 def test_a_raising_rank_names_the_users_line_and_stops_the_others(capfd, no_leftovers):
-    with pytest.raises(WorkerError) as info:
+    # Also the script ranks' case of test_hostile's "a rank's exception is caught by its own class".
+    with pytest.raises(BadBatch) as info:
         nbtrain.launch(talk_and_fail, 1, **CPU2)
     error = info.value
-    assert error.rank == 1 and "rank 1 failed: ValueError: bad batch on rank 1" in str(error)
-    assert 'raise ValueError(f"bad batch on rank {ctx.rank}")' in error.traceback
+    assert isinstance(error, WorkerError) and error.batch == 7 and type(error.__cause__) is BadBatch
+    assert error.rank == 1 and "rank 1 failed: BadBatch: bad batch on rank 1" in str(error)
+    assert 'raise BadBatch(f"bad batch on rank {ctx.rank}", batch=7)' in error.traceback
     assert "in talk_and_fail" in error.traceback
     assert "run_rank" not in error.traceback and "rank_main" not in error.traceback
     out, err = capfd.readouterr()
