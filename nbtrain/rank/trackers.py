@@ -434,7 +434,6 @@ class _WandBWriter(_Writer):
         self.run.log({key: value, "step": step})
 
     def close(self, failed: bool = False) -> None:
-
         try:
             self.run.finish(exit_code=1 if failed else 0)
         finally:
@@ -451,7 +450,11 @@ def _end_wandb() -> None:
     import psutil
     import wandb
 
-    cores = [p.pid for p in psutil.Process().children() if p.name() == "wandb-core"]  # this process's service
+    cores = []  # this process's W&B service
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):  # a child that ended meanwhile
+            if child.name() == "wandb-core":
+                cores.append(child.pid)
     wandb.teardown()
     for core in cores:
         for sock in Path(tempfile.gettempdir()).glob(f"wandb_symon-{core}-*.sock"):
