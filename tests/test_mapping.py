@@ -14,6 +14,8 @@ import nbtrain
 from conftest import CHILDREN
 from nbtrain.notebook.work_queue import SavedResults
 
+KEEP_THE_TEMPLATE = True  # the workers are the template's forks: one for the module (conftest.py)
+
 # -- bad input and the saved results: no process ---------------------------------------------
 
 @pytest.mark.parametrize("call, expected", [

@@ -18,6 +18,8 @@ from nbtrain.notebook.slots import plan_slots
 from nbtrain.notebook.sweep import objective
 from nbtrain.notebook.sweep_study import INTERRUPTED, KERNEL, RETRY_OF, TRACEBACK, resume
 
+KEEP_THE_TEMPLATE = True  # trials launched from threads start on the template: one for the module (conftest.py)
+
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 FLOAT = optuna.distributions.FloatDistribution(0.0, 1.0)
