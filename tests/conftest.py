@@ -36,7 +36,7 @@ def one_template():
 @pytest.fixture(autouse=True)
 def template_before_the_test(request):
     """For a test that launches from this process on the template (a [template] test, or any in a
-    module that sets KEEP_THE_TEMPLATE: its submitted runs' supervisors are the template's forks):
+    module that sets KEEP_THE_TEMPLATE: submitted runs' supervisors, sweep trials, map workers):
     the module's template, started before `no_leftovers` looks, so its check leaves it running
     (the ranks, and what they started, are still checked)."""
     wants = request.node.name.endswith("[template]") or getattr(request.module, "KEEP_THE_TEMPLATE", False)
