@@ -74,7 +74,8 @@ class Hub:
         self._lock = threading.Lock()
         # Strangers are bounded: at most MAX_STRANGERS at once, each for AUTH_SECONDS in all; nothing
         # of a dropped one is kept. Only connections that proved the authkey stay (`_served`).
-        self._strangers: dict[Connection, float] = {}  # not yet authenticated: the time each must be done by
+        # not yet authenticated: the time each must be done by, and the thread that serves it
+        self._strangers: dict[Connection, tuple[float, threading.Thread]] = {}
         self._served: dict[Connection, threading.Thread] = {}
         self._accepting: threading.Thread | None = None
         self._refusals = 0  # connections that failed the challenge (the first is logged as a warning)
@@ -109,24 +110,40 @@ class Hub:
                 return
             sock.settimeout(None)
             conn = Connection(sock.detach())
+            self._make_room()
+            thread = threading.Thread(target=self._serve, args=(conn,), name="nbtrain-hub-auth", daemon=True)
             with self._lock:
-                if len(self._strangers) >= MAX_STRANGERS:  # the one waiting longest makes room
-                    _shut(min(self._strangers, key=self._strangers.__getitem__))
-                self._strangers[conn] = time.monotonic() + AUTH_SECONDS
-            threading.Thread(target=self._serve, args=(conn,), name="nbtrain-hub-auth", daemon=True).start()
+                self._strangers[conn] = (time.monotonic() + AUTH_SECONDS, thread)
+            thread.start()
+
+    def _make_room(self) -> None:
+        """Below MAX_STRANGERS before a newcomer is listed: the one waiting longest is shut and its
+        thread awaited (bounded), so that on a loaded machine the shut ones' threads, which have not
+        run yet, cannot pile up behind the bound."""
+        while True:
+            with self._lock:
+                if len(self._strangers) < MAX_STRANGERS:
+                    return
+                oldest = min(self._strangers, key=lambda conn: self._strangers[conn][0])
+                _shut(oldest)
+                leaving = self._strangers[oldest][1]
+            leaving.join(SWEEP_SECONDS)
+            with self._lock:  # a thread that did not end in time is forgotten; it ends on its own
+                if self._strangers.get(oldest, (0, None))[1] is leaving:
+                    del self._strangers[oldest]
 
     def _drop_late_strangers(self) -> None:
         now = time.monotonic()
         with self._lock:
-            for conn, deadline in self._strangers.items():
+            for conn, (deadline, _) in self._strangers.items():
                 if deadline < now:
                     _shut(conn)  # its thread's read fails: it forgets the connection and ends
 
     def _serve(self, conn) -> None:
         passed = self._authenticate(conn)
         with self._lock:  # under the lock: a connection is shut by others only while listed
-            del self._strangers[conn]
-            if passed and not self._closed.is_set():
+            listed = self._strangers.pop(conn, None) is not None  # not when it was made to leave
+            if passed and listed and not self._closed.is_set():
                 self._served[conn] = threading.current_thread()
             else:
                 passed = False
