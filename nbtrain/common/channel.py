@@ -129,8 +129,7 @@ class Hub:
                 leaving = self._strangers[oldest][1]
             leaving.join(SWEEP_SECONDS)
             with self._lock:  # a thread that did not end in time is forgotten; it ends on its own
-                if self._strangers.get(oldest, (0, None))[1] is leaving:
-                    del self._strangers[oldest]
+                self._strangers.pop(oldest, None)
 
     def _drop_late_strangers(self) -> None:
         now = time.monotonic()
