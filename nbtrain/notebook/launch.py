@@ -16,6 +16,7 @@ from .choices import IN_KERNEL, Choice, choose, words
 from .doctor import check_stall
 from .inprocess import InProcessLauncher
 from .insight import instrument
+from .options import refuse_foreign_keywords
 from .pool import Pool
 from .reloads import edited_since_loaded
 from .restarts import check_restarts, with_restarts
@@ -124,7 +125,9 @@ def launch(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
         A setting is not accepted (unknown words, a strategy and a start that do not go together,
         devices that are not there); nothing was started.
     TypeError
-        ``fn`` is not callable, or a setting has the wrong type.
+        ``fn`` is not callable, a setting has the wrong type, or ``fn`` cannot take the arguments
+        given (a keyword it does not take is named with the option it resembles: ``stal=30``);
+        nothing was started.
     UnpicklableError
         Something ``fn`` uses cannot be sent to the ranks (not with start='fork'); the message
         names each path.
@@ -140,6 +143,7 @@ def launch(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
     """
     if not callable(fn):
         raise TypeError(f"launch(fn=...) needs a callable training function, got {type(fn).__name__}.")
+    refuse_foreign_keywords(fn, args, kwargs, "launch")
     check_timeout(timeout)
     check_stall(stall)
     check_restarts(max_restarts)

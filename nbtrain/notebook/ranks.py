@@ -41,6 +41,7 @@ from .doctor import check_stall
 from .insight import instrument
 from .launch import check_timeout
 from .mapping import map_on_ranks
+from .options import refuse_foreign_keywords
 from .pool import Pool, PoolBroken
 from .reloads import RELOAD_SOURCE, ModuleVersions
 from .result import Result
@@ -443,6 +444,8 @@ class Ranks:
         if not isinstance(fn, types.FunctionType):
             raise TypeError(f"run(fn, ...) takes a Python function, got {type(fn).__name__}; "
                             "for other callables, push them and call them with exec().")
+        refuse_foreign_keywords(fn, args, kwargs, "run", ("progress", "timeout", "ranks", "trackers", "profile",
+                                                          "run_dir"))
         wrapped = instrument(fn, args, kwargs, trackers=trackers, profile=profile, run_dir=run_dir, plan=self.plan,
                              strategy=f"live ({self.placement})")
         insight = None

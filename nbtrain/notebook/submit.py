@@ -27,7 +27,9 @@ from ..placements.template_process import template
 from ..rank.profiling import Profile
 from ..rank.trackers import check_trackers
 from .choices import choose, words
+from .doctor import check_stall
 from .launch import check_cluster_words, check_timeout
+from .options import refuse_foreign_keywords
 from .restarts import check_restarts
 from .runs import Run
 from .slots import plan_slots, slot_start
@@ -51,7 +53,7 @@ _SUPERVISE = "import sys; from nbtrain.notebook.detached import main; sys.exit(m
 def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", devices="auto",
            accelerator: str = "auto", num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
            launcher_options: dict | None = None, cluster=None, trackers=None, profile=None, run_dir=None,
-           max_restarts: int = 0, progress=True, **kwargs) -> Run:
+           max_restarts: int = 0, progress=True, stall: float | bool | None = None, **kwargs) -> Run:
     """Run ``fn(*args, **kwargs)`` as `launch` would, in processes that outlive this kernel.
 
     Returns at once. A supervisor process of its own (a SLURM batch job with ``cluster=Slurm(...)``)
@@ -101,6 +103,9 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
         A failed attempt starts all ranks again, after a back-off, up to this many times.
     progress : bool or str, default True
         How the returned `Run` draws itself (as ``launch(progress=...)``).
+    stall : float or False, optional
+        As for `launch`: seconds without progress on any rank after which the run's logs and its
+        live view say where each rank is and whom the others wait for.
     **kwargs
         Keyword arguments for ``fn``.
 
@@ -114,7 +119,8 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
     ValueError
         A setting is not accepted (as in `launch`); nothing was written or started.
     TypeError
-        ``fn`` is not callable, or ``run_dir`` is not a path.
+        ``fn`` is not callable, ``run_dir`` is not a path, or ``fn`` cannot take the arguments given
+        (a keyword it does not take is named with the option it resembles).
     FileExistsError
         ``run_dir`` exists and is not empty.
     UnpicklableError
@@ -126,12 +132,13 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
         raise TypeError(f"submit(fn=...) needs a callable training function, got {type(fn).__name__}.")
     check_restarts(max_restarts)
     check_timeout(timeout)
+    check_stall(stall)
     check_progress(progress)
     given = None if run_dir is None else _given_run_dir(run_dir)
     if fn is sweep:
         unused = {"num_nodes": num_nodes != 1, "backend": backend is not None,
                   "launcher_options": bool(launcher_options), "trackers": trackers is not None,
-                  "profile": profile is not None, "max_restarts": max_restarts != 0}
+                  "profile": profile is not None, "max_restarts": max_restarts != 0, "stall": stall is not None}
         name, kind = _sweep_name(args), "sweep"
         job, options = _sweep_job(args, kwargs, [key for key, set_ in unused.items() if set_], strategy=strategy,
                                   start=start, devices=devices, accelerator=accelerator, timeout=timeout,
@@ -139,6 +146,7 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
         objects = ship_bytes({"cluster": None, "trackers": None, "profile": None})
         spec_name = f"sweep of {name[len('sweep-'):]}"
     else:
+        refuse_foreign_keywords(fn, args, kwargs, "submit")
         asked = words(strategy, start, launcher_options)
         if cluster is None:  # bad settings fail here, before anything starts
             choose(asked, plan_devices(devices, accelerator, backend, num_nodes))
@@ -156,7 +164,8 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
                               "profile": Profile.check(profile)})
         # In the new words (an earlier name was said here, once): the supervisor resolves 'auto' itself.
         options = {"strategy": asked.strategy, "start": asked.start, "devices": devices, "accelerator": accelerator,
-                   "num_nodes": num_nodes, "backend": backend, "timeout": timeout, "launcher_options": asked.options}
+                   "num_nodes": num_nodes, "backend": backend, "timeout": timeout, "launcher_options": asked.options,
+                   "stall": stall}
     # ./nbtrain-runs is ours and no link (made 0700), as each run directory in it.
     base = private_dir(Path(RUNS).absolute()) if given is None else given.parent
     partial = runlog.partial_dir(base, name if given is None else given.name)
