@@ -21,7 +21,7 @@ _PUBLIC = {
     **dict.fromkeys(["export"], ".notebook.export"),
     **dict.fromkeys(["sweep"], ".notebook.sweep"),
     **dict.fromkeys(["MapError", "map"], ".notebook.mapping"),
-    **dict.fromkeys(["WorkerError"], ".common.errors"),
+    **dict.fromkeys(["NbtrainError", "WorkerError"], ".common.errors"),
     **dict.fromkeys(["explain_pickling"], ".common.pickling"),
     **dict.fromkeys(["gpus"], ".display.gpus"),
     **dict.fromkeys(["pick_gpus"], ".display.picker"),
@@ -30,8 +30,27 @@ _PUBLIC = {
     **dict.fromkeys(["Profile"], ".rank.profiling"),
     **dict.fromkeys(["stop_template", "warm_up"], ".placements.template_process"),
 }
-# Top-level names of earlier releases that are not what a notebook types: they still work, with a
-# DeprecationWarning (once per name) naming the module to import them from.
+# Top-level names of earlier releases that are not what a notebook types: they still work until
+# REMOVED_IN, with a DeprecationWarning (once per name) saying what public name to use instead.
+REMOVED_IN = "0.3"
+_INSTEAD = {
+    **dict.fromkeys(["DevicePlan", "parse_devices", "plan_devices"],
+                    "give the same devices= to nbtrain.launch instead (Result.devices says what it chose)"),
+    **dict.fromkeys(["ensure_pci_bus_order", "install_cuda_init_hook"],
+                    "nothing replaces it: importing nbtrain does it"),
+    **dict.fromkeys(["UnpicklableError", "ForkUnsafeError"], "catch nbtrain.NbtrainError instead"),
+    **dict.fromkeys(["Gpu", "GpuProcess", "StaticInventory", "find_free_gpus", "use_inventory"],
+                    "use nbtrain.gpus(), or devices='free:N' in nbtrain.launch, instead"),
+    "Finding": "nbtrain.explain_pickling returns them",
+    "GpuPicker": "nbtrain.pick_gpus() returns one",
+    # The drop-ins keep their library's signature; the docs' "code you already have" page imports them so.
+    "notebook_launcher": "use `from nbtrain.notebook.dropins import notebook_launcher` (Accelerate's signature)",
+    "spawn": "use `from nbtrain.notebook.dropins import spawn` (torch.multiprocessing.spawn's signature)",
+    "environment": "nothing replaces it: nbtrain adapts to the notebook it runs in",
+    "Sweep": "it is what nbtrain.sweep returns",
+    "Rank": "it is ranks[i] of an nbtrain.Ranks",
+    "rank_zero_only": "use `if nbtrain.context().is_global_zero:` instead",
+}
 _MOVED = {
     **dict.fromkeys(["DevicePlan", "ensure_pci_bus_order", "parse_devices", "plan_devices"], ".common.devices"),
     **dict.fromkeys(["UnpicklableError"], ".common.errors"),
@@ -80,8 +99,8 @@ def _moved(name: str):
         _warned.add(name)
         import warnings
 
-        warnings.warn(f"nbtrain.{name} is not part of nbtrain's public names any more: use "
-                      f"`from {module} import {name}` (it works the same).", DeprecationWarning, stacklevel=3)
+        warnings.warn(f"nbtrain.{name} is deprecated and will be removed in nbtrain {REMOVED_IN}; {_INSTEAD[name]}.",
+                      DeprecationWarning, stacklevel=3)
     with _interrupt_after():
         return getattr(_importlib.import_module(module), name)
 

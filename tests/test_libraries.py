@@ -280,7 +280,7 @@ def test_accelerate_notebook_launcher_inside_a_rank_is_refused_naming_the_call(n
     message = failure(nb, "from accelerate import notebook_launcher\n"
                           "on('fork', lambda: notebook_launcher(accelerate_loop, num_processes=2))")
     assert "NestedLaunchError: accelerate's notebook_launcher was called inside an nbtrain rank" in message, message
-    assert "nbtrain.notebook_launcher(fn, args, num_processes=N) from the notebook" in message
+    assert "notebook_launcher(fn, args, num_processes=N) (from nbtrain.notebook.dropins) from the notebook" in message
 
 
 @pytest.mark.parametrize("placement", ["fork", "template"])
@@ -333,7 +333,7 @@ def test_live_ranks_take_the_tutorials_own_init_process_group(nb):
 def test_mp_spawn_inside_a_rank_is_refused_naming_the_call(nb):
     message = failure(nb, "import torch.multiprocessing as mp\non('fork', lambda: mp.spawn(print, nprocs=2))")
     assert "NestedLaunchError: torch.multiprocessing.spawn / start_processes was called inside an nbtrain rank" in message
-    assert "nbtrain.spawn(fn, args=..., nprocs=N) from the notebook" in message
+    assert "spawn(fn, args=..., nprocs=N) (from nbtrain.notebook.dropins) from the notebook" in message
 
 
 def test_drop_ins_refuse_what_they_cannot_do(nb):

@@ -6,7 +6,18 @@ import inspect
 from .tracebacks import readable
 
 
-class WorkerError(RuntimeError):
+class NbtrainError(Exception):
+    """The base of every error nbtrain raises for a run: ``except nbtrain.NbtrainError`` catches a
+    failed rank (`WorkerError`), a failed map item (`MapError`), what cannot travel to the ranks,
+    a refused fork, a tracker, checkpoint, SLURM or Ray failure, and nothing of the user's own.
+
+    Each subclass is also the built-in kind it always was (a `WorkerError` is a RuntimeError, what
+    cannot be pickled a TypeError, a checkpoint's failure an OSError), so earlier ``except`` clauses
+    still catch them. A bad setting is a plain ValueError or TypeError, raised before anything starts.
+    """
+
+
+class WorkerError(NbtrainError, RuntimeError):
     """A rank failed: it raised, died by a signal, exited non-zero, or stalled past the timeout.
 
     Raised in the notebook by `launch`, `Ranks`, ``Run.result()`` and the magics. It names the
@@ -160,7 +171,7 @@ def _attribute_of_original(self, name: str):
     return getattr(cause, name)
 
 
-class UnpicklableError(TypeError):
+class UnpicklableError(NbtrainError, TypeError):
     """Something that must travel to another process cannot be serialised.
 
     `what` names the object being shipped; `findings` are `pickling.Finding`s (path, type,

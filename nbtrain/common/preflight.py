@@ -24,6 +24,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .errors import NbtrainError
 from .import_hooks import when_imported
 from .inventory import visible_gpus
 
@@ -58,7 +59,7 @@ KNOWN_OFFENDERS = {
 OUTSIDE_TORCH = ("cupy", "pycuda.autoinit", "numba.cuda", "jax", "tensorflow")
 
 
-class ForkUnsafeError(RuntimeError):
+class ForkUnsafeError(NbtrainError, RuntimeError):
     """Forking ranks from this kernel would fail inside the ranks; refused up front.
 
     `.reason` is the one-line cause, `.offenders` the imported modules known to initialise CUDA.

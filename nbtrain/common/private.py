@@ -14,11 +14,13 @@ import os
 import stat
 from pathlib import Path
 
+from .errors import NbtrainError
+
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 
 
-class IncompleteWrite(OSError):
+class IncompleteWrite(NbtrainError, OSError):
     """A file could not be written whole; the target was left as it was."""
 
     def __init__(self, path: Path, error: OSError, wrote: int, size: int):
@@ -40,7 +42,7 @@ def _rebuild(path, code, text, wrote, size):
     return error
 
 
-class NotYours(PermissionError):
+class NotYours(NbtrainError, PermissionError):
     """A path that is not this user's own, or is reached through a symbolic link."""
 
 

@@ -22,6 +22,7 @@ from collections import defaultdict, deque
 
 from ..common import protocol
 from ..common.channel import Hub, SendInterrupted
+from ..common.errors import NbtrainError
 from ..common.output_reader import OutputReader
 from ..common.pickling import explain_pickling, ship_bytes
 from ..common.process_tree import descendants
@@ -51,7 +52,7 @@ def _size(size: int) -> str:
     return f"{size / 1e6:.0f} MB" if size >= 1e6 else f"{size} bytes"
 
 
-class PoolBroken(RuntimeError):
+class PoolBroken(NbtrainError, RuntimeError):
     """The live ranks cannot take work: one died or they were closed. `restart()` them."""
 
 

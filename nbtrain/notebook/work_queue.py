@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..common import protocol
 from ..common.channel import Hub
+from ..common.errors import NbtrainError
 from ..common.private import check_own, private_dir, read_own, read_own_json, write_private_json
 from ..common.tracebacks import readable
 from ..rank.work import WorkSpec
@@ -28,7 +29,7 @@ from .restarts import why
 log = logging.getLogger(__name__)
 
 
-class MapError(RuntimeError):
+class MapError(NbtrainError, RuntimeError):
     """An item of a map failed, or the worker running it died (raised by `map` and ``Ranks.map``).
 
     Parameters

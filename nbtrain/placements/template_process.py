@@ -17,6 +17,7 @@ from typing import Literal, overload
 import psutil
 
 from ..common import protocol
+from ..common.errors import NbtrainError
 from ..rank.template_main import READY_TIMEOUT, _receive, _send
 from .processes import parent_thread
 
@@ -25,7 +26,7 @@ FORK_SECONDS = 10.0  # ... and a fork request in well under a second
 GONE = None  # the answer of a template that went away
 
 
-class TemplateUnresponsive(RuntimeError):
+class TemplateUnresponsive(NbtrainError, RuntimeError):
     """The template runs but does not answer (stopped by SIGSTOP, or hung): ranks cannot come from it."""
 
 

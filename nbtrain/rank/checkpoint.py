@@ -25,6 +25,8 @@ import warnings
 
 import torch
 
+from ..common.errors import NbtrainError
+
 METADATA = ".metadata"  # DCP's index file: its presence marks a checkpoint directory
 # DCP's words for a checkpoint that is whole but holds other shapes or names than the objects given
 MISMATCH = ("Size mismatch", "Missing key", "Unexpected key")
@@ -33,7 +35,7 @@ FULL_BELOW = 4 << 20  # bytes free: a write that failed on a file system this fu
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(OSError):
+class CheckpointError(NbtrainError, OSError):
     """A checkpoint could not be saved or loaded. The message is the cause in one line, with the
     path and the ranks it happened on; `causes` has each failed rank's own error, one line each.
     `errno` is set where the cause is the operating system's (ENOSPC, EROFS, ENOTDIR, ...)."""

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.multiprocessing
 
+from ..common.errors import NbtrainError
 from ..common.import_hooks import when_imported
 
 log = logging.getLogger(__name__)
@@ -58,11 +59,11 @@ _LAUNCHERS = (
     ("lightning.fabric", *_FABRIC),
     ("accelerate", "accelerate's notebook_launcher",
      "call the training function directly (Accelerator() joins nbtrain's ranks), or call "
-     "nbtrain.notebook_launcher(fn, args, num_processes=N) from the notebook instead"),
+     "notebook_launcher(fn, args, num_processes=N) (from nbtrain.notebook.dropins) from the notebook instead"),
 )
 
 
-class NestedLaunchError(RuntimeError):
+class NestedLaunchError(NbtrainError, RuntimeError):
     """User code inside a rank tried to start ranks of its own."""
 
 
@@ -128,8 +129,8 @@ def _refuse_elastic_launch(api) -> None:
 
 
 def _nested(call: str) -> NestedLaunchError:
-    what, advice = call, ("call the function directly here, or nbtrain.spawn(fn, args=..., nprocs=N) from the "
-                          "notebook instead of mp.spawn")
+    what, advice = call, ("call the function directly here, or spawn(fn, args=..., nprocs=N) (from "
+                          "nbtrain.notebook.dropins) from the notebook instead of mp.spawn")
     modules = {frame.f_globals.get("__name__", "") for frame, _ in traceback.walk_stack(None)}
     for package, name, instead in _LAUNCHERS:
         if any(m == package or m.startswith(package + ".") for m in modules):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..common.errors import NbtrainError
 from ..common.private import new_private_dir, new_private_file, private_files
 
 FLUSH_SECONDS = 1.0  # MLflow: metrics are sent in batches at most this often (one store write each)
@@ -41,7 +42,7 @@ WANDB_TIMEOUTS = {"init_timeout": 30.0, "finish_timeout": 120.0}
 REFUSED, SILENT = "connection refused", "no answer in time"  # a server's two ways of not answering
 
 
-class TrackerError(RuntimeError):
+class TrackerError(NbtrainError, RuntimeError):
     """A tracker could not start or write: one line naming it, where it writes, and why."""
 
 

@@ -17,6 +17,7 @@ import sys
 import time
 import uuid
 
+from ...common.errors import NbtrainError
 from ..base import Job, describe_exit, free_port
 from .base import (
     Cluster,
@@ -270,7 +271,7 @@ class RankActor:
 _LOST: list[str] = []  # why Ray went away under a run in this kernel
 
 
-class RayGone(RuntimeError):
+class RayGone(NbtrainError, RuntimeError):
     """Ray itself went away under the run: shut down in this kernel, or its cluster stopped."""
 
 

@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from ...common.errors import NbtrainError
 from ...common.leftovers import alive
 from ...common.private import new_private_dir, private_dir
 from ..base import Job, describe_exit
@@ -296,7 +297,7 @@ def _time_limit_near(signum, frame) -> None:
 
 # -- the notebook's view of the job -----------------------------------------------------------
 
-class SlurmJobError(RuntimeError):
+class SlurmJobError(NbtrainError, RuntimeError):
     """A SLURM job that cannot run its ranks: refused when submitted, pending for a reason that
     waiting cannot clear, or queued longer than `queue_timeout`. The notebook shows its one line."""
 
