@@ -273,7 +273,8 @@ def pick_gpus(inventory: Inventory | None = None, refresh: float | None = 2.0) -
     Returns
     -------
     GpuPicker
-        ``picker.devices`` is the selection (a list of indices); pass the picker as ``devices=``.
+        ``picker.devices`` is the selection (a list of indices); pass the picker as ``devices=``
+        (the class is not a public name to test with ``isinstance``).
     """
     picker = GpuPicker(inventory, refresh)
     if ipython_shell() is not None:

@@ -74,8 +74,8 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
         read) or sbatch.sh cannot name (a path with whitespace or quotes); nothing is written.
     FileExistsError
         ``to`` exists and is not empty.
-    UnpicklableError
-        Something the function uses cannot be pickled.
+    NbtrainError
+        Something the function uses cannot be pickled (also a TypeError); the message names each path.
     """
     if not isinstance(fn, CellJob) and (not isinstance(fn, types.FunctionType)):
         raise TypeError(f"export(fn=...) needs a Python function defined with def, got {type(fn).__name__}.")

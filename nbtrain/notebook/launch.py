@@ -128,11 +128,10 @@ def launch(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
         ``fn`` is not callable, a setting has the wrong type, or ``fn`` cannot take the arguments
         given (a keyword it does not take is named with the option it resembles: ``stal=30``);
         nothing was started.
-    UnpicklableError
-        Something ``fn`` uses cannot be sent to the ranks (not with start='fork'); the message
-        names each path.
-    ForkUnsafeError
-        start='fork' while CUDA is initialised in this kernel; the message names what initialised it.
+    NbtrainError
+        Something ``fn`` uses cannot be sent to the ranks (not with start='fork'; also a
+        TypeError): the message names each path. Or start='fork' while CUDA is initialised in this
+        kernel (also a RuntimeError): the message names what initialised it.
     KeyboardInterrupt
         Ctrl-C: every rank was stopped.
 

@@ -95,8 +95,8 @@ class Ranks:
     ValueError
         A setting is not accepted (a strategy or start live ranks do not take, devices that are
         not there); nothing was started.
-    ForkUnsafeError
-        start='fork' while CUDA is initialised in this kernel.
+    NbtrainError
+        start='fork' while CUDA is initialised in this kernel (also a RuntimeError).
     WorkerError
         A rank failed to start.
     """
@@ -336,8 +336,8 @@ class Ranks:
             Nothing to push.
         ValueError
             A name that is not an identifier, or one the ranks keep (``ctx``).
-        UnpicklableError
-            An object cannot be sent; the message names the part.
+        NbtrainError
+            An object cannot be sent (also a TypeError); the message names the part.
         """
         if not objects:
             raise TypeError("push(name=value, ...) needs at least one object to send.")
@@ -433,8 +433,8 @@ class Ranks:
             A rank failed.
         TypeError
             ``fn`` is not a Python function.
-        UnpicklableError
-            ``fn`` or its arguments cannot be sent.
+        NbtrainError
+            ``fn`` or its arguments cannot be sent (also a TypeError); the message names the part.
         ValueError
             ``ranks`` with trackers or a profile (they need every rank).
         """

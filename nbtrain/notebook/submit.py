@@ -123,8 +123,8 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
         (a keyword it does not take is named with the option it resembles).
     FileExistsError
         ``run_dir`` exists and is not empty.
-    UnpicklableError
-        ``fn`` or its arguments cannot be pickled; nothing was written.
+    NbtrainError
+        ``fn`` or its arguments cannot be pickled (also a TypeError); nothing was written.
     RuntimeError
         sbatch refused the supervisor's job (with ``cluster=Slurm(...)``).
     """

@@ -367,7 +367,8 @@ def sweep(fn, space: dict, *, trials: int, metric: str, devices="auto", devices_
     Returns
     -------
     Sweep
-        The study, the best trial's parameters and value, and its `Result` when it ran here.
+        The study, the best trial's parameters and value, and its `Result` when it ran here
+        (read its attributes; the class is not a public name to test with ``isinstance``).
 
     Raises
     ------
