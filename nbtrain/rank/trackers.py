@@ -60,8 +60,48 @@ def _require(module: str, extra: str, what: str) -> None:
                           f"pip install 'nbtrain[{extra}]'")
 
 
+class Tracker:
+    """What every tracker's settings object is: `TensorBoard`, `MLflow`, `WandB`. A tracker names its
+    package (`module`, installed by nbtrain's `extra`), opens one writer per rank and says where it
+    writes; the ranks' `Trackers` drive them alike."""
+    name: str  # what trackers= takes for it, in words
+    extra: str  # pip install 'nbtrain[extra]'
+    module: str  # the package that must be installed
+    client: str  # the module the writers import
+    shared = False  # the ranks write into rank 0's run, whose id is handed round at the start
+    environment: dict[str, str] = {}  # set in the rank for the run, where the user set none
+
+    def opened(self, run) -> _Writer:
+        """This rank's writer for the run (a rank calls it).
+
+        Parameters
+        ----------
+        run : RunInfo
+            The run (its directory), as the rank knows it.
+
+        Returns
+        -------
+        writer
+        """
+        raise NotImplementedError
+
+    def where(self, run) -> str:
+        """Where it writes, in words (errors name it).
+
+        Parameters
+        ----------
+        run : RunInfo
+            The run (its directory), as the rank knows it.
+
+        Returns
+        -------
+        str
+        """
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class TensorBoard:
+class TensorBoard(Tracker):
     """TensorBoard event files of a run: ``launch(fn, trackers=[nbtrain.TensorBoard(...)])``.
 
     Written by torch.utils.tensorboard's SummaryWriter in the ranks: values logged with
@@ -92,36 +132,14 @@ class TensorBoard:
                              "pathlib.Path), or None for the run directory's tensorboard/.")
 
     def opened(self, run) -> _TensorBoardWriter:
-        """This rank's writer for the run (a rank calls it).
-
-        Parameters
-        ----------
-        run : RunInfo
-            The run (its directory), as the rank knows it.
-
-        Returns
-        -------
-        writer
-        """
         return _TensorBoardWriter(self, run)
 
     def where(self, run) -> str:
-        """Where it writes, in words (errors name it).
-
-        Parameters
-        ----------
-        run : RunInfo
-            The run (its directory), as the rank knows it.
-
-        Returns
-        -------
-        str
-        """
         return f"TensorBoard in {os.fspath(self.log_dir or f'{run.dir}/tensorboard')}"
 
 
 @dataclass(frozen=True)
-class MLflow:
+class MLflow(Tracker):
     """One MLflow run for a launch: ``launch(fn, trackers=[nbtrain.MLflow(...)])``.
 
     Every rank writes into rank 0's MLflow run: values logged with ``sync_dist=True`` under
@@ -151,7 +169,7 @@ class MLflow:
     extra = "mlflow"
     module = "mlflow"
     client = "mlflow"
-    shared = True  # the ranks write into rank 0's run: its id is handed round at the start
+    shared = True
     environment = MLFLOW_HTTP
 
     def __post_init__(self):
@@ -166,17 +184,6 @@ class MLflow:
                              "directory's name.")
 
     def opened(self, run) -> _MLflowWriter:
-        """This rank's writer for the run (a rank calls it).
-
-        Parameters
-        ----------
-        run : RunInfo
-            The run (its directory), as the rank knows it.
-
-        Returns
-        -------
-        writer
-        """
         return _MLflowWriter(self, run)
 
     def uri(self, run) -> str:
@@ -194,22 +201,11 @@ class MLflow:
         return self.tracking_uri or f"sqlite:///{run.dir}/mlflow.db"
 
     def where(self, run) -> str:
-        """Where it writes, in words (errors name it).
-
-        Parameters
-        ----------
-        run : RunInfo
-            The run (its directory), as the rank knows it.
-
-        Returns
-        -------
-        str
-        """
         return f"MLflow at {self.uri(run)}"
 
 
 @dataclass(frozen=True)
-class WandB:
+class WandB(Tracker):
     """Weights & Biases runs for a launch: ``launch(fn, trackers=[nbtrain.WandB(...)])``.
 
     One W&B run per rank that writes, grouped under the launch's name: values logged with
@@ -256,31 +252,9 @@ class WandB:
                              "the run directory.")
 
     def opened(self, run) -> _WandBWriter:
-        """This rank's writer for the run (a rank calls it).
-
-        Parameters
-        ----------
-        run : RunInfo
-            The run (its directory), as the rank knows it.
-
-        Returns
-        -------
-        writer
-        """
         return _WandBWriter(self, run)
 
     def where(self, run) -> str:
-        """Where it writes, in words (errors name it).
-
-        Parameters
-        ----------
-        run : RunInfo
-            The run (its directory), as the rank knows it.
-
-        Returns
-        -------
-        str
-        """
         mode = self.mode or os.environ.get("WANDB_MODE") or "online"
         server = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
         return f"W&B ({mode}{f', {server}' if mode in ('online', 'shared') else ''}) in {self.dir or run.dir}"
@@ -296,7 +270,7 @@ def check_trackers(trackers) -> tuple:
     so a missing one is said before any rank starts)."""
     if trackers is None or trackers == ():
         return ()
-    given = [trackers] if isinstance(trackers, (str, *KINDS.values())) else trackers
+    given = [trackers] if isinstance(trackers, (str, Tracker)) else trackers
     try:
         given = list(given)
     except TypeError:
@@ -308,9 +282,9 @@ def check_trackers(trackers) -> tuple:
             if kind is None:
                 raise ValueError(f"trackers={tracker!r} is not a tracker nbtrain knows. {ACCEPTED}")
             tracker = kind()
-        elif not isinstance(tracker, tuple(KINDS.values())):
+        elif not isinstance(tracker, Tracker):
             raise ValueError(f"trackers={tracker!r} is not a tracker. {ACCEPTED}")
-        _require(tracker.module, tracker.extra, tracker.name)  # type: ignore[union-attr]  # one of KINDS
+        _require(tracker.module, tracker.extra, tracker.name)
         found.append(tracker)
     names = [t.name for t in found]
     if len(set(names)) != len(names):
@@ -505,7 +479,7 @@ class Trackers:
         for tracker in self.settings:
             # Before any thread of ours runs (os.environ is not safe to change beside one), for
             # the run only: close() restores it, as a run in the kernel's own process needs.
-            for key, value in getattr(tracker, "environment", {}).items():
+            for key, value in tracker.environment.items():
                 if key not in os.environ:
                     self.added.append(key)
                     os.environ[key] = value
@@ -517,7 +491,7 @@ class Trackers:
             for tracker in self.settings:
                 self._writer(tracker)
         for tracker in self.settings:
-            if getattr(tracker, "shared", False):
+            if tracker.shared:
                 run_id = share(self.writers[tracker.name].run_id if self.run.rank == 0 else None)  # type: ignore[attr-defined]
                 if self.run.rank != 0:
                     self._writer(tracker).join(run_id)  # type: ignore[attr-defined]  # shared: MLflow's writer
