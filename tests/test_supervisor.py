@@ -178,13 +178,15 @@ def test_a_deadline_blames_the_rank_the_others_wait_for_and_stops_the_rest():
 
 def test_a_peers_lost_connection_is_a_consequence_and_the_rank_that_died_the_cause():
     pool = ScriptedPool()
-    pool.at(0.02, protocol.Raised(0, "RuntimeError: Connection closed by peer [127.0.0.1]:4711", "Traceback..."))
-    pool.processes[1].code = -9  # rank 1 died by a signal; its link closed
-    pool.at(0.0, protocol.Closed(1))
+    # Rank 0's error about its lost peer comes first; rank 1's death is known only once its link closed.
+    pool.at(0.0, protocol.Raised(0, "RuntimeError: Connection closed by peer [127.0.0.1]:4711", "Traceback..."))
+    pool.processes[1].code = -9
+    pool.at(0.1, protocol.Closed(1))
     state, _, error, took = watch(pool)
     assert isinstance(error, WorkerError) and error.rank == 1
     assert error.summary == "Signal 9 (SIGKILL) received by PID 1001"
-    assert error.others == ("rank 0: stopped after rank 1 failed",)  # its own error only said rank 1 was lost
+    assert error.others == ("rank 0: stopped after rank 1 failed (RuntimeError: Connection closed by peer "
+                            "[127.0.0.1]:4711)",)
     assert pool.lost_codes == [([1], -9)]
     assert took < supervising.PEER_ERRORS + 1
 
