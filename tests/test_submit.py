@@ -153,7 +153,7 @@ def test_a_run_outlives_a_killed_kernel_and_attach_gets_the_launch_values(tmp_pa
     kernel = Kernel()
     try:
         _, _, error, _ = kernel.run(f"{TRAIN}\nos.chdir({str(tmp_path)!r})\n"
-                                    "run = nbtrain.submit(train, 12, 0.2, devices=2, accelerator='cpu')")
+                                    "nbtrain.warm_up(); run = nbtrain.submit(train, 12, 0.2, devices=2, accelerator='cpu')")
         assert error is None, error
         path = kernel.value("str(run.dir)")
         run = nbtrain.attach(path)
@@ -228,6 +228,28 @@ def test_without_a_template_the_supervisor_is_a_fresh_interpreter(tmp_path, no_l
     run.cancel()
     assert run.status == "cancelled"
     _ended_cleanly(run)
+
+
+@pytest.mark.slow
+def test_the_first_submit_does_not_wait_for_the_template_it_starts(tmp_path, no_leftovers):
+    """A kernel's first submit returns without waiting for the template to import torch: its
+    supervisor is a fresh interpreter, and the template started in the background serves the next."""
+    from nbtrain.placements import template_process
+
+    nbtrain.stop_template()  # as in a kernel that never launched
+    first = nbtrain.submit(train, 2, devices=2, accelerator="cpu", run_dir=tmp_path / "first")
+    started = template_process.template(start=False)
+    assert started is not None and started.pid is None  # started, not waited for
+    supervisor = json.loads((first.dir / runlog.SUPERVISOR).read_text())["pid"]
+    assert "nbtrain.notebook.detached" in " ".join(psutil.Process(supervisor).cmdline())
+    assert len(first.result(timeout=300).metrics("loss")) == 2
+    nbtrain.warm_up()  # ready now: the next supervisor is its fork
+    second = nbtrain.submit(train, 2, devices=2, accelerator="cpu", run_dir=tmp_path / "second")
+    supervisor = json.loads((second.dir / runlog.SUPERVISOR).read_text())["pid"]
+    assert "nbtrain.notebook.detached" not in " ".join(psutil.Process(supervisor).cmdline())
+    assert len(second.result(timeout=300).metrics("loss")) == 2
+    _ended_cleanly(first)
+    _ended_cleanly(second)
 
 
 def _trial(lr):

@@ -23,7 +23,7 @@ from ..common.private import check_own, private_dir
 from ..common.transfer import pack_job
 from ..display import check_progress
 from ..placements.clusters import Slurm, check_cluster
-from ..placements.template_process import template
+from ..placements.template_process import template, warm_in_background
 from ..rank.profiling import Profile
 from ..rank.trackers import check_trackers
 from .choices import choose, words
@@ -235,10 +235,7 @@ def _start_supervisor(where: Path, cluster, max_restarts: int) -> None:
     if isinstance(cluster, Slurm):
         runlog.write_json(where / runlog.SUPERVISOR, _supervisor_job(where, cluster, supervise, env, max_restarts))
         return
-    try:  # started before anything of the run is: a template that cannot start leaves nothing to undo
-        warm = template()
-    except RuntimeError:  # no template here (it failed to start, or stopped answering): a fresh interpreter
-        warm = None
+    warm = _ready_template()
     if warm is not None:
         # A fork of the kernel's warm template, which has imported torch: the supervisor starts
         # in milliseconds instead of a fresh interpreter's second or more (benchmarks/submit_latency.py).
@@ -248,6 +245,21 @@ def _start_supervisor(where: Path, cluster, max_restarts: int) -> None:
         subprocess.run([sys.executable, "-c", _DETACH, str(where / runlog.SUPERVISOR_LOG),
                         str(where / runlog.SUPERVISOR), *supervise], capture_output=True, text=True, check=True,
                        env=env)
+
+
+def _ready_template():
+    """The kernel's warm template if it is ready and answering, else None. A template still starting
+    (the kernel's first submit: 3-5 s of importing torch) is not waited for: this run's supervisor
+    starts as a fresh interpreter, which imports torch on its own time, and the template, started
+    now in the background, serves the next submits and CUDA-safe launches."""
+    running = template(start=False)
+    if running is None or running.pid is None:  # none, or not ready yet
+        warm_in_background()
+        return None
+    try:
+        return template()  # answering? (a stopped or hung one is noticed in seconds)
+    except RuntimeError:  # it stopped answering: a fresh interpreter
+        return None
 
 
 def _never_started(where: Path, error: BaseException) -> None:

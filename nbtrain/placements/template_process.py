@@ -282,6 +282,15 @@ def warm_up(restart: bool = False, preload=None, wait: bool = True) -> float:
     return time.monotonic() - handle.started
 
 
+def warm_in_background() -> None:
+    """Start this kernel's template without waiting for it, unless one runs or the last start
+    failed (`warm_up` tries again): for the next launch or submit that can use it."""
+    global _template
+    with _guard:
+        if _template is None and _failed is None:
+            _template = Template(_preload)
+
+
 def stop_template() -> None:
     """Stop this kernel's warm template now, rather than when the kernel ends.
 
