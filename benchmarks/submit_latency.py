@@ -118,10 +118,10 @@ def main() -> None:
             rows.append([f"{labels[measure]} ({w})", f"{cold[w, measure]:.3f}", f"{m:.3f}",
                          f"{versus:.1f}x" if measure in ("result", "launch") else "", str(len(times[w, measure]))])
     body = table(["2 CPU ranks, 5 DDP steps", "first (cold) s", "median s", "vs launch", "runs"], rows)
-    note = ("\n\nThe supervisor is now a fork of the kernel's warm template (torch imported; the first submit starts "
-            "the template, hence its cold figure), runs no torch.distributed.checkpoint import unless a checkpoint "
-            "is saved, and Run.result() is woken by the run's end (inotify on the run directory, a pidfd on the "
-            "supervisor) instead of looking every 0.2 s.")
+    note = ("\n\nThe supervisor is a fork of the kernel's warm template once that is ready (torch imported); a "
+            "kernel's first submit does not wait for it: its supervisor is a fresh interpreter while the template "
+            "starts in the background. It runs no torch.distributed.checkpoint import unless a checkpoint is saved, "
+            "and Run.result() is woken by the run's end (inotify on the run directory, a pidfd on the supervisor).")
     if args.before:
         note += f" Before: `--before {checkouts['before']}`, in the same rounds."
     record("Submitted runs (submit_latency.py)", body + note)
