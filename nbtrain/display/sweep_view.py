@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from . import check_progress, in_jupyter
 from .chart import _Line, panel_svg, use_log_scale
-from .figure import MISSING_MATPLOTLIB, have_matplotlib, png
+from .figure import have_matplotlib, png
 from .widgets import _duration, replace, show
 
 log = logging.getLogger(__name__)
@@ -192,8 +192,8 @@ def curves_figure(state: SweepState):
 def curves_bundle(state: SweepState) -> dict | None:
     if not any(r.curve.count for r in state.rows.values()):
         return None
-    if not have_matplotlib():
-        return {"text/plain": f"({MISSING_MATPLOTLIB})"}
+    if not have_matplotlib():  # the live chart showed them; no line about an optional package at the end
+        return None
     try:
         picture = png(curves_figure(state))
     except Exception as exc:  # a picture must never hide how the sweep ended

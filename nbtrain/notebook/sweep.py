@@ -31,7 +31,18 @@ from .launch import check_cluster_words, check_timeout, launch
 from .restarts import why
 from .result import Result
 from .slots import Slot, SlotRunner, check_count, plan_slots, slot_start
-from .sweep_study import ERROR, INTERRUPTED, KERNEL, SLOT, TRACEBACK, TRACEBACK_CHARS, open_study, resume, this_kernel
+from .sweep_study import (
+    ERROR,
+    INTERRUPTED,
+    KERNEL,
+    SLOT,
+    TRACEBACK,
+    TRACEBACK_CHARS,
+    open_study,
+    resume,
+    study_name,
+    this_kernel,
+)
 from .sweep_trials import TrialServer
 
 OPTUNA_MISSING = "nbtrain.sweep runs on Optuna, which is not installed: pip install 'nbtrain[sweep]' (or optuna)."
@@ -525,7 +536,7 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
         kind = "GPU" if slots[0].accelerator == "gpu" else "CPU" if cluster is None else cluster.engine
         where = f"{len(slots)} {kind} slot{'s' if len(slots) > 1 else ''}" + (
             f" of {devices_per_trial}" if devices_per_trial > 1 else "")
-        state = SweepState(f"sweep of {study.study_name}", metric or "value", study.direction.name.lower(), where,
+        state = SweepState(f"sweep of {study_name(fn)}", metric or "value", study.direction.name.lower(), where,
                            trials, done)
         run = _SweepRun(optuna, study, fn, space, metric, catch, trials - done,
                         None if timeout is None else time.monotonic() + timeout, strategy, start, cluster, state, view)

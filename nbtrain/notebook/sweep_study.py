@@ -107,14 +107,16 @@ def open_study(optuna, study, fn, *, space, direction, sampler, pruner, metric: 
                 raise ValueError(f"{name}={given!r} with study=: a study keeps its own {name}; give it to "
                                  f"optuna.create_study(..., {name}=...) instead.")
     else:
-        if isinstance(study, str):
-            storage = study
-        else:
+        storage, path = study, None
+        if not isinstance(study, str):
             run_dir = str(Path(check_run_dir(run_dir) if run_dir is not None
                                else Path(RUNS) / f"sweep-{study_name(fn)}-{key}").absolute())
             lock = _hold(Path(run_dir))
-            storage, made = _study_file(optuna, Path(run_dir))
+            path, made = _study_file(Path(run_dir))
+        where = f"run_dir={run_dir!r}" if run_dir else f"study={storage!r}"
         try:
+            if path is not None:
+                storage = _storage(optuna, path)
             with _quiet(optuna):  # Optuna's "A new study created in RDB" line
                 study = optuna.create_study(storage=storage, study_name=study_name(fn),
                                             direction=direction or "minimize", sampler=sampler, pruner=pruner,
@@ -122,10 +124,9 @@ def open_study(optuna, study, fn, *, space, direction, sampler, pruner, metric: 
         except Exception as exc:
             if lock is not None:
                 os.close(lock)
-            where = f"run_dir={run_dir!r}" if run_dir else f"study={storage!r}"
-            if made:  # nothing of a study that could not be made is left behind
+            if made and path is not None:  # nothing of a study that could not be made is left behind
                 with contextlib.suppress(OSError):
-                    os.unlink(Path(str(run_dir)) / runlog.STUDY)
+                    os.unlink(path)
             if _disk_full(exc):
                 raise RuntimeError(f"{where}: the sweep's study cannot be written there: the disk is full (or a "
                                    "file-size limit was reached). Free some space, or give run_dir= (study=) "
@@ -163,8 +164,8 @@ def _check(study, direction, metric, run_dir) -> None:
 
 def _resuming(optuna, study, run_dir, key) -> str | None:
     """One line when the study already holds trials: what is resumed, and whether by another objective."""
-    trials = study.get_trials(deepcopy=False)
-    if not trials:
+    trials = [t for t in study.get_trials(deepcopy=False) if t.state != optuna.trial.TrialState.WAITING]
+    if not trials:  # new, or only enqueued trials: nothing is resumed
         return None
     counts: dict[str, int] = {}
     for trial in trials:
@@ -174,7 +175,8 @@ def _resuming(optuna, study, run_dir, key) -> str | None:
     other = study.user_attrs.get(OBJECTIVE)
     changed = (" Its trials were run by another objective (other code or space): give another run_dir for a "
                "new study." if other not in (None, key) else "")
-    return f"nbtrain: resuming the study {study.study_name!r}{where}: {len(trials)} trials ({held}).{changed}"
+    count = f"{len(trials)} trial{'s' if len(trials) > 1 else ''}"
+    return f"nbtrain: resuming the study {study.study_name!r}{where}: {count} ({held}).{changed}"
 
 
 def _hold(directory: Path) -> int:
@@ -233,22 +235,26 @@ def _quiet(optuna):
         optuna.logging.set_verbosity(verbosity)
 
 
-def _study_file(optuna, directory: Path):
-    """(Optuna's storage, whether the database was made now): SQLite in the run directory (0700;
-    the database 0600). No connection is kept open between uses (a kernel holds no file of a
-    finished sweep), and a busy database is waited for, not an error: slots write to it at once."""
+def _study_file(directory: Path) -> tuple[Path, bool]:
+    """(the SQLite file in the run directory, whether it was made now): made 0600 before SQLite
+    opens it (its journal files take the database's mode)."""
     path = directory / runlog.STUDY
-    made = True
-    try:  # made 0600 before SQLite opens it (its journal files take the database's mode)
+    try:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        return path, True
     except FileExistsError:
         check_own(path, "study database")
-        made = os.path.getsize(path) == 0  # an empty one a failed start left: nothing in it to keep
+        return path, os.path.getsize(path) == 0  # an empty one a failed start left: nothing in it to keep
+
+
+def _storage(optuna, path: Path):
+    """Optuna's storage on the file. No connection is kept open between uses (a kernel holds no
+    file of a finished sweep), and a busy database is waited for, not an error: slots write to it
+    at once."""
     from sqlalchemy.pool import NullPool
 
-    storage = optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={
+    return optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={
         "poolclass": NullPool, "connect_args": {"timeout": 60}})
-    return storage, made
 
 
 def _running_elsewhere(trial) -> bool:
