@@ -67,9 +67,11 @@ def test_bad_input_is_refused_in_one_line(tmp_path, given, expected):
     assert expected in refused(tmp_path, **given)
 
 
-def test_metric_is_required():
-    with pytest.raises(TypeError, match="metric"):
+def test_metric_is_required_unless_fn_takes_a_trial():
+    with pytest.raises(ValueError, match="^metric=None: sweep"):
         nbtrain.sweep(lambda x: x, SPACE, trials=1)
+    with pytest.raises(ValueError, match=r"^sweep\(lambda\(lr, width\)\): with no space=, fn is called as Optuna"):
+        nbtrain.sweep(lambda lr, width: lr, trials=1)
 
 
 def test_a_given_study_keeps_its_own_sampler_and_direction(tmp_path):

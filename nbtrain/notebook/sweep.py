@@ -182,7 +182,7 @@ def takes_trial(fn, space) -> bool:
         try:
             signature.bind(None)
         except TypeError:
-            raise ValueError(f"sweep({_name(fn)}{signature}): with no space=, fn is called as Optuna calls an "
+            raise ValueError(f"sweep({study_name(fn)}{signature}): with no space=, fn is called as Optuna calls an "
                              "objective, fn(trial), and asks trial.suggest_*() for its parameters; give a space= "
                              "of Optuna distributions to call it as fn(**params) instead.") from None
         return True
@@ -594,8 +594,9 @@ def check_sweep(fn, space, trials, metric, direction, sampler, pruner, timeout, 
     with_trial = takes_trial(fn, space)
     check_count(trials, "trials")
     if metric is None and not with_trial:
-        raise TypeError(f"sweep({_name(fn)}, space, ...) needs metric=: the name fn logs with ctx.log(name, value), "
-                        "e.g. metric='loss' (or write fn as Optuna's objective(trial), which returns its value).")
+        raise ValueError(f"metric=None: sweep({_name(fn)}, space, ...) needs the name fn logs with ctx.log(name, "
+                         "value), e.g. metric='loss' (or write fn as Optuna's objective(trial), which returns its "
+                         "value).")
     if metric is not None and (not isinstance(metric, str) or not metric):
         raise ValueError(f"metric={metric!r}: give the name fn logs with ctx.log(name, value), e.g. metric='loss'.")
     if direction is not None and direction not in DIRECTIONS:
