@@ -524,6 +524,24 @@ def test_a_full_disk_is_said_in_words_and_leaves_no_empty_study(tmp_path):
     assert not (run_dir / "study.db").exists()
 
 
+def banner(trial):
+    import sys
+
+    print("SomeLibrary: GPU available: False, used: False", file=sys.stderr, flush=True)
+    print(f"trial {trial.number} warns on its own", file=sys.stderr, flush=True)
+    return 0.5
+
+
+@pytest.mark.slow
+def test_a_librarys_banner_shows_once_per_sweep_not_per_trial(capfd, no_leftovers):
+    nbtrain.sweep(banner, trials=3, devices=1, accelerator="cpu", study=quiet_study(), progress="text")
+    out, err = capfd.readouterr()
+    assert err.count("SomeLibrary: GPU available: False, used: False") == 1, err
+    assert all(f"trial {n} warns on its own" in err for n in range(3))
+    assert "nbtrain: 2 lines that trials wrote to stderr as an earlier trial had (a library's banner, a warning) " \
+           "shown once" in out
+
+
 SETUP = '''
 import os, time, json, optuna, nbtrain
 optuna.logging.set_verbosity(optuna.logging.WARNING)

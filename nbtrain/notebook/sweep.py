@@ -47,6 +47,7 @@ from .sweep_trials import TrialServer
 
 OPTUNA_MISSING = "nbtrain.sweep runs on Optuna, which is not installed: pip install 'nbtrain[sweep]' (or optuna)."
 DIRECTIONS = ("minimize", "maximize")
+SAID_LINES = 10_000  # stderr lines remembered, to show a library's banner once per sweep rather than per trial
 # Each study's best trial's Result (its model) once it ran in this kernel: a sweep run again to
 # resume or to add trials still has it when that trial stays the best. One per study.
 _KEPT: dict[tuple, tuple[int, Result]] = {}
@@ -278,6 +279,8 @@ class _SweepRun:
         self.best: tuple[int, Result] | None = None
         self.failures: list[BaseException] = []  # the trials' errors that `catch` let the sweep go on after
         self.lines: deque[tuple[str, str]] = deque()  # (text, stream): the trials' output, for the main thread
+        self.said: dict[str, int] = {}  # a stderr line a trial wrote: the first trial that wrote it
+        self.alike = 0  # stderr lines left out: an earlier trial wrote each of them
         self.runner: SlotRunner | None = None
         self.lock = threading.Lock()  # the study is told from the slots' threads and the trial server's
 
@@ -291,6 +294,13 @@ class _SweepRun:
         self.view.update(self.state)
 
     def _say(self, number: int, rank, stream: str, text: str) -> None:
+        if stream == "stderr":  # a library's banner or warning, alike in every trial: shown for the first only
+            said = self.said.get(text)
+            if said is not None and said != number:
+                self.alike += 1
+                return
+            if len(self.said) < SAID_LINES:
+                self.said[text] = number
         self.lines.append((f"[trial {number}] {text}" if not rank else f"[trial {number} rank {rank}] {text}", stream))
 
     def _note(self, number: int, text: str) -> None:
@@ -570,6 +580,10 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
             raise
         finally:
             state.ended = time.monotonic()
+            if run.alike:
+                run.lines.append((f"nbtrain: {run.alike} line{'s' if run.alike > 1 else ''} that trials wrote to "
+                                  "stderr as an earlier trial had (a library's banner, a warning) shown once",
+                                  "stdout"))
             run.tick()
             view.finish(state, verdict)
             if run.best is not None:
