@@ -72,6 +72,8 @@ def test_metric_is_required_unless_fn_takes_a_trial():
         nbtrain.sweep(lambda x: x, SPACE, trials=1)
     with pytest.raises(ValueError, match=r"^sweep\(lambda\(lr, width\)\): with no space=, fn is called as Optuna"):
         nbtrain.sweep(lambda lr, width: lr, trials=1)
+    with pytest.raises(ValueError, match=r"^sweep\(lambda\) with cluster=: a trial on a cluster cannot yet ask"):
+        nbtrain.sweep(lambda trial: 0.5, trials=1, devices=1, cluster=nbtrain.Slurm())
 
 
 def test_a_given_study_keeps_its_own_sampler_and_direction(tmp_path):

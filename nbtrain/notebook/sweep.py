@@ -534,6 +534,10 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
         strategy, start = slot_start(strategy, start)
     else:
         check_cluster_words(words(strategy, start), cluster)  # refused here, not by every trial
+        if with_trial:  # its trials would dial the notebook's loopback-only trial channel
+            raise ValueError(f"sweep({study_name(fn)}) with cluster=: a trial on a cluster cannot yet ask the study "
+                             "in this notebook; give space= (Optuna distributions) and a fn(**params) that reports "
+                             "with ctx.log, or run the objective on this machine's devices.")
         slots, idle = cluster_slots(devices, devices_per_trial, accelerator), None
     given = study
     opened = open_study(optuna, study, fn, space=space, direction=direction, sampler=sampler, pruner=pruner,
