@@ -135,7 +135,9 @@ def test_summary_names_the_best_and_every_trial():
                   1: TrialRow(1, {"lr": 0.3}, "CPU slot 1", "pruned", 2.0, 1, detail="pruned at step 1"),
                   2: TrialRow(2, {"lr": 0.9}, "CPU slot 0", "failed", None, None, detail="rank 0 failed: ValueError: x")}
     state.best = (0, 0.5, {"lr": 0.1})
+    state.importances = {"lr": 0.875}
     text = summary_text(state, "finished")
+    assert text.splitlines()[-1] == "parameter importances (Optuna's get_param_importances): lr 0.88"
     assert text.splitlines()[0].endswith("3 trials here (1 complete, 1 failed, 1 pruned) of 3; best: trial 0, loss=0.5 (lr=0.1)")
     assert "trial 1  pruned  lr=0.3  loss=2 @ step 1" in text and "rank 0 failed: ValueError: x" in text
     html = summary_html(state, "finished")
@@ -374,6 +376,9 @@ def test_optunas_own_objective_runs_unchanged_define_by_run(no_leftovers):
     assert swept.best_params == swept.best_trial.params and set(swept.best_params) == used(swept.best_params)
     assert swept.best_value == max(t.value for t in trials) and swept.metric == "value"
     assert swept.best_result.value == swept.best_value
+    assert "n_layers" in swept.state.importances and set(swept.state.importances) <= set().union(*(t.params for t in trials))
+    assert sum(swept.state.importances.values()) == pytest.approx(1.0)
+    assert repr(swept).splitlines()[-1].startswith("parameter importances (Optuna's get_param_importances): ")
 
 
 def pruned_or_failing(trial):

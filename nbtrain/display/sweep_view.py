@@ -62,6 +62,7 @@ class SweepState:
     earlier: int = 0  # trials the study held when this call began
     rows: dict[int, TrialRow] = field(default_factory=dict)
     best: tuple[int, float, dict] | None = None  # (number, value, params), as Optuna says
+    importances: dict[str, float] | None = None  # Optuna's parameter importances, once the sweep ended
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
     version: int = 0
@@ -139,14 +140,25 @@ def _rows_html(state: SweepState, final: bool) -> str:
     return f"{more}<table>{''.join(cells)}</table>"
 
 
+def importances_text(state: SweepState) -> str:
+    if not state.importances:
+        return ""
+    return "parameter importances (Optuna's get_param_importances): " + ", ".join(
+        f"{name} {value:.2f}" for name, value in state.importances.items())
+
+
 def summary_html(state: SweepState, verdict: str) -> str:
     head = html.escape(headline(state, verdict)).replace("nbtrain", "<b>nbtrain</b>", 1)
-    return f'<div class="nbtrain-sweep">{head}{_rows_html(state, True)}</div>'
+    importances = importances_text(state)
+    foot = f"<div>{html.escape(importances)}</div>" if importances else ""
+    return f'<div class="nbtrain-sweep">{head}{_rows_html(state, True)}{foot}</div>'
 
 
 def summary_text(state: SweepState, verdict: str) -> str:
     rows = sorted(state.rows.values(), key=lambda r: r.number)
-    return "\n".join([headline(state, verdict), *("  " + row_line(r, state.metric) for r in rows)])
+    importances = importances_text(state)
+    return "\n".join([headline(state, verdict), *("  " + row_line(r, state.metric) for r in rows),
+                      *([importances] if importances else [])])
 
 
 def curves_svg(state: SweepState) -> str:

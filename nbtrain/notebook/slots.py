@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..common.devices import plan_devices
-from ..placements.template_process import template
+from ..placements import template_process
+from ..placements.template_process import template, warm_up
 from .choices import words
 
 log = logging.getLogger(__name__)
@@ -127,8 +128,8 @@ class SlotRunner:
     others and is raised by `run`.
     """
 
-    def __init__(self, slots: list[Slot], work: Callable[[Slot], bool], warm: bool = True):
-        self.slots, self.work, self.warm = slots, work, warm
+    def __init__(self, slots: list[Slot], work: Callable[[Slot], bool], warm: bool = True, preload: tuple = ()):
+        self.slots, self.work, self.warm, self.preload = slots, work, warm, preload
         self.stopping = threading.Event()
         self.changed = threading.Event()  # a slot finished something: the main thread looks now
         self.errors: list[BaseException] = []
@@ -136,7 +137,7 @@ class SlotRunner:
 
     def run(self, tick: Callable[[], None] = lambda: None) -> None:
         if self.warm:  # slot launches on this machine start their ranks from it
-            _warm_template()
+            _warm_template(self.preload)
         threads = [threading.Thread(target=self._serve, args=(slot,), name=f"nbtrain-slot-{slot.index}", daemon=True)
                    for slot in self.slots]
         for thread in threads:
@@ -237,10 +238,16 @@ class SlotDisplay:
                 pass
 
 
-def _warm_template() -> None:
+def _warm_template(preload: tuple = ()) -> None:
     """Start the warm template from the main thread (its life tied to the kernel's, not to a slot's
-    thread); where it cannot start, each launch says so and spawns instead."""
+    thread); where it cannot start, each launch says so and spawns instead. `preload`: packages
+    every run imports (a sweep's trials, Optuna: 1.4 s each, in a fork of a template without it),
+    added to the template's list once (a template started without them is replaced; the ranks it
+    forked stay)."""
     try:
+        missing = [name for name in preload if name not in template_process._preload]
+        if missing:
+            warm_up(preload=[*template_process._preload, *missing])
         template()
     except Exception as exc:
         log.debug("the warm template did not start: %s", exc)

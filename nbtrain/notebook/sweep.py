@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 import numbers
 import threading
 import time
+import warnings
 from collections import deque
 
 from ..common.errors import WorkerError
@@ -45,8 +47,11 @@ from .sweep_study import (
 )
 from .sweep_trials import TrialServer
 
+log = logging.getLogger(__name__)
+
 OPTUNA_MISSING = "nbtrain.sweep runs on Optuna, which is not installed: pip install 'nbtrain[sweep]' (or optuna)."
 DIRECTIONS = ("minimize", "maximize")
+IMPORTANCE_TRIALS = 2000  # beyond this, the evaluator's seconds are not spent on a summary
 SAID_LINES = 10_000  # stderr lines remembered, to show a library's banner once per sweep rather than per trial
 # Each study's best trial's Result (its model) once it ran in this kernel: a sweep run again to
 # resume or to add trials still has it when that trial stays the best. One per study.
@@ -566,7 +571,7 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
             view.output(f"nbtrain: the study already holds {done} finished trials (trials={trials}): nothing to run. "
                         "Raise trials= to run more"
                         + (f", or give another run_dir for a new sweep ({run_dir})." if run_dir else "."))
-        run.runner = SlotRunner(slots, run.work, warm=cluster is None)
+        run.runner = SlotRunner(slots, run.work, warm=cluster is None, preload=("optuna",) if with_trial else ())
         verdict = "finished"
         try:
             if done < trials:
@@ -584,6 +589,8 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
             raise
         finally:
             state.ended = time.monotonic()
+            if verdict == "finished":
+                state.importances = importances(optuna, study)
             if run.alike:
                 run.lines.append((f"nbtrain: {run.alike} line{'s' if run.alike > 1 else ''} that trials wrote to "
                                   "stderr as an earlier trial had (a library's banner, a warning) shown once",
@@ -599,6 +606,22 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
     if verdict.startswith("failed"):  # every trial failed: the first one's error, as the sweep's
         raise run.failures[0]
     return Sweep(study, state, run.best, run_dir, verdict)
+
+
+def importances(optuna, study) -> dict[str, float] | None:
+    """Optuna's parameter importances (its default evaluator), for the summary: where two complete trials or more
+    varied a parameter, and the study is small enough to take a moment."""
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    if not 2 <= len(complete) <= IMPORTANCE_TRIALS:
+        return None
+    try:
+        with warnings.catch_warnings():  # "fewer than 2 trials in a regime": the summary is no place for it
+            warnings.simplefilter("ignore")
+            found = optuna.importance.get_param_importances(study)
+    except Exception as exc:  # a parameter that never varied, a single-valued space: no importances, nothing wrong
+        log.debug("no parameter importances: %s", exc)
+        return None
+    return dict(found) or None
 
 
 def check_sweep(fn, space, trials, metric, direction, sampler, pruner, timeout, catch) -> tuple[dict | None, tuple,
