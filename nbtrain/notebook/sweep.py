@@ -1,15 +1,18 @@
 """`nbtrain.sweep`: hyper-parameter trials packed onto the devices, on Optuna.
 
+    best = nbtrain.sweep(objective, trials=20, devices=2)   # Optuna's objective(trial), unchanged
     space = {"lr": optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)}
-    best = nbtrain.sweep(train, space, trials=20, metric="loss", devices=2)   # a Sweep
+    best = nbtrain.sweep(train, space, trials=20, metric="loss", devices=2)   # or fn(**params)
     best.best_params, best.best_value, best.best_result.value
 
 Optuna decides everything a sweep decides: which parameters a trial gets (its sampler, enqueued
-trials first), whether a trial is pruned (its pruner, asked each time the trial logs the metric),
-where the study is kept (its storage: by default SQLite in the sweep's run directory, so running
-the same cell again after an interruption resumes: `sweep_study.py`). nbtrain runs each trial as a launch of
-`fn(**params)` on a free slot (`slots.py`), reports `ctx.log(metric, ...)` to the trial, and ends
-a pruned trial's launch at once, freeing its slot for the next.
+trials first), whether a trial is pruned (its pruner), where the study is kept (its storage: by
+default SQLite in a run directory named by the objective, so running the same cell again after
+an interruption resumes: `sweep_study.py`). nbtrain runs each trial as a launch on a free slot
+(`slots.py`) with the slot's share of the cores (`rank/trial.py`). An `objective(trial)` gets a
+trial whose every call the study here answers (`sweep_trials.py`); a `fn(**params)` has its
+`ctx.log(metric, ...)` reported to the trial, and a pruned trial's launch ends at once, freeing
+its slot for the next.
 """
 from __future__ import annotations
 
@@ -89,11 +92,14 @@ class Sweep:
         The best trial's number and Result, when it ran in this kernel.
     run_dir : str, optional
         Where the study is kept (its SQLite file), when nbtrain chose the storage.
+    verdict : str, default 'finished'
+        How the sweep ended ("ended with no complete trial (...)" when the study holds none).
 
     Attributes
     ----------
     study : optuna.Study
     run_dir : str or None
+    verdict : str
     """
 
     def __init__(self, study, state: SweepState, best: tuple[int, Result] | None, run_dir: str | None,
