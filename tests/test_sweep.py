@@ -129,6 +129,21 @@ def test_resume_fails_a_dead_kernels_trials_and_runs_them_again_once():
     assert [(t.system_attrs["fixed_params"], t.user_attrs[RETRY_OF]) for t in waiting] == [(dead.params, dead.number)]
 
 
+def test_an_objectives_key_is_its_code_and_space():
+    def key(fn, space=None):
+        from nbtrain.notebook.sweep_study import objective_key
+
+        return objective_key(fn, space)
+
+    first = lambda trial: trial.suggest_float("x", 0, 1)  # noqa: E731
+    again = lambda trial: trial.suggest_float("x", 0, 1)  # noqa: E731 - the same code elsewhere: the same objective
+    other = lambda trial: trial.suggest_float("x", 0, 2)  # noqa: E731
+    assert key(first) == key(again) != key(other)
+    assert key(first) != key(first, SPACE)
+    assert key(functools.partial(timed, "/a")) == key(functools.partial(timed, "/b"))  # bound arguments left out
+    assert key(lambda trial: [i for i in range(3)]) == key(lambda trial: [i for i in range(3)])  # nested code too
+
+
 def test_summary_names_the_best_and_every_trial():
     state = SweepState("sweep of train", "loss", "minimize", "2 CPU slots", target=3)
     state.rows = {0: TrialRow(0, {"lr": 0.1}, "CPU slot 0", "complete", 0.5, 9),
@@ -350,6 +365,7 @@ def optuna_objective(trial):
         if trial.should_prune():
             raise optuna.exceptions.TrialPruned()
     trial.set_user_attr("threads", torch.get_num_threads())
+    trial.set_user_attr("cores", sorted(os.sched_getaffinity(0)))
     return accuracy
 
 
@@ -373,6 +389,9 @@ def test_optunas_own_objective_runs_unchanged_define_by_run(no_leftovers):
     assert all(sorted(t.intermediate_values) == [0, 1, 2] for t in trials)  # trial.report, from the rank
     assert all(t.value == t.intermediate_values[2] for t in trials)  # the returned value is the trial's
     assert all(t.user_attrs["threads"] == max(1, (os.cpu_count() or 1) // 2) for t in trials)  # each slot's share
+    cores = {t.user_attrs["nbtrain_slot"]: tuple(t.user_attrs["cores"]) for t in trials}
+    if len(os.sched_getaffinity(0)) >= 2:  # a core (or more) of its own for each of the 2 slots
+        assert len(set(cores.values())) == 2 and not set(cores["CPU slot 0"]) & set(cores["CPU slot 1"])
     assert swept.best_params == swept.best_trial.params and set(swept.best_params) == used(swept.best_params)
     assert swept.best_value == max(t.value for t in trials) and swept.metric == "value"
     assert swept.best_result.value == swept.best_value

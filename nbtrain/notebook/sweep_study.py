@@ -68,18 +68,22 @@ def study_name(fn) -> str:
 
 
 def objective_key(fn, space) -> str:
-    """What the objective is, in 10 hex digits: its code (the source where Python has it) and the
-    space. A partial's bound arguments are left out (a path, an object's repr, would differ)."""
+    """What the objective is, in 10 hex digits: its compiled code (not its source file, which may
+    have changed since, nor its line: the same code elsewhere is the same objective) and the space.
+    A partial's bound arguments are left out (a path, an object's repr, would differ)."""
     while isinstance(fn, functools.partial):
         fn = fn.func
-    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
-    try:
-        code = inspect.getsource(target)
-    except (OSError, TypeError):
-        inner = getattr(target, "__code__", None)
-        code = repr((inner.co_code, inner.co_consts, inner.co_names)) if inner else getattr(target, "__qualname__", "")
+    code = getattr(fn, "__code__", None) or getattr(type(fn).__call__, "__code__", None)  # a callable object
+    what = _code_text(code) if code is not None else getattr(type(fn), "__qualname__", "")
     space_text = repr(sorted((k, repr(v)) for k, v in (space or {}).items()))
-    return hashlib.sha256(f"{code}\0{space_text}".encode()).hexdigest()[:10]
+    return hashlib.sha256(f"{what}\0{space_text}".encode()).hexdigest()[:10]
+
+
+def _code_text(code) -> str:
+    """A code object as text that is the same in every process: nested code (a lambda, a comprehension)
+    by its own text, not by its repr, which holds an address."""
+    consts = [_code_text(c) if inspect.iscode(c) else repr(c) for c in code.co_consts]
+    return repr((code.co_code.hex(), consts, code.co_names, code.co_varnames))
 
 
 @dataclass
