@@ -54,6 +54,8 @@ def refused(tmp_path, **given) -> str:
     ({"direction": "down"}, "direction='down': give 'minimize' or 'maximize'."),
     ({"devices": 2, "devices_per_trial": 3}, "devices_per_trial=3: more than the 2 CPU processes that devices=2 gives"),
     ({"devices_per_trial": 0}, "devices_per_trial=0: give a whole number"),
+    ({"trials_per_device": 0}, "trials_per_device=0: give a whole number"),
+    ({"trials_per_device": 2}, "trials_per_device=2: several trials share a GPU, and these are CPU processes"),
     ({"catch": "ValueError"}, "catch='ValueError': give an exception class"),
     ({"sampler": "tpe"}, "sampler='tpe': give an Optuna sampler"),
     ({"pruner": 3}, "pruner=3: give an Optuna pruner"),
@@ -88,11 +90,16 @@ def test_slots_pack_onto_the_gpus_given():
         ones, _ = plan_slots("auto", 1, "gpu")
         twos, _ = plan_slots("auto", 2, "gpu")
         odd, note = plan_slots([1, 2, 5], 2, "gpu")
+        shared, _ = plan_slots([0, 1], 1, "gpu", per_device=3)
+        with pytest.raises(ValueError, match="^trials_per_device=2 with devices_per_trial=2: trials that share a GPU"):
+            plan_slots("auto", 2, "gpu", per_device=2)
     finally:
         use_inventory(None)
     assert [s.devices for s in ones] == [(i,) for i in range(8)]
     assert [s.devices for s in twos] == [(0, 1), (2, 3), (4, 5), (6, 7)] and str(twos[1]) == "GPUs 2,3"
     assert [s.devices for s in odd] == [(1, 2)] and note.startswith("GPU [5] left idle")
+    assert [s.devices for s in shared] == [(0,)] * 3 + [(1,)] * 3 and str(shared[4]) == "GPU 1 (slot 4)"
+    assert {s.threads for s in shared} == {max(1, len(os.sched_getaffinity(0)) // 6)}
 
 
 def test_cpu_slots():

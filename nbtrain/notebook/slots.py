@@ -41,6 +41,7 @@ class Slot:
     size: int  # how many devices (ranks) a run in this slot has
     threads: int = 0  # torch threads for each of its ranks: its share of the cores (0: as a launch sets them)
     cores: tuple[int, ...] = ()  # the CPUs its processes run on, where slots do not outnumber them; (): any
+    sharing: int = 1  # slots on its one GPU (trials_per_device)
 
     @property
     def launch_devices(self):
@@ -49,7 +50,8 @@ class Slot:
 
     def __str__(self) -> str:
         if self.devices:
-            return f"GPU{'s' if self.size > 1 else ''} {','.join(map(str, self.devices))}"
+            shared = f" (slot {self.index})" if self.sharing > 1 else ""
+            return f"GPU{'s' if self.size > 1 else ''} {','.join(map(str, self.devices))}{shared}"
         kind = "CPU slot" if self.accelerator == "cpu" else "slot"
         return f"{kind} {self.index}" + (f" ({self.size} ranks)" if self.size > 1 else "")
 
@@ -61,18 +63,29 @@ def check_count(value, name: str) -> int:
 
 
 def plan_slots(devices="auto", per_slot: int = 1, accelerator: str = "auto",
-               per_slot_name: str = "devices_per_trial") -> tuple[list[Slot], str | None]:
+               per_slot_name: str = "devices_per_trial", per_device: int = 1) -> tuple[list[Slot], str | None]:
     """The slots packed onto `devices` (launch's grammar; on CPU a number of CPU processes), and
-    a note when some devices are left over."""
+    a note when some devices are left over. `per_device` > 1: that many one-GPU slots on each GPU
+    (small trials that would leave most of a GPU idle)."""
     check_count(per_slot, per_slot_name)
+    check_count(per_device, "trials_per_device")
     plan = plan_devices(devices, accelerator)
+    if per_device > 1 and plan.accelerator != "gpu":
+        raise ValueError(f"trials_per_device={per_device}: several trials share a GPU, and these are CPU processes; "
+                         "on CPU, give devices= the number of trials to run at once.")
+    if per_device > 1 and per_slot > 1:
+        raise ValueError(f"trials_per_device={per_device} with {per_slot_name}={per_slot}: trials that share a GPU "
+                         f"have one GPU each; give {per_slot_name}=1.")
     count = plan.nprocs // per_slot
     if count == 0:
         kind = "GPUs" if plan.accelerator == "gpu" else "CPU processes"
         raise ValueError(f"{per_slot_name}={per_slot}: more than the {plan.nprocs} {kind} that devices={devices!r} "
                          f"gives; give {per_slot_name} <= {plan.nprocs}, or more devices.")
-    threads, cores = share_cores(count, per_slot)
-    if plan.accelerator == "gpu":
+    threads, cores = share_cores(count * per_device, per_slot)
+    if per_device > 1:
+        slots = [Slot(i, "gpu", (plan.indices[i // per_device],), 1, threads, cores[i], per_device)
+                 for i in range(count * per_device)]
+    elif plan.accelerator == "gpu":
         slots = [Slot(i, "gpu", tuple(plan.indices[i * per_slot:(i + 1) * per_slot]), per_slot, threads, cores[i])
                  for i in range(count)]
     else:

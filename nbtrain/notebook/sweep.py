@@ -450,7 +450,7 @@ class _SweepRun:
 
 
 def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = None, devices="auto",
-          devices_per_trial: int = 1,
+          devices_per_trial: int = 1, trials_per_device: int = 1,
           direction: str | None = None, sampler=None, pruner=None, study=None, timeout: float | None = None,
           catch=(Exception,), run_dir=None, progress=True, accelerator: str = "auto", strategy: str = "auto",
           start: str = "auto", cluster=None) -> Sweep:
@@ -486,6 +486,9 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
         ``cluster``, how many devices the sweep holds at once.
     devices_per_trial : int, default 1
         Devices (ranks) per trial.
+    trials_per_device : int, default 1
+        Trials that share each GPU at once (small models that leave most of a GPU idle; their
+        memory together must fit). GPUs only, with ``devices_per_trial=1``.
     direction : {'minimize', 'maximize'}, optional
         Default the study's (minimize for a new one).
     sampler : optuna.samplers.BaseSampler, optional
@@ -541,10 +544,13 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
     space, catch, with_trial = check_sweep(fn, space, trials, metric, direction, sampler, pruner, timeout, catch)
     view = make_view(progress)
     if cluster is None:
-        slots, idle = plan_slots(devices, devices_per_trial, accelerator)
+        slots, idle = plan_slots(devices, devices_per_trial, accelerator, per_device=trials_per_device)
         strategy, start = slot_start(strategy, start)
     else:
         check_cluster_words(words(strategy, start), cluster)  # refused here, not by every trial
+        if trials_per_device != 1:
+            raise ValueError(f"trials_per_device={trials_per_device!r} with cluster=: the cluster places each trial; "
+                             "give devices= (how many devices the sweep holds at once) instead.")
         if with_trial:  # its trials would dial the notebook's loopback-only trial channel
             raise ValueError(f"sweep({study_name(fn)}) with cluster=: a trial on a cluster cannot yet ask the study "
                              "in this notebook; give space= (Optuna distributions) and a fn(**params) that reports "
@@ -560,7 +566,8 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
         done = resume(optuna, study)
         kind = "GPU" if slots[0].accelerator == "gpu" else "CPU" if cluster is None else cluster.engine
         where = f"{len(slots)} {kind} slot{'s' if len(slots) > 1 else ''}" + (
-            f" of {devices_per_trial}" if devices_per_trial > 1 else "")
+            f" of {devices_per_trial}" if devices_per_trial > 1 else "") + (
+            f", {trials_per_device} per GPU" if trials_per_device > 1 else "")
         state = SweepState(f"sweep of {study_name(fn)}", metric or "value", study.direction.name.lower(), where,
                            trials, done)
         run = _SweepRun(optuna, study, fn, space, metric, catch, trials - done,
