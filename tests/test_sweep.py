@@ -136,6 +136,23 @@ def test_resume_fails_a_dead_kernels_trials_and_runs_them_again_once():
     assert [(t.system_attrs["fixed_params"], t.user_attrs[RETRY_OF]) for t in waiting] == [(dead.params, dead.number)]
 
 
+def test_the_summarys_picture_has_a_slice_of_the_most_important_parameter():
+    pytest.importorskip("matplotlib", reason="the summary's picture is drawn with matplotlib")
+    from nbtrain.display.sweep_view import curves_bundle, curves_figure
+
+    state = SweepState("sweep of train", "loss", "minimize", "2 CPU slots", target=3)
+    state.rows = {n: TrialRow(n, {"lr": lr, "width": 8}, "CPU slot 0", "complete", value) for n, lr, value in
+                  ((0, 0.001, 0.9), (1, 0.01, 0.5), (2, 0.3, 0.7))}
+    for row in state.rows.values():
+        row.curve.add(0, row.value)
+    state.best, state.importances = (1, 0.5, {"lr": 0.01, "width": 8}), {"lr": 0.9, "width": 0.1}
+    titles = [ax.get_title(loc="left") for ax in curves_figure(state).axes]
+    assert titles == ["loss per trial (dashed: pruned)", "loss by lr (most important)"]
+    assert "image/png" in curves_bundle(state)
+    state.importances = None
+    assert len(curves_figure(state).axes) == 1
+
+
 def test_an_objectives_key_is_its_code_and_space():
     def key(fn, space=None):
         from nbtrain.notebook.sweep_study import objective_key
