@@ -16,7 +16,7 @@ from nbtrain.common.inventory import Gpu, StaticInventory, use_inventory
 from nbtrain.display.sweep_view import SweepState, TrialRow, summary_html, summary_text
 from nbtrain.notebook.slots import plan_slots
 from nbtrain.notebook.sweep import objective
-from nbtrain.notebook.sweep_study import INTERRUPTED, KERNEL, RETRY_OF, TRACEBACK, resume
+from nbtrain.notebook.sweep_study import INTERRUPTED, KERNEL, RETRY_OF, TRACEBACK, _start_time, resume, this_kernel
 
 KEEP_THE_TEMPLATE = True  # trials launched from threads start on the template: one for the module (conftest.py)
 
@@ -54,6 +54,8 @@ def refused(tmp_path, **given) -> str:
     ({"direction": "down"}, "direction='down': give 'minimize' or 'maximize'."),
     ({"devices": 2, "devices_per_trial": 3}, "devices_per_trial=3: more than the 2 CPU processes that devices=2 gives"),
     ({"devices_per_trial": 0}, "devices_per_trial=0: give a whole number"),
+    ({"trials_per_device": 0}, "trials_per_device=0: give a whole number"),
+    ({"trials_per_device": 2}, "trials_per_device=2: several trials share a GPU, and these are CPU processes"),
     ({"catch": "ValueError"}, "catch='ValueError': give an exception class"),
     ({"sampler": "tpe"}, "sampler='tpe': give an Optuna sampler"),
     ({"pruner": 3}, "pruner=3: give an Optuna pruner"),
@@ -67,9 +69,13 @@ def test_bad_input_is_refused_in_one_line(tmp_path, given, expected):
     assert expected in refused(tmp_path, **given)
 
 
-def test_metric_is_required():
-    with pytest.raises(TypeError, match="metric"):
+def test_metric_is_required_unless_fn_takes_a_trial():
+    with pytest.raises(ValueError, match="^metric=None: sweep"):
         nbtrain.sweep(lambda x: x, SPACE, trials=1)
+    with pytest.raises(ValueError, match=r"^sweep\(lambda\(lr, width\)\): with no space=, fn is called as Optuna"):
+        nbtrain.sweep(lambda lr, width: lr, trials=1)
+    with pytest.raises(ValueError, match=r"^sweep\(lambda\) with cluster=: a trial on a cluster cannot yet ask"):
+        nbtrain.sweep(lambda trial: 0.5, trials=1, devices=1, cluster=nbtrain.Slurm())
 
 
 def test_a_given_study_keeps_its_own_sampler_and_direction(tmp_path):
@@ -84,11 +90,16 @@ def test_slots_pack_onto_the_gpus_given():
         ones, _ = plan_slots("auto", 1, "gpu")
         twos, _ = plan_slots("auto", 2, "gpu")
         odd, note = plan_slots([1, 2, 5], 2, "gpu")
+        shared, _ = plan_slots([0, 1], 1, "gpu", per_device=3)
+        with pytest.raises(ValueError, match="^trials_per_device=2 with devices_per_trial=2: trials that share a GPU"):
+            plan_slots("auto", 2, "gpu", per_device=2)
     finally:
         use_inventory(None)
     assert [s.devices for s in ones] == [(i,) for i in range(8)]
     assert [s.devices for s in twos] == [(0, 1), (2, 3), (4, 5), (6, 7)] and str(twos[1]) == "GPUs 2,3"
     assert [s.devices for s in odd] == [(1, 2)] and note.startswith("GPU [5] left idle")
+    assert [s.devices for s in shared] == [(0,)] * 3 + [(1,)] * 3 and str(shared[4]) == "GPU 1 (slot 4)"
+    assert {s.threads for s in shared} == {max(1, len(os.sched_getaffinity(0)) // 6)}
 
 
 def test_cpu_slots():
@@ -125,13 +136,47 @@ def test_resume_fails_a_dead_kernels_trials_and_runs_them_again_once():
     assert [(t.system_attrs["fixed_params"], t.user_attrs[RETRY_OF]) for t in waiting] == [(dead.params, dead.number)]
 
 
+def test_the_summarys_picture_has_a_slice_of_the_most_important_parameter():
+    pytest.importorskip("matplotlib", reason="the summary's picture is drawn with matplotlib")
+    from nbtrain.display.sweep_view import curves_bundle, curves_figure
+
+    state = SweepState("sweep of train", "loss", "minimize", "2 CPU slots", target=3)
+    state.rows = {n: TrialRow(n, {"lr": lr, "width": 8}, "CPU slot 0", "complete", value) for n, lr, value in
+                  ((0, 0.001, 0.9), (1, 0.01, 0.5), (2, 0.3, 0.7))}
+    for row in state.rows.values():
+        row.curve.add(0, row.value)
+    state.best, state.importances = (1, 0.5, {"lr": 0.01, "width": 8}), {"lr": 0.9, "width": 0.1}
+    titles = [ax.get_title(loc="left") for ax in curves_figure(state).axes]
+    assert titles == ["loss per trial (dashed: pruned)", "loss by lr (most important)"]
+    assert "image/png" in curves_bundle(state)
+    state.importances = None
+    assert len(curves_figure(state).axes) == 1
+
+
+def test_an_objectives_key_is_its_code_and_space():
+    def key(fn, space=None):
+        from nbtrain.notebook.sweep_study import objective_key
+
+        return objective_key(fn, space)
+
+    first = lambda trial: trial.suggest_float("x", 0, 1)  # noqa: E731
+    again = lambda trial: trial.suggest_float("x", 0, 1)  # noqa: E731 - the same code elsewhere: the same objective
+    other = lambda trial: trial.suggest_float("x", 0, 2)  # noqa: E731
+    assert key(first) == key(again) != key(other)
+    assert key(first) != key(first, SPACE)
+    assert key(functools.partial(timed, "/a")) == key(functools.partial(timed, "/b"))  # bound arguments left out
+    assert key(lambda trial: [i for i in range(3)]) == key(lambda trial: [i for i in range(3)])  # nested code too
+
+
 def test_summary_names_the_best_and_every_trial():
     state = SweepState("sweep of train", "loss", "minimize", "2 CPU slots", target=3)
     state.rows = {0: TrialRow(0, {"lr": 0.1}, "CPU slot 0", "complete", 0.5, 9),
                   1: TrialRow(1, {"lr": 0.3}, "CPU slot 1", "pruned", 2.0, 1, detail="pruned at step 1"),
                   2: TrialRow(2, {"lr": 0.9}, "CPU slot 0", "failed", None, None, detail="rank 0 failed: ValueError: x")}
     state.best = (0, 0.5, {"lr": 0.1})
+    state.importances = {"lr": 0.875}
     text = summary_text(state, "finished")
+    assert text.splitlines()[-1] == "parameter importances (Optuna's get_param_importances): lr 0.88"
     assert text.splitlines()[0].endswith("3 trials here (1 complete, 1 failed, 1 pruned) of 3; best: trial 0, loss=0.5 (lr=0.1)")
     assert "trial 1  pruned  lr=0.3  loss=2 @ step 1" in text and "rank 0 failed: ValueError: x" in text
     html = summary_html(state, "finished")
@@ -301,6 +346,250 @@ def test_trials_on_slurm(slurm, tmp_path, no_leftovers):
     assert sorted(t.value for t in study.get_trials()) == [0.3, 0.6]
     assert result.best_result.value == 0.3
     assert slurm.jobs() == []
+
+
+# -- Optuna's own objective(trial), unchanged -------------------------------------------------
+
+def define_model(trial):
+    """optuna-examples pytorch_simple's, on 16 features and 4 classes."""
+    import torch.nn as nn
+
+    n_layers = trial.suggest_int("n_layers", 1, 3)
+    layers, in_features = [], 16
+    for i in range(n_layers):
+        out_features = trial.suggest_int(f"n_units_l{i}", 4, 32)
+        layers += [nn.Linear(in_features, out_features), nn.ReLU(),
+                   nn.Dropout(trial.suggest_float(f"dropout_l{i}", 0.2, 0.5))]
+        in_features = out_features
+    return nn.Sequential(*layers, nn.Linear(in_features, 4), nn.LogSoftmax(dim=1))
+
+
+def optuna_objective(trial):
+    """pytorch_simple's objective as written, on a tiny synthetic set instead of FashionMNIST."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = define_model(trial)
+    optimizer_name = trial.suggest_categorical("optimizer", ["Adam", "RMSprop", "SGD"])
+    lr = trial.suggest_float("lr", 1e-5, 1e-1, log=True)
+    optimizer = getattr(torch.optim, optimizer_name)(model.parameters(), lr=lr)
+    x = torch.randn(128, 16)
+    y = x[:, :4].argmax(1)
+    for epoch in range(3):
+        model.train()
+        for i in range(0, 128, 32):
+            optimizer.zero_grad()
+            F.nll_loss(model(x[i:i + 32]), y[i:i + 32]).backward()
+            optimizer.step()
+        model.eval()
+        with torch.no_grad():
+            accuracy = (model(x).argmax(1) == y).float().mean().item()
+        trial.report(accuracy, epoch)
+        if trial.should_prune():
+            raise optuna.exceptions.TrialPruned()
+    trial.set_user_attr("threads", torch.get_num_threads())
+    trial.set_user_attr("cores", sorted(os.sched_getaffinity(0)))
+    return accuracy
+
+
+def used(params: dict) -> set:
+    """The parameters a pytorch_simple trial asks for, given how many layers it drew."""
+    return {"n_layers", "optimizer", "lr"} | {f"{p}_l{i}" for i in range(params["n_layers"])
+                                               for p in ("n_units", "dropout")}
+
+
+@pytest.mark.slow
+def test_optunas_own_objective_runs_unchanged_define_by_run(no_leftovers):
+    study = quiet_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=3),
+                        pruner=optuna.pruners.NopPruner())
+    for layers in (1, 3):
+        study.enqueue_trial({"n_layers": layers})
+    swept = nbtrain.sweep(optuna_objective, trials=4, devices=2, accelerator="cpu", study=study, progress=False)
+    trials = study.get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 4
+    assert {t.params["n_layers"] for t in trials} >= {1, 3}
+    assert all(set(t.params) == used(t.params) for t in trials)  # conditional: only what the trial asked for
+    assert all(sorted(t.intermediate_values) == [0, 1, 2] for t in trials)  # trial.report, from the rank
+    assert all(t.value == t.intermediate_values[2] for t in trials)  # the returned value is the trial's
+    assert all(t.user_attrs["threads"] == max(1, (os.cpu_count() or 1) // 2) for t in trials)  # each slot's share
+    cores = {t.user_attrs["nbtrain_slot"]: tuple(t.user_attrs["cores"]) for t in trials}
+    if len(os.sched_getaffinity(0)) >= 2:  # a core (or more) of its own for each of the 2 slots
+        assert len(set(cores.values())) == 2 and not set(cores["CPU slot 0"]) & set(cores["CPU slot 1"])
+    assert swept.best_params == swept.best_trial.params and set(swept.best_params) == used(swept.best_params)
+    assert swept.best_value == max(t.value for t in trials) and swept.metric == "value"
+    assert swept.best_result.value == swept.best_value
+    assert "n_layers" in swept.state.importances and set(swept.state.importances) <= set().union(*(t.params for t in trials))
+    assert sum(swept.state.importances.values()) == pytest.approx(1.0)
+    assert repr(swept).splitlines()[-1].startswith("parameter importances (Optuna's get_param_importances): ")
+
+
+def pruned_or_failing(trial):
+    x = trial.suggest_float("x", 0.0, 1.0)
+    if x > 0.8:
+        raise ValueError(f"x={x} is too big")
+    for step in range(3):
+        trial.report(x, step)
+        if trial.should_prune():
+            raise optuna.TrialPruned()
+    return x if x < 0.3 else float("nan")
+
+
+@pytest.mark.slow
+def test_an_objectives_pruning_failures_and_nan_are_the_trials_states(tmp_path, no_leftovers):
+    study = quiet_study(pruner=optuna.pruners.ThresholdPruner(upper=0.5))
+    for x in (0.1, 0.9, 0.6, 0.4, 0.2):
+        study.enqueue_trial({"x": x})
+    swept = nbtrain.sweep(pruned_or_failing, trials=5, devices=2, accelerator="cpu", study=study, progress=False)
+    states = {t.params["x"]: (t.state.name, t.user_attrs.get("nbtrain_error", "")) for t in study.get_trials()}
+    assert states[0.1] == ("COMPLETE", "") and states[0.2] == ("COMPLETE", "")
+    assert states[0.9][0] == "FAIL" and "ValueError: x=0.9 is too big" in states[0.9][1]
+    assert states[0.6] == ("PRUNED", "")
+    assert states[0.4][0] == "FAIL" and "its value is nan" in states[0.4][1]
+    assert swept.best_params == {"x": 0.1} and swept.verdict == "finished"
+    # No trial complete: said, and best_value says why instead of Optuna's "Record does not exist".
+    nan_only = quiet_study()
+    nan_only.enqueue_trial({"x": 0.4})
+    swept = nbtrain.sweep(pruned_or_failing, trials=1, devices=1, accelerator="cpu", study=nan_only, progress=False)
+    assert swept.verdict.startswith("ended with no complete trial (1 failed: its value is nan")
+    assert repr(swept).splitlines()[0].startswith("nbtrain sweep of pruned_or_failing on 1 CPU slot: ended with no")
+    with pytest.raises(ValueError, match="no trial of the study 'no-name-[^']*' is complete \\(ended with no complete trial"):
+        print(swept.best_value)
+    assert swept.best_result is None
+    # Every trial failed: the sweep raises the first trial's error.
+    failing = quiet_study()
+    failing.enqueue_trial({"x": 0.9})
+    with pytest.raises(nbtrain.WorkerError, match="too big"):
+        nbtrain.sweep(pruned_or_failing, trials=1, devices=1, accelerator="cpu", study=failing, progress=False)
+    # A timeout over before the first trial could start.
+    swept = nbtrain.sweep(pruned_or_failing, trials=2, devices=1, accelerator="cpu", study=quiet_study(),
+                          timeout=1e-9, progress=False)
+    assert swept.verdict == "ended with no complete trial (timeout passed before the first trial could start)"
+
+
+@pytest.mark.slow
+def test_the_default_study_belongs_to_its_objective(tmp_path, monkeypatch, capfd, no_leftovers):
+    monkeypatch.chdir(tmp_path)
+    optuna.logging.set_verbosity(optuna.logging.INFO)  # Optuna's own "A new study created" would show
+    try:
+        first = nbtrain.sweep(lambda trial: trial.suggest_float("x", 0, 1), trials=1, devices=1, accelerator="cpu",
+                              progress=False)
+        other = nbtrain.sweep(lambda trial: trial.suggest_float("x", 0, 1) + 1, trials=1, devices=1,
+                              accelerator="cpu", progress=False)
+    finally:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    assert first.study.study_name == "lambda" and first.run_dir != other.run_dir  # another objective, another study
+    assert Path(first.run_dir).parent == tmp_path / "nbtrain-runs" and Path(first.run_dir).name.startswith("sweep-lambda-")
+    assert other.best_value >= 1 and len(other.study.get_trials()) == 1
+    out, err = capfd.readouterr()
+    assert "resuming" not in out and "A new study created" not in out + err and "matplotlib" not in out + err
+    # The same objective again: resumed, and said before anything runs; edited, said too.
+    once = nbtrain.sweep(halved, trials=1, devices=1, accelerator="cpu", progress=False)
+    capfd.readouterr()
+    nbtrain.sweep(halved, trials=2, devices=1, accelerator="cpu", progress=False)
+    out, _ = capfd.readouterr()
+    assert out.splitlines()[0] == f"nbtrain: resuming the study 'halved' in {once.run_dir}: 1 trial (1 complete)."
+
+    def edit():
+        def halved(trial):  # edited in the notebook: the same name, other code
+            return 1.0
+        return halved
+
+    edited = edit()
+    assert nbtrain.sweep(edited, trials=1, devices=1, accelerator="cpu", progress=False).run_dir != once.run_dir
+    capfd.readouterr()
+    nbtrain.sweep(edited, trials=3, devices=1, accelerator="cpu", run_dir=once.run_dir, progress=False)
+    out, _ = capfd.readouterr()
+    assert out.splitlines()[0] == (f"nbtrain: resuming the study 'halved' in {once.run_dir}: 2 trials (2 complete). Its "
+                                   "trials were run by another objective (other code or space): give another run_dir "
+                                   "for a new study.")
+
+
+def halved(trial):
+    return trial.suggest_float("x", 0, 1) / 2
+
+
+HOLD = '''
+import sys, time, optuna
+from nbtrain.notebook.sweep_study import open_study
+opened = open_study(optuna, None, eval("lambda trial: 0"), space=None, direction=None, sampler=None, pruner=None,
+                    metric=None, run_dir=sys.argv[1])
+print("held", flush=True)
+time.sleep(120)
+'''
+
+
+@pytest.mark.slow
+def test_a_second_sweep_of_a_running_study_is_refused_until_the_first_is_gone(tmp_path, no_leftovers):
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "sweep"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(RuntimeError, match=f"another sweep of this study is running \\(kernel [^)]*:{holder.pid}\\)"):
+            nbtrain.sweep(lambda trial: 0.5, trials=1, devices=1, accelerator="cpu", run_dir=run_dir, progress=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    # Its kernel gone, the lock went with it.
+    swept = nbtrain.sweep(lambda trial: 0.5, trials=1, devices=1, accelerator="cpu", run_dir=run_dir, progress=False)
+    assert swept.best_value == 0.5
+
+
+def test_a_trials_owner_is_its_pid_and_start_time():
+    study = quiet_study()
+    reused = study.ask({"x": FLOAT})
+    reused.set_user_attr(KERNEL, f"{os.uname().nodename}:{os.getppid()}:12345.0")  # alive, but started later
+    live = study.ask({"x": FLOAT})
+    live.set_user_attr(KERNEL, this_kernel().replace(f":{os.getpid()}:", ":1:").rsplit(":", 1)[0]
+                       + f":{_start_time(1)}")  # init, as it is
+    resume(optuna, study)
+    states = {t.number: t.state.name for t in study.get_trials()}
+    assert states[reused.number] == "FAIL" and states[live.number] == "RUNNING"
+
+
+FULL_DISK = '''
+import resource, sys, tempfile, optuna, nbtrain
+import nbtrain.notebook.sweep, optuna.storages, sqlalchemy.pool
+tempfile.gettempdir()  # what imports need, before the limit
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))  # any write past 0 bytes fails (EFBIG)
+nbtrain.sweep(lambda trial: 0, trials=1, devices=1, accelerator="cpu", run_dir=sys.argv[1], progress=False)
+'''
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_said_in_words_and_leaves_no_empty_study(tmp_path):
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "sweep"
+    done = subprocess.run([sys.executable, "-c", FULL_DISK, str(run_dir)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"RuntimeError: run_dir={str(run_dir)!r}: the sweep's study cannot be written there: the "
+                           "disk is full"), done.stderr
+    assert "SELECT" not in done.stderr and "INSERT" not in done.stderr and "sqlalchemy" not in done.stderr.lower()
+    assert not (run_dir / "study.db").exists()
+
+
+def banner(trial):
+    import sys
+
+    print("SomeLibrary: GPU available: False, used: False", file=sys.stderr, flush=True)
+    print(f"trial {trial.number} warns on its own", file=sys.stderr, flush=True)
+    return 0.5
+
+
+@pytest.mark.slow
+def test_a_librarys_banner_shows_once_per_sweep_not_per_trial(capfd, no_leftovers):
+    nbtrain.sweep(banner, trials=3, devices=1, accelerator="cpu", study=quiet_study(), progress="text")
+    out, err = capfd.readouterr()
+    assert err.count("SomeLibrary: GPU available: False, used: False") == 1, err
+    assert all(f"trial {n} warns on its own" in err for n in range(3))
+    assert "nbtrain: 2 lines that trials wrote to stderr as an earlier trial had (a library's banner, a warning) " \
+           "shown once" in out
 
 
 SETUP = '''

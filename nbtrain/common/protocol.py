@@ -538,3 +538,23 @@ def read_spec(value: dict, path: str) -> dict:
 # Classes a pickle in an older run directory names where they were then (result.pkl's Result
 # holds Metric and Vital records).
 MOVED = {("nbtrain.display.runstate", "Metric"): Metric, ("nbtrain.display.runstate", "Vital"): Vital}
+
+
+# -- a sweep's trials: Optuna's trial, asked from a rank (`rank/trial.py`), on a channel of its own
+
+@_kind("trial_ask")
+class TrialAsk(NamedTuple):
+    rank: int  # the asker's name on the sweep's channel (its trial's number and its rank)
+    trial: int  # the trial's number
+    method: str  # what of optuna.trial.Trial: 'suggest_float', 'report', 'should_prune', 'params', ...
+    args: tuple
+    kwargs: dict
+
+
+@_kind("trial_answer")
+class TrialAnswer(NamedTuple):
+    value: Any
+    error: bytes | None = None  # what Optuna raised (`transfer.pack_exception`), raised again in the rank
+
+
+URGENT |= {TrialAsk}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from . import check_progress, in_jupyter
 from .chart import _Line, panel_svg, use_log_scale
-from .figure import MISSING_MATPLOTLIB, have_matplotlib, png
+from .figure import have_matplotlib, png
 from .widgets import _duration, replace, show
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class SweepState:
     earlier: int = 0  # trials the study held when this call began
     rows: dict[int, TrialRow] = field(default_factory=dict)
     best: tuple[int, float, dict] | None = None  # (number, value, params), as Optuna says
+    importances: dict[str, float] | None = None  # Optuna's parameter importances, once the sweep ended
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
     version: int = 0
@@ -139,14 +140,25 @@ def _rows_html(state: SweepState, final: bool) -> str:
     return f"{more}<table>{''.join(cells)}</table>"
 
 
+def importances_text(state: SweepState) -> str:
+    if not state.importances:
+        return ""
+    return "parameter importances (Optuna's get_param_importances): " + ", ".join(
+        f"{name} {value:.2f}" for name, value in state.importances.items())
+
+
 def summary_html(state: SweepState, verdict: str) -> str:
     head = html.escape(headline(state, verdict)).replace("nbtrain", "<b>nbtrain</b>", 1)
-    return f'<div class="nbtrain-sweep">{head}{_rows_html(state, True)}</div>'
+    importances = importances_text(state)
+    foot = f"<div>{html.escape(importances)}</div>" if importances else ""
+    return f'<div class="nbtrain-sweep">{head}{_rows_html(state, True)}{foot}</div>'
 
 
 def summary_text(state: SweepState, verdict: str) -> str:
     rows = sorted(state.rows.values(), key=lambda r: r.number)
-    return "\n".join([headline(state, verdict), *("  " + row_line(r, state.metric) for r in rows)])
+    importances = importances_text(state)
+    return "\n".join([headline(state, verdict), *("  " + row_line(r, state.metric) for r in rows),
+                      *([importances] if importances else [])])
 
 
 def curves_svg(state: SweepState) -> str:
@@ -161,11 +173,15 @@ def curves_svg(state: SweepState) -> str:
 
 
 def curves_figure(state: SweepState):
-    """A matplotlib Figure: every trial's metric by step, the best one bold, pruned ones dashed."""
+    """A matplotlib Figure: every trial's metric by step, the best one bold, pruned ones dashed;
+    beside it, once the sweep knows its parameters' importances, each complete trial's value
+    against the most important parameter (Optuna's slice plot, for one parameter)."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.0, 3.0), dpi=100)
-    ax = fig.subplots()
+    top = slice_points(state)
+    fig = Figure(figsize=(9.0 if top else 6.0, 3.0), dpi=100)
+    axes = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]}) if top else [fig.subplots()]
+    ax = axes[0]
     best = state.best[0] if state.best else None
     values = []
     for number_, row in sorted(state.rows.items()):
@@ -185,15 +201,41 @@ def curves_figure(state: SweepState):
     ax.grid(True, color="#e6e6e6", linewidth=0.6)
     if best is not None and best in state.rows:
         ax.legend(fontsize=8, frameon=False)
+    if top:
+        name, xs, ys, bests = top
+        side = axes[1]
+        side.scatter(xs, ys, s=14, c=[BEST_COLOUR if b else "#9e9e9e" for b in bests], zorder=3)
+        if all(isinstance(x, (int, float)) and x > 0 for x in xs) and max(xs) > 100 * min(xs):
+            side.set_xscale("log")
+        side.set_title(f"{state.metric} by {name} (most important)", fontsize=10, loc="left")
+        side.set_xlabel(name, fontsize=9)
+        side.tick_params(labelsize=8)
+        side.grid(True, color="#e6e6e6", linewidth=0.6)
     fig.tight_layout()
     return fig
+
+
+def slice_points(state: SweepState):
+    """(the most important parameter, its values, the complete trials' values, which is the best),
+    or None: no importances, or fewer than two complete trials that used it."""
+    if not state.importances:
+        return None
+    name = next(iter(state.importances))
+    best = state.best[0] if state.best else None
+    rows = [r for r in state.rows.values() if r.state == "complete" and r.value is not None and name in r.params]
+    if len(rows) < 2:
+        return None
+    values = [r.params[name] for r in rows]
+    if not all(isinstance(v, (int, float)) for v in values):
+        values = [str(v) for v in values]  # a categorical parameter: its choices along the axis
+    return name, values, [r.value for r in rows], [r.number == best for r in rows]
 
 
 def curves_bundle(state: SweepState) -> dict | None:
     if not any(r.curve.count for r in state.rows.values()):
         return None
-    if not have_matplotlib():
-        return {"text/plain": f"({MISSING_MATPLOTLIB})"}
+    if not have_matplotlib():  # the live chart showed them; no line about an optional package at the end
+        return None
     try:
         picture = png(curves_figure(state))
     except Exception as exc:  # a picture must never hide how the sweep ended

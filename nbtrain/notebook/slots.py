@@ -18,12 +18,14 @@ time, each done once its launch is watched); the runs themselves overlap.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..common.devices import plan_devices
-from ..placements.template_process import template
+from ..placements import template_process
+from ..placements.template_process import template, warm_up
 from .choices import words
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,9 @@ class Slot:
     accelerator: str  # "gpu" or "cpu"
     devices: tuple[int, ...]  # GPU indices as the kernel sees them; () on CPU and on a cluster
     size: int  # how many devices (ranks) a run in this slot has
+    threads: int = 0  # torch threads for each of its ranks: its share of the cores (0: as a launch sets them)
+    cores: tuple[int, ...] = ()  # the CPUs its processes run on, where slots do not outnumber them; (): any
+    sharing: int = 1  # slots on its one GPU (trials_per_device)
 
     @property
     def launch_devices(self):
@@ -45,7 +50,8 @@ class Slot:
 
     def __str__(self) -> str:
         if self.devices:
-            return f"GPU{'s' if self.size > 1 else ''} {','.join(map(str, self.devices))}"
+            shared = f" (slot {self.index})" if self.sharing > 1 else ""
+            return f"GPU{'s' if self.size > 1 else ''} {','.join(map(str, self.devices))}{shared}"
         kind = "CPU slot" if self.accelerator == "cpu" else "slot"
         return f"{kind} {self.index}" + (f" ({self.size} ranks)" if self.size > 1 else "")
 
@@ -57,22 +63,34 @@ def check_count(value, name: str) -> int:
 
 
 def plan_slots(devices="auto", per_slot: int = 1, accelerator: str = "auto",
-               per_slot_name: str = "devices_per_trial") -> tuple[list[Slot], str | None]:
+               per_slot_name: str = "devices_per_trial", per_device: int = 1) -> tuple[list[Slot], str | None]:
     """The slots packed onto `devices` (launch's grammar; on CPU a number of CPU processes), and
-    a note when some devices are left over."""
+    a note when some devices are left over. `per_device` > 1: that many one-GPU slots on each GPU
+    (small trials that would leave most of a GPU idle)."""
     check_count(per_slot, per_slot_name)
+    check_count(per_device, "trials_per_device")
     plan = plan_devices(devices, accelerator)
+    if per_device > 1 and plan.accelerator != "gpu":
+        raise ValueError(f"trials_per_device={per_device}: several trials share a GPU, and these are CPU processes; "
+                         "on CPU, give devices= the number of trials to run at once.")
+    if per_device > 1 and per_slot > 1:
+        raise ValueError(f"trials_per_device={per_device} with {per_slot_name}={per_slot}: trials that share a GPU "
+                         f"have one GPU each; give {per_slot_name}=1.")
     count = plan.nprocs // per_slot
     if count == 0:
         kind = "GPUs" if plan.accelerator == "gpu" else "CPU processes"
         raise ValueError(f"{per_slot_name}={per_slot}: more than the {plan.nprocs} {kind} that devices={devices!r} "
                          f"gives; give {per_slot_name} <= {plan.nprocs}, or more devices.")
-    if plan.accelerator == "gpu":
-        slots = [Slot(i, "gpu", tuple(plan.indices[i * per_slot:(i + 1) * per_slot]), per_slot) for i in range(count)]
-        idle = list(plan.indices[count * per_slot:])
+    threads, cores = share_cores(count * per_device, per_slot)
+    if per_device > 1:
+        slots = [Slot(i, "gpu", (plan.indices[i // per_device],), 1, threads, cores[i], per_device)
+                 for i in range(count * per_device)]
+    elif plan.accelerator == "gpu":
+        slots = [Slot(i, "gpu", tuple(plan.indices[i * per_slot:(i + 1) * per_slot]), per_slot, threads, cores[i])
+                 for i in range(count)]
     else:
-        slots = [Slot(i, "cpu", (), per_slot) for i in range(count)]
-        idle = list(plan.indices[count * per_slot:])
+        slots = [Slot(i, "cpu", (), per_slot, threads, cores[i]) for i in range(count)]
+    idle = list(plan.indices[count * per_slot:])
     note = None
     if idle:
         what = (f"GPU{'s' if len(idle) > 1 else ''} {idle}" if plan.accelerator == "gpu"
@@ -80,6 +98,19 @@ def plan_slots(devices="auto", per_slot: int = 1, accelerator: str = "auto",
         note = (f"{what} left idle: {plan.nprocs} devices make {count} slot{'s' if count > 1 else ''} of "
                 f"{per_slot}")
     return slots, note
+
+
+def share_cores(count: int, per_slot: int) -> tuple[int, list[tuple[int, ...]]]:
+    """Each of `count` slots' share of this process's CPUs, as a launch gives each of its ranks its
+    share: (threads per rank, each slot's CPUs). Slots that run side by side then never ask for
+    more threads than there are cores (2 trials of 2 threads on 2 cores took 6-10x as long as
+    trials of 1). A slot gets CPUs of its own only where there are at least as many as slots."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    threads = max(1, len(cpus) // (count * per_slot))
+    if count > len(cpus) or count == 1:
+        return threads, [()] * count
+    width = len(cpus) // count
+    return threads, [tuple(cpus[i * width:(i + 1) * width]) for i in range(count)]
 
 
 def slot_start(strategy: str = "auto", start: str = "auto") -> tuple[str, str]:
@@ -110,8 +141,8 @@ class SlotRunner:
     others and is raised by `run`.
     """
 
-    def __init__(self, slots: list[Slot], work: Callable[[Slot], bool], warm: bool = True):
-        self.slots, self.work, self.warm = slots, work, warm
+    def __init__(self, slots: list[Slot], work: Callable[[Slot], bool], warm: bool = True, preload: tuple = ()):
+        self.slots, self.work, self.warm, self.preload = slots, work, warm, preload
         self.stopping = threading.Event()
         self.changed = threading.Event()  # a slot finished something: the main thread looks now
         self.errors: list[BaseException] = []
@@ -119,7 +150,7 @@ class SlotRunner:
 
     def run(self, tick: Callable[[], None] = lambda: None) -> None:
         if self.warm:  # slot launches on this machine start their ranks from it
-            _warm_template()
+            _warm_template(self.preload)
         threads = [threading.Thread(target=self._serve, args=(slot,), name=f"nbtrain-slot-{slot.index}", daemon=True)
                    for slot in self.slots]
         for thread in threads:
@@ -220,10 +251,16 @@ class SlotDisplay:
                 pass
 
 
-def _warm_template() -> None:
+def _warm_template(preload: tuple = ()) -> None:
     """Start the warm template from the main thread (its life tied to the kernel's, not to a slot's
-    thread); where it cannot start, each launch says so and spawns instead."""
+    thread); where it cannot start, each launch says so and spawns instead. `preload`: packages
+    every run imports (a sweep's trials, Optuna: 1.4 s each, in a fork of a template without it),
+    added to the template's list once (a template started without them is replaced; the ranks it
+    forked stay)."""
     try:
+        missing = [name for name in preload if name not in template_process._preload]
+        if missing:
+            warm_up(preload=[*template_process._preload, *missing])
         template()
     except Exception as exc:
         log.debug("the warm template did not start: %s", exc)

@@ -19,6 +19,7 @@ from ..common import protocol
 from ..common.channel import Link
 from ..common.transfer import pack_exception
 from .context import context
+from .trial import take_share
 
 
 @dataclass
@@ -28,6 +29,8 @@ class WorkSpec:
     bind: bool  # live ranks: `fn` travels bare and runs with this rank's namespace as its globals
     batch_size: int
     worker: int | None = None  # this worker's name on the queue; None: the rank's number
+    threads: int = 0  # torch threads for this worker: its slot's share of the cores (0: as the launch set them)
+    cores: tuple[int, ...] = ()  # the CPUs it runs on (its slot's, `notebook/slots.py`); (): any
 
 
 def bind(fn, namespace: dict):
@@ -41,6 +44,7 @@ def serve_items(spec: WorkSpec, namespace: dict | None = None) -> int:
     """Run items until the queue says done; the number of items this worker ran."""
     import dill
 
+    take_share(spec.threads, spec.cores)
     fn = bind(spec.fn, namespace if namespace is not None else {}) if spec.bind else spec.fn
     worker = spec.worker if spec.worker is not None else context().rank
     answers: queue.Queue = queue.Queue()
