@@ -263,8 +263,10 @@ def test_a_submitted_sweep_refuses_what_does_not_apply_before_anything_starts(tm
     space = {"lr": optuna.distributions.FloatDistribution(1e-3, 1e-1)}
     with pytest.raises(ValueError, match=r"^max_restarts= do not apply to a submitted sweep"):
         nbtrain.submit(nbtrain.sweep, _trial, space, trials=2, metric="loss", max_restarts=1, run_dir=tmp_path / "r")
-    with pytest.raises(TypeError, match=r"give the trial function and the space"):
-        nbtrain.submit(nbtrain.sweep, _trial, trials=2, metric="loss", run_dir=tmp_path / "r")
+    with pytest.raises(TypeError, match=r"give the trial function and its space, or an Optuna objective\(trial\) "):
+        nbtrain.submit(nbtrain.sweep, trials=2, metric="loss", run_dir=tmp_path / "r")
+    with pytest.raises(TypeError, match=r"give the trial function and its space"):
+        nbtrain.submit(nbtrain.sweep, _trial, space, None, trials=2, metric="loss", run_dir=tmp_path / "r")
     with pytest.raises(ValueError, match=r"^metric=None"):
         nbtrain.submit(nbtrain.sweep, _trial, space, trials=2, run_dir=tmp_path / "r")
     assert not (tmp_path / "r").exists()

@@ -205,15 +205,16 @@ def _sweep_job(args: tuple, kwargs: dict, unused: list[str], **settings) -> tupl
     its study SQLite in the run directory. The job is the sweep call, checked here as `sweep`
     checks it; submit's own settings that a sweep shares (devices, accelerator, strategy, start,
     timeout, cluster) are the sweep's. (job, the launch options run.json shows)."""
-    if len(args) != 2:
-        raise TypeError("submit(nbtrain.sweep, fn, space, trials=..., metric=...): give the trial function and the "
-                        f"space, as to nbtrain.sweep (got {len(args)} positional arguments).")
+    if len(args) not in (1, 2):
+        raise TypeError("submit(nbtrain.sweep, fn, space, trials=..., metric=...): give the trial function and its "
+                        "space, or an Optuna objective(trial) alone, as to nbtrain.sweep (got "
+                        f"{len(args)} positional arguments).")
     if unused:
         raise ValueError(f"{', '.join(unused)}= do not apply to a submitted sweep: give them to the trials' own code, "
                          "or submit a launch instead.")
     for key in ("run_dir", "progress"):  # taken by submit itself, never seen here; kept out of a sweep's own
         kwargs.pop(key, None)
-    fn, space = args
+    fn, space = (*args, None)[:2]
     check_sweep(fn, space, kwargs.get("trials"), kwargs.get("metric"), kwargs.get("direction"), kwargs.get("sampler"),
                 kwargs.get("pruner"), settings["timeout"], kwargs.get("catch", (Exception,)))
     if settings["cluster"] is None:
