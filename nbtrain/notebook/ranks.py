@@ -155,8 +155,9 @@ class Ranks:
         self._modules = ModuleVersions()  # what the ranks' imports match; reloads in the notebook follow
         self._key = next(_order)
         _open[self._key] = self
-        display.note(f"{self.world_size} live ranks ({self.placement}, {self.plan.describe()}) ready in "
-                     f"{time.monotonic() - started:.2f} s")
+        if self.progress is not False and os.environ.get("NBTRAIN_PROGRESS", "").strip() != "0":  # quiet: not said
+            display.note(f"{self.world_size} live ranks ({self.placement}, {self.plan.describe()}) ready in "
+                         f"{time.monotonic() - started:.2f} s")
 
     @property
     def world_size(self) -> int:
