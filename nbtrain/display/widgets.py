@@ -325,6 +325,7 @@ class WidgetDisplay(QuietDisplay):
 
     def finish(self, state, ok: bool) -> None:
         self.ok = ok
+        self._draw(state, time.monotonic(), force_chart=True)  # the widgets' last state, for snapshot()
         self.summary = summary_html(state, ok)
         table = {"text/html": self.summary, "text/plain": "\n".join(summary_lines(state, ok))}
         plot = plot_bundle(state.history)
@@ -332,16 +333,9 @@ class WidgetDisplay(QuietDisplay):
         # Replace first, close after: a closed widget still on screen reads "model not found".
         replace(self._handles[0], table)
         replace(self._handles[1], plot)
-        self._close()
-        # The widgets' last state, for snapshot(): drawn once closed, so nothing is sent to the
-        # front end for outputs it no longer shows (the chart's SVG, each rank's last values).
-        self._draw(state, time.monotonic(), force_chart=True)
-        self._close()  # what that draw made (a bar first seen at the end)
-        self._end_rank_output()
-
-    def _close(self) -> None:
         close_tree(self.root, self.chart, *(w for row in self.rows.values() for w in row.widgets()),
                    *self._parts.shared())
+        self._end_rank_output()
 
     def _shown_again(self) -> None:
         """A rank cleared the cell's output: the dashboard comes back, under the same display ids
