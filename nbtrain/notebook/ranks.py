@@ -80,7 +80,8 @@ class Ranks:
         Where the ranks come from, as for `launch`: 'auto' forks the kernel when that is safe,
         else the warm template. ('torchrun' runs a script to its end: not for live ranks.)
     progress : bool or str, default True
-        The live view of each call, as for `launch`.
+        The live view of each call, as for `launch`; False also leaves out the line saying the
+        ranks are ready.
     cluster : Slurm or Ray, optional
         Start them there: ``devices`` ranks on each of ``num_nodes`` nodes.
     num_nodes : int, default 1
