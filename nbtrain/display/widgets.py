@@ -168,8 +168,8 @@ class _Parts:
     def label(self, text: str = "", **layout):
         return self.w.Label(text, layout=self.layout(**layout), style=self.label_style)
 
-    def html(self, **layout):
-        return self.w.HTML(layout=self.layout(**layout), style=self.html_style)
+    def html(self, value: str = "", **layout):
+        return self.w.HTML(value, layout=self.layout(**layout), style=self.html_style)
 
     def box(self, kind, children=()):
         return kind(list(children), layout=self.layout())
@@ -205,22 +205,28 @@ class _BarRow:
         self._shown = shown
 
 
+def _head_html(rank: int, status: str) -> str:
+    """A rank's row starts with its number and its status, coloured."""
+    return (f'<span style="display:inline-block;width:4.5em">rank {rank}</span>'
+            f'<span style="color:{STATUS_COLOURS.get(status, NEUTRAL)}">{html.escape(status)}</span>')
+
+
 class _RankRow:
     def __init__(self, parts: _Parts, rank: int):
         w = parts.w
         self._parts = parts
         self.rank = rank
-        self.status = w.Label("starting", layout=parts.layout(width="5.5em"))  # its own style: its colour
+        # Text beside the bars is one HTML widget each side (the rank and its status; its vitals
+        # and metrics): fewer models, and one message when both halves change.
+        self.status, self.vitals, self.metrics = "starting", "", ""
+        self.head = parts.html(_head_html(rank, self.status), width="10em")
         # Made when the rank first reports a loop: a run without one (a short job, an
         # evaluation) makes none, and a bar costs ~5 models.
         self.bars: dict[int, _BarRow] = {}
         self.bar_box = parts.box(w.VBox)
-        self.vitals = parts.html(width="15em", margin="0 0 0 1em")
-        self.metrics = parts.html(margin="0 0 0 1em")
+        self.info = parts.html(margin="0 0 0 1em")
         self.detail = w.HTML(layout=w.Layout(display="none", margin="0 0 0 4.5em"), style=parts.html_style)
-        head = parts.label(f"rank {rank}", width="4.5em")
-        self.box = parts.box(w.VBox, [parts.box(w.HBox, [head, self.status, self.bar_box, self.vitals, self.metrics]),
-                                      self.detail])
+        self.box = parts.box(w.VBox, [parts.box(w.HBox, [self.head, self.bar_box, self.info]), self.detail])
         self.box.add_class("nbtrain-rank")  # a handle for styling and for the browser tests
         self._drawn: tuple = ()
         self._levels: list[int] = []
@@ -228,9 +234,9 @@ class _RankRow:
     def draw(self, view, state, final: bool, vital, straggler: bool) -> bool:
         """Show `view`; True when widgets had to be created (a one-off cost)."""
         status, detail, reason = state.outcome(view.rank, final)
-        if self.status.value != status:
-            self.status.value = status
-            self.status.style.text_color = STATUS_COLOURS.get(status, "")
+        if self.status != status:
+            self.status = status
+            self.head.value = _head_html(self.rank, status)
         built = not view.bars.keys() <= self.bars.keys()
         for level, bar in view.bars.items():
             if level not in self.bars:
@@ -248,10 +254,13 @@ class _RankRow:
             self._drawn = drawn
             if drawn[0] != metrics:
                 text = html.escape(_metric_text(view.metrics))
-                self.metrics.value = f"<code>{text}</code>" if text else ""
+                self.metrics = f"<code>{text}</code>" if text else ""
             parts = [rate_text(rate, None if final else view), html.escape(memory_text(vital)),
                      STRAGGLER_MARK if straggler else ""]
-            self.vitals.value = " · ".join(p for p in parts if p)
+            self.vitals = " · ".join(p for p in parts if p)
+            both = (f'<span style="display:inline-block;width:15em">{self.vitals}</span>'
+                    f'<span style="margin-left:1em">{self.metrics}</span>')
+            self.info.value = both if self.vitals or self.metrics else ""
             self.detail.value = detail_html(status, detail, reason)
             self.detail.layout.display = "" if detail or reason else "none"
         return built
@@ -261,13 +270,13 @@ class _RankRow:
 
     def snapshot(self) -> dict:
         return {
-            "status": self.status.value,
+            "status": self.status,
             "bars": {lv: {"desc": b.label.value, "value": b.progress.value, "max": b.progress.max,
                           "bar_style": b.progress.bar_style, "bar_color": b.progress.style.bar_color,
                           "info": b.info.value}
                      for lv, b in sorted(self.bars.items()) if lv in self._levels},
-            "vitals": self.vitals.value,
-            "metrics": self.metrics.value,
+            "vitals": self.vitals,
+            "metrics": self.metrics,
             "detail": self.detail.value,
         }
 
