@@ -4,8 +4,11 @@
 in a kernel) against the same launch with `progress=False`, interleaved, median of many; `fn`
 either returns at once or runs 5 steps under `ctx.progress` with a logged metric (so the view
 has bars and a chart to draw). The difference is the view's cost; the goal is <= 10% of the
-quiet launch. `--before DIR` times another checkout too (`git archive <commit> | tar -x -C DIR`),
-in a second kernel, interleaved.
+quiet launch. On a shared machine that difference of two noisy medians is itself noisy, so the
+view is also timed alone: the default display's start, one update and finish for a 2-rank run
+without a loop, in the same kernel (its widgets' messages really sent), median of 20 a round.
+`--before DIR` times another checkout too (`git archive <commit> | tar -x -C DIR`), in a second
+kernel, interleaved.
 
     python benchmarks/live_view.py [--rounds 30] [--before DIR]
 """
@@ -20,7 +23,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import Kernel, median, record, table  # noqa: E402
 
 SETUP = '''
-import time, nbtrain, torch
+import os, statistics, time, nbtrain, torch
+from nbtrain.common.protocol import Hello
+from nbtrain.display import make_display
+from nbtrain.notebook.runmodel import RunState
 
 def empty():
     return nbtrain.context().rank
@@ -34,6 +40,19 @@ def steps():
 def timed(fn, progress):
     t = time.perf_counter()
     nbtrain.launch(fn, devices=2, accelerator="cpu", start="fork", progress=progress)
+    return time.perf_counter() - t
+
+def view_alone():
+    state = RunState("ddp_fork on 2 CPU ranks, gloo", [0, 1])
+    for rank in (0, 1):
+        state.handle(Hello(rank, os.getpid()))
+    t = time.perf_counter()
+    display = make_display(True)
+    display.start(state)
+    display.update(state)
+    for rank in (0, 1):
+        state.finish(rank, rank)
+    display.finish(state, True)
     return time.perf_counter() - t
 
 for _ in range(3):  # warm: the first fork imports what ranks need, the first view ipywidgets
@@ -63,6 +82,9 @@ def main() -> None:
                     for progress in ("False", "True"):
                         out = kernel.run(f"print(timed({fn}, {progress}))")
                         times.setdefault((case, tag, progress), []).append(float(out.split()[-1]))
+            for tag, kernel in kernels.items():
+                out = kernel.run("print(statistics.median(view_alone() for _ in range(20)))")
+                times.setdefault(("alone", tag, ""), []).append(float(out.split()[-1]))
     finally:
         for kernel in kernels.values():
             kernel.close()
@@ -72,6 +94,10 @@ def main() -> None:
             quiet, shown = median(times[(case, tag, "False")]), median(times[(case, tag, "True")])
             rows.append([f"{case}{tag}", f"{quiet * 1000:.1f} ms", f"{shown * 1000:.1f} ms",
                          f"{(shown - quiet) * 1000:.1f} ms", f"{(shown - quiet) / quiet:.0%}", str(args.rounds)])
+    for tag in kernels:
+        quiet, alone = median(times[("returns at once", tag, "False")]), median(times[("alone", tag, "")])
+        rows.append([f"the view alone (start, update, finish; no loop){tag}", "", "", f"{alone * 1000:.1f} ms",
+                     f"{alone / quiet:.0%}", f"{args.rounds} x 20"])
     body = table(["2 CPU ranks, fork, warm kernel", "progress=False", "default view (widgets)", "view costs",
                   "of the quiet launch", "rounds"], rows)
     record("Live view cost (live_view.py)", body + "\n\nGoal: the default view costs <= 10% of the quiet launch."
