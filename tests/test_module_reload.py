@@ -83,6 +83,29 @@ def test_a_reload_is_told_apart_from_a_first_import():
     assert versions.reloaded() == []
 
 
+def test_every_reload_is_seen_though_nothing_scans_while_nothing_changed():
+    """The check is O(1) while sys.modules' tail is as last seen: each kind of reload still moves it."""
+    import importlib
+    import json.decoder
+    import json.encoder
+
+    versions = ModuleVersions()
+    assert versions.reloaded() == []
+    importlib.reload(json.decoder)  # now the last module
+    assert versions.reloaded() == ["json.decoder"]
+    importlib.reload(json.decoder)  # the last module reloaded again: same name, same count, a new spec
+    assert versions.reloaded() == ["json.decoder"]
+    importlib.reload(json.encoder)
+    importlib.reload(json.decoder)  # two at once, the last one last again
+    assert sorted(versions.reloaded()) == ["json.decoder", "json.encoder"]
+    importlib.reload(json.encoder)
+    import nbtrain.rank.reloads
+    importlib.reload(nbtrain.rank.reloads)
+    import wave  # noqa: F401 - a module imported after the reloads: the count changed as well
+    assert sorted(versions.reloaded()) == ["json.encoder", "nbtrain.rank.reloads"]
+    assert versions.reloaded() == []
+
+
 @pytest.mark.slow
 def test_a_module_edited_and_not_reloaded_is_said_in_one_line_until_reloaded(nb, tmp_path):
     launch = "_r = nbtrain.launch(edited.answer, devices=2, accelerator='cpu', start='fork', progress=False)"

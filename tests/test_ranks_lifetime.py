@@ -99,6 +99,25 @@ def test_fifty_start_stop_cycles_leak_nothing(no_leftovers):
     assert not [c for c in me.children(recursive=True) if c.status() != "zombie" and not _is_local_slurm(c)]
 
 
+def test_quiet_ranks_say_nothing_and_their_calls_start_no_thread(capsys, monkeypatch, no_leftovers):
+    import threading
+
+    started = []
+    start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), start(self))[1])
+    with nbtrain.Ranks(devices=2, accelerator="cpu", progress=False) as ranks:
+        assert ranks.eval("ctx.rank") == [0, 1]  # the first call starts the channel's writer
+        ranks.exec("print('from the ranks')")
+        started.clear()
+        for _ in range(20):
+            assert ranks.eval("ctx.rank") == [0, 1]
+            ranks.exec("x = 1")
+        assert started == []  # neither the sends nor the wait for output start threads
+    out, err = capsys.readouterr()
+    assert "ready" not in out + err and "nbtrain:" not in out + err, out + err  # no ready line
+    assert out.count("from the ranks") == 2  # the ranks' own output is still shown
+
+
 class Big(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -118,6 +118,27 @@ def test_every_widget_model_of_a_run_is_closed_at_the_end():
     assert set(_instances) - before == set()
 
 
+def test_a_dashboard_opens_few_models_sharing_layouts_and_styles():
+    """Each widget, Layout and style is a front-end model (a message to open and one to close):
+    widgets laid out alike share one Layout and style, and a rank's bars are made when it reports
+    a loop, so a 2-rank run without one opens ~25 models, not ~100."""
+    from ipywidgets.widgets.widget import _instances
+
+    before = set(_instances)
+    display = widgets.WidgetDisplay()
+    state = RunState("ddp on 2 CPU ranks", [0, 1])
+    for rank in (0, 1):
+        state.handle(Hello(rank, 100 + rank))
+    display.start(state)
+    opened = len(set(_instances) - before)
+    assert opened <= 30, opened
+    state.handle(Progress(0, 0, "step", 1, 5, False))
+    display._draw(state, time.monotonic())
+    assert display.snapshot()["ranks"][0]["bars"][0]["value"] == 1  # a bar once a loop is reported
+    assert len(set(_instances) - before) - opened <= 8  # one bar: 4 widgets, its style, the 3 layouts of bars
+    display.finish(state, True)
+    assert set(_instances) - before == set()
+
 def test_failed_rank_turns_red_and_a_rank_it_stopped_reads_stopped_in_grey():
     state = two_rank_run(fail_rank=1)  # rank 0 never reported a result: nbtrain stopped it
     display = finished_dashboard(state, False)

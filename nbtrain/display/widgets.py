@@ -33,7 +33,6 @@ DRAW_BUDGET = 0.005  # and about this share of the kernel's time spent drawing: 
 MAX_INTERVAL = 0.5  # (more widgets, more messages) or a busy machine it redraws less often
 CLOCK_INTERVAL = 1.0  # elapsed time ticks even when nothing else changes
 CHART_INTERVAL = 1.0  # the chart is the largest message: send it less often
-PREBUILT_LEVELS = 2  # progress bars made per rank at start (epoch, batch)
 
 MISSING_IPYWIDGETS = ("ipywidgets is not installed, so progress is shown as text. For the live dashboard "
                       "and pick_gpus(): pip install 'ipywidgets>=8', then restart the kernel.")
@@ -103,6 +102,13 @@ def replace(handle, bundle: dict) -> None:
         handle.update(bundle, raw=True)
 
 
+def view_bundle(widget) -> dict:
+    """What shows `widget` in a cell: its `_repr_mimebundle_` without the text twin, whose repr of
+    the whole widget tree (~1.5 ms for a 2-rank dashboard) the caller replaces anyway."""
+    return {"application/vnd.jupyter.widget-view+json": {"version_major": 2, "version_minor": 0,
+                                                        "model_id": widget.model_id}}
+
+
 def close_tree(*widgets) -> None:
     """Close widgets with their children, layouts and styles: each is a model in the front end."""
     for widget in widgets:
@@ -138,14 +144,49 @@ def detail_html(status: str, detail: str, reason: str) -> str:
     return text
 
 
+class _Parts:
+    """The widgets of one dashboard, made with layouts and styles shared where no widget changes
+    its own: each Layout and style is a model of its own in the front end (a message to open,
+    one to close, ~0.3 ms of the kernel's each), and a dashboard made them per widget: 96
+    models for 2 ranks, a quarter of a short launch."""
+
+    def __init__(self, w):
+        self.w = w
+        self._layouts: dict[tuple, object] = {}
+        from ipywidgets.widgets.widget_string import HTMLStyle, LabelStyle  # not exported at the top
+
+        self.label_style, self.html_style = LabelStyle(), HTMLStyle()
+
+    def layout(self, **spec):
+        """A Layout shared by every widget laid out alike (never changed after it is made)."""
+        key = tuple(sorted(spec.items()))
+        made = self._layouts.get(key)
+        if made is None:
+            made = self._layouts[key] = self.w.Layout(**spec)
+        return made
+
+    def label(self, text: str = "", **layout):
+        return self.w.Label(text, layout=self.layout(**layout), style=self.label_style)
+
+    def html(self, value: str = "", **layout):
+        return self.w.HTML(value, layout=self.layout(**layout), style=self.html_style)
+
+    def box(self, kind, children=()):
+        return kind(list(children), layout=self.layout())
+
+    def shared(self) -> list:
+        return [*self._layouts.values(), self.label_style, self.html_style]
+
+
 class _BarRow:
     # Each draw compares with what was last sent before touching a trait: a trait set costs
     # ~10 µs even when unchanged, and a changed one a comm message (~80 µs in a kernel).
-    def __init__(self, w, desc: str):
-        self.label = w.Label(desc, layout=w.Layout(width="5em"))
-        self.progress = w.IntProgress(value=0, min=0, max=1, layout=w.Layout(width="14em"))
-        self.info = w.Label(layout=w.Layout(width="10em"))
-        self.box = w.HBox([self.label, self.progress, self.info])
+    def __init__(self, parts: _Parts, desc: str):
+        w = parts.w
+        self.label = parts.label(desc, width="5em")
+        self.progress = w.IntProgress(value=0, min=0, max=1, layout=parts.layout(width="14em"))  # its own style
+        self.info = parts.label(width="10em")
+        self.box = parts.box(w.HBox, [self.label, self.progress, self.info])
         self._shown: tuple = ()
 
     def draw(self, bar, status: str, rate: float | None) -> None:
@@ -164,20 +205,28 @@ class _BarRow:
         self._shown = shown
 
 
+def _head_html(rank: int, status: str) -> str:
+    """A rank's row starts with its number and its status, coloured."""
+    return (f'<span style="display:inline-block;width:4.5em">rank {rank}</span>'
+            f'<span style="color:{STATUS_COLOURS.get(status, NEUTRAL)}">{html.escape(status)}</span>')
+
+
 class _RankRow:
-    def __init__(self, w, rank: int):
-        self._w = w
+    def __init__(self, parts: _Parts, rank: int):
+        w = parts.w
+        self._parts = parts
         self.rank = rank
-        self.status = w.Label("starting", layout=w.Layout(width="5.5em"))
-        # Built before the ranks start, shown when used: creating widgets costs ~5 ms each
-        # bar, better spent now than while the ranks train. Most loops nest two levels.
-        self.bars: dict[int, _BarRow] = {level: _BarRow(w, "") for level in range(PREBUILT_LEVELS)}
-        self.bar_box = w.VBox()
-        self.vitals = w.HTML(layout=w.Layout(width="15em", margin="0 0 0 1em"))
-        self.metrics = w.HTML(layout=w.Layout(margin="0 0 0 1em"))
-        self.detail = w.HTML(layout=w.Layout(display="none", margin="0 0 0 4.5em"))
-        head = w.Label(f"rank {rank}", layout=w.Layout(width="4.5em"))
-        self.box = w.VBox([w.HBox([head, self.status, self.bar_box, self.vitals, self.metrics]), self.detail])
+        # Text beside the bars is one HTML widget each side (the rank and its status; its vitals
+        # and metrics): fewer models, and one message when both halves change.
+        self.status, self.vitals, self.metrics = "starting", "", ""
+        self.head = parts.html(_head_html(rank, self.status), width="10em")
+        # Made when the rank first reports a loop: a run without one (a short job, an
+        # evaluation) makes none, and a bar costs ~5 models.
+        self.bars: dict[int, _BarRow] = {}
+        self.bar_box = parts.box(w.VBox)
+        self.info = parts.html(margin="0 0 0 1em")
+        self.detail = w.HTML(layout=w.Layout(display="none", margin="0 0 0 4.5em"), style=parts.html_style)
+        self.box = parts.box(w.VBox, [parts.box(w.HBox, [self.head, self.bar_box, self.info]), self.detail])
         self.box.add_class("nbtrain-rank")  # a handle for styling and for the browser tests
         self._drawn: tuple = ()
         self._levels: list[int] = []
@@ -185,13 +234,13 @@ class _RankRow:
     def draw(self, view, state, final: bool, vital, straggler: bool) -> bool:
         """Show `view`; True when widgets had to be created (a one-off cost)."""
         status, detail, reason = state.outcome(view.rank, final)
-        if self.status.value != status:
-            self.status.value = status
-            self.status.style.text_color = STATUS_COLOURS.get(status, "")
+        if self.status != status:
+            self.status = status
+            self.head.value = _head_html(self.rank, status)
         built = not view.bars.keys() <= self.bars.keys()
         for level, bar in view.bars.items():
             if level not in self.bars:
-                self.bars[level] = _BarRow(self._w, bar.desc)
+                self.bars[level] = _BarRow(self._parts, bar.desc)
         levels = sorted(view.bars)
         if levels != self._levels:  # a new level, or a deeper one ended; its widgets are kept for reuse
             self._levels = levels
@@ -205,10 +254,13 @@ class _RankRow:
             self._drawn = drawn
             if drawn[0] != metrics:
                 text = html.escape(_metric_text(view.metrics))
-                self.metrics.value = f"<code>{text}</code>" if text else ""
+                self.metrics = f"<code>{text}</code>" if text else ""
             parts = [rate_text(rate, None if final else view), html.escape(memory_text(vital)),
                      STRAGGLER_MARK if straggler else ""]
-            self.vitals.value = " · ".join(p for p in parts if p)
+            self.vitals = " · ".join(p for p in parts if p)
+            both = (f'<span style="display:inline-block;width:15em">{self.vitals}</span>'
+                    f'<span style="margin-left:1em">{self.metrics}</span>')
+            self.info.value = both if self.vitals or self.metrics else ""
             self.detail.value = detail_html(status, detail, reason)
             self.detail.layout.display = "" if detail or reason else "none"
         return built
@@ -218,13 +270,13 @@ class _RankRow:
 
     def snapshot(self) -> dict:
         return {
-            "status": self.status.value,
+            "status": self.status,
             "bars": {lv: {"desc": b.label.value, "value": b.progress.value, "max": b.progress.max,
                           "bar_style": b.progress.bar_style, "bar_color": b.progress.style.bar_color,
                           "info": b.info.value}
                      for lv, b in sorted(self.bars.items()) if lv in self._levels},
-            "vitals": self.vitals.value,
-            "metrics": self.metrics.value,
+            "vitals": self.vitals,
+            "metrics": self.metrics,
             "detail": self.detail.value,
         }
 
@@ -234,14 +286,14 @@ class WidgetDisplay(QuietDisplay):
 
     def __init__(self):
         super().__init__()
-        self._w = w = load_ipywidgets()
+        self._parts = parts = _Parts(w := load_ipywidgets())
         self.rows: dict[int, _RankRow] = {}
         self.series = MetricSeries()
-        self.header = w.HTML()
-        self.rows_box = w.VBox()
-        self.root = w.VBox([self.header, self.rows_box])
+        self.header = parts.html()
+        self.rows_box = parts.box(w.VBox)
+        self.root = parts.box(w.VBox, [self.header, self.rows_box])
         self.root.add_class("nbtrain-dashboard")
-        self.chart = w.HTML(layout=w.Layout(display="none"))  # shown with the first metric
+        self.chart = w.HTML(layout=w.Layout(display="none"), style=parts.html_style)  # shown with the first metric
         self.ok: bool | None = None  # None while running
         self.summary = ""  # the static HTML left at the end
         self.plot_png: bytes | None = None  # and the metrics' picture, when matplotlib is there
@@ -261,9 +313,9 @@ class WidgetDisplay(QuietDisplay):
         last_dashboard = self
         self.rank_output.start(state)
         self._draw(state, time.monotonic())
-        dashboard = {**self.root._repr_mimebundle_(),
+        dashboard = {**view_bundle(self.root),
                      "text/plain": f"nbtrain: {state.title} (live; replaced by a summary when the run ends)"}
-        chart = {**self.chart._repr_mimebundle_(), "text/plain": ""}
+        chart = {**view_bundle(self.chart), "text/plain": ""}
         self._bundles = (dashboard, chart)
         self._handles = (show(dashboard, display_id=True), show(chart, display_id=True))
 
@@ -290,7 +342,8 @@ class WidgetDisplay(QuietDisplay):
         # Replace first, close after: a closed widget still on screen reads "model not found".
         replace(self._handles[0], table)
         replace(self._handles[1], plot)
-        close_tree(self.root, self.chart, *(w for row in self.rows.values() for w in row.widgets()))
+        close_tree(self.root, self.chart, *(w for row in self.rows.values() for w in row.widgets()),
+                   *self._parts.shared())
         self._end_rank_output()
 
     def _shown_again(self) -> None:
@@ -309,14 +362,13 @@ class WidgetDisplay(QuietDisplay):
         rates = {r: (v.step_rate if final else (vitals[r].step_rate if r in vitals else None))
                  for r, v in state.ranks.items()}
         straggler = slowest(rates)
-        built = False
+        built = not state.ranks.keys() <= self.rows.keys()
+        for rank in state.ranks.keys() - self.rows.keys():
+            self.rows[rank] = _RankRow(self._parts, rank)
+        if built:  # one message for the new rows, not one a row
+            self.rows_box.children = [r.box for _, r in sorted(self.rows.items())]
         for rank, view in state.ranks.items():
-            row = self.rows.get(rank)
-            if row is None:
-                row = self.rows[rank] = _RankRow(self._w, rank)
-                self.rows_box.children = [r.box for _, r in sorted(self.rows.items())]
-                built = True
-            built |= row.draw(view, state, final, vitals.get(rank), rank == straggler)
+            built |= self.rows[rank].draw(view, state, final, vitals.get(rank), rank == straggler)
         self._draw_header(state)
         self._chart_stale |= self.series.consume(state.history)
         if not built:  # creating widgets is a one-off: it must not slow the redraws after it

@@ -81,7 +81,8 @@ class Ranks:
         Where the ranks come from, as for `launch`: 'auto' forks the kernel when that is safe,
         else the warm template. ('torchrun' runs a script to its end: not for live ranks.)
     progress : bool or str, default True
-        The live view of each call, as for `launch`.
+        The live view of each call, as for `launch`; False also leaves out the line saying the
+        ranks are ready.
     cluster : Slurm or Ray, optional
         Start them there: ``devices`` ranks on each of ``num_nodes`` nodes.
     num_nodes : int, default 1
@@ -156,8 +157,9 @@ class Ranks:
         self._modules = ModuleVersions()  # what the ranks' imports match; reloads in the notebook follow
         self._key = next(_order)
         _open[self._key] = self
-        display.note(f"{self.world_size} live ranks ({self.placement}, {self.plan.describe()}) ready in "
-                     f"{time.monotonic() - started:.2f} s")
+        if self.progress is not False and os.environ.get("NBTRAIN_PROGRESS", "").strip() != "0":  # quiet: not said
+            display.note(f"{self.world_size} live ranks ({self.placement}, {self.plan.describe()}) ready in "
+                         f"{time.monotonic() - started:.2f} s")
 
     @property
     def world_size(self) -> int:

@@ -206,8 +206,9 @@ class Supervisor:
         deadline = time.monotonic() + OUTPUT_WAIT
         replied = [r for r, v in self.state.ranks.items() if v.status in ("finished", "failed", "stopped")
                    and self.pool.began(r) and not self.pool.closed(r)]
-        while time.monotonic() < deadline and not all(self.pool.output_done(r) for r in replied):
-            self._pump(0.01)
+        while (left := deadline - time.monotonic()) > 0 and not all(self.pool.output_done(r) for r in replied):
+            if (message := self.pool.receive(left)) is not None:  # done as the last mark comes, not at a window's end
+                self._handle(message)
 
     # -- failures ------------------------------------------------------------------------
     def _check_processes(self) -> None:
