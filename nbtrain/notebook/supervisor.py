@@ -23,8 +23,8 @@ from ..common.tracebacks import name_cells_in_pdb
 from ..common.transfer import unpack_exception
 from ..display.rank_output import KINDS as RANK_OUTPUT
 from ..display.rank_output import deliver
-from .doctor import Verdict, call_words, mismatch, stall_after, stall_verdict
-from .runmodel import RunState, brief
+from .doctor import Verdict, backward_of, call_words, ended_verdict, mismatch, stall_after, stall_verdict
+from .runmodel import RunState
 from .stacks import blocked_on_peers, exception_message, native_note, tidy_stacks
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ EARLY_EXIT_AFTER = 1.0  # a rank ended this long ago while others still run: loo
 EARLY_EXIT_PROBES = 2  # consecutive stacks showing the same wait before it counts as a deadlock
 PROBE_INTERVAL = 1.0
 WHERE_WAIT = 1.0  # for the ranks' answers to `Where`: a rank holding the GIL in C code does not answer
+STALL_RECHECK = 0.25  # the least time between two questions to the ranks about a stall
 # What gloo says when it aborts a rank in a collective whose sizes differ across ranks.
 BACKEND_MISMATCH = re.compile(r"collective mismatch|doesn't match expected size")
 
@@ -112,7 +113,7 @@ class Supervisor:
         self._interrupted_at: dict[int, str] = {}  # rank: its traceback when our interrupt reached it
         self.stall = pool.stall
         self._where: dict[int, protocol.Whereabouts] = {}  # the ranks' latest answers to `Where`
-        self._stall_probe = 0.0  # when the doctor last asked where the ranks are
+        self._stall_probe = 0.0  # when the doctor may next ask where the ranks are
         self._stall_said = False
         self._stacks: dict[int, str] = {}  # every rank's full stacks, once read for a failure (`error.stacks`)
 
@@ -363,16 +364,17 @@ class Supervisor:
         The run goes on (interrupt, `timeout=` or pdb on live ranks take it from there)."""
         after = stall_after(self.stall, self._step_time())
         now = time.monotonic()
-        if (after is None or self._stall_said or now - self.state.started < after
-                or now - self._stall_probe < min(after, 5.0)):
+        if after is None or self._stall_said or now - self.state.started < after or now < self._stall_probe:
             return
         running = self.state.unfinished()
         if not running or any(self.state.ranks[r].status != "running" for r in running):
             return  # still starting: that is start_timeout's
-        self._stall_probe = now
         where = self.ask_where(running)
         if where and min(w.idle for w in where.values()) < after:
-            return  # a rank progressed within the window
+            # A rank progressed within the window: ask again when the stall would be due if none
+            # progresses from now on (so it is said within `stall` s, not twice that), never in a loop.
+            self._stall_probe = time.monotonic() + max(after - min(w.idle for w in where.values()), STALL_RECHECK)
+            return
         verdict = stall_verdict(where, [r for r in running if r not in where])
         quiet = min((w.idle for w in where.values()), default=after)
         self._stall_said = True  # said once per command
@@ -452,15 +454,30 @@ class Supervisor:
             self.pool.stuck(stuck, f"rank {cause.rank} failed")
 
     def _blame_early_end(self) -> None:
-        """Only lost peers, and a rank had already ended: that rank left the others waiting."""
+        """Only lost peers, and a rank had already ended: that rank left the others waiting. Said by
+        where each waited (the collective it began last), not by the backend's socket error."""
         ended = self.state.ended_ranks()
         if not (self.state.only_lost_peers() and ended):
             return
         culprit = min(ended, key=lambda r: self.state.ranks[r].ended_at or 0.0)
         where = self.state.ranks[culprit].ended_where or "finished"
-        lost = "; ".join(f"rank {f.rank} lost it: {brief(f.summary)}" for f in self.state.failures)
-        self.state.fail(culprit, f"rank {culprit} ended ({where}) while the others still needed it; {lost}",
-                        f"--- rank {culprit}: {where} ---", crashed=True, ended_early=True)
+        waits = {f.rank: self._last_call(f.rank) for f in self.state.failures}
+        summary = ended_verdict(culprit, where, waits, self._backwards_ran(culprit))
+        self.state.fail(culprit, summary, f"--- rank {culprit}: {where} ---", crashed=True, ended_early=True)
+        for rank, call in waits.items():  # each one's line says where it waited, as a stopped rank's
+            if call is not None:
+                self.state.ranks[rank].reason = f"waiting for rank {culprit} in {call_words(call)}"
+
+    def _last_call(self, rank: int) -> tuple | None:
+        """The collective a rank began last (where it waited when its peer went away), if it reported it."""
+        times = self.state.step_times.get(rank)
+        return times.recent[-1] if times is not None and times.recent else None
+
+    def _backwards_ran(self, rank: int) -> int | None:
+        """The backward() calls whose gradients DDP all-reduced on `rank`, by its last reported bucket."""
+        times = self.state.step_times.get(rank)
+        ran = [b for call in (times.recent if times else ()) if (b := backward_of(call))]
+        return ran[-1] if ran else (0 if times is not None else None)
 
     def _interrupt(self, ranks: list[int]) -> list[int]:
         """Interrupt live ranks and wait for them to return; the ranks that did not."""
