@@ -134,9 +134,12 @@ def test_a_rank_aborted_without_its_stack_is_named_by_the_backend_s_words(no_lef
                    r'mismatch in your code\?"\)', said) and "compare their shapes and dtypes on every rank" in said), said
 
 
+BATCHES = 16  # a rank's: 1.6 s of waiting for rank 1, beyond noise (doctor.STRAGGLER_STEPS and _SECONDS)
+
+
 class SlowData(torch.utils.data.Dataset):
     def __len__(self):
-        return 96  # 24 batches, 2.4 s of waiting for rank 1: beyond noise (STRAGGLER_SECONDS)
+        return 4 * BATCHES * nbtrain.context().world_size
 
     def __getitem__(self, i):
         if nbtrain.context().rank == 1:
@@ -147,7 +150,7 @@ class SlowData(torch.utils.data.Dataset):
 def straggles(where):
     ctx = nbtrain.context()
     ctx.barrier()
-    data = SlowData() if where == "data" else [torch.ones(4)] * 96
+    data = SlowData() if where == "data" else [torch.ones(4)] * (4 * BATCHES * ctx.world_size)
     for x in ctx.loader(data, batch_size=4):
         if where == "compute" and ctx.rank == 1:
             time.sleep(0.1)  # clearly above what the other ranks' steps take on a loaded machine
