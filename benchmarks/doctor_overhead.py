@@ -10,6 +10,10 @@ the thread's CPU time (time.thread_time: other jobs on a shared machine do not c
               timed by ctx.loader's iterator, the all_reduce counted)
   stall check the supervisor's check per tick while nothing stalls (stall_after on the recent step
               time), and a rank's answer to `Where` (its main thread's user frame, read on request)
+  DDP step    the same step with the MLP in DistributedDataParallel (3 buckets of 1 MB: bucket_cap_mb=0.1),
+              timed by the process's CPU time (gloo's threads and the hooks' callbacks count): torch's
+              built-in C++ all-reduce (no hook) vs torch's own Python allreduce_hook registered vs the
+              doctor's counting hook (rank/doctor.py's count_ddp: torch's allreduce_hook, each bucket noted)
 
     python benchmarks/doctor_overhead.py [--repeats 7] [--no-save]
 """
@@ -63,6 +67,36 @@ def steps(reduce, batches, n: int) -> float:
     return (CLOCK() - started) / n
 
 
+def ddp_steps(model, n: int) -> float:
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    started = time.process_time()
+    for _ in range(n):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return (time.process_time() - started) / n
+
+
+def ddp_models():
+    """The MLP in DDP three ways: no hook (torch's C++ all-reduce), torch's Python allreduce_hook, counted."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    doctor.count_ddp()
+    models = {}
+    for kind in ("ddp builtin", "ddp torch hook"):
+        model = DDP.__new__(DDP)
+        DDP.__init__.__wrapped__(model, _mlp(), bucket_cap_mb=0.1)  # type: ignore[attr-defined]  # torch's own
+        if kind == "ddp torch hook":
+            model.register_comm_hook(None, allreduce_hook)
+        models[kind] = model
+    models["ddp counted"] = DDP(_mlp(), bucket_cap_mb=0.1)
+    return models
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
@@ -76,9 +110,12 @@ def main() -> None:
     nop = lambda t: None  # noqa: E731
     wrapped_nop = doctor._counted("all_reduce", nop)
     t = torch.zeros(4)
-    names = ("plain", "counted", "nop", "wrapped", "step plain", "step measured")
+    models = ddp_models()
+    names = ("plain", "counted", "nop", "wrapped", "step plain", "step measured", *models)
     rows: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(args.repeats):
+        for kind, model in models.items():
+            rows[kind].append(ddp_steps(model, 200))
         rows["plain"].append(per_call(plain, t, 20000))
         rows["counted"].append(per_call(counted, t, 20000))
         rows["nop"].append(per_call(nop, t, 200000))
@@ -99,6 +136,8 @@ def main() -> None:
         pass
     timed = (CLOCK() - started) / n - bare
     where = per_call(doctor.whereabouts, 0, 20000)
+    buckets = models["ddp counted"].reducer._get_zeros_like_grad_buckets()
+    del models
     dist.destroy_process_group()
     m = {k: median(v) for k, v in rows.items()}
     wrapper = m["wrapped"] - m["nop"]
@@ -116,10 +155,18 @@ def main() -> None:
         f"{(wrapper + timed) * 1e6:+.3f} µs = {(wrapper + timed) / m['step plain']:.3%} of the step |",
         f"| the supervisor's stall check per tick (nothing stalled) | | {check * 1e6:.3f} µs | |",
         f"| a rank's answer to `Where` (asked only after `stall` s quiet) | | {where * 1e6:.1f} µs | |",
+        f"| a DDP step of the MLP ({len(buckets)} buckets), torch's C++ all-reduce vs counted | "
+        f"{m['ddp builtin'] * 1e3:.3f} ms | {m['ddp counted'] * 1e3:.3f} ms | "
+        f"{(m['ddp counted'] - m['ddp builtin']) / m['ddp builtin']:+.2%} |",
+        f"| the same, torch's Python allreduce_hook vs counted (the counting alone) | "
+        f"{m['ddp torch hook'] * 1e3:.3f} ms | {m['ddp counted'] * 1e3:.3f} ms | "
+        f"{(m['ddp counted'] - m['ddp torch hook']) * 1e6 / len(buckets):+.1f} µs per bucket = "
+        f"{(m['ddp counted'] - m['ddp torch hook']) / m['step plain']:+.2%} of step_overhead's step |",
         "", f"Medians of {args.repeats} interleaved repeats, the calling thread's CPU time. Whole steps differ by "
         "several percent from run to run either way on a shared machine (the same code twice does too), so the "
         "per-step cost is read from its parts. Stall checks ask the ranks nothing until no progress message came "
-        "for `stall` seconds; then one `Where` per rank every min(stall, 5) s."])
+        "for `stall` seconds; then one `Where` per rank when the stall would be due (the quietest rank's idle time "
+        "subtracted), at most every 0.25 s. DDP rows: the process's CPU time (gloo's threads count), world 1."])
     if args.no_save:
         print(body)
     else:

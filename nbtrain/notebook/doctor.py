@@ -149,15 +149,16 @@ def stall_verdict(where: dict, silent: list[int] | tuple[int, ...] = ()) -> Verd
 
 def ended_verdict(culprit: int, ended: str, waits: dict, ran: int | None) -> str:
     """A rank that ended while others wait for it: where each waits, in which collective (`waits`:
-    rank -> its call, None where unknown), and, when they wait in DDP's gradient all-reduce of a
+    rank -> its call, or its stack's words for it, or None), and, when they wait in DDP's gradient all-reduce of a
     backward() the ended rank never ran (`ran`: its backward() calls), that the batches differed."""
     def clause(r, many):
         call = waits[r]
-        said = f"in {call_words(call)}" if call is not None else "(in a collective it did not report)"
+        said = ("(in a collective it did not report)" if call is None else
+                f"in {call}" if isinstance(call, str) else f"in {call_words(call)}")
         return f"{'wait' if many else 'waits'} for it {said}"
 
     text = f"rank {culprit} ended ({ended}) while the others still needed it: " + "; ".join(_grouped(waits, clause))
-    backward = max((b for c in waits.values() if (b := backward_of(c))), default=None)
+    backward = max((b for c in waits.values() if isinstance(c, tuple) and (b := backward_of(c))), default=None)
     if backward and ran is not None and ran < backward:
         return f"{text}; rank {culprit} ran {ran} backward() calls: {UNEVEN_FIX}."
     return f"{text}. That wait can never complete."

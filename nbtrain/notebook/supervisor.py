@@ -394,24 +394,29 @@ class Supervisor:
             return
         self._probed = now
         stacks = self.collect_stacks(running)
+        # Where each waits: the collective it reported (DDP's gradient all-reduce too, which no
+        # Python frame shows), else the torch.distributed call its stack is in.
+        where = self.ask_where(running)
+        calls: dict[int, tuple | str | None] = {}
         for rank in running:
-            wait = blocked_on_peers(stacks.get(rank, ""))
+            current = where[rank].current if rank in where else None
+            wait = current or blocked_on_peers(stacks.get(rank, ""))
             seen, count = self._probes.get(rank, (None, 0))
             self._probes[rank] = (wait, count + 1 if wait and wait == seen else 1 if wait else 0)
+            calls[rank] = wait
         waiting = [r for r in running if self._probes[r][1] >= EARLY_EXIT_PROBES]
         if not waiting or not self.state.unfinished():
             return
         culprit = min(ended, key=lambda r: self.state.ranks[r].ended_at or now)
         view = self.state.ranks[culprit]
-        waits = "; ".join(f"rank {r} waits for it in {self._probes[r][0]}" for r in waiting)
-        summary = (f"rank {culprit} ended ({view.ended_where or 'finished'}) while the others still needed it: "
-                   f"{waits}. That wait can never complete.")
+        summary = ended_verdict(culprit, view.ended_where or "finished", {r: calls[r] for r in waiting},
+                                self._backwards_ran(culprit))
         text = "\n\n".join([f"--- rank {culprit}: {view.ended_where or 'finished'} ---",
                             *(f"--- rank {r} stack (waiting) ---\n{stacks.get(r, '')}" for r in waiting)])
-        self.ask_where(waiting)  # their collectives, to name a mismatch with the ended rank's
         self.state.fail(culprit, summary, text, crashed=True, ended_early=True)
         for r in waiting:
-            self.state.stop(r, f"waiting for rank {culprit} in {self._probes[r][0]}")
+            wait = calls[r]
+            self.state.stop(r, f"waiting for rank {culprit} in {call_words(wait) if isinstance(wait, tuple) else wait}")
         self.pool.stuck(waiting, summary)
 
     def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
