@@ -10,10 +10,12 @@ the thread's CPU time (time.thread_time: other jobs on a shared machine do not c
               timed by ctx.loader's iterator, the all_reduce counted)
   stall check the supervisor's check per tick while nothing stalls (stall_after on the recent step
               time), and a rank's answer to `Where` (its main thread's user frame, read on request)
-  DDP step    the same step with the MLP in DistributedDataParallel (3 buckets of 1 MB: bucket_cap_mb=0.1),
+  DDP step    the same step with the MLP in DistributedDataParallel (DDP's default buckets),
               timed by the process's CPU time (gloo's threads and the hooks' callbacks count): torch's
               built-in C++ all-reduce (no hook) vs torch's own Python allreduce_hook registered vs the
-              doctor's counting hook (rank/doctor.py's count_ddp: torch's allreduce_hook, each bucket noted)
+              doctor's counting hook (rank/doctor.py's count_ddp: torch's allreduce_hook, each bucket noted);
+              and the counting alone, per bucket: the hook around a hook that returns a done future, on
+              a stand-in for DDP's GradBucket (index, buffer, parameters), less that hook called bare
 
     python benchmarks/doctor_overhead.py [--repeats 7] [--no-save]
 """
@@ -67,6 +69,13 @@ def steps(reduce, batches, n: int) -> float:
     return (CLOCK() - started) / n
 
 
+def _commit() -> str:
+    import subprocess
+
+    found = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return found.stdout.strip() or "unknown"
+
+
 def ddp_steps(model, n: int) -> float:
     torch.manual_seed(0)
     x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
@@ -80,6 +89,40 @@ def ddp_steps(model, n: int) -> float:
     return (time.process_time() - started) / n
 
 
+class _Bucket:
+    """What the counting hook asks of DDP's GradBucket."""
+
+    def __init__(self, index: int, params: list) -> None:
+        self._index, self._buffer, self._params = index, torch.zeros(4), params
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self):
+        return self._buffer
+
+    def parameters(self) -> list:
+        return self._params
+
+
+def counting_alone(n: int) -> float:
+    """Seconds the counting adds to one bucket's all-reduce (a backward()'s first bucket, the dearer one)."""
+    module = torch.nn.Module()
+    module.module = _mlp()
+    done = torch.futures.Future()
+    done.set_result(torch.zeros(4))
+    slot = doctor._Slot(module, lambda state, bucket: done, None)
+    bucket = _Bucket(0, list(module.module.parameters()))
+    started = CLOCK()
+    for _ in range(n):
+        doctor._bucket_reduced(slot, bucket)
+    counted = CLOCK() - started
+    started = CLOCK()
+    for _ in range(n):
+        bucket.index(), bucket.buffer(), slot.hook(None, bucket)
+    return (counted - (CLOCK() - started)) / n
+
+
 def ddp_models():
     """The MLP in DDP three ways: no hook (torch's C++ all-reduce), torch's Python allreduce_hook, counted."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -89,11 +132,11 @@ def ddp_models():
     models = {}
     for kind in ("ddp builtin", "ddp torch hook"):
         model = DDP.__new__(DDP)
-        DDP.__init__.__wrapped__(model, _mlp(), bucket_cap_mb=0.1)  # type: ignore[attr-defined]  # torch's own
+        DDP.__init__.__wrapped__(model, _mlp())  # type: ignore[attr-defined]  # torch's own
         if kind == "ddp torch hook":
             model.register_comm_hook(None, allreduce_hook)
         models[kind] = model
-    models["ddp counted"] = DDP(_mlp(), bucket_cap_mb=0.1)
+    models["ddp counted"] = DDP(_mlp())
     return models
 
 
@@ -115,7 +158,8 @@ def main() -> None:
     rows: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(args.repeats):
         for kind, model in models.items():
-            rows[kind].append(ddp_steps(model, 200))
+            rows[kind].append(ddp_steps(model, 300))
+        rows.setdefault("counting", []).append(counting_alone(20000))
         rows["plain"].append(per_call(plain, t, 20000))
         rows["counted"].append(per_call(counted, t, 20000))
         rows["nop"].append(per_call(nop, t, 200000))
@@ -155,18 +199,22 @@ def main() -> None:
         f"{(wrapper + timed) * 1e6:+.3f} µs = {(wrapper + timed) / m['step plain']:.3%} of the step |",
         f"| the supervisor's stall check per tick (nothing stalled) | | {check * 1e6:.3f} µs | |",
         f"| a rank's answer to `Where` (asked only after `stall` s quiet) | | {where * 1e6:.1f} µs | |",
-        f"| a DDP step of the MLP ({len(buckets)} buckets), torch's C++ all-reduce vs counted | "
+        f"| a DDP step of the MLP (DDP's default buckets: {len(buckets)}), torch's C++ all-reduce vs counted | "
         f"{m['ddp builtin'] * 1e3:.3f} ms | {m['ddp counted'] * 1e3:.3f} ms | "
         f"{(m['ddp counted'] - m['ddp builtin']) / m['ddp builtin']:+.2%} |",
-        f"| the same, torch's Python allreduce_hook vs counted (the counting alone) | "
-        f"{m['ddp torch hook'] * 1e3:.3f} ms | {m['ddp counted'] * 1e3:.3f} ms | "
-        f"{(m['ddp counted'] - m['ddp torch hook']) * 1e6 / len(buckets):+.1f} µs per bucket = "
-        f"{(m['ddp counted'] - m['ddp torch hook']) / m['step plain']:+.2%} of step_overhead's step |",
+        f"| the same with torch's Python allreduce_hook registered (what the counting hook calls) | "
+        f"{m['ddp builtin'] * 1e3:.3f} ms | {m['ddp torch hook'] * 1e3:.3f} ms | "
+        f"{(m['ddp torch hook'] - m['ddp builtin']) / m['ddp builtin']:+.2%} |",
+        f"| the counting alone, per bucket (its parts, thread CPU time) | | | {m['counting'] * 1e6:+.2f} µs = "
+        f"{m['counting'] * len(buckets) / m['step plain']:.3%} of step_overhead's step ({len(buckets)} bucket"
+        f"{'s' if len(buckets) > 1 else ''}) |",
         "", f"Medians of {args.repeats} interleaved repeats, the calling thread's CPU time. Whole steps differ by "
         "several percent from run to run either way on a shared machine (the same code twice does too), so the "
         "per-step cost is read from its parts. Stall checks ask the ranks nothing until no progress message came "
         "for `stall` seconds; then one `Where` per rank when the stall would be due (the quietest rank's idle time "
-        "subtracted), at most every 0.25 s. DDP rows: the process's CPU time (gloo's threads count), world 1."])
+        "subtracted), at most every 0.25 s. DDP rows: the process's CPU time (gloo's threads count), world 1: whole "
+        "DDP steps move by more than the hook's cost from run to run, so the counting is read from its parts. "
+        f"Commit {_commit()}."])
     if args.no_save:
         print(body)
     else:
