@@ -317,3 +317,39 @@ def test_a_bare_collective_makes_the_group_and_a_users_own_ddp_is_counted(hook, 
         assert backwards == 1 and op == "DDP's gradient all-reduce"
         assert twice == ("register_comm_hook or register_builtin_comm_hook can only be called once."
                          if hook == "own" else None)
+
+
+def waits_on_async_work():
+    ctx = nbtrain.context()
+    ctx.barrier()
+    if ctx.rank == 1:
+        time.sleep(6)  # rank 1 is elsewhere...
+    work = dist.all_reduce(torch.ones(3), async_op=True)
+    work.wait()  # ...while rank 0 waits here, for the work it started
+    return ctx.rank
+
+
+def test_a_wait_on_an_async_collective_is_said_as_a_wait_in_it(no_leftovers):
+    notes = Notes()
+    nbtrain.launch(waits_on_async_work, devices=2, accelerator="cpu", start="fork", progress=notes, stall=1.5)
+    said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+    assert len(said) == 1, notes.notes
+    assert re.search(r"rank 0 waits in all_reduce #2 \(float32\[3\]\) at test_doctor.py:\d+ \(from "
+                     r"test_doctor.py:\d+ \(work.wait\(\)\)\); rank 1 is not in a collective: at test_doctor.py:\d+ "
+                     r"\(time.sleep\(6\)\)\. The others wait for rank 1\.", said[0]), said[0]
+
+
+def fsdp_step():
+    from nbtrain.rank.doctor import TALLY
+
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)), min_params=1)
+    model(torch.ones(2, 8)).sum().backward()
+    return sorted({call[1] for call in TALLY.recent})
+
+
+def test_fsdp_s_all_gathers_and_reduce_scatters_are_counted(no_leftovers):
+    result = nbtrain.launch(fsdp_step, devices=2, accelerator="cpu", start="fork", strategy="fsdp", progress=False,
+                            timeout=120)
+    for ops in result.values:
+        assert "all_gather_single" in ops and "reduce_scatter_single" in ops, ops

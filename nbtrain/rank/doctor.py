@@ -15,10 +15,11 @@ all-reduce (the same division, the same call, the same result) behind a slot a u
 `register_comm_hook` fills, so a user's hook still runs, counted the same way. It notes each
 bucket's call (sequence number, backward() number, bucket index, its parameters' names, the user's
 line of that `backward()`) and keeps the bucket's future: a bucket whose future is not done is
-where the rank waits. Registering at construction (rather than at the first forward) leaves the
-user the whole window torch gives for their own hook, costs nothing per forward, and never races
-a backward. Its wait still shows in the step's backward (as compute), and async collectives'
-waits are not timed.
+where the rank waits, as an async collective's work not completed is (FSDP2's all-gathers and
+reduce-scatters, `all_gather_single` and `reduce_scatter_single`, are counted that way).
+Registering at construction (rather than at the first forward) leaves the user the whole window
+torch gives for their own hook, costs nothing per forward, and never races a backward. Its wait
+still shows in the step's backward (as compute), and async collectives' waits are not timed.
 
 A collective called before any process group exists creates the rank's group first (as
 `ctx.setup` and ctx's own collectives do): the docs promise the group is made on first need.
@@ -43,7 +44,9 @@ SETTLE_BACKWARDS = 2  # DDP rebuilds its buckets once, after the first backward(
 # torch.distributed's blocking collectives, wrapped where user code finds them (`dist.all_reduce`).
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
                "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-               "broadcast_object_list", "barrier", "monitored_barrier", "send", "recv")
+               "broadcast_object_list", "barrier", "monitored_barrier", "send", "recv",
+               "all_gather_single", "reduce_scatter_single")  # the last two: what FSDP2 calls, async
+PENDING = 64  # async collectives and DDP buckets kept until done, to tell where a rank waits
 
 
 class Tally:
@@ -64,7 +67,9 @@ class Tally:
         self.rendezvous = ""  # the address the rank's init_process_group meets its peers at (until it has a group)
         self.backwards = 0  # backward() calls whose gradients DDP all-reduced (every DDP model of the rank)
         self.backward_at: tuple | None = None  # the last such backward()'s user frame: (code, lasti)
-        self.buckets: list = []  # its bucket all-reduces: [(call, future)], the first not done is where it waits
+        # Async collectives (FSDP2's, a user's async_op=True) and DDP's buckets, as (call, its `done`):
+        # the first not done is where the rank waits, in `work.wait()` or inside backward().
+        self.pending: deque = deque(maxlen=PENDING)
         self.in_hook = False  # a DDP hook runs: its own collectives are the bucket's, counted as one
 
     def reset(self) -> None:
@@ -130,7 +135,10 @@ def _counted(op: str, collective):
         tally.recent.append(call)
         began = clock()
         try:
-            return collective(*args, **kwargs)
+            work = collective(*args, **kwargs)
+            if kwargs.get("async_op") and (done := getattr(work, "is_completed", None)) is not None:
+                tally.pending.append((call, done))
+            return work
         finally:
             tally.progressed = ended = clock()
             tally.collective_s += ended - began
@@ -247,7 +255,6 @@ def _bucket_reduced(slot: _Slot, bucket):
     if index == 0:  # DDP all-reduces its buckets in order: bucket 0 begins a backward()'s
         slot.backwards += 1
         tally.backwards += 1
-        tally.buckets = []
         user = _user_frame(_main_frame())
         tally.backward_at = (user.f_code, user.f_lasti, user.f_code.co_filename, user.f_lineno) if user else None
     names = slot.names.get(index) if slot.backwards > SETTLE_BACKWARDS else None
@@ -265,7 +272,7 @@ def _bucket_reduced(slot: _Slot, bucket):
         future = slot.hook(slot.state, bucket)
     finally:
         tally.in_hook = False
-    tally.buckets.append((call, future))
+    tally.pending.append((call, future.done))
     return future
 
 
@@ -284,9 +291,10 @@ def _main_frame():
     return sys._current_frames().get(main) if main is not None else None
 
 
-def _waiting_bucket() -> tuple | None:
-    """The first of the last backward()'s bucket all-reduces that has not completed."""
-    return next((call for call, future in TALLY.buckets if not future.done()), None)
+def _waiting_in() -> tuple | None:
+    """The first async collective or DDP bucket all-reduce that has not completed (read from the
+    channel's thread while the main thread may append: a copy is iterated)."""
+    return next((call for call, done in list(TALLY.pending) if not done()), None)
 
 
 def timed_batches(iterator):
@@ -373,7 +381,7 @@ def whereabouts(rank: int) -> protocol.Whereabouts:
         user = _user_frame(frame)
         file, line = user.f_code.co_filename, user.f_lineno
         code = linecache.getline(file, line).split("  #")[0].strip()  # the code, without a trailing comment
-    current = tally.current or _waiting_bucket()
+    current = tally.current or _waiting_in()
     import torch.distributed as dist
 
     meeting = tally.rendezvous if tally.rendezvous and not dist.is_initialized() else ""
