@@ -104,7 +104,7 @@ class Supervisor:
         self.start_timeout = start_timeout
         self._capturing: dict[int, list[str]] | None = None  # stacks being collected
         self._heard: dict[int, float] = {}
-        self._probes: dict[int, tuple[str | None, int]] = {}  # rank: (the wait seen, times in a row)
+        self._probes: dict[int, tuple[tuple | str | None, int]] = {}  # rank: (the wait seen, times in a row)
         self._probed = 0.0
         self._closed_at: dict[int, float] = {}  # remote ranks whose connection closed without a reply
         self._queued = 0.0  # seconds the ranks waited in an engine's queue (not counted by timeouts)
