@@ -353,3 +353,19 @@ def test_fsdp_s_all_gathers_and_reduce_scatters_are_counted(no_leftovers):
                             timeout=120)
     for ops in result.values:
         assert "all_gather_single" in ops and "reduce_scatter_single" in ops, ops
+
+
+def test_live_ranks_name_a_rank_that_ran_out_of_batches(no_leftovers):
+    # Rank 0 returns and its process lives on: nothing breaks rank 1's wait inside backward(), the
+    # doctor sees it there (no Python frame of a collective shows it) and names rank 0 within seconds.
+    with nbtrain.Ranks(devices=2, accelerator="cpu", start="fork", progress=False) as ranks:
+        started = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            ranks.run(uneven_batches, "return", timeout=90)  # bounded, should the wait go unseen
+        assert time.monotonic() - started < 60
+        said = info.value.summary
+        assert info.value.rank == 0
+        assert re.search(r"rank 0 ended \(returned from uneven_batches\(\)\) while the others still needed it: rank 1 "
+                         r"waits for it in DDP's gradient all-reduce of its backward\(\) #11 at test_doctor.py:\d+ "
+                         r"\(bucket 0: 0.weight, 0.bias\); rank 0 ran 10 backward\(\) calls: the ranks had different "
+                         r"numbers of batches", said), said
