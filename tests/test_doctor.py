@@ -369,3 +369,14 @@ def test_live_ranks_name_a_rank_that_ran_out_of_batches(no_leftovers):
                          r"waits for it in DDP's gradient all-reduce of its backward\(\) #11 at test_doctor.py:\d+ "
                          r"\(bucket 0: 0.weight, 0.bias\); rank 0 ran 10 backward\(\) calls: the ranks had different "
                          r"numbers of batches", said), said
+
+
+def test_a_stall_is_said_once_stall_seconds_passed_not_twice_that(no_leftovers):
+    # The ranks progress at their first barrier, then rank 1 naps: the first check (at 4 s) finds
+    # them quiet for a little less than 4 s; the next comes when the stall is due, not 4 s later.
+    notes = Notes()
+    nbtrain.launch(late_rank, 11, devices=2, accelerator="cpu", start="fork", progress=notes, stall=4)
+    said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+    assert len(said) == 1, notes.notes
+    quiet = int(re.match(r"No rank has progressed for (\d+) s", said[0])[1])
+    assert 4 <= quiet <= 6, said[0]  # checks spaced a stall apart said it at about 8 s
