@@ -380,3 +380,22 @@ def test_a_stall_is_said_once_stall_seconds_passed_not_twice_that(no_leftovers):
     assert len(said) == 1, notes.notes
     quiet = int(re.match(r"No rank has progressed for (\d+) s", said[0])[1])
     assert 4 <= quiet <= 6, said[0]  # checks spaced a stall apart said it at about 8 s
+
+
+def joined(divide_by_initial_world_size):
+    from torch.distributed.algorithms import Join
+
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Linear(4, 1))
+    with Join([model], divide_by_initial_world_size=divide_by_initial_world_size):
+        for _ in range(3 + ctx.rank):  # the fix the doctor gives for uneven inputs
+            model(torch.ones(2, 4) * (ctx.rank + 1)).sum().backward()
+    return model.module.weight.grad.tolist()
+
+
+@pytest.mark.parametrize("initial, expected", [(True, 6.5), (False, 13.0)])
+def test_join_averages_as_torch_does_with_the_counting_hook(initial, expected, no_leftovers):
+    # Rank 1's last backward() is alone: torch's DDP divides its gradient by the initial world size or
+    # by the ranks still in (the values are torch's own, without the hook); a Python hook always by the first.
+    result = nbtrain.launch(joined, initial, devices=2, accelerator="cpu", start="fork", progress=False, timeout=60)
+    assert result.values[1] == [[expected] * 4] and result.values[0] == [[9.0] * 4]

@@ -10,15 +10,16 @@ thread waits in a collective or a sleep: both release the GIL).
 
 DDP's gradient all-reduce, which its C++ reducer issues inside `backward()`, is counted through a
 communication hook (`count_ddp`): every DistributedDataParallel built in a rank process, nbtrain's
-(`ctx.setup`) or the user's own, gets one as it is constructed. The hook is torch's default
+(`ctx.setup`) or the user's own, gets one at its first forward. The hook is torch's default
 all-reduce (the same division, the same call, the same result) behind a slot a user's own
 `register_comm_hook` fills, so a user's hook still runs, counted the same way. It notes each
 bucket's call (sequence number, backward() number, bucket index, its parameters' names, the user's
 line of that `backward()`) and keeps the bucket's future: a bucket whose future is not done is
 where the rank waits, as an async collective's work not completed is (FSDP2's all-gathers and
 reduce-scatters, `all_gather_single` and `reduce_scatter_single`, are counted that way).
-Registering at construction (rather than at the first forward) leaves the user the whole window
-torch gives for their own hook, costs nothing per forward, and never races a backward. Its wait
+Registering at the first forward (a one-shot pre-hook, nothing per step) rather than at
+construction leaves a user's own hook, and a Join that changes how DDP divides, their say (see
+`count_ddp`); a hook the user gives later fills the slot instead of failing. Its wait
 still shows in the step's backward (as compute), and async collectives' waits are not timed.
 
 A collective called before any process group exists creates the rank's group first (as
@@ -181,12 +182,12 @@ def _noted_rendezvous(rendezvous):
 
 class _Slot:
     """One DDP model's communication: the hook that all-reduces a bucket (torch's default, or the
-    user's own once registered), and what the counting needs (its parameters' names by bucket)."""
+    user's own), whether the reducer has it yet, and what the counting needs (parameters' names)."""
 
-    __slots__ = ("hook", "state", "mine", "names", "parameter_names", "backwards")
+    __slots__ = ("hook", "state", "mine", "registered", "names", "parameter_names", "backwards")
 
     def __init__(self, model, hook, state) -> None:
-        self.hook, self.state, self.mine = hook, state, True
+        self.hook, self.state, self.mine, self.registered = hook, state, True, False
         self.names: dict[int, str] = {}
         # Keyed by the parameter itself (not its id: a freed id may be reused), looked up only
         # while the buckets may still be rebuilt.
@@ -195,8 +196,13 @@ class _Slot:
 
 
 def count_ddp() -> None:
-    """Count every DistributedDataParallel's bucket all-reduces in this process: a hook on each
-    as it is constructed, and the user's `register_comm_hook` filling its slot (once per process)."""
+    """Count every DistributedDataParallel's bucket all-reduces in this process (once per process).
+
+    A user's `register_comm_hook` registers the counting hook around theirs at once; otherwise the
+    counting hook, around torch's default all-reduce, is registered at the model's first forward
+    (a one-shot pre-hook: nothing per step). Not then under `Join(divide_by_initial_world_size=False)`:
+    there DDP's own all-reduce divides by the ranks still in, which no Python hook can know, so that
+    model is left as torch has it (uncounted). A hook given after the first forward fills the slot."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -204,29 +210,39 @@ def count_ddp() -> None:
         return
     construct, register, builtin = DDP.__init__, DDP.register_comm_hook, DDP._register_builtin_comm_hook
 
+    def install(model, slot: _Slot) -> None:
+        # The reducer's own registration, not `register_comm_hook`: the model's list of the
+        # user's hooks and the hook's name in DDP's logging stay as torch keeps them.
+        import torch.distributed as dist
+
+        dist._register_comm_hook(model.reducer, slot, _bucket_reduced)
+        slot.registered = True
+
     @functools.wraps(construct)
     def __init__(self, *args, **kwargs):
         construct(self, *args, **kwargs)
         if getattr(self, "reducer", None) is None or getattr(self, "_use_python_reducer", False):
             return  # no C++ reducer (nothing to reduce, or compiled autograd's Python one)
         slot = self._nbtrain_slot = _Slot(self, allreduce_hook, self.process_group)
-        # The reducer's own registration, not `register_comm_hook`: the model's list of the
-        # user's hooks and the hook's name in DDP's logging stay as torch keeps them.
-        import torch.distributed as dist
 
-        dist._register_comm_hook(self.reducer, slot, _bucket_reduced)
+        def first_forward(model, inputs) -> None:
+            handle.remove()
+            if not slot.registered and getattr(model, "_divide_by_initial_world_size", True):
+                install(model, slot)
+
+        handle = self.register_forward_pre_hook(first_forward)
 
     @functools.wraps(register)
     def register_comm_hook(self, state, hook):
         slot = getattr(self, "_nbtrain_slot", None)
-        if slot is None:
-            return register(self, state, hook)
-        if not slot.mine:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        if slot is None or (slot.registered and not slot.mine):
+            return register(self, state, hook)  # torch's own (a second hook: torch's error)
         self._check_comm_hook(hook)
         self.logger._set_comm_hook_name(hook.__qualname__)
         self._comm_hooks.append((hook, state))
         slot.hook, slot.state, slot.mine = hook, state, False
+        if not slot.registered:
+            install(self, slot)
 
     @functools.wraps(builtin)
     def _register_builtin_comm_hook(self, comm_hook_type):
@@ -236,9 +252,11 @@ def count_ddp() -> None:
         slot = getattr(self, "_nbtrain_slot", None)
         python = {dist.BuiltinCommHookType.ALLREDUCE: allreduce_hook,
                   dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}.get(comm_hook_type)
-        if slot is None or python is None:
+        if slot is None or not slot.registered or not slot.mine or python is None:
+            if slot is not None:
+                slot.registered = True  # torch's C++ hook, as asked: this model is not counted
             return builtin(self, comm_hook_type)
-        register_comm_hook(self, self.process_group, python)  # the same hook, in Python: counted too
+        register_comm_hook(self, self.process_group, python)  # after the first forward: the same hook, in Python
         self.logger._set_comm_hook_name(str(comm_hook_type))
 
     DDP.__init__ = __init__  # type: ignore[method-assign]
