@@ -399,3 +399,28 @@ def test_join_averages_as_torch_does_with_the_counting_hook(initial, expected, n
     # by the ranks still in (the values are torch's own, without the hook); a Python hook always by the first.
     result = nbtrain.launch(joined, initial, devices=2, accelerator="cpu", start="fork", progress=False, timeout=60)
     assert result.values[1] == [[expected] * 4] and result.values[0] == [[9.0] * 4]
+
+
+def slow_in_its_loop():
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Linear(4, 1))
+
+    def train_step():
+        model(torch.ones(2, 4)).sum().backward()
+
+    for i in range(20):
+        train_step()  # backward() is called in a helper; the loop is here
+        if ctx.rank == 0 and i == 4:
+            time.sleep(60)  # rank 0 is slow inside its loop: its batches are not the cause
+
+
+def test_a_rank_slow_inside_its_loop_is_waited_for_not_blamed_on_the_batches(no_leftovers):
+    notes = Notes()
+    with pytest.raises(WorkerError):
+        nbtrain.launch(slow_in_its_loop, devices=2, accelerator="cpu", start="fork", progress=notes, stall=2,
+                       timeout=15)
+    said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+    assert len(said) == 1, notes.notes
+    assert re.search(r"rank 1 waits in DDP's gradient all-reduce of its backward\(\) #6 at test_doctor.py:\d+ "
+                     r"\(bucket 0: weight, bias\); rank 0 is not in a collective: at test_doctor.py:\d+ "
+                     r"\(time.sleep\(60\)\)\. The others wait for rank 0\.", said[0]), said[0]

@@ -67,7 +67,10 @@ class Tally:
         self.progressed = self.since  # the last sign of progress: a collective or a batch done, a progress step
         self.rendezvous = ""  # the address the rank's init_process_group meets its peers at (until it has a group)
         self.backwards = 0  # backward() calls whose gradients DDP all-reduced (every DDP model of the rank)
-        self.backward_at: tuple | None = None  # the last such backward()'s user frame: (code, lasti)
+        # The last such backward()'s user frame (file, line), and the call sites around it, outward:
+        # ((code, lasti), ...), to tell whether the loop that called it still runs.
+        self.backward_at: tuple | None = None
+        self.backward_sites: tuple = ()
         # Async collectives (FSDP2's, a user's async_op=True) and DDP's buckets, as (call, its `done`):
         # the first not done is where the rank waits, in `work.wait()` or inside backward().
         self.pending: deque = deque(maxlen=PENDING)
@@ -274,14 +277,15 @@ def _bucket_reduced(slot: _Slot, bucket):
         slot.backwards += 1
         tally.backwards += 1
         user = _user_frame(_main_frame())
-        tally.backward_at = (user.f_code, user.f_lasti, user.f_code.co_filename, user.f_lineno) if user else None
+        tally.backward_at = (user.f_code.co_filename, user.f_lineno) if user else None
+        tally.backward_sites = _call_sites(user)
     names = slot.names.get(index) if slot.backwards > SETTLE_BACKWARDS else None
     if names is None:
         names = slot.names[index] = _bucket_names(slot, bucket)
     at = tally.backward_at
     buffer = bucket.buffer()
     tally.seq += 1
-    call = (tally.seq, DDP_OP, (buffer.shape, buffer.dtype), at[2] if at else "", at[3] if at else 0,
+    call = (tally.seq, DDP_OP, (buffer.shape, buffer.dtype), at[0] if at else "", at[1] if at else 0,
             (slot.backwards, index, names))
     tally.recent.append(call)
     tally.progressed = time.perf_counter()
@@ -292,6 +296,19 @@ def _bucket_reduced(slot: _Slot, bucket):
         tally.in_hook = False
     tally.pending.append((call, future.done))
     return future
+
+
+SITES = 8  # user frames around a backward() kept, outward
+
+
+def _call_sites(frame) -> tuple:
+    """The user's frames from `frame` outward, as (code, lasti): where each called the next."""
+    sites: list[tuple] = []
+    while frame is not None and len(sites) < SITES:
+        if not _library(frame.f_code.co_filename):
+            sites.append((frame.f_code, frame.f_lasti))
+        frame = frame.f_back
+    return tuple(sites)
 
 
 def _bucket_names(slot: _Slot, bucket) -> str:
@@ -366,17 +383,20 @@ def _doing(frame) -> str:
     if any(f.f_code is timed_batches.__code__ or any(s in f.f_code.co_filename for s in LOADING_FILES)
            for f in stack):
         return "loading data"
-    at = TALLY.backward_at
-    if at is None:
+    sites = TALLY.backward_sites
+    if not sites:
         return ""
-    code, lasti = at[0], at[1]
-    caller = next((f for f in stack if f.f_code is code), None)
-    if caller is None:  # the function that called backward() returned: its loop is over
-        return "left the loop"
-    loop = _loop_around(code, lasti)
-    if loop is None:
-        return ""
-    return "in the loop" if loop[0] <= caller.f_lasti <= loop[1] else "left the loop"
+    # The innermost loop around the backward() call, in whichever function of the chain holds
+    # one (a train_step() called from the epoch's loop), as the stack stands now.
+    for code, lasti in sites:
+        loop = _loop_around(code, lasti)
+        if loop is None:
+            continue
+        caller = next((f for f in stack if f.f_code is code), None)
+        if caller is None:  # the function with the loop returned: its loop is over
+            return "left the loop"
+        return "in the loop" if loop[0] <= caller.f_lasti <= loop[1] else "left the loop"
+    return ""
 
 
 @functools.lru_cache(maxsize=64)
