@@ -10,6 +10,12 @@ the thread's CPU time (time.thread_time: other jobs on a shared machine do not c
               timed by ctx.loader's iterator, the all_reduce counted)
   stall check the supervisor's check per tick while nothing stalls (stall_after on the recent step
               time), and a rank's answer to `Where` (its main thread's user frame, read on request)
+  DDP step    the same step with the MLP in DistributedDataParallel (DDP's default buckets),
+              timed by the process's CPU time (gloo's threads and the hooks' callbacks count): torch's
+              built-in C++ all-reduce (no hook) vs torch's own Python allreduce_hook registered vs the
+              doctor's counting hook (rank/doctor.py's count_ddp: torch's allreduce_hook, each bucket noted);
+              and the counting alone, per bucket: the hook around a hook that returns a done future, on
+              a stand-in for DDP's GradBucket (index, buffer, parameters), less that hook called bare
 
     python benchmarks/doctor_overhead.py [--repeats 7] [--no-save]
 """
@@ -63,6 +69,77 @@ def steps(reduce, batches, n: int) -> float:
     return (CLOCK() - started) / n
 
 
+def _commit() -> str:
+    import subprocess
+
+    found = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return found.stdout.strip() or "unknown"
+
+
+def ddp_steps(model, n: int) -> float:
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    started = time.process_time()
+    for _ in range(n):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return (time.process_time() - started) / n
+
+
+class _Bucket:
+    """What the counting hook asks of DDP's GradBucket."""
+
+    def __init__(self, index: int, params: list) -> None:
+        self._index, self._buffer, self._params = index, torch.zeros(4), params
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self):
+        return self._buffer
+
+    def parameters(self) -> list:
+        return self._params
+
+
+def counting_alone(n: int) -> float:
+    """Seconds the counting adds to one bucket's all-reduce (a backward()'s first bucket, the dearer one)."""
+    module = torch.nn.Module()
+    module.module = _mlp()
+    done = torch.futures.Future()
+    done.set_result(torch.zeros(4))
+    slot = doctor._Slot(module, lambda state, bucket: done, None)
+    bucket = _Bucket(0, list(module.module.parameters()))
+    started = CLOCK()
+    for _ in range(n):
+        doctor._bucket_reduced(slot, bucket)
+    counted = CLOCK() - started
+    started = CLOCK()
+    for _ in range(n):
+        bucket.index(), bucket.buffer(), slot.hook(None, bucket)
+    return (counted - (CLOCK() - started)) / n
+
+
+def ddp_models():
+    """The MLP in DDP three ways: no hook (torch's C++ all-reduce), torch's Python allreduce_hook, counted."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    doctor.count_ddp()
+    models = {}
+    for kind in ("ddp builtin", "ddp torch hook"):
+        model = DDP.__new__(DDP)
+        DDP.__init__.__wrapped__(model, _mlp())  # type: ignore[attr-defined]  # torch's own
+        if kind == "ddp torch hook":
+            model.register_comm_hook(None, allreduce_hook)
+        models[kind] = model
+    models["ddp counted"] = DDP(_mlp())
+    return models
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
@@ -76,9 +153,13 @@ def main() -> None:
     nop = lambda t: None  # noqa: E731
     wrapped_nop = doctor._counted("all_reduce", nop)
     t = torch.zeros(4)
-    names = ("plain", "counted", "nop", "wrapped", "step plain", "step measured")
+    models = ddp_models()
+    names = ("plain", "counted", "nop", "wrapped", "step plain", "step measured", *models)
     rows: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(args.repeats):
+        for kind, model in models.items():
+            rows[kind].append(ddp_steps(model, 300))
+        rows.setdefault("counting", []).append(counting_alone(20000))
         rows["plain"].append(per_call(plain, t, 20000))
         rows["counted"].append(per_call(counted, t, 20000))
         rows["nop"].append(per_call(nop, t, 200000))
@@ -99,6 +180,8 @@ def main() -> None:
         pass
     timed = (CLOCK() - started) / n - bare
     where = per_call(doctor.whereabouts, 0, 20000)
+    buckets = models["ddp counted"].reducer._get_zeros_like_grad_buckets()
+    del models
     dist.destroy_process_group()
     m = {k: median(v) for k, v in rows.items()}
     wrapper = m["wrapped"] - m["nop"]
@@ -116,10 +199,22 @@ def main() -> None:
         f"{(wrapper + timed) * 1e6:+.3f} µs = {(wrapper + timed) / m['step plain']:.3%} of the step |",
         f"| the supervisor's stall check per tick (nothing stalled) | | {check * 1e6:.3f} µs | |",
         f"| a rank's answer to `Where` (asked only after `stall` s quiet) | | {where * 1e6:.1f} µs | |",
+        f"| a DDP step of the MLP (DDP's default buckets: {len(buckets)}), torch's C++ all-reduce vs counted | "
+        f"{m['ddp builtin'] * 1e3:.3f} ms | {m['ddp counted'] * 1e3:.3f} ms | "
+        f"{(m['ddp counted'] - m['ddp builtin']) / m['ddp builtin']:+.2%} |",
+        f"| the same with torch's Python allreduce_hook registered (what the counting hook calls) | "
+        f"{m['ddp builtin'] * 1e3:.3f} ms | {m['ddp torch hook'] * 1e3:.3f} ms | "
+        f"{(m['ddp torch hook'] - m['ddp builtin']) / m['ddp builtin']:+.2%} |",
+        f"| the counting alone, per bucket (its parts, thread CPU time) | | | {m['counting'] * 1e6:+.2f} µs = "
+        f"{m['counting'] * len(buckets) / m['step plain']:.3%} of step_overhead's step ({len(buckets)} bucket"
+        f"{'s' if len(buckets) > 1 else ''}) |",
         "", f"Medians of {args.repeats} interleaved repeats, the calling thread's CPU time. Whole steps differ by "
         "several percent from run to run either way on a shared machine (the same code twice does too), so the "
         "per-step cost is read from its parts. Stall checks ask the ranks nothing until no progress message came "
-        "for `stall` seconds; then one `Where` per rank every min(stall, 5) s."])
+        "for `stall` seconds; then one `Where` per rank when the stall would be due (the quietest rank's idle time "
+        "subtracted), at most every 0.25 s. DDP rows: the process's CPU time (gloo's threads count), world 1: whole "
+        "DDP steps move by more than the hook's cost from run to run, so the counting is read from its parts. "
+        f"Commit {_commit()}."])
     if args.no_save:
         print(body)
     else:

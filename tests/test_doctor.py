@@ -45,7 +45,8 @@ def test_a_stall_is_said_while_it_happens_and_the_run_goes_on(world, no_leftover
     said = [n for n in notes.notes if n.startswith("No rank has progressed")]
     assert len(said) == 1, notes.notes  # once
     last = world - 1
-    assert "rank 0 waits in all_reduce #2 (float32[3]) at test_doctor.py:" in said[0]
+    waiting = "rank 0 waits" if world == 2 else f"ranks 0-{last - 1} wait"  # ranks at one place said together
+    assert f"{waiting} in all_reduce #2 (float32[3]) at test_doctor.py:" in said[0]
     assert f"rank {last} is not in a collective: at test_doctor.py:" in said[0] and "(time.sleep(nap))" in said[0]
     assert said[0].endswith(f"The others wait for rank {last}. The run goes on: interrupt it to stop it "
                             "(stall= sets when this is said; timeout= ends a run).")
@@ -133,9 +134,12 @@ def test_a_rank_aborted_without_its_stack_is_named_by_the_backend_s_words(no_lef
                    r'mismatch in your code\?"\)', said) and "compare their shapes and dtypes on every rank" in said), said
 
 
+BATCHES = 16  # a rank's: 1.6 s of waiting for rank 1, beyond noise (doctor.STRAGGLER_STEPS and _SECONDS)
+
+
 class SlowData(torch.utils.data.Dataset):
     def __len__(self):
-        return 48
+        return 4 * BATCHES * nbtrain.context().world_size
 
     def __getitem__(self, i):
         if nbtrain.context().rank == 1:
@@ -146,7 +150,7 @@ class SlowData(torch.utils.data.Dataset):
 def straggles(where):
     ctx = nbtrain.context()
     ctx.barrier()
-    data = SlowData() if where == "data" else [torch.ones(4)] * 96
+    data = SlowData() if where == "data" else [torch.ones(4)] * (4 * BATCHES * ctx.world_size)
     for x in ctx.loader(data, batch_size=4):
         if where == "compute" and ctx.rank == 1:
             time.sleep(0.1)  # clearly above what the other ranks' steps take on a loaded machine
@@ -194,3 +198,229 @@ def test_live_ranks_say_a_stall_and_keep_serving(world, no_leftovers):
         said = [n for n in notes.notes if n.startswith("No rank has progressed")]
         assert len(said) == 1 and f"The others wait for rank {world - 1}." in said[0], notes.notes
         assert ranks.eval("ctx.rank") == list(range(world))  # still serving
+
+
+def uneven_batches(after):
+    """PyTorch's Join tutorial without Join: rank 1 has one more batch than rank 0."""
+    ctx = nbtrain.context()
+    torch.manual_seed(0)
+    model = ctx.setup(torch.nn.Sequential(torch.nn.Linear(4, 1)))
+    for _ in range(10 + ctx.rank):
+        loss = model(torch.ones(2, 4)).sum()
+        loss.backward()  # the line DDP's gradient all-reduce is issued from
+    if after == "stay":
+        time.sleep(60)  # rank 0 left the loop and lives on
+    return ctx.rank
+
+
+def test_uneven_inputs_are_named_with_their_fix_while_the_ranks_live(no_leftovers):
+    notes = Notes()
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(uneven_batches, "stay", devices=2, accelerator="cpu", start="fork", progress=notes, stall=2,
+                       timeout=30)
+    said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+    assert len(said) == 1, notes.notes
+    assert re.search(r"rank 1 waits in DDP's gradient all-reduce of its backward\(\) #11 at test_doctor.py:\d+ "
+                     r"\(bucket 0: 0.weight, 0.bias\); rank 0 ran 10 backward\(\) calls and left the loop at "
+                     r"test_doctor.py:\d+ \(time.sleep\(60\)\): the ranks had different numbers of batches — use "
+                     r"DistributedSampler\(drop_last=True\) or torch.distributed.algorithms.Join\.", said[0]), said[0]
+    assert info.value.rank == 0 and "the ranks had different numbers of batches" in info.value.summary
+
+
+def test_a_rank_that_ran_out_of_batches_and_returned_is_named_not_the_socket_error(no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(uneven_batches, "return", devices=2, accelerator="cpu", start="fork", progress=False,
+                       timeout=60)
+    said = str(info.value)
+    assert info.value.rank == 0
+    assert re.search(r"rank 0 ended \(returned from uneven_batches\(\)\) while the others still needed it: rank 1 "
+                     r"waits for it in DDP's gradient all-reduce of its backward\(\) #11 at test_doctor.py:\d+ "
+                     r"\(bucket 0: 0.weight, 0.bias\); rank 0 ran 10 backward\(\) calls: the ranks had different "
+                     r"numbers of batches", said), said
+    assert "Connection" not in said and "peer" not in said, said
+
+
+def rank_zero_barrier():
+    ctx = nbtrain.context()
+    ctx.barrier()
+    if ctx.rank == 0:
+        dist.barrier()  # rank 1 returns instead
+    return ctx.rank
+
+
+def test_a_rank_that_returned_while_another_waits_says_where_it_waits(no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(rank_zero_barrier, devices=2, accelerator="cpu", start="fork", progress=False, timeout=60)
+    said = str(info.value)
+    assert info.value.rank == 1
+    assert re.search(r"rank 1 ended \(returned from rank_zero_barrier\(\)\) while the others still needed it: "
+                     r"rank 0 waits for it in barrier #\d at test_doctor.py:\d+", said), said
+    assert "Connection" not in said and "peer" not in said, said
+
+
+class Stuck(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if nbtrain.context().rank == 1 and i >= 8:
+            time.sleep(60)  # rank 1's data loading blocks at its third batch
+        return torch.ones(4)
+
+
+def starved():
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Linear(4, 1))
+    for x in torch.utils.data.DataLoader(Stuck(), batch_size=4):
+        model(x).sum().backward()
+
+
+def test_a_rank_stuck_loading_data_is_blamed(no_leftovers):
+    notes = Notes()
+    with pytest.raises(WorkerError):
+        nbtrain.launch(starved, devices=2, accelerator="cpu", start="fork", progress=notes, stall=2, timeout=20)
+    said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+    assert len(said) == 1, notes.notes
+    assert re.search(r"rank 0 waits in DDP's gradient all-reduce of its backward\(\) #3 at test_doctor.py:\d+ "
+                     r"\(bucket 0: weight, bias\); rank 1 is loading its next batch at test_doctor.py:\d+ "
+                     r"\(time.sleep\(60\)\)\. The others wait for rank 1: its data loading is stuck", said[0]), said[0]
+
+
+def first_collective_bare(hook):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    t = torch.ones(2)
+    dist.all_reduce(t)  # no group yet: made on first need
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))  # the user's own DDP
+    if hook == "own":
+        model.register_comm_hook(None, fp16_compress_hook)  # the user's own hook still runs
+        try:
+            model.register_comm_hook(None, fp16_compress_hook)
+        except RuntimeError as again:
+            twice = str(again)
+    with torch.no_grad():
+        model.module.weight.fill_(1.0)
+    model(torch.full((1, 2), float(nbtrain.context().rank))).sum().backward()
+    from nbtrain.rank.doctor import TALLY
+
+    return t.tolist(), model.module.weight.grad.tolist(), TALLY.backwards, TALLY.recent[-1][1], \
+        twice if hook == "own" else None
+
+
+@pytest.mark.parametrize("hook", ["default", "own"])
+def test_a_bare_collective_makes_the_group_and_a_users_own_ddp_is_counted(hook, no_leftovers):
+    result = nbtrain.launch(first_collective_bare, hook, devices=2, accelerator="cpu", start="fork", progress=False,
+                            timeout=60)
+    for value in result.values:
+        reduced, grad, backwards, op, twice = value
+        assert reduced == [2.0, 2.0] and grad == [[0.5, 0.5]]  # averaged over the ranks, as DDP does
+        assert backwards == 1 and op == "DDP's gradient all-reduce"
+        assert twice == ("register_comm_hook or register_builtin_comm_hook can only be called once."
+                         if hook == "own" else None)
+
+
+def waits_on_async_work():
+    ctx = nbtrain.context()
+    ctx.barrier()
+    if ctx.rank == 1:
+        time.sleep(6)  # rank 1 is elsewhere...
+    work = dist.all_reduce(torch.ones(3), async_op=True)
+    work.wait()  # ...while rank 0 waits here, for the work it started
+    return ctx.rank
+
+
+def test_a_wait_on_an_async_collective_is_said_as_a_wait_in_it(no_leftovers):
+    notes = Notes()
+    nbtrain.launch(waits_on_async_work, devices=2, accelerator="cpu", start="fork", progress=notes, stall=1.5)
+    said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+    assert len(said) == 1, notes.notes
+    assert re.search(r"rank 0 waits in all_reduce #2 \(float32\[3\]\) at test_doctor.py:\d+ \(from "
+                     r"test_doctor.py:\d+ \(work.wait\(\)\)\); rank 1 is not in a collective: at test_doctor.py:\d+ "
+                     r"\(time.sleep\(6\)\)\. The others wait for rank 1\.", said[0]), said[0]
+
+
+def fsdp_step():
+    from nbtrain.rank.doctor import TALLY
+
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)), min_params=1)
+    model(torch.ones(2, 8)).sum().backward()
+    return sorted({call[1] for call in TALLY.recent})
+
+
+def test_fsdp_s_all_gathers_and_reduce_scatters_are_counted(no_leftovers):
+    result = nbtrain.launch(fsdp_step, devices=2, accelerator="cpu", start="fork", strategy="fsdp", progress=False,
+                            timeout=120)
+    for ops in result.values:
+        assert "all_gather_single" in ops and "reduce_scatter_single" in ops, ops
+
+
+def test_live_ranks_name_a_rank_that_ran_out_of_batches(no_leftovers):
+    # Rank 0 returns and its process lives on: nothing breaks rank 1's wait inside backward(), the
+    # doctor sees it there (no Python frame of a collective shows it) and names rank 0 within seconds.
+    with nbtrain.Ranks(devices=2, accelerator="cpu", start="fork", progress=False) as ranks:
+        started = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            ranks.run(uneven_batches, "return", timeout=90)  # bounded, should the wait go unseen
+        assert time.monotonic() - started < 60
+        said = info.value.summary
+        assert info.value.rank == 0
+        assert re.search(r"rank 0 ended \(returned from uneven_batches\(\)\) while the others still needed it: rank 1 "
+                         r"waits for it in DDP's gradient all-reduce of its backward\(\) #11 at test_doctor.py:\d+ "
+                         r"\(bucket 0: 0.weight, 0.bias\); rank 0 ran 10 backward\(\) calls: the ranks had different "
+                         r"numbers of batches", said), said
+
+
+def test_a_stall_is_said_once_stall_seconds_passed_not_twice_that(no_leftovers):
+    # The ranks progress at their first barrier, then rank 1 naps: the first check (at 4 s) finds
+    # them quiet for a little less than 4 s; the next comes when the stall is due, not 4 s later.
+    notes = Notes()
+    nbtrain.launch(late_rank, 11, devices=2, accelerator="cpu", start="fork", progress=notes, stall=4)
+    said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+    assert len(said) == 1, notes.notes
+    quiet = int(re.match(r"No rank has progressed for (\d+) s", said[0])[1])
+    assert 4 <= quiet <= 6, said[0]  # checks spaced a stall apart said it at about 8 s
+
+
+def joined(divide_by_initial_world_size):
+    from torch.distributed.algorithms import Join
+
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Linear(4, 1))
+    with Join([model], divide_by_initial_world_size=divide_by_initial_world_size):
+        for _ in range(3 + ctx.rank):  # the fix the doctor gives for uneven inputs
+            model(torch.ones(2, 4) * (ctx.rank + 1)).sum().backward()
+    return model.module.weight.grad.tolist()
+
+
+@pytest.mark.parametrize("initial, expected", [(True, 6.5), (False, 13.0)])
+def test_join_averages_as_torch_does_with_the_counting_hook(initial, expected, no_leftovers):
+    # Rank 1's last backward() is alone: torch's DDP divides its gradient by the initial world size or
+    # by the ranks still in (the values are torch's own, without the hook); a Python hook always by the first.
+    result = nbtrain.launch(joined, initial, devices=2, accelerator="cpu", start="fork", progress=False, timeout=60)
+    assert result.values[1] == [[expected] * 4] and result.values[0] == [[9.0] * 4]
+
+
+def slow_in_its_loop():
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Linear(4, 1))
+
+    def train_step():
+        model(torch.ones(2, 4)).sum().backward()
+
+    for i in range(20):
+        train_step()  # backward() is called in a helper; the loop is here
+        if ctx.rank == 0 and i == 4:
+            time.sleep(60)  # rank 0 is slow inside its loop: its batches are not the cause
+
+
+def test_a_rank_slow_inside_its_loop_is_waited_for_not_blamed_on_the_batches(no_leftovers):
+    notes = Notes()
+    with pytest.raises(WorkerError):
+        nbtrain.launch(slow_in_its_loop, devices=2, accelerator="cpu", start="fork", progress=notes, stall=2,
+                       timeout=15)
+    said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+    assert len(said) == 1, notes.notes
+    assert re.search(r"rank 1 waits in DDP's gradient all-reduce of its backward\(\) #6 at test_doctor.py:\d+ "
+                     r"\(bucket 0: weight, bias\); rank 0 is not in a collective: at test_doctor.py:\d+ "
+                     r"\(time.sleep\(60\)\)\. The others wait for rank 0\.", said[0]), said[0]

@@ -66,17 +66,29 @@ def times(rank, total, data, collective):
 
 def test_a_rank_waiting_for_data_is_the_straggler():
     said = straggler({0: times(0, 10, 0.1, 6.5), 1: times(1, 10, 7.0, 0.1)})
-    assert said == "rank 1 is 2.8x slower than the others: 70 % of its step waiting for data"
+    assert said == ("rank 1 is 2.8x slower than the others: 70 % of its step waiting for data (more DataLoader "
+                    "workers, num_workers=, or a faster source)")
 
 
 def test_a_rank_computing_longer_is_the_straggler():
     said = straggler({0: times(0, 10, 0.1, 5.0), 1: times(1, 10, 0.1, 0.1), 2: times(2, 10, 0.1, 5.0)})
-    assert said == "rank 1 is 2.0x slower than the others: 98 % of its step computing"
+    assert said == ("rank 1 is 2.0x slower than the others: 98 % of its step computing (a slower or busier device, "
+                    "or more work in its batches: compare their sizes)")
 
 
 def test_balanced_ranks_have_no_straggler():
     assert straggler({0: times(0, 10, 1, 1), 1: times(1, 10, 1.1, 0.9)}) is None
     assert straggler({0: times(0, 10, 1, 1)}) is None
+
+
+def test_a_short_balanced_run_has_no_straggler():
+    # The demo and the README's example: 16 batches in 0.3 s; one rank 1.3x busier by chance.
+    demo = {0: StepTimes(0, 16, 0.30, 0.01, 0.07, []), 1: StepTimes(1, 16, 0.30, 0.01, 0.12, [])}
+    assert straggler(demo) is None
+    few = {0: StepTimes(0, 5, 20.0, 0.1, 10.0, []), 1: StepTimes(1, 5, 20.0, 0.1, 0.1, [])}
+    assert straggler(few) is None  # 5 steps: too few to tell
+    long = {0: StepTimes(0, 16, 30.0, 0.3, 7.0, []), 1: StepTimes(1, 16, 30.0, 0.3, 0.1, [])}
+    assert straggler(long).startswith("rank 1 is 1.3x slower than the others")  # the same 1.3x, 7 s lost to it
 
 
 def test_the_stall_default_and_its_checks():
@@ -159,3 +171,64 @@ def test_a_worker_errors_stacks_survive_pickling():
     again = pickle.loads(pickle.dumps(error))
     assert again.stacks == {0: "a", 1: "b"} and again.rank == 1 and isinstance(again, ValueError)
     assert WorkerError(0, "x").stacks == {}
+
+
+def ddp_call(seq, backward, line=19, bucket=0, names="fc.weight, fc.bias"):
+    return (seq, "DDP's gradient all-reduce", (5,), "float32", "/home/me/train.py", line, (backward, bucket, names))
+
+
+def test_a_rank_that_ran_out_of_batches_is_named_with_the_fix():
+    verdict = stall_verdict({
+        0: where(0, line=22, code="time.sleep(30)")._replace(backwards=10, doing="left the loop"),
+        1: where(1, ddp_call(12, 11), line=19, code="loss.backward()")._replace(backwards=11, doing="in the loop")})
+    assert verdict.text == (
+        "rank 1 waits in DDP's gradient all-reduce of its backward() #11 at train.py:19 (bucket 0: fc.weight, "
+        "fc.bias); rank 0 ran 10 backward() calls and left the loop at train.py:22 (time.sleep(30)): the ranks had "
+        "different numbers of batches — use DistributedSampler(drop_last=True) or torch.distributed.algorithms.Join.")
+    assert verdict.culprits == [0] and verdict.waiting == [1]
+
+
+def test_a_rank_still_in_its_loop_is_waited_for_without_blaming_the_batches():
+    verdict = stall_verdict({
+        0: where(0, line=17, code="time.sleep(30)")._replace(backwards=10, doing="in the loop"),
+        1: where(1, ddp_call(12, 11), code="loss.backward()")._replace(backwards=11)})
+    assert "different numbers of batches" not in verdict.text
+    assert verdict.text.endswith("rank 0 is not in a collective: at train.py:17 (time.sleep(30)). The others wait "
+                                 "for rank 0.")
+
+
+def test_a_rank_stuck_loading_its_batch_is_blamed():
+    verdict = stall_verdict({
+        0: where(0, ddp_call(6, 5), line=19, code="loss.backward()")._replace(backwards=5),
+        1: where(1, line=16, code="for x in loader:")._replace(backwards=4, doing="loading data")})
+    assert verdict.text == (
+        "rank 0 waits in DDP's gradient all-reduce of its backward() #5 at train.py:19 (bucket 0: fc.weight, "
+        "fc.bias); rank 1 is loading its next batch at train.py:16 (for x in "
+        "loader:). The others wait for rank 1: its data loading is stuck (a DataLoader worker that blocks or died, "
+        "a source that does not answer): its stack shows where.")
+    assert verdict.culprits == [1]
+
+
+def test_many_ranks_are_grouped_by_where_they_are():
+    reduce12 = (12, "all_reduce", (3,), "float32", "/home/me/train.py", 30)
+    ranks = {r: where(r, reduce12, line=30, code="dist.all_reduce(t)") for r in (0, 1, 2, 3, 4, 6, 7)}
+    ranks[5] = where(5, line=22, code="time.sleep(30)")
+    verdict = stall_verdict(ranks)
+    assert verdict.text == ("ranks 0-4, 6, 7 wait in all_reduce #12 (float32[3]) at train.py:30; rank 5 is not in a "
+                            "collective: at train.py:22 (time.sleep(30)). The others wait for rank 5.")
+    assert verdict.culprits == [5] and verdict.waiting == [0, 1, 2, 3, 4, 6, 7]
+
+
+def test_a_rank_that_ended_is_named_with_where_the_others_wait_not_the_socket_error():
+    from nbtrain.notebook.doctor import ended_verdict
+
+    said = ended_verdict(0, "returned from train()", {1: ddp_call(12, 11)}, ran=10)
+    assert said == ("rank 0 ended (returned from train()) while the others still needed it: rank 1 waits for it in "
+                    "DDP's gradient all-reduce of its backward() #11 at train.py:19 (bucket 0: fc.weight, fc.bias); "
+                    "rank 0 ran 10 backward() calls: the ranks had different numbers of batches — use "
+                    "DistributedSampler(drop_last=True) or torch.distributed.algorithms.Join.")
+    barrier = (3, "barrier", None, None, "/home/me/train.py", 9)
+    said = ended_verdict(1, "returned from train()", {0: barrier, 2: barrier, 3: None}, ran=None)
+    assert said == ("rank 1 ended (returned from train()) while the others still needed it: ranks 0, 2 wait for it "
+                    "in barrier #3 at train.py:9; rank 3 waits for it (in a collective it did not report). That wait "
+                    "can never complete.")

@@ -156,7 +156,9 @@ class Whereabouts(NamedTuple):
     """Where a rank's main thread is (the answer to `Where`): `collectives` called so far, the one
     it is in (`current`, as in StepTimes.recent, or None), the user's file, line and its code, and
     the seconds since it last progressed (a collective or a batch done, a progress step), and
-    where it meets its peers while its `init_process_group` has not completed (`rendezvous`)."""
+    where it meets its peers while its `init_process_group` has not completed (`rendezvous`); the
+    backward() calls whose gradients DDP all-reduced, and what it is doing in the doctor's words
+    ("loading data", "in the loop" or "left the loop" that calls backward(), or "")."""
     rank: int
     collectives: int
     current: tuple | None
@@ -165,6 +167,8 @@ class Whereabouts(NamedTuple):
     code: str
     idle: float
     rendezvous: str = ""
+    backwards: int = 0
+    doing: str = ""
 
 
 @_kind("display")

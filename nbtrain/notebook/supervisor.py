@@ -23,8 +23,8 @@ from ..common.tracebacks import name_cells_in_pdb
 from ..common.transfer import unpack_exception
 from ..display.rank_output import KINDS as RANK_OUTPUT
 from ..display.rank_output import deliver
-from .doctor import Verdict, call_words, mismatch, stall_after, stall_verdict
-from .runmodel import RunState, brief
+from .doctor import Verdict, backward_of, call_words, ended_verdict, mismatch, stall_after, stall_verdict
+from .runmodel import RunState
 from .stacks import blocked_on_peers, exception_message, native_note, tidy_stacks
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ EARLY_EXIT_AFTER = 1.0  # a rank ended this long ago while others still run: loo
 EARLY_EXIT_PROBES = 2  # consecutive stacks showing the same wait before it counts as a deadlock
 PROBE_INTERVAL = 1.0
 WHERE_WAIT = 1.0  # for the ranks' answers to `Where`: a rank holding the GIL in C code does not answer
+STALL_RECHECK = 0.25  # the least time between two questions to the ranks about a stall
 # What gloo says when it aborts a rank in a collective whose sizes differ across ranks.
 BACKEND_MISMATCH = re.compile(r"collective mismatch|doesn't match expected size")
 
@@ -103,7 +104,7 @@ class Supervisor:
         self.start_timeout = start_timeout
         self._capturing: dict[int, list[str]] | None = None  # stacks being collected
         self._heard: dict[int, float] = {}
-        self._probes: dict[int, tuple[str | None, int]] = {}  # rank: (the wait seen, times in a row)
+        self._probes: dict[int, tuple[tuple | str | None, int]] = {}  # rank: (the wait seen, times in a row)
         self._probed = 0.0
         self._closed_at: dict[int, float] = {}  # remote ranks whose connection closed without a reply
         self._queued = 0.0  # seconds the ranks waited in an engine's queue (not counted by timeouts)
@@ -112,7 +113,7 @@ class Supervisor:
         self._interrupted_at: dict[int, str] = {}  # rank: its traceback when our interrupt reached it
         self.stall = pool.stall
         self._where: dict[int, protocol.Whereabouts] = {}  # the ranks' latest answers to `Where`
-        self._stall_probe = 0.0  # when the doctor last asked where the ranks are
+        self._stall_probe = 0.0  # when the doctor may next ask where the ranks are
         self._stall_said = False
         self._stacks: dict[int, str] = {}  # every rank's full stacks, once read for a failure (`error.stacks`)
 
@@ -364,16 +365,17 @@ class Supervisor:
         The run goes on (interrupt, `timeout=` or pdb on live ranks take it from there)."""
         after = stall_after(self.stall, self._step_time())
         now = time.monotonic()
-        if (after is None or self._stall_said or now - self.state.started < after
-                or now - self._stall_probe < min(after, 5.0)):
+        if after is None or self._stall_said or now - self.state.started < after or now < self._stall_probe:
             return
         running = self.state.unfinished()
         if not running or any(self.state.ranks[r].status != "running" for r in running):
             return  # still starting: that is start_timeout's
-        self._stall_probe = now
         where = self.ask_where(running)
         if where and min(w.idle for w in where.values()) < after:
-            return  # a rank progressed within the window
+            # A rank progressed within the window: ask again when the stall would be due if none
+            # progresses from now on (so it is said within `stall` s, not twice that), never in a loop.
+            self._stall_probe = time.monotonic() + max(after - min(w.idle for w in where.values()), STALL_RECHECK)
+            return
         verdict = stall_verdict(where, [r for r in running if r not in where])
         quiet = min((w.idle for w in where.values()), default=after)
         self._stall_said = True  # said once per command
@@ -393,24 +395,29 @@ class Supervisor:
             return
         self._probed = now
         stacks = self.collect_stacks(running)
+        # Where each waits: the collective it reported (DDP's gradient all-reduce too, which no
+        # Python frame shows), else the torch.distributed call its stack is in.
+        where = self.ask_where(running)
+        calls: dict[int, tuple | str | None] = {}
         for rank in running:
-            wait = blocked_on_peers(stacks.get(rank, ""))
+            current = where[rank].current if rank in where else None
+            wait = current or blocked_on_peers(stacks.get(rank, ""))
             seen, count = self._probes.get(rank, (None, 0))
             self._probes[rank] = (wait, count + 1 if wait and wait == seen else 1 if wait else 0)
+            calls[rank] = wait
         waiting = [r for r in running if self._probes[r][1] >= EARLY_EXIT_PROBES]
         if not waiting or not self.state.unfinished():
             return
         culprit = min(ended, key=lambda r: self.state.ranks[r].ended_at or now)
         view = self.state.ranks[culprit]
-        waits = "; ".join(f"rank {r} waits for it in {self._probes[r][0]}" for r in waiting)
-        summary = (f"rank {culprit} ended ({view.ended_where or 'finished'}) while the others still needed it: "
-                   f"{waits}. That wait can never complete.")
+        summary = ended_verdict(culprit, view.ended_where or "finished", {r: calls[r] for r in waiting},
+                                self._backwards_ran(culprit))
         text = "\n\n".join([f"--- rank {culprit}: {view.ended_where or 'finished'} ---",
                             *(f"--- rank {r} stack (waiting) ---\n{stacks.get(r, '')}" for r in waiting)])
-        self.ask_where(waiting)  # their collectives, to name a mismatch with the ended rank's
         self.state.fail(culprit, summary, text, crashed=True, ended_early=True)
         for r in waiting:
-            self.state.stop(r, f"waiting for rank {culprit} in {self._probes[r][0]}")
+            wait = calls[r]
+            self.state.stop(r, f"waiting for rank {culprit} in {call_words(wait) if isinstance(wait, tuple) else wait}")
         self.pool.stuck(waiting, summary)
 
     def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
@@ -453,15 +460,30 @@ class Supervisor:
             self.pool.stuck(stuck, f"rank {cause.rank} failed")
 
     def _blame_early_end(self) -> None:
-        """Only lost peers, and a rank had already ended: that rank left the others waiting."""
+        """Only lost peers, and a rank had already ended: that rank left the others waiting. Said by
+        where each waited (the collective it began last), not by the backend's socket error."""
         ended = self.state.ended_ranks()
         if not (self.state.only_lost_peers() and ended):
             return
         culprit = min(ended, key=lambda r: self.state.ranks[r].ended_at or 0.0)
         where = self.state.ranks[culprit].ended_where or "finished"
-        lost = "; ".join(f"rank {f.rank} lost it: {brief(f.summary)}" for f in self.state.failures)
-        self.state.fail(culprit, f"rank {culprit} ended ({where}) while the others still needed it; {lost}",
-                        f"--- rank {culprit}: {where} ---", crashed=True, ended_early=True)
+        waits = {f.rank: self._last_call(f.rank) for f in self.state.failures}
+        summary = ended_verdict(culprit, where, waits, self._backwards_ran(culprit))
+        self.state.fail(culprit, summary, f"--- rank {culprit}: {where} ---", crashed=True, ended_early=True)
+        for rank, call in waits.items():  # each one's line says where it waited, as a stopped rank's
+            if call is not None:
+                self.state.ranks[rank].reason = f"waiting for rank {culprit} in {call_words(call)}"
+
+    def _last_call(self, rank: int) -> tuple | None:
+        """The collective a rank began last (where it waited when its peer went away), if it reported it."""
+        times = self.state.step_times.get(rank)
+        return times.recent[-1] if times is not None and times.recent else None
+
+    def _backwards_ran(self, rank: int) -> int | None:
+        """The backward() calls whose gradients DDP all-reduced on `rank`, by its last reported bucket."""
+        times = self.state.step_times.get(rank)
+        ran = [b for call in (times.recent if times else ()) if (b := backward_of(call))]
+        return ran[-1] if ran else (0 if times is not None else None)
 
     def _interrupt(self, ranks: list[int]) -> list[int]:
         """Interrupt live ranks and wait for them to return; the ranks that did not."""

@@ -8,11 +8,27 @@ Nothing is traced: where a rank is right now is read from its main thread's fram
 notebook asks (`whereabouts`, on the channel's receiving thread, which runs while the main
 thread waits in a collective or a sleep: both release the GIL).
 
-Not counted: DDP's own gradient all-reduce (its C++ reducer calls the process group directly;
-its wait shows in the step's backward, i.e. as compute) and async collectives' waits.
+DDP's gradient all-reduce, which its C++ reducer issues inside `backward()`, is counted through a
+communication hook (`count_ddp`): every DistributedDataParallel built in a rank process, nbtrain's
+(`ctx.setup`) or the user's own, gets one at its first forward. The hook is torch's default
+all-reduce (the same division, the same call, the same result) behind a slot a user's own
+`register_comm_hook` fills, so a user's hook still runs, counted the same way. It notes each
+bucket's call (sequence number, backward() number, bucket index, its parameters' names, the user's
+line of that `backward()`) and keeps the bucket's future: a bucket whose future is not done is
+where the rank waits, as an async collective's work not completed is (FSDP2's all-gathers and
+reduce-scatters, `all_gather_single` and `reduce_scatter_single`, are counted that way).
+Registering at the first forward (a one-shot pre-hook, nothing per step) rather than at
+construction leaves a user's own hook, and a Join that changes how DDP divides, their say (see
+`count_ddp`); a hook the user gives later fills the slot instead of failing. Its wait
+still shows in the step's backward (as compute), and async collectives' waits are not timed.
+
+A collective called before any process group exists creates the rank's group first (as
+`ctx.setup` and ctx's own collectives do): the docs promise the group is made on first need.
 """
 from __future__ import annotations
 
+import dis
+import functools
 import linecache
 import sys
 import threading
@@ -23,10 +39,15 @@ from ..common import protocol
 from ..common.tracebacks import package_path
 
 RECENT = 16  # collectives remembered per rank, to name a mismatch across ranks
+DDP_OP = "DDP's gradient all-reduce"  # a bucket's all-reduce, as a counted call's op
+NAMES_SHOWN = 4  # a bucket's parameters named in a call; the rest counted
+SETTLE_BACKWARDS = 2  # DDP rebuilds its buckets once, after the first backward(): names read until then
 # torch.distributed's blocking collectives, wrapped where user code finds them (`dist.all_reduce`).
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
                "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-               "broadcast_object_list", "barrier", "monitored_barrier", "send", "recv")
+               "broadcast_object_list", "barrier", "monitored_barrier", "send", "recv",
+               "all_gather_single", "reduce_scatter_single")  # the last two: what FSDP2 calls, async
+PENDING = 64  # async collectives and DDP buckets kept until done, to tell where a rank waits
 
 
 class Tally:
@@ -45,6 +66,15 @@ class Tally:
         self.since = time.perf_counter()  # when these counters began (the command's start)
         self.progressed = self.since  # the last sign of progress: a collective or a batch done, a progress step
         self.rendezvous = ""  # the address the rank's init_process_group meets its peers at (until it has a group)
+        self.backwards = 0  # backward() calls whose gradients DDP all-reduced (every DDP model of the rank)
+        # The last such backward()'s user frame (file, line), and the call sites around it, outward:
+        # ((code, lasti), ...), to tell whether the loop that called it still runs.
+        self.backward_at: tuple | None = None
+        self.backward_sites: tuple = ()
+        # Async collectives (FSDP2's, a user's async_op=True) and DDP's buckets, as (call, its `done`):
+        # the first not done is where the rank waits, in `work.wait()` or inside backward().
+        self.pending: deque = deque(maxlen=PENDING)
+        self.in_hook = False  # a DDP hook runs: its own collectives are the bucket's, counted as one
 
     def reset(self) -> None:
         meeting = self.rendezvous
@@ -62,12 +92,13 @@ TALLY = Tally()
 
 
 def _described(call: tuple) -> tuple:
-    """A counted call as it travels: its tensor's shape and dtype in words."""
-    seq, op, tensor, file, line = call
+    """A counted call as it travels: its tensor's shape and dtype in words; a DDP bucket's call
+    also carries (backward() number, bucket index, its parameters' names)."""
+    seq, op, tensor, file, line, *ddp = call
     if tensor is None:
-        return seq, op, None, None, file, line
+        return seq, op, None, None, file, line, *ddp
     shape, dtype = tensor
-    return seq, op, tuple(shape), str(dtype).replace("torch.", ""), file, line
+    return seq, op, tuple(shape), str(dtype).replace("torch.", ""), file, line, *ddp
 
 
 def _tensor(args: tuple):
@@ -79,14 +110,27 @@ def _tensor(args: tuple):
     return None
 
 
+def _make_group() -> None:
+    """The rank's default process group, made on first need (nbtrain's ranks know their world)."""
+    context = sys.modules.get(__package__ + ".context")
+    ctx = getattr(context, "_current", None)
+    if ctx is not None:
+        ctx._ensure_group()
+
+
 def _counted(op: str, collective):
     from torch import Tensor  # a rank has torch already (its Context needs it)
+    from torch.distributed import is_initialized
 
     tally, clock, frame = TALLY, time.perf_counter, sys._getframe
 
     def counted(*args, **kwargs):
         # Shapes and dtypes are kept as torch gives them (put in words only when asked: `_described`), and
         # never the tensors themselves, which would outlive the call.
+        if tally.in_hook:
+            return collective(*args, **kwargs)
+        if not is_initialized():
+            _make_group()
         caller = frame(1)
         tally.seq += 1
         first = args[0] if args else None
@@ -95,7 +139,10 @@ def _counted(op: str, collective):
         tally.recent.append(call)
         began = clock()
         try:
-            return collective(*args, **kwargs)
+            work = collective(*args, **kwargs)
+            if kwargs.get("async_op") and (done := getattr(work, "is_completed", None)) is not None:
+                tally.pending.append((call, done))
+            return work
         finally:
             tally.progressed = ended = clock()
             tally.collective_s += ended - began
@@ -119,6 +166,7 @@ def count_collectives() -> None:
             setattr(dist, op, _counted(op, collective))
     c10d = sys.modules["torch.distributed.distributed_c10d"]
     c10d.rendezvous = _noted_rendezvous(c10d.rendezvous)  # type: ignore[attr-defined]  # looked up there at each call
+    count_ddp()
     dist._nbtrain_counted = True  # type: ignore[attr-defined]
 
 
@@ -131,6 +179,157 @@ def _noted_rendezvous(rendezvous):
 
     noted.__wrapped__ = rendezvous
     return noted
+
+
+# -- DDP's gradient all-reduce ------------------------------------------------------------------
+
+class _Slot:
+    """One DDP model's communication: the hook that all-reduces a bucket (torch's default, or the
+    user's own), whether the reducer has it yet, and what the counting needs (parameters' names)."""
+
+    __slots__ = ("hook", "state", "mine", "registered", "names", "parameter_names", "backwards")
+
+    def __init__(self, model, hook, state) -> None:
+        self.hook, self.state, self.mine, self.registered = hook, state, True, False
+        self.names: dict[int, str] = {}
+        # Keyed by the parameter itself (not its id: a freed id may be reused), looked up only
+        # while the buckets may still be rebuilt.
+        self.parameter_names = {p: (i, n) for i, (n, p) in enumerate(model.module.named_parameters())}
+        self.backwards = 0
+
+
+def count_ddp() -> None:
+    """Count every DistributedDataParallel's bucket all-reduces in this process (once per process).
+
+    A user's `register_comm_hook` registers the counting hook around theirs at once; otherwise the
+    counting hook, around torch's default all-reduce, is registered at the model's first forward
+    (a one-shot pre-hook: nothing per step). Not then under `Join(divide_by_initial_world_size=False)`:
+    there DDP's own all-reduce divides by the ranks still in, which no Python hook can know, so that
+    model is left as torch has it (uncounted). A hook given after the first forward fills the slot."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if getattr(DDP, "_nbtrain_counted", False):
+        return
+    construct, register, builtin = DDP.__init__, DDP.register_comm_hook, DDP._register_builtin_comm_hook
+
+    def install(model, slot: _Slot) -> None:
+        # The reducer's own registration, not `register_comm_hook`: the model's list of the
+        # user's hooks and the hook's name in DDP's logging stay as torch keeps them.
+        import torch.distributed as dist
+
+        dist._register_comm_hook(model.reducer, slot, _bucket_reduced)
+        slot.registered = True
+
+    @functools.wraps(construct)
+    def __init__(self, *args, **kwargs):
+        construct(self, *args, **kwargs)
+        if getattr(self, "reducer", None) is None or getattr(self, "_use_python_reducer", False):
+            return  # no C++ reducer (nothing to reduce, or compiled autograd's Python one)
+        slot = self._nbtrain_slot = _Slot(self, allreduce_hook, self.process_group)
+
+        def first_forward(model, inputs) -> None:
+            handle.remove()
+            if not slot.registered and getattr(model, "_divide_by_initial_world_size", True):
+                install(model, slot)
+
+        handle = self.register_forward_pre_hook(first_forward)
+
+    @functools.wraps(register)
+    def register_comm_hook(self, state, hook):
+        slot = getattr(self, "_nbtrain_slot", None)
+        if slot is None or (slot.registered and not slot.mine):
+            return register(self, state, hook)  # torch's own (a second hook: torch's error)
+        self._check_comm_hook(hook)
+        self.logger._set_comm_hook_name(hook.__qualname__)
+        self._comm_hooks.append((hook, state))
+        slot.hook, slot.state, slot.mine = hook, state, False
+        if not slot.registered:
+            install(self, slot)
+
+    @functools.wraps(builtin)
+    def _register_builtin_comm_hook(self, comm_hook_type):
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        slot = getattr(self, "_nbtrain_slot", None)
+        python = {dist.BuiltinCommHookType.ALLREDUCE: allreduce_hook,
+                  dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}.get(comm_hook_type)
+        if slot is None or not slot.registered or not slot.mine or python is None:
+            if slot is not None:
+                slot.registered = True  # torch's C++ hook, as asked: this model is not counted
+            return builtin(self, comm_hook_type)
+        register_comm_hook(self, self.process_group, python)  # after the first forward: the same hook, in Python
+        self.logger._set_comm_hook_name(str(comm_hook_type))
+
+    DDP.__init__ = __init__  # type: ignore[method-assign]
+    DDP.register_comm_hook = register_comm_hook  # type: ignore[method-assign]
+    DDP._register_builtin_comm_hook = _register_builtin_comm_hook  # type: ignore[method-assign]
+    DDP._nbtrain_counted = True  # type: ignore[attr-defined]
+
+
+def _bucket_reduced(slot: _Slot, bucket):
+    """DDP's hook for one bucket: noted (a collective of the rank's, with its backward() and its
+    parameters), then all-reduced by the slot's hook; its future kept to tell a wait."""
+    tally = TALLY
+    index = bucket.index()
+    if index == 0:  # DDP all-reduces its buckets in order: bucket 0 begins a backward()'s
+        slot.backwards += 1
+        tally.backwards += 1
+        user = _user_frame(_main_frame())
+        tally.backward_at = (user.f_code.co_filename, user.f_lineno) if user else None
+        tally.backward_sites = _call_sites(user)
+    names = slot.names.get(index) if slot.backwards > SETTLE_BACKWARDS else None
+    if names is None:
+        names = slot.names[index] = _bucket_names(slot, bucket)
+    at = tally.backward_at
+    buffer = bucket.buffer()
+    tally.seq += 1
+    call = (tally.seq, DDP_OP, (buffer.shape, buffer.dtype), at[0] if at else "", at[1] if at else 0,
+            (slot.backwards, index, names))
+    tally.recent.append(call)
+    tally.progressed = time.perf_counter()
+    tally.in_hook = True
+    try:
+        future = slot.hook(slot.state, bucket)
+    finally:
+        tally.in_hook = False
+    tally.pending.append((call, future.done))
+    return future
+
+
+SITES = 8  # user frames around a backward() kept, outward
+
+
+def _call_sites(frame) -> tuple:
+    """The user's frames from `frame` outward, as (code, lasti): where each called the next."""
+    sites: list[tuple] = []
+    while frame is not None and len(sites) < SITES:
+        if not _library(frame.f_code.co_filename):
+            sites.append((frame.f_code, frame.f_lasti))
+        frame = frame.f_back
+    return tuple(sites)
+
+
+def _bucket_names(slot: _Slot, bucket) -> str:
+    # In the model's order (a bucket holds them in the reverse order, the order gradients come).
+    names = [n for _, n in sorted(slot.parameter_names.get(p, (-1, "?")) for p in bucket.parameters())]
+    more = len(names) - NAMES_SHOWN
+    return ", ".join(names[:NAMES_SHOWN]) + (f" and {more} more" if more > 0 else "")
+
+
+def _main_frame():
+    """The main thread's current frame: the hook's caller on a CPU backward, read from afar on a GPU's."""
+    main = threading.main_thread().ident
+    if threading.get_ident() == main:
+        return sys._getframe(2)
+    return sys._current_frames().get(main) if main is not None else None
+
+
+def _waiting_in() -> tuple | None:
+    """The first async collective or DDP bucket all-reduce that has not completed (read from the
+    channel's thread while the main thread may append: a copy is iterated)."""
+    return next((call for call, done in list(TALLY.pending) if not done()), None)
 
 
 def timed_batches(iterator):
@@ -155,15 +354,59 @@ def progressed() -> None:
 
 # -- where the rank is, read on request ---------------------------------------------------------
 
+@functools.lru_cache(maxsize=512)
+def _library(name: str) -> bool:
+    return name.startswith("<frozen") or package_path(name) is not None
+
+
 def _user_frame(frame):
     """The innermost frame of the user's own code (not a library's, not nbtrain's), else the innermost."""
     innermost = frame
     while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith("<frozen") and package_path(name) is None:
+        if not _library(frame.f_code.co_filename):
             return frame
         frame = frame.f_back
     return innermost
+
+
+LOADING_FILES = ("torch/utils/data/",)  # frames of a rank waiting for its next batch
+
+
+def _doing(frame) -> str:
+    """What the main thread is doing, in the doctor's words: "loading data" (in a DataLoader or
+    ctx.loader's next batch), or, once DDP has reduced a backward(), whether the loop that called
+    it still runs ("in the loop", "left the loop"); else ""."""
+    stack = []
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    if any(f.f_code is timed_batches.__code__ or any(s in f.f_code.co_filename for s in LOADING_FILES)
+           for f in stack):
+        return "loading data"
+    sites = TALLY.backward_sites
+    if not sites:
+        return ""
+    # The innermost loop around the backward() call, in whichever function of the chain holds
+    # one (a train_step() called from the epoch's loop), as the stack stands now.
+    for code, lasti in sites:
+        loop = _loop_around(code, lasti)
+        if loop is None:
+            continue
+        caller = next((f for f in stack if f.f_code is code), None)
+        if caller is None:  # the function with the loop returned: its loop is over
+            return "left the loop"
+        return "in the loop" if loop[0] <= caller.f_lasti <= loop[1] else "left the loop"
+    return ""
+
+
+@functools.lru_cache(maxsize=64)
+def _loop_around(code, offset: int) -> tuple[int, int] | None:
+    """The bytecode offsets of the innermost loop around `offset` in `code`: from a backward jump's
+    target to the jump; None when `offset` is in no loop."""
+    loops = [(i.argval, i.offset) for i in dis.get_instructions(code)
+             if isinstance(i.argval, int) and "JUMP" in i.opname and i.argval < i.offset]
+    around = [(begin, end) for begin, end in loops if begin <= offset <= end]
+    return min(around, key=lambda span: span[1] - span[0]) if around else None
 
 
 def whereabouts(rank: int) -> protocol.Whereabouts:
@@ -176,10 +419,11 @@ def whereabouts(rank: int) -> protocol.Whereabouts:
         user = _user_frame(frame)
         file, line = user.f_code.co_filename, user.f_lineno
         code = linecache.getline(file, line).split("  #")[0].strip()  # the code, without a trailing comment
-    current = tally.current
+    current = tally.current or _waiting_in()
     import torch.distributed as dist
 
     meeting = tally.rendezvous if tally.rendezvous and not dist.is_initialized() else ""
+    doing = _doing(frame) if frame is not None else ""
     return protocol.Whereabouts(rank, tally.seq, current and _described(current), file, line, code,
-                                time.perf_counter() - tally.progressed, meeting)
+                                time.perf_counter() - tally.progressed, meeting, tally.backwards, doing)
 
