@@ -61,7 +61,7 @@ def serve_items(spec: WorkSpec, namespace: dict | None = None) -> int:
                 items = [dill.loads(payload) for _, payload in answer.batch]
                 values = call(fn, items, spec.batch_size)
                 payload = pack_values(values)
-            except UnpicklableError as exc:  # fn ran: what it returned cannot be sent back
+            except UnpicklableReturn as exc:  # fn ran: what it returned cannot be sent back
                 link.emit(protocol.ItemsFailed(worker, indices, exc.line, str(exc), pack_exception(exc)))
                 return count
             except Exception as exc:
