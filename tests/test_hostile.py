@@ -3,10 +3,13 @@
 Sections follow the issue's numbering. Tests that need a real kernel come last: the module-scoped
 kernel is a child of this process, which `no_leftovers` in later tests would count as left behind.
 """
+import errno
 import glob
 import inspect
 import os
 import pickle
+import re
+import resource
 import signal
 import subprocess
 import sys
@@ -503,6 +506,60 @@ def test_every_wrapped_parser_shows_its_own_signature(wrapped):
     first, second = inspect.signature(wrapped).parameters
     assert first == "devices"
     assert wrapped.__doc__ == wrapped.__wrapped__.__doc__
+
+
+# -- issue 54: a start that runs out of open files closes what it opened and says what ran out --
+
+def open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+class FileLimit:
+    """RLIMIT_NOFILE lowered to what this process holds plus `headroom`, for the block."""
+
+    def __init__(self, headroom: int):
+        self.headroom, self.saved = headroom, resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def __enter__(self):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files() + self.headroom, self.saved[1]))
+
+    def __exit__(self, *exc):
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.saved)
+
+
+def one():
+    return 1
+
+
+START_TWO = {
+    "launch": lambda start: nbtrain.launch(one, devices=2, accelerator="cpu", start=start, progress=False),
+    "Ranks": lambda start: nbtrain.Ranks(devices=2, accelerator="cpu", start=start, progress=False).close(),
+    "map": lambda start: nbtrain.map(abs, [1, -2], devices=2, accelerator="cpu", progress=False),
+}
+
+
+@slow
+@pytest.mark.parametrize("front, start", [("launch", "fork"), ("launch", "template"), ("Ranks", "fork"),
+                                          ("Ranks", "template"), ("map", None)])  # map: its workers' own start
+def test_running_out_of_open_files_leaks_nothing_and_says_what_n_ranks_need(front, start, no_leftovers):
+    run = START_TWO[front]
+    run(start)  # the template (and whatever a first start opens once, for good) is up
+    before, said = open_files(), []
+    for headroom in range(1, 60):  # out of files at each step of the start, until it has enough
+        with FileLimit(headroom):
+            try:
+                run(start)
+                break
+            except OSError as error:
+                assert error.errno == errno.EMFILE
+                said.append(str(error))
+        assert open_files() == before, said[-1]  # nothing of a failed start is left open
+    assert len(said) >= 3 and all(s.startswith("[Errno 24] too many open files while ") for s in said), said
+    assert any("while starting the ranks (their output pipes and channels)" in s for s in said), said
+    need = int(re.search(r"(2 ranks|the map's 2 workers) need about (\d+) more", said[-1]).group(2))
+    assert headroom <= need  # the need said is enough
+    assert "ulimit -n" in said[-1] and "resource.setrlimit(resource.RLIMIT_NOFILE" in said[-1]
+    assert open_files() == before
 
 
 # -- 3 and 6 from a real kernel, with classes defined in its cells ----------------------------

@@ -19,6 +19,7 @@ import types
 from collections import deque
 
 from ..common.errors import WorkerError
+from ..common.limits import out_of_files
 from ..display.map_view import MapState, make_map_view
 from ..rank.work import serve_items
 from .launch import check_timeout, launch
@@ -102,6 +103,9 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
             if not work.lost(slot.index, error):  # it held no item: the others go on
                 failures.append(error)
                 lines.append((f"nbtrain: the worker on {slot} failed: {why(error)}", "stderr"))
+        except OSError as error:  # out of open files: said for the whole map, each worker a launch
+            raise out_of_files(error, getattr(error, "step", "starting a worker"), len(slots), len(slots),
+                               f"the map's {len(slots)} workers") from error
         finally:
             if display is not None:
                 display.release()
