@@ -120,9 +120,9 @@ def _unlink(path: Path) -> None:
         pass
 
 
-def read_own(path: Path, offset: int = 0) -> bytes:
-    """The bytes of `path` from `offset` on (a negative one counts from the end: a log's last
-    lines), a file this user owns and reached through no link (NotYours else)."""
+def open_own(path: Path) -> int:
+    """A descriptor for reading `path`, a file this user owns reached through no link (NotYours
+    else); the caller closes it."""
     path = Path(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -131,9 +131,24 @@ def read_own(path: Path, offset: int = 0) -> bytes:
             check_own(path)
         raise
     try:
-        info = os.fstat(fd)
-        if info.st_uid != os.geteuid():
+        if os.fstat(fd).st_uid != os.geteuid():
             check_own(path)  # raises, naming the owner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_own(path: Path, offset: int = 0, limit: int | None = None) -> bytes:
+    """The bytes of `path` from `offset` on (a negative one counts from the end: a log's last
+    lines), a file this user owns and reached through no link (NotYours else). With `limit`, a
+    file larger than that is refused (ValueError naming it) before any of it is read."""
+    fd = open_own(path)
+    try:
+        info = os.fstat(fd)
+        if limit is not None and info.st_size > limit:
+            raise ValueError(f"{str(path)!r} is damaged: {info.st_size:,} bytes, where nbtrain writes at most "
+                             f"{limit:,} (not read)")
         if offset:
             os.lseek(fd, offset if offset > 0 else max(0, info.st_size + offset), os.SEEK_SET)
         chunks = []
@@ -144,9 +159,9 @@ def read_own(path: Path, offset: int = 0) -> bytes:
         os.close(fd)
 
 
-def read_own_json(path: Path):
+def read_own_json(path: Path, limit: int | None = None):
     """`path`'s JSON, read as `read_own` reads; a damaged file is a ValueError naming it."""
-    data = read_own(path)
+    data = read_own(path, limit=limit)
     try:
         return json.loads(data)
     except ValueError as error:

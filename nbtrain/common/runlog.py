@@ -28,7 +28,7 @@ from pathlib import Path
 import dill
 
 from . import protocol, session
-from .private import IncompleteWrite, check_own, private_dir, read_own, read_own_json, write_private
+from .private import IncompleteWrite, check_own, open_own, private_dir, read_own, read_own_json, write_private
 
 JOB = "job.pkl"  # the function and its arguments, pickled as launch ships them
 OBJECTS = "launch.pkl"  # launch's settings that are objects: cluster, trackers, profile
@@ -135,10 +135,13 @@ def write_json(path: Path, value: dict) -> None:
     write_whole(path, json.dumps(value, indent=1).encode())
 
 
+JSON_LIMIT = 16 << 20  # bytes: a run's JSON files are small; a larger one is damaged, not read into memory
+
+
 def read_json(path: Path, *keys: str) -> dict:
     """A run file's JSON object, read as `private.read_own` reads; one that is damaged, or lacks
-    one of `keys`, is a ValueError naming the file."""
-    value = read_own_json(path)
+    one of `keys`, or is larger than any nbtrain writes, is a ValueError naming the file."""
+    value = read_own_json(path, limit=JSON_LIMIT)
     if not isinstance(value, dict):
         raise ValueError(f"{str(path)!r} is damaged: it holds {type(value).__name__} {_short(value)}, not an object")
     missing = [k for k in keys if k not in value]
@@ -255,3 +258,53 @@ class Tail:
             if event is not None:  # anything else is not ours
                 events.append(event)
         return events
+
+
+BACKWARDS_CHUNK = 1 << 16  # bytes read at a time by `last_events`, from the end of a log
+
+
+def last_events(path: Path, count: int, kind: type | tuple[type, ...]) -> list[protocol.Logged]:
+    """The last `count` events of `kind` in the log at `path`, oldest first, read backwards from
+    its end: time and memory go with what is asked for, not with the log's size (a log of a
+    gigabyte shows its last lines at once). Read as `Tail` reads: a cut or foreign line is skipped."""
+    try:
+        fd = open_own(path)
+    except FileNotFoundError:
+        return []
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, min(size, 4096), 0)
+        try:  # the header names the log's version; a log without one is version 1
+            version = protocol.log_version(json.loads(head.split(b"\n", 1)[0])) or 1
+        except ValueError as error:
+            if "format" in str(error):  # a newer nbtrain's log: said, as Tail says it
+                raise
+            version = 1
+        found: list[protocol.Logged] = []
+        end, carry = size, b""
+        while end > 0 and len(found) < count:
+            start = max(0, end - BACKWARDS_CHUNK)
+            lines = (os.pread(fd, end - start, start) + carry).split(b"\n")
+            if end == size:
+                lines.pop()  # after the last newline: nothing, or a line still being written
+            carry = lines.pop(0) if start > 0 else b""  # its beginning lies in the chunk before
+            for line in reversed(lines):
+                event = _event(line, version)
+                if event is not None and isinstance(event.event, kind):
+                    found.append(event)
+                    if len(found) == count:
+                        break
+            end = start
+        return found[::-1]
+    finally:
+        os.close(fd)
+
+
+def _event(line: bytes, version: int) -> protocol.Logged | None:
+    try:
+        value = json.loads(line)
+        if protocol.log_version(value) is not None:  # the header
+            return None
+    except ValueError:  # a line cut by a full disk, a header not in its place
+        return None
+    return protocol.read_event(value, version)
