@@ -66,12 +66,29 @@ def _user(uid: int) -> str:
         return f"uid {uid}"
 
 
+def make_parents(path: Path) -> None:
+    """The missing parents of `path`, made 0700 whatever the umask (under umask 000, a folder
+    made with the usual mode would let another account replace what is saved in it); those that
+    exist are left as they are."""
+    missing, parent = [], Path(path).parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, DIR_MODE)
+        except FileExistsError:  # made meanwhile: whoever uses it checks it
+            continue
+        os.chmod(folder, DIR_MODE)  # mkdir's mode passes through the umask
+
+
 def private_dir(path: Path, *, exist_ok: bool = True) -> Path:
-    """`path` as a directory only this user can enter: made 0700 (missing parents too, with
-    their usual mode), or, if it exists, checked as ours and no link, then set to 0700."""
+    """`path` as a directory only this user can enter: made 0700 (its missing parents too), or,
+    if it exists, checked as ours and no link, then set to 0700."""
     path = Path(path)
+    make_parents(path)
     try:
-        path.mkdir(mode=DIR_MODE, parents=True)
+        path.mkdir(mode=DIR_MODE)
     except FileExistsError:
         if not exist_ok:
             raise
@@ -170,8 +187,8 @@ def read_own_json(path: Path, limit: int | None = None):
 
 
 def new_private_dir(path) -> Path:
-    """`path` as a directory: made 0700 (missing parents with their usual mode) when it is
-    missing; one that is there already (a place the user gave) is left as it is."""
+    """`path` as a directory: made 0700 (its missing parents too) when it is missing; one that
+    is there already (a place the user gave) is left as it is."""
     path = Path(path)
     if not path.is_dir():
         private_dir(path)

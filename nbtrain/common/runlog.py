@@ -28,7 +28,16 @@ from pathlib import Path
 import dill
 
 from . import protocol, session
-from .private import IncompleteWrite, check_own, open_own, private_dir, read_own, read_own_json, write_private
+from .private import (
+    IncompleteWrite,
+    check_own,
+    make_parents,
+    open_own,
+    private_dir,
+    read_own,
+    read_own_json,
+    write_private,
+)
 
 JOB = "job.pkl"  # the function and its arguments, pickled as launch ships them
 OBJECTS = "launch.pkl"  # launch's settings that are objects: cluster, trackers, profile
@@ -64,7 +73,7 @@ def make_private_dir(path: Path, what: str) -> None:
 def new_run_dir(base: Path, name: str, mode: int = 0o700) -> Path:
     """A new directory `base/<time>-<name>` (then -2, -3... for one made in the same second),
     each taken by an atomic mkdir: a submit and a tracked launch never share one."""
-    base.mkdir(parents=True, exist_ok=True)
+    make_parents(base / "run")
     stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
     for n in range(1, 1000):
         path = base / (stem if n == 1 else f"{stem}-{n}")
@@ -80,7 +89,7 @@ def partial_dir(parent: Path, name: str) -> Path:
     """A new private directory in `parent`, where a run directory is written before it is
     renamed into place: its name says whose it is, so one its writer left is known as stale."""
     me = session.identity(os.getpid())
-    parent.mkdir(parents=True, exist_ok=True)
+    make_parents(parent / "run")
     path = parent / f"{PARTIAL}{me['pid']}-{me['start']}-{name}"
     shutil.rmtree(path, ignore_errors=True)  # our own pid's, from before a reboot
     return private_dir(path, exist_ok=False)
