@@ -562,6 +562,43 @@ def test_running_out_of_open_files_leaks_nothing_and_says_what_n_ranks_need(fron
     assert open_files() == before
 
 
+# -- issue 54: the notebook_launcher drop-in takes Accelerate's restarts and raises what its callers catch --
+
+def fails_once(marker: str):
+    if not os.path.exists(marker):
+        if nbtrain.context().rank == 1:
+            open(marker, "w").close()
+            raise ValueError("the first attempt fails")
+        nbtrain.context().barrier()  # rank 1 never gets there: this rank is stopped, then both restart
+    return nbtrain.context().rank
+
+
+def always_fails():
+    if nbtrain.context().rank == 1:
+        raise ValueError("bad batch")
+
+
+@slow
+def test_the_notebook_launcher_drop_in_restarts_and_raises_torchs_child_failed_error(tmp_path, no_leftovers):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from nbtrain.notebook.dropins import notebook_launcher
+
+    result = notebook_launcher(fails_once, (str(tmp_path / "failed"),), num_processes=2, max_restarts=1,
+                               accelerator="cpu", progress=False)
+    assert result.values == [0, 1] and len(result.restarts) == 1
+    with pytest.raises(ChildFailedError) as caught:  # as Accelerate's callers catch it
+        notebook_launcher(always_fails, num_processes=2, accelerator="cpu", progress=False)
+    error = caught.value
+    assert isinstance(error, WorkerError) and error.rank == 1 and error.summary == "ValueError: bad batch"
+    assert str(error).startswith("rank 1 failed: ValueError: bad batch")
+    assert error.get_first_failure()[0] == 1 and error.failures[1].message == "ValueError: bad batch"
+    again = pickle.loads(pickle.dumps(error))
+    assert isinstance(again, ChildFailedError) and isinstance(again, WorkerError) and str(again) == str(error)
+    with pytest.raises(ValueError, match=r"^num_nodes=2, node_rank=0: nbtrain.notebook_launcher runs on this machine"):
+        notebook_launcher(always_fails, num_nodes=2)
+
+
 # -- 3 and 6 from a real kernel, with classes defined in its cells ----------------------------
 
 KERNEL_SETUP = '''
