@@ -51,6 +51,65 @@ def test_demo_trains_on_two_cpu_ranks(how):
         assert len(said) == 2
 
 
+def in_a_terminal(args: list[str], columns: int = 120, timeout: float = 240) -> bytes:
+    """What `args` writes to a real terminal (a pty of `columns`), every byte."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+
+    ours, theirs = pty.openpty()
+    fcntl.ioctl(theirs, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(args, stdin=theirs, stdout=theirs, stderr=theirs, close_fds=True)
+    os.close(theirs)
+    out, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([ours], [], [], 0.5)[0]:
+                try:
+                    chunk = os.read(ours, 65536)
+                except OSError:  # EIO: the command ended and closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(ours)
+    return out
+
+
+def column_of(screen: bytes, text: bytes) -> int:
+    """The column a terminal starts `text`'s last occurrence at: the bytes before it played as a
+    terminal moves its cursor (CR, LF, CSI sequences, one column per character)."""
+    column, at, end = 0, 0, screen.rindex(text)
+    while at < end:
+        byte = screen[at]
+        if byte in b"\r\n":
+            column = 0
+        elif screen.startswith(b"\x1b[", at):  # cursor up/down, erase: the column stays
+            at += 2
+            while at < end and not 0x40 <= screen[at] <= 0x7E:
+                at += 1
+        elif byte >= 0x20 and not 0x80 <= byte < 0xC0:  # a character (a UTF-8 lead byte counts once)
+            column += 1
+        at += 1
+    return column
+
+
+@pytest.mark.slow
+def test_demo_in_a_terminal_writes_its_summary_from_the_first_column():
+    screen = in_a_terminal([sys.executable, "-m", "nbtrain", "demo", "--accelerator", "cpu", "--epochs", "2"])
+    assert b"nbtrain: ddp on 2 CPU ranks, gloo: finished in " in screen, screen[-2000:]
+    assert b"\x1b[A" in screen  # tqdm's bars were drawn, one per rank, and moved the cursor
+    assert column_of(screen, b"nbtrain: ddp on 2 CPU ranks, gloo: finished in ") == 0, screen[-600:]
+
+
 @pytest.mark.slow
 def test_the_installed_command_reports_its_version():
     run = nbtrain_cli("--version", timeout=60)
