@@ -176,6 +176,29 @@ def test_a_return_value_that_cannot_be_pickled_is_named_as_the_return_value(no_l
     assert "--- item 0 ---\nfn's return value cannot travel back to the notebook." in str(caught.value)
 
 
+def total(x):
+    return float(x.sum())
+
+
+@pytest.mark.slow
+def test_a_large_tensor_item_goes_through_shared_memory_not_the_notebooks_memory(no_leftovers):
+    import glob
+    import tracemalloc
+
+    import torch
+
+    items = [torch.ones(16 << 20), torch.full((16 << 20,), 2.0)]  # 64 MiB each
+    tracemalloc.start()
+    try:
+        results = nbtrain.map(total, items, devices=1, accelerator="cpu", progress=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert results == [16 << 20, 2 * (16 << 20)]
+    assert peak < 16 << 20, f"{peak:,} bytes of the notebook's memory at the peak for 2 items of 64 MiB"
+    assert not glob.glob(f"/dev/shm/nbtrain-{os.getpid()}-*")  # every file mapped and removed, or removed at the end
+
+
 def batch_of_squares(xs):
     return [x * x for x in xs]
 

@@ -219,7 +219,7 @@ def map_on_ranks(ranks, fn, items, *, batch_size: int = 1, run_dir=None, progres
         ranks.eval("None")  # raises, saying how to get ranks again
     pool = ranks._pool
     saved = SavedResults(run_dir, total) if run_dir is not None else None
-    work = WorkQueue(items, batch_size, saved, pool.channel_options())
+    work = WorkQueue(items, batch_size, saved, pool.channel_options(), shared_memory=not pool.remote)
     state = MapState(f"map of {fn.__name__} on {ranks.world_size} live ranks", total, work.resumed,
                      len(work.results))
     bare = types.FunctionType(fn.__code__, {}, fn.__name__, fn.__defaults__, fn.__closure__)

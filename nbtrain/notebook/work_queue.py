@@ -163,8 +163,13 @@ class WorkQueue:
     """The notebook's side of a map: hands out items as workers ask, keeps the results (and saves
     them), and knows which items each worker holds, so a failure names its item."""
 
-    def __init__(self, items, batch_size: int, saved: SavedResults | None, channel: dict):
+    def __init__(self, items, batch_size: int, saved: SavedResults | None, channel: dict, shared_memory: bool = True):
         self.total = item_count(items)  # None: an iterator, counted once it runs out
+        # Large tensors in items go as files in shared memory that the worker maps (and removes),
+        # as return values come back: pickled through the socket, a 1 GiB item cost the notebook 3 GiB.
+        from ..common.tensor_files import LaunchFiles  # torch: imported when a map runs, not with nbtrain
+
+        self._files = LaunchFiles() if shared_memory else None
         self._source = iter(items)  # drawn from only as workers ask: never a list of them all here
         self.batch_size, self.saved = batch_size, saved
         self.results: dict[int, object] = saved.values() if saved is not None else {}
@@ -234,8 +239,6 @@ class WorkQueue:
                 self._fail(message.indices, message.summary, message.traceback)
 
     def _hand_out(self, worker: int, count: int):
-        import dill
-
         with self._lock:
             self.in_flight.pop(worker, None)
             batch: list[tuple[int, bytes]] = []
@@ -244,7 +247,7 @@ class WorkQueue:
                 if index is None:
                     break
                 try:
-                    payload = dill.dumps(item, recurse=True)
+                    payload = self._pack(index, item)
                 except Exception as exc:
                     self._fail([index], f"the item cannot be sent to the workers: {type(exc).__name__}: {exc}")
                     break
@@ -253,6 +256,21 @@ class WorkQueue:
                 return protocol.NoMoreItems()
             self.in_flight[worker] = [index for index, _ in batch]
             return protocol.Items(batch)
+
+    def _pack(self, index: int, item) -> bytes:
+        """The item pickled as a job travels; its large tensors written to shared memory, where
+        one worker maps them (`rank/work.py`), unless the workers may be on other machines."""
+        from ..common.tensor_files import RankFiles
+        from ..common.transfer import pack_push
+
+        environ = {**os.environ, **self._files.environ} if self._files is not None else {}
+        files = RankFiles.from_environ(index, environ)  # named by the item: one worker maps and removes them
+        try:
+            return pack_push(item, files)
+        except BaseException:
+            if files is not None:
+                files.discard()
+            raise
 
     def _next_item(self) -> tuple[int | None, object]:
         """The next item not done yet (resumed ones are skipped), or (None, None) once there are no more."""
@@ -302,5 +320,7 @@ class WorkQueue:
         except queue.Empty:
             pass
         self.hub.close()
+        if self._files is not None:
+            self._files.cleanup()  # the items no worker mapped: a map stopped, a worker that died
         if self.saved is not None:
             self.saved.close()

@@ -19,7 +19,7 @@ from ..common import protocol
 from ..common.channel import Link
 from ..common.errors import UnpicklableError
 from ..common.pickling import RETURN_ADVICE, explain_return
-from ..common.transfer import pack_exception
+from ..common.transfer import pack_exception, unpack_result
 from .context import context
 
 
@@ -41,7 +41,6 @@ def bind(fn, namespace: dict):
 
 def serve_items(spec: WorkSpec, namespace: dict | None = None) -> int:
     """Run items until the queue says done; the number of items this worker ran."""
-    import dill
 
     fn = bind(spec.fn, namespace if namespace is not None else {}) if spec.bind else spec.fn
     worker = spec.worker if spec.worker is not None else context().rank
@@ -58,7 +57,7 @@ def serve_items(spec: WorkSpec, namespace: dict | None = None) -> int:
                 return count
             indices = [index for index, _ in answer.batch]
             try:
-                items = [dill.loads(payload) for _, payload in answer.batch]
+                items = [unpack_result(payload) for _, payload in answer.batch]  # large tensors mapped
                 values = call(fn, items, spec.batch_size)
                 payload = pack_values(values)
             except UnpicklableReturn as exc:  # fn ran: what it returned cannot be sent back
