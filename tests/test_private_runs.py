@@ -105,7 +105,9 @@ def test_a_tracked_launchs_directory_is_private_whatever_the_umask(given, open_d
     # The files the trackers write (the run's arguments are in them): 0600 too.
     recorded = {p: m for p, m in files.items() if "tfevents" in p or p.endswith("mlflow.db")}
     assert len(recorded) == 3 and set(recorded.values()) == {0o600}, files
-    assert not _read_by(stranger, tree, root.parent)
+    if not given:  # ./nbtrain-runs, made by nbtrain: private too
+        assert stat.S_IMODE(os.stat(root.parent).st_mode) == 0o700
+    assert not _read_by(stranger, [*tree, str(root.parent)], open_dir)
 
 
 @slow
@@ -115,7 +117,8 @@ def test_a_tensorboard_directory_made_for_a_run_elsewhere_is_private(open_dir, u
     tree = _tree(log_dir)
     assert {m for p, m in tree.items() if os.path.isdir(p)} == {0o700}
     assert {m for p, m in tree.items() if not os.path.isdir(p)} == {0o600}
-    assert not _read_by(stranger, tree, open_dir / "boards")
+    assert stat.S_IMODE(os.stat(open_dir / "boards").st_mode) == 0o700  # the parent it made: private too
+    assert not _read_by(stranger, [*tree, str(open_dir / "boards")], open_dir)
 
 
 def probe_job_dir(user):
