@@ -33,10 +33,11 @@ def out_of_files(exc: OSError, step: str, ranks: int, launches: int = 1, who: st
     enough = max(held + 2 * need, 1024)
     if hard != resource.RLIM_INFINITY:
         enough = min(enough, hard)
+    verb = "needs" if ranks == 1 and not who else "need"
     who = who or f"{ranks} rank{'s' if ranks != 1 else ''}"
     error = OSError(errno.EMFILE, (
         f"too many open files while {step}: this process may hold {soft} (RLIMIT_NOFILE) and holds about {held}; "
-        f"{who} need about {need} more. Raise the limit: `ulimit -n {enough}` where Jupyter starts, or "
+        f"{who} {verb} about {need} more. Raise the limit: `ulimit -n {enough}` where Jupyter starts, or "
         f"resource.setrlimit(resource.RLIMIT_NOFILE, ({enough}, hard)) in the notebook (hard limit here: "
         f"{'unlimited' if hard == resource.RLIM_INFINITY else hard}), or close files the notebook holds."))
     error.step = step  # type: ignore[attr-defined]
