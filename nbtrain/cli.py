@@ -1,4 +1,4 @@
-"""`nbtrain demo`, `nbtrain gpus`, and `nbtrain runs` / `nbtrain attach` for submitted runs."""
+"""`nbtrain demo`, `nbtrain gpus`, and `nbtrain runs` / `attach` / `cancel` for submitted runs."""
 from __future__ import annotations
 
 import argparse
@@ -34,10 +34,30 @@ def _demo(args) -> int:
 
 
 def _runs(args) -> int:
+    import os
+
     from .notebook.runs import runs
 
+    if not os.path.lexists(args.path):
+        raise ValueError(f"{args.path!r} does not exist: give the folder that holds run directories (by default "
+                         "nbtrain-runs, where nbtrain.submit puts them)")
     table = runs(args.path)
     print(repr(table) if table else f"no runs under {args.path}")
+    return 0
+
+
+def _cancel(args) -> int:
+    """Stop a submitted run (as ``Run.cancel()``) and say how it ended."""
+    from .notebook.runs import Run
+
+    run = Run(args.path, progress=False)
+    before = run.status
+    run.cancel()
+    after = run.status
+    if before in ("finished", "failed", "cancelled"):
+        print(f"{run.function}: already {before}; nothing to cancel")
+    else:
+        print(f"{run.function}: {after}" + (f" ({run.reason})" if run.reason else ""))
     return 0
 
 
@@ -51,7 +71,7 @@ def _attach(args) -> int:
     print(f"{run.function}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
     for why in run.restarts:
         print(f"restarted: {why}")
-    lines = run.logs(args.rank).splitlines()[-args.lines:] if args.lines else []
+    lines = run.logs(args.rank, last=args.lines).splitlines()[-args.lines:] if args.lines else []
     if lines:
         print(f"--- rank {args.rank}, last {len(lines)} line{'s' if len(lines) > 1 else ''} ---")
         print("\n".join(lines))
@@ -97,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     attach.add_argument("--lines", type=_lines, default=10, help="how many of the last log lines (default: 10)")
     attach.add_argument("--rank", type=int, default=0, help="whose log lines (default: 0)")
     attach.set_defaults(run=_attach)
+    cancel = commands.add_parser("cancel", help="stop a submitted run: its ranks stop as on Ctrl-C, nothing of its "
+                                 "processes is left (a SLURM run's jobs are cancelled)")
+    cancel.add_argument("path", help="the run's directory (`nbtrain runs` lists them)")
+    cancel.set_defaults(run=_cancel)
     return parser
 
 

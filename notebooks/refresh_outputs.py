@@ -30,8 +30,28 @@ def refresh(path: Path) -> int:
         for output in cell.get("outputs", []):
             output.get("data", {}).pop(WIDGET_VIEW, None)
             output.get("metadata", {}).pop(WIDGET_VIEW, None)
+    drop_empty_outputs(notebook)
     nbformat.write(notebook, path)
     return path.stat().st_size
+
+
+def empty(output) -> bool:
+    """An output with nothing to show: the docs site draws it as an empty box (a widget's view once
+    its view is dropped, a live view cleared to nothing)."""
+    def text(value) -> str:
+        return "".join(value) if isinstance(value, list) else str(value)
+
+    if output.get("output_type") == "stream":
+        return not text(output.get("text", ""))
+    if output.get("output_type") == "display_data":
+        return not any(text(value).strip() for value in output.get("data", {}).values())
+    return False
+
+
+def drop_empty_outputs(notebook) -> None:
+    for cell in notebook.cells:
+        if "outputs" in cell:
+            cell.outputs = [output for output in cell.outputs if not empty(output)]
 
 
 def main(argv: list[str]) -> int:

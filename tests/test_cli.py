@@ -1,6 +1,7 @@
 import shutil
 import subprocess
 import sys
+import time
 from importlib.metadata import version
 
 import pytest
@@ -48,6 +49,65 @@ def test_demo_trains_on_two_cpu_ranks(how):
         assert said[0] == "nbtrain: ddp on 2 CPU ranks, gloo (started by fork, chosen by start='auto')"
         assert said[1].startswith("nbtrain: ddp on 2 CPU ranks, gloo: finished in ")
         assert len(said) == 2
+
+
+def in_a_terminal(args: list[str], columns: int = 120, timeout: float = 240) -> bytes:
+    """What `args` writes to a real terminal (a pty of `columns`), every byte."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+
+    ours, theirs = pty.openpty()
+    fcntl.ioctl(theirs, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(args, stdin=theirs, stdout=theirs, stderr=theirs, close_fds=True)
+    os.close(theirs)
+    out, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([ours], [], [], 0.5)[0]:
+                try:
+                    chunk = os.read(ours, 65536)
+                except OSError:  # EIO: the command ended and closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(ours)
+    return out
+
+
+def column_of(screen: bytes, text: bytes) -> int:
+    """The column a terminal starts `text`'s last occurrence at: the bytes before it played as a
+    terminal moves its cursor (CR, LF, CSI sequences, one column per character)."""
+    column, at, end = 0, 0, screen.rindex(text)
+    while at < end:
+        byte = screen[at]
+        if byte in b"\r\n":
+            column = 0
+        elif screen.startswith(b"\x1b[", at):  # cursor up/down, erase: the column stays
+            at += 2
+            while at < end and not 0x40 <= screen[at] <= 0x7E:
+                at += 1
+        elif byte >= 0x20 and not 0x80 <= byte < 0xC0:  # a character (a UTF-8 lead byte counts once)
+            column += 1
+        at += 1
+    return column
+
+
+@pytest.mark.slow
+def test_demo_in_a_terminal_writes_its_summary_from_the_first_column():
+    screen = in_a_terminal([sys.executable, "-m", "nbtrain", "demo", "--accelerator", "cpu", "--epochs", "2"])
+    assert b"nbtrain: ddp on 2 CPU ranks, gloo: finished in " in screen, screen[-2000:]
+    assert b"\x1b[A" in screen  # tqdm's bars were drawn, one per rank, and moved the cursor
+    assert column_of(screen, b"nbtrain: ddp on 2 CPU ranks, gloo: finished in ") == 0, screen[-600:]
 
 
 @pytest.mark.slow
@@ -112,8 +172,23 @@ def test_short_version_flag(capsys):
 
 
 def test_runs_of_a_folder_without_runs_says_so(capsys, tmp_path):
-    code, out, err = run_main(capsys, "runs", str(tmp_path / "none"))
-    assert (code, out, err) == (0, f"no runs under {tmp_path / 'none'}\n", "")
+    code, out, err = run_main(capsys, "runs", str(tmp_path))
+    assert (code, out, err) == (0, f"no runs under {tmp_path}\n", "")
+
+
+def test_runs_of_a_folder_that_does_not_exist_fails_saying_so(capsys, tmp_path):
+    code, out, err = run_main(capsys, "runs", str(tmp_path / "nope"))
+    assert (code, out) == (2, "")
+    assert err == (f"nbtrain runs: '{tmp_path / 'nope'}' does not exist: give the folder that holds run directories "
+                   "(by default nbtrain-runs, where nbtrain.submit puts them)\n")
+
+
+def test_runs_of_a_run_directory_points_at_attach(capsys, tmp_path):
+    (tmp_path / "run.json").write_text("{}")
+    code, out, err = run_main(capsys, "runs", str(tmp_path))
+    assert (code, out) == (2, "")
+    assert err.startswith(f"nbtrain runs: runs(path='{tmp_path}'): it is a run directory itself: see it with "
+                          f"nbtrain.attach('{tmp_path}') (in a shell: nbtrain attach {tmp_path})")
 
 
 def test_attach_to_what_is_not_a_run_is_one_line(capsys, tmp_path):
@@ -167,6 +242,75 @@ def test_runs_and_attach_in_a_shell(tmp_path, no_leftovers):
     assert failed.returncode == 1, failed.stderr
     assert failed.stdout.startswith("_fails: failed")
     assert "--- error ---" in failed.stdout and "ValueError: bad batch 3" in failed.stdout
+
+
+def _peak_of(call) -> int:
+    """The most memory Python allocated while `call` ran (tracemalloc), in bytes."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+LOG_BYTES = 64 << 20
+
+
+@pytest.mark.slow
+def test_attach_reads_a_huge_log_from_its_end_and_a_damaged_summary_hides_nothing(tmp_path, capsys, no_leftovers):
+    from nbtrain.common import protocol, runlog
+
+    run = nbtrain.submit(_says_hello, 7, devices=2, accelerator="cpu", run_dir=tmp_path / "runs" / "good")
+    assert run.wait(timeout=180) == "finished"
+    line = protocol.event_line(0, protocol.Output(0, "stdout", "x" * 200))
+    with open(run.dir / runlog.rank_events(0), "ab") as log:  # a chatty run: 64 MB of lines, then its last words
+        block = line * ((1 << 20) // len(line))
+        for _ in range(LOG_BYTES // len(block)):
+            log.write(block)
+        for text in ("the last but one", "the very last"):
+            log.write(protocol.event_line(0, protocol.Output(0, "stdout", text)))
+    (run.dir / runlog.SUMMARY).write_text('{"devices": "2 CPU ranks", "ranks": [0, 1], "metr')  # cut short
+
+    said: list = []
+    peak = _peak_of(lambda: said.append(run_main(capsys, "attach", str(run.dir), "--lines", "2")))
+    code, out, err = said[0]
+    assert (code, err) == (0, "")
+    assert out.splitlines() == ["_says_hello: finished", "--- rank 0, last 2 lines ---", "the last but one",
+                                "the very last", "--- result ---", repr(run.result(timeout=1))]
+    assert peak < LOG_BYTES / 16, f"{peak:,} bytes at the peak for a {LOG_BYTES:,}-byte log"
+
+    (run.dir / runlog.SUMMARY).write_bytes(b" " * (runlog.JSON_LIMIT + 1))  # a huge summary: damaged, not read
+    peak = _peak_of(lambda: said.append(run_main(capsys, "runs", str(tmp_path / "runs"))))
+    code, out, err = said[-1]
+    assert code == 0 and " damaged " in out and f"{runlog.JSON_LIMIT + 1:,} bytes" in repr(nbtrain.runs(
+        tmp_path / "runs")[0])
+    assert peak < runlog.JSON_LIMIT / 4, f"{peak:,} bytes at the peak for a {runlog.JSON_LIMIT + 1:,}-byte summary"
+
+
+def _sleeps():
+    import time
+
+    print("sleeping", flush=True)
+    time.sleep(600)
+
+
+@pytest.mark.slow
+def test_cancel_in_a_shell_stops_a_run(tmp_path, no_leftovers):
+    run = nbtrain.submit(_sleeps, devices=2, accelerator="cpu", run_dir=tmp_path / "sleeps")
+    deadline = time.monotonic() + 180
+    while "sleeping" not in run.logs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    cancelled = nbtrain_cli("cancel", str(run.dir))
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout.startswith("_sleeps: cancelled")
+    assert run.status == "cancelled"
+    again = nbtrain_cli("cancel", str(run.dir))
+    assert (again.returncode, again.stdout) == (0, "_sleeps: already cancelled; nothing to cancel\n")
+    gone = nbtrain_cli("cancel", str(tmp_path / "nope"))
+    assert gone.returncode == 2 and gone.stderr.startswith(f"nbtrain cancel: '{tmp_path / 'nope'}' does not exist")
 
 
 @pytest.mark.slow

@@ -3,10 +3,13 @@
 Sections follow the issue's numbering. Tests that need a real kernel come last: the module-scoped
 kernel is a child of this process, which `no_leftovers` in later tests would count as left behind.
 """
+import errno
 import glob
 import inspect
 import os
 import pickle
+import re
+import resource
 import signal
 import subprocess
 import sys
@@ -503,6 +506,97 @@ def test_every_wrapped_parser_shows_its_own_signature(wrapped):
     first, second = inspect.signature(wrapped).parameters
     assert first == "devices"
     assert wrapped.__doc__ == wrapped.__wrapped__.__doc__
+
+
+# -- issue 54: a start that runs out of open files closes what it opened and says what ran out --
+
+def open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+class FileLimit:
+    """RLIMIT_NOFILE lowered to what this process holds plus `headroom`, for the block."""
+
+    def __init__(self, headroom: int):
+        self.headroom, self.saved = headroom, resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def __enter__(self):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files() + self.headroom, self.saved[1]))
+
+    def __exit__(self, *exc):
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.saved)
+
+
+def one():
+    return 1
+
+
+START_TWO = {
+    "launch": lambda start: nbtrain.launch(one, devices=2, accelerator="cpu", start=start, progress=False),
+    "Ranks": lambda start: nbtrain.Ranks(devices=2, accelerator="cpu", start=start, progress=False).close(),
+    "map": lambda start: nbtrain.map(abs, [1, -2], devices=2, accelerator="cpu", progress=False),
+}
+
+
+@slow
+@pytest.mark.parametrize("front, start", [("launch", "fork"), ("launch", "template"), ("Ranks", "fork"),
+                                          ("Ranks", "template"), ("map", None)])  # map: its workers' own start
+def test_running_out_of_open_files_leaks_nothing_and_says_what_n_ranks_need(front, start, no_leftovers):
+    run = START_TWO[front]
+    run(start)  # the template (and whatever a first start opens once, for good) is up
+    before, said = open_files(), []
+    for headroom in range(1, 60):  # out of files at each step of the start, until it has enough
+        with FileLimit(headroom):
+            try:
+                run(start)
+                break
+            except OSError as error:
+                assert error.errno == errno.EMFILE
+                said.append(str(error))
+        assert open_files() == before, said[-1]  # nothing of a failed start is left open
+    assert len(said) >= 3 and all(s.startswith("[Errno 24] too many open files while ") for s in said), said
+    assert any("while starting the ranks (their output pipes and channels)" in s for s in said), said
+    need = int(re.search(r"(2 ranks|the map's 2 workers) need about (\d+) more", said[-1]).group(2))
+    assert headroom <= need  # the need said is enough
+    assert "ulimit -n" in said[-1] and "resource.setrlimit(resource.RLIMIT_NOFILE" in said[-1]
+    assert open_files() == before
+
+
+# -- issue 54: the notebook_launcher drop-in takes Accelerate's restarts and raises what its callers catch --
+
+def fails_once(marker: str):
+    if not os.path.exists(marker):
+        if nbtrain.context().rank == 1:
+            open(marker, "w").close()
+            raise ValueError("the first attempt fails")
+        nbtrain.context().barrier()  # rank 1 never gets there: this rank is stopped, then both restart
+    return nbtrain.context().rank
+
+
+def always_fails():
+    if nbtrain.context().rank == 1:
+        raise ValueError("bad batch")
+
+
+@slow
+def test_the_notebook_launcher_drop_in_restarts_and_raises_torchs_child_failed_error(tmp_path, no_leftovers):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from nbtrain.notebook.dropins import notebook_launcher
+
+    result = notebook_launcher(fails_once, (str(tmp_path / "failed"),), num_processes=2, max_restarts=1,
+                               accelerator="cpu", progress=False)
+    assert result.values == [0, 1] and len(result.restarts) == 1
+    with pytest.raises(ChildFailedError) as caught:  # as Accelerate's callers catch it
+        notebook_launcher(always_fails, num_processes=2, accelerator="cpu", progress=False)
+    error = caught.value
+    assert isinstance(error, WorkerError) and error.rank == 1 and error.summary == "ValueError: bad batch"
+    assert str(error).startswith("rank 1 failed: ValueError: bad batch")
+    assert error.get_first_failure()[0] == 1 and error.failures[1].message == "ValueError: bad batch"
+    again = pickle.loads(pickle.dumps(error))
+    assert isinstance(again, ChildFailedError) and isinstance(again, WorkerError) and str(again) == str(error)
+    with pytest.raises(ValueError, match=r"^num_nodes=2, node_rank=0: nbtrain.notebook_launcher runs on this machine"):
+        notebook_launcher(always_fails, num_nodes=2)
 
 
 # -- 3 and 6 from a real kernel, with classes defined in its cells ----------------------------

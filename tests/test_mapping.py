@@ -52,6 +52,53 @@ def test_saved_results_are_private_and_a_cut_record_is_dropped(tmp_path):
         SavedResults(tmp_path / "run", 5)
 
 
+def test_items_are_drawn_from_the_iterable_only_as_workers_ask():
+    from nbtrain.common import protocol
+    from nbtrain.notebook.work_queue import WorkQueue
+
+    drawn: list[int] = []
+
+    def numbers(n: int):  # an iterator: no length, never made a list
+        for i in range(n):
+            drawn.append(i)
+            yield i
+
+    work = WorkQueue(numbers(10_000), 1, None, {})
+    try:
+        assert work.total is None
+        handed = work._hand_out(0, 2)
+        assert [index for index, _ in handed.batch] == [0, 1] and drawn == [0, 1]
+        assert isinstance(work._hand_out(1, 3), protocol.Items) and drawn == [0, 1, 2, 3, 4]
+    finally:
+        work.close()
+    short = WorkQueue(numbers(1), 1, None, {})
+    try:
+        assert [i for i, _ in short._hand_out(0, 4).batch] == [0] and short.total == 1  # counted at its end
+        assert isinstance(short._hand_out(0, 4), protocol.NoMoreItems)
+    finally:
+        short.close()
+
+
+def test_a_result_that_cannot_be_saved_names_saving_not_the_item(tmp_path, small_disk):
+    import dill
+
+    from nbtrain.common import protocol
+    from nbtrain.notebook.work_queue import WorkQueue
+
+    disk = small_disk("64k")
+    work = WorkQueue(range(2), 1, SavedResults(disk / "run", 2), {})
+    try:
+        work._hand_out(0, 1)
+        work._handle(protocol.ItemsDone(0, [0], dill.dumps([b"x" * 200_000])))  # more than the disk holds
+        error = work.error()
+    finally:
+        work.close()
+    assert error is not None and str(error).startswith(
+        f"item 0 failed: its result came back but could not be saved in {disk / 'run' / 'results.bin'}: "
+        "No space left on device")
+    assert "cannot be read in the notebook" not in str(error)
+
+
 # -- real workers ---------------------------------------------------------------------------
 
 def square(x):
@@ -117,6 +164,39 @@ def test_a_worker_that_dies_names_the_item_it_held(no_leftovers):
         nbtrain.map(functools.partial(dies_at, 4), range(8), devices=1, accelerator="cpu", progress=False)
     assert caught.value.index == 4 and caught.value.summary.startswith("its worker failed: rank 0 failed: exited with code 3")
     assert caught.value.results == {i: i for i in range(4)}
+
+
+@pytest.mark.slow
+def test_a_return_value_that_cannot_be_pickled_is_named_as_the_return_value(no_leftovers):
+    with pytest.raises(nbtrain.MapError) as caught:
+        nbtrain.map(lambda x: (i for i in range(x)), [1, 2], devices=1, accelerator="cpu", progress=False)
+    assert caught.value.summary == (
+        "its return value cannot travel back to the notebook: the return value is a generator (cannot pickle "
+        "'generator' object); return the items themselves, e.g. list(...) of it, not the generator")
+    assert "--- item 0 ---\nfn's return value cannot travel back to the notebook." in str(caught.value)
+
+
+def total(x):
+    return float(x.sum())
+
+
+@pytest.mark.slow
+def test_a_large_tensor_item_goes_through_shared_memory_not_the_notebooks_memory(no_leftovers):
+    import glob
+    import tracemalloc
+
+    import torch
+
+    items = [torch.ones(16 << 20), torch.full((16 << 20,), 2.0)]  # 64 MiB each
+    tracemalloc.start()
+    try:
+        results = nbtrain.map(total, items, devices=1, accelerator="cpu", progress=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert results == [16 << 20, 2 * (16 << 20)]
+    assert peak < 16 << 20, f"{peak:,} bytes of the notebook's memory at the peak for 2 items of 64 MiB"
+    assert not glob.glob(f"/dev/shm/nbtrain-{os.getpid()}-*")  # every file mapped and removed, or removed at the end
 
 
 def batch_of_squares(xs):
@@ -219,3 +299,66 @@ def test_ctrl_c_in_a_kernel_stops_every_worker_and_keeps_the_results(kernel, tmp
     done = len(saved.values())
     saved.close()
     assert 0 < done < 400
+
+
+ENDLESS = '''
+import itertools
+drawn = 0
+
+def numbers(marker):  # draws are counted: a map takes items only as its workers ask
+    global drawn
+    for i in itertools.count():
+        drawn = i + 1
+        if i == 0:
+            open(marker, "w").close()
+        yield i
+'''
+
+
+def interrupt_and_reply(kernel) -> dict:
+    kernel.manager.interrupt_kernel()
+    while True:
+        reply = kernel.client.get_shell_msg(timeout=30)  # the old map drew an endless iterable for ever
+        if reply["msg_type"] == "execute_reply":
+            return reply
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_map_over_an_endless_iterable(kernel, tmp_path):
+    _, _, error, _ = kernel.run(SETUP + ENDLESS)
+    assert error is None, error
+    marker, run_dir = tmp_path / "first", tmp_path / "map"
+    kernel.client.execute(f"nbtrain.map(slow, numbers({str(marker)!r}), devices=2, accelerator='cpu', "
+                          f"run_dir={str(run_dir)!r}, progress=False)")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not marker.exists():
+        time.sleep(0.1)
+    time.sleep(2)  # the workers run items of 0.5 s: a few are done, a few held
+    reply = interrupt_and_reply(kernel)
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    saved = SavedResults(run_dir, None)
+    done = len(saved.values())
+    saved.close()
+    assert reply["content"]["traceback"][0].startswith(f"KeyboardInterrupt: the map was interrupted; nbtrain "
+                                                       f"stopped every worker. {done} results were in")
+    assert kernel.value("drawn") <= done + 2  # at most an item in each worker's hands, never the iterable
+    kernel.client.execute("nbtrain.map(slow, itertools.count(), devices=2, accelerator='cpu', progress=False)")
+    time.sleep(3)
+    assert interrupt_and_reply(kernel)["content"]["ename"] == "KeyboardInterrupt"
+    assert kernel.value("children()") == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_a_map_on_live_ranks_keeps_them_and_says_so(kernel):
+    _, _, error, _ = kernel.run(SETUP + "ranks = nbtrain.Ranks(devices=2, accelerator='cpu', progress=False)\n"
+                                "ranks.exec('state = 7')")
+    assert error is None, error
+    kernel.client.execute("ranks.map(slow, range(400), progress=False)")
+    time.sleep(4)
+    reply = interrupt_and_reply(kernel)
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    said = reply["content"]["traceback"][0]
+    assert said.startswith("KeyboardInterrupt: the map was interrupted; the live ranks [0, 1] were interrupted; "
+                           "their state is kept.") and "nbtrain stopped every worker" not in said
+    assert kernel.value("ranks.eval('state')") == [7, 7]
+    kernel.run("ranks.close()")

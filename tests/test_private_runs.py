@@ -105,7 +105,9 @@ def test_a_tracked_launchs_directory_is_private_whatever_the_umask(given, open_d
     # The files the trackers write (the run's arguments are in them): 0600 too.
     recorded = {p: m for p, m in files.items() if "tfevents" in p or p.endswith("mlflow.db")}
     assert len(recorded) == 3 and set(recorded.values()) == {0o600}, files
-    assert not _read_by(stranger, tree, root.parent)
+    if not given:  # ./nbtrain-runs, made by nbtrain: private too
+        assert stat.S_IMODE(os.stat(root.parent).st_mode) == 0o700
+    assert not _read_by(stranger, [*tree, str(root.parent)], open_dir)
 
 
 @slow
@@ -115,7 +117,8 @@ def test_a_tensorboard_directory_made_for_a_run_elsewhere_is_private(open_dir, u
     tree = _tree(log_dir)
     assert {m for p, m in tree.items() if os.path.isdir(p)} == {0o700}
     assert {m for p, m in tree.items() if not os.path.isdir(p)} == {0o600}
-    assert not _read_by(stranger, tree, open_dir / "boards")
+    assert stat.S_IMODE(os.stat(open_dir / "boards").st_mode) == 0o700  # the parent it made: private too
+    assert not _read_by(stranger, [*tree, str(open_dir / "boards")], open_dir)
 
 
 def probe_job_dir(user):
@@ -131,3 +134,55 @@ def test_a_script_launchs_job_directory_is_private_whatever_the_umask(umask_022,
     result = nbtrain.launch(probe_job_dir, stranger, **{**CPU2, "start": "torchrun"})
     dirs, read, umask = result.values[0]
     assert dirs == {0o700} and read == [] and umask == 0o022, result.values[0]
+
+
+# -- issue 54: the folders nbtrain makes on the way to a run directory, and checkpoints ----------
+
+@pytest.fixture
+def umask_000():
+    old = os.umask(0o000)  # a shared machine's careless set-up: whatever is made with the usual mode is everyone's
+    yield
+    os.umask(old)
+
+
+def modes(top, below) -> dict:
+    """`top`'s and everything under it, up to `below` (a path under top), by mode."""
+    from pathlib import Path
+
+    found, path = {}, Path(below)
+    while path != Path(top).parent:
+        found[str(path.relative_to(top.parent))] = stat.S_IMODE(os.lstat(path).st_mode)
+        path = path.parent
+    return found
+
+
+def test_the_parents_nbtrain_makes_for_a_run_dir_are_private_whatever_the_umask(tmp_path, umask_000):
+    from nbtrain.common import runlog
+    from nbtrain.notebook.work_queue import SavedResults
+
+    SavedResults(tmp_path / "maps" / "of" / "embed", 3).close()  # map's run_dir (sweep's is made by the same helper)
+    made = runlog.new_run_dir(tmp_path / "runs" / "here", "train")  # submit's default: nbtrain-runs/<time>-train
+    partial = runlog.partial_dir(tmp_path / "given" / "parent", "run")  # submit's run_dir=given/parent/run
+    for top, below in ((tmp_path / "maps", tmp_path / "maps" / "of" / "embed"), (tmp_path / "runs", made),
+                       (tmp_path / "given", partial)):
+        assert set(modes(top, below).values()) == {0o700}, modes(top, below)
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022])
+def test_a_checkpoint_is_0700_folders_and_0600_files_whatever_the_umask(tmp_path, umask):
+    from nbtrain import Context
+
+    old = os.umask(umask)
+    try:
+        ctx = Context()
+        model = ctx.setup(torch.nn.Linear(4, 1))
+        ctx.save_checkpoint(tmp_path / "checkpoints" / "last", model=model, step=3)
+        ctx.save_checkpoint(tmp_path / "checkpoints" / "last", model=model, step=4)  # the swap keeps them private
+    finally:
+        os.umask(old)
+    folders, files = set(), set()
+    for folder, _, names in os.walk(tmp_path / "checkpoints"):
+        folders.add(stat.S_IMODE(os.stat(folder).st_mode))
+        files |= {stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode) for name in names}
+    assert (folders, files) == ({0o700}, {0o600})
+    assert len(os.listdir(tmp_path / "checkpoints" / "last")) >= 2  # DCP's metadata and a shard

@@ -171,6 +171,47 @@ def _attribute_of_original(self, name: str):
     return getattr(cause, name)
 
 
+def launcher_failed(error: WorkerError) -> WorkerError:
+    """`error` as an instance of torch's ``ChildFailedError`` too (what Accelerate's
+    `notebook_launcher` raises, and its callers catch), for `nbtrain.notebook_launcher` only.
+    The class is made on first use: ``import nbtrain`` imports no torch."""
+    failed = _launcher_failed(error.rank, error.summary, error.traceback, error.others, error.node, error.stacks)
+    failed.__cause__ = error.__cause__
+    return failed
+
+
+def _launcher_failed(rank, summary, traceback="", others=(), node=None, stacks=None) -> WorkerError:
+    return _launcher_failed_class()(rank, summary, traceback, others, node, stacks)
+
+
+_launcher_failed_classes: list[type] = []
+
+
+def _launcher_failed_class() -> type:
+    if _launcher_failed_classes:
+        return _launcher_failed_classes[0]
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    class LauncherFailed(WorkerError, ChildFailedError):
+        """A rank of `nbtrain.notebook_launcher` failed: nbtrain's WorkerError and torch's ChildFailedError."""
+
+        def __init__(self, rank, summary, traceback="", others=(), node=None, stacks=None):
+            WorkerError.__init__(self, rank, summary, traceback, others, node, stacks)
+            failure = ProcessFailure(local_rank=rank, pid=-1, exitcode=1, error_file="")
+            failure.message = summary
+            self.name, self.failures = "notebook_launcher", {rank: failure}  # as ChildFailedError has them
+
+        __str__ = WorkerError.__str__
+
+        def __reduce__(self):  # made at run time: rebuilt by a function pickle can find
+            return (_launcher_failed, (self.rank, self.summary, self.traceback, self.others, self.node, self.stacks))
+
+    LauncherFailed.__qualname__ = "WorkerError(ChildFailedError)"  # named WorkerError, as the notebook shows it
+    LauncherFailed.__name__ = "WorkerError"
+    _launcher_failed_classes.append(LauncherFailed)
+    return LauncherFailed
+
+
 class UnpicklableError(NbtrainError, TypeError):
     """Something that must travel to another process cannot be serialised.
 

@@ -68,12 +68,29 @@ def _user(uid: int) -> str:
         return f"uid {uid}"
 
 
+def make_parents(path: Path) -> None:
+    """The missing parents of `path`, made 0700 whatever the umask (under umask 000, a folder
+    made with the usual mode would let another account replace what is saved in it); those that
+    exist are left as they are."""
+    missing, parent = [], Path(path).parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, DIR_MODE)
+        except FileExistsError:  # made meanwhile: whoever uses it checks it
+            continue
+        os.chmod(folder, DIR_MODE)  # mkdir's mode passes through the umask
+
+
 def private_dir(path: Path, *, exist_ok: bool = True) -> Path:
-    """`path` as a directory only this user can enter: made 0700 (missing parents too, with
-    their usual mode), or, if it exists, checked as ours and no link, then set to 0700."""
+    """`path` as a directory only this user can enter: made 0700 (its missing parents too), or,
+    if it exists, checked as ours and no link, then set to 0700."""
     path = Path(path)
+    make_parents(path)
     try:
-        path.mkdir(mode=DIR_MODE, parents=True)
+        path.mkdir(mode=DIR_MODE)
     except FileExistsError:
         if not exist_ok:
             raise
@@ -122,9 +139,9 @@ def _unlink(path: Path) -> None:
         pass
 
 
-def read_own(path: Path, offset: int = 0) -> bytes:
-    """The bytes of `path` from `offset` on (a negative one counts from the end: a log's last
-    lines), a file this user owns and reached through no link (NotYours else)."""
+def open_own(path: Path) -> int:
+    """A descriptor for reading `path`, a file this user owns reached through no link (NotYours
+    else); the caller closes it."""
     path = Path(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -133,9 +150,24 @@ def read_own(path: Path, offset: int = 0) -> bytes:
             check_own(path)
         raise
     try:
-        info = os.fstat(fd)
-        if info.st_uid != os.geteuid():
+        if os.fstat(fd).st_uid != os.geteuid():
             check_own(path)  # raises, naming the owner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_own(path: Path, offset: int = 0, limit: int | None = None) -> bytes:
+    """The bytes of `path` from `offset` on (a negative one counts from the end: a log's last
+    lines), a file this user owns and reached through no link (NotYours else). With `limit`, a
+    file larger than that is refused (ValueError naming it) before any of it is read."""
+    fd = open_own(path)
+    try:
+        info = os.fstat(fd)
+        if limit is not None and info.st_size > limit:
+            raise ValueError(f"{str(path)!r} is damaged: {info.st_size:,} bytes, where nbtrain writes at most "
+                             f"{limit:,} (not read)")
         if offset:
             os.lseek(fd, offset if offset > 0 else max(0, info.st_size + offset), os.SEEK_SET)
         chunks = []
@@ -146,9 +178,9 @@ def read_own(path: Path, offset: int = 0) -> bytes:
         os.close(fd)
 
 
-def read_own_json(path: Path):
+def read_own_json(path: Path, limit: int | None = None):
     """`path`'s JSON, read as `read_own` reads; a damaged file is a ValueError naming it."""
-    data = read_own(path)
+    data = read_own(path, limit=limit)
     try:
         return json.loads(data)
     except ValueError as error:
@@ -157,8 +189,8 @@ def read_own_json(path: Path):
 
 
 def new_private_dir(path) -> Path:
-    """`path` as a directory: made 0700 (missing parents with their usual mode) when it is
-    missing; one that is there already (a place the user gave) is left as it is."""
+    """`path` as a directory: made 0700 (its missing parents too) when it is missing; one that
+    is there already (a place the user gave) is left as it is."""
     path = Path(path)
     if not path.is_dir():
         private_dir(path)

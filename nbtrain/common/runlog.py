@@ -28,7 +28,16 @@ from pathlib import Path
 import dill
 
 from . import protocol, session
-from .private import IncompleteWrite, check_own, private_dir, read_own, read_own_json, write_private
+from .private import (
+    IncompleteWrite,
+    check_own,
+    make_parents,
+    open_own,
+    private_dir,
+    read_own,
+    read_own_json,
+    write_private,
+)
 
 JOB = "job.pkl"  # the function and its arguments, pickled as launch ships them
 OBJECTS = "launch.pkl"  # launch's settings that are objects: cluster, trackers, profile
@@ -64,7 +73,7 @@ def make_private_dir(path: Path, what: str) -> None:
 def new_run_dir(base: Path, name: str, mode: int = 0o700) -> Path:
     """A new directory `base/<time>-<name>` (then -2, -3... for one made in the same second),
     each taken by an atomic mkdir: a submit and a tracked launch never share one."""
-    base.mkdir(parents=True, exist_ok=True)
+    make_parents(base / "run")
     stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
     for n in range(1, 1000):
         path = base / (stem if n == 1 else f"{stem}-{n}")
@@ -80,7 +89,7 @@ def partial_dir(parent: Path, name: str) -> Path:
     """A new private directory in `parent`, where a run directory is written before it is
     renamed into place: its name says whose it is, so one its writer left is known as stale."""
     me = session.identity(os.getpid())
-    parent.mkdir(parents=True, exist_ok=True)
+    make_parents(parent / "run")
     path = parent / f"{PARTIAL}{me['pid']}-{me['start']}-{name}"
     shutil.rmtree(path, ignore_errors=True)  # our own pid's, from before a reboot
     return private_dir(path, exist_ok=False)
@@ -135,10 +144,13 @@ def write_json(path: Path, value: dict) -> None:
     write_whole(path, json.dumps(value, indent=1).encode())
 
 
+JSON_LIMIT = 16 << 20  # bytes: a run's JSON files are small; a larger one is damaged, not read into memory
+
+
 def read_json(path: Path, *keys: str) -> dict:
     """A run file's JSON object, read as `private.read_own` reads; one that is damaged, or lacks
-    one of `keys`, is a ValueError naming the file."""
-    value = read_own_json(path)
+    one of `keys`, or is larger than any nbtrain writes, is a ValueError naming the file."""
+    value = read_own_json(path, limit=JSON_LIMIT)
     if not isinstance(value, dict):
         raise ValueError(f"{str(path)!r} is damaged: it holds {type(value).__name__} {_short(value)}, not an object")
     missing = [k for k in keys if k not in value]
@@ -255,3 +267,53 @@ class Tail:
             if event is not None:  # anything else is not ours
                 events.append(event)
         return events
+
+
+BACKWARDS_CHUNK = 1 << 16  # bytes read at a time by `last_events`, from the end of a log
+
+
+def last_events(path: Path, count: int, kind: type | tuple[type, ...]) -> list[protocol.Logged]:
+    """The last `count` events of `kind` in the log at `path`, oldest first, read backwards from
+    its end: time and memory go with what is asked for, not with the log's size (a log of a
+    gigabyte shows its last lines at once). Read as `Tail` reads: a cut or foreign line is skipped."""
+    try:
+        fd = open_own(path)
+    except FileNotFoundError:
+        return []
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, min(size, 4096), 0)
+        try:  # the header names the log's version; a log without one is version 1
+            version = protocol.log_version(json.loads(head.split(b"\n", 1)[0])) or 1
+        except ValueError as error:
+            if "format" in str(error):  # a newer nbtrain's log: said, as Tail says it
+                raise
+            version = 1
+        found: list[protocol.Logged] = []
+        end, carry = size, b""
+        while end > 0 and len(found) < count:
+            start = max(0, end - BACKWARDS_CHUNK)
+            lines = (os.pread(fd, end - start, start) + carry).split(b"\n")
+            if end == size:
+                lines.pop()  # after the last newline: nothing, or a line still being written
+            carry = lines.pop(0) if start > 0 else b""  # its beginning lies in the chunk before
+            for line in reversed(lines):
+                event = _event(line, version)
+                if event is not None and isinstance(event.event, kind):
+                    found.append(event)
+                    if len(found) == count:
+                        break
+            end = start
+        return found[::-1]
+    finally:
+        os.close(fd)
+
+
+def _event(line: bytes, version: int) -> protocol.Logged | None:
+    try:
+        value = json.loads(line)
+        if protocol.log_version(value) is not None:  # the header
+            return None
+    except ValueError:  # a line cut by a full disk, a header not in its place
+        return None
+    return protocol.read_event(value, version)

@@ -22,7 +22,7 @@ LINE_INTERVAL = 5.0  # seconds between lines in a log
 @dataclass
 class MapState:
     title: str  # "map of embed on 2 CPU slots"
-    total: int
+    total: int | None  # None: the items are an iterator, not drawn to its end yet
     resumed: int = 0  # results read back from the run directory
     done: int = 0  # results in hand, the resumed ones included
     busy: int = 0  # workers running items now
@@ -41,11 +41,12 @@ class MapState:
     def line(self, verdict: str | None = None) -> str:
         rate = self.rate
         speed = f"{rate:.3g} items/s" if rate else ""
-        running = not verdict and self.done < self.total
-        eta = f"eta {_duration((self.total - self.done) / rate)}" if rate and running else ""
+        running = not verdict and self.total is not None and self.done < self.total
+        eta = f"eta {_duration((self.total - self.done) / rate)}" if rate and running and self.total else ""
         resumed = f"{self.resumed} resumed from run_dir" if self.resumed else ""
         when = f"{verdict} in {self.elapsed:.1f} s" if verdict else f"{self.busy} busy"
-        parts = [f"{self.done}/{self.total} items", when, speed, eta, resumed]
+        count = f"{self.done}/{self.total} items" if self.total is not None else f"{self.done} items"
+        parts = [count, when, speed, eta, resumed]
         return f"nbtrain {self.title}: " + ", ".join(p for p in parts if p)
 
 
@@ -96,6 +97,8 @@ class TqdmMapView(QuietMapView):
         tqdm.write(text, file=sys.stderr if stream == "stderr" else sys.stdout)
 
     def update(self, state: MapState) -> None:
+        if self._bar is not None and state.total != self._bar.total:  # an iterator's end reached
+            self._bar.total = state.total
         if self._bar is not None and state.done != self._bar.n:
             self._bar.update(state.done - self._bar.n)
 
@@ -111,7 +114,7 @@ class HtmlMapView(QuietMapView):
         self._handle, self._drawn, self._shown = None, 0.0, None
 
     def _bundle(self, state: MapState, verdict: str | None = None) -> dict:
-        fraction = state.done / state.total if state.total else 1.0
+        fraction = state.done / state.total if state.total else 0.0 if state.total is None and not verdict else 1.0
         colour = "#2e7d32" if verdict == "finished" else "#c62828" if verdict == "failed" else "#1565c0"
         bar = (f'<span style="display:inline-block;width:14em;height:0.8em;background:#e0e0e0;vertical-align:middle">'
                f'<span style="display:block;width:{fraction * 100:.1f}%;height:100%;background:{colour}">'

@@ -249,5 +249,7 @@ class TqdmDisplay(LineDisplay):
     def finish(self, state, ok: bool) -> None:
         for bar in self._bars.values():
             bar.close()
+        if self._bars:  # a closed bar below the first moves the cursor up but leaves it at the line's end
+            self._file.write("\r")
         self._bars.clear()
         super().finish(state, ok)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..common.errors import WorkerError
+from ..common.errors import WorkerError, launcher_failed
 from ..rank.compat import LauncherCall, SpawnCall
 from .launch import launch
 from .result import Result
@@ -50,9 +50,12 @@ def notebook_launcher(function: Callable, args: tuple = (), num_processes: int |
                       accelerator: str = "auto", timeout: float | None = None, progress=True) -> Result:
     """Accelerate's `notebook_launcher` on nbtrain's ranks: `function(*args)` on `num_processes`
     ranks (None: as `devices="auto"` decides: every visible GPU, else a CPU rank per core), where
-    `Accelerator()` joins them as under `accelerate launch`. `use_port`, `master_addr` and the
+    `Accelerator()` joins them as under `accelerate launch`. `max_restarts` restarts the whole
+    run after a failure, as `launch(max_restarts=...)` does. `use_port`, `master_addr` and the
     rendezvous settings are accepted and ignored: nbtrain picks a free port for each launch
     (a fixed 29500 clashes with the last run's). More than one node: use `%%nbtrain --nnodes`.
+    A failed rank raises a `WorkerError` that is also torch's ``ChildFailedError``, as
+    Accelerate's raises.
     """
     if not callable(function):
         raise TypeError(f"notebook_launcher(function=...) needs a callable, got {type(function).__name__}.")
@@ -64,12 +67,13 @@ def notebook_launcher(function: Callable, args: tuple = (), num_processes: int |
                          "--rdzv-endpoint HOST:PORT` on each, or use cluster=nbtrain.Slurm(...) / nbtrain.Ray(...).")
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"mixed_precision={mixed_precision!r} is not known. Accepted: {', '.join(MIXED_PRECISION)}.")
-    if max_restarts:
-        raise ValueError(f"max_restarts={max_restarts}: restarts need a launcher that outlives its ranks; use "
-                         "`%%nbtrain --max-restarts N` (torchrun) with checkpoints.")
     devices = "auto" if num_processes is None else num_processes
     job = LauncherCall(function, args, {"ACCELERATE_MIXED_PRECISION": mixed_precision})
-    return launch(job, devices=devices, accelerator=accelerator, timeout=timeout, progress=progress)
+    try:
+        return launch(job, devices=devices, accelerator=accelerator, timeout=timeout, progress=progress,
+                      max_restarts=max_restarts)
+    except WorkerError as error:  # Accelerate's callers catch torch's ChildFailedError: this is one too
+        raise launcher_failed(error) from error.__cause__
 
 
 __all__ = ["spawn", "notebook_launcher", "WorkerError"]

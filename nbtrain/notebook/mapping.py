@@ -19,20 +19,15 @@ import types
 from collections import deque
 
 from ..common.errors import WorkerError
+from ..common.limits import out_of_files
 from ..display.map_view import MapState, make_map_view
 from ..rank.work import serve_items
 from .launch import check_timeout, launch
 from .restarts import why
 from .slots import SlotRunner, check_count, plan_slots, slot_start
-from .work_queue import MapError, SavedResults, WorkQueue
+from .work_queue import MapError, SavedResults, WorkQueue, item_count
 
 __all__ = ["MapError", "map", "map_on_ranks"]
-
-
-def _items(items) -> list:
-    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
-        raise TypeError(f"items={items!r}: give the items to map over as a list (or any iterable).")
-    return list(items)
 
 
 def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "auto", run_dir=None,
@@ -48,7 +43,8 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
     fn : callable
         The function; it may be defined in the notebook.
     items : iterable
-        What to map over (made a list first).
+        What to map over: a list, or any iterable, even an endless one (``itertools.count()``):
+        items are drawn from it only as workers ask for them.
     devices : int, str or list, default 'auto'
         As for `launch`: one worker per device ('auto': every visible GPU); on CPU, a number of
         worker processes.
@@ -79,17 +75,17 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
     """
     if not callable(fn):
         raise TypeError(f"map(fn=...) needs a callable, got {type(fn).__name__}.")
-    items = _items(items)
+    total = item_count(items)
     check_count(batch_size, "batch_size")
     view = make_map_view(progress)
     slots, idle = plan_slots(devices, 1, accelerator, per_slot_name="devices")
     strategy, start = slot_start()
-    saved = SavedResults(run_dir, len(items)) if run_dir is not None else None
+    saved = SavedResults(run_dir, total) if run_dir is not None else None
     work = WorkQueue(items, batch_size, saved, {})
     kind = "GPU" if slots[0].accelerator == "gpu" else "CPU"
     state = MapState(f"map of {getattr(fn, '__name__', 'fn')} on {len(slots)} {kind} "
                      f"slot{'s' if len(slots) > 1 else ''}",
-                     len(items), work.resumed, len(work.results))
+                     total, work.resumed, len(work.results))
     failures: list[BaseException] = []
     lines: deque = deque()  # the workers' output, shown by the main thread
 
@@ -107,6 +103,9 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
             if not work.lost(slot.index, error):  # it held no item: the others go on
                 failures.append(error)
                 lines.append((f"nbtrain: the worker on {slot} failed: {why(error)}", "stderr"))
+        except OSError as error:  # out of open files: said for the whole map, each worker a launch
+            raise out_of_files(error, getattr(error, "step", "starting a worker"), len(slots), len(slots),
+                               f"the map's {len(slots)} workers") from error
         finally:
             if display is not None:
                 display.release()
@@ -115,7 +114,7 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
     def tick() -> None:
         while lines:
             view.output(*lines.popleft())
-        state.done, state.busy = len(work.results), work.busy
+        state.done, state.busy, state.total = len(work.results), work.busy, work.total
         view.update(state)
         if work.failure is not None:
             runner.stop()
@@ -139,17 +138,17 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
         work.close()
         while lines:
             view.output(*lines.popleft())
-        state.done, state.busy, state.ended = len(work.results), 0, time.monotonic()
+        state.done, state.busy, state.total, state.ended = len(work.results), 0, work.total, time.monotonic()
         if verdict == "finished" and not work.finished:
             verdict = "failed"
         view.finish(state, verdict)
     return _outcome(work, failures)
 
 
-def _interrupted(work: WorkQueue, run_dir) -> str:
+def _interrupted(work: WorkQueue, run_dir, stopped: str = "nbtrain stopped every worker") -> str:
     kept = f"; they are saved in {run_dir}: run the map again to go on from there" if run_dir else ""
-    return (f"KeyboardInterrupt: the map was interrupted; nbtrain stopped every worker. {len(work.results)} of "
-            f"{len(work.items)} results were in{kept}.")
+    of = f" of {work.total}" if work.total is not None else ""
+    return f"KeyboardInterrupt: the map was interrupted; {stopped}. {len(work.results)}{of} results were in{kept}."
 
 
 def _outcome(work: WorkQueue, failures: list) -> list:
@@ -159,7 +158,7 @@ def _outcome(work: WorkQueue, failures: list) -> list:
     if not work.finished:  # every worker failed before taking an item
         if failures:
             raise failures[0]
-        raise RuntimeError(f"the map ended with {len(work.items) - len(work.results)} items not done")
+        raise RuntimeError(f"the map ended with {len(work.results)} of {work.total or 'its'} items done")
     return work.ordered()
 
 
@@ -198,7 +197,7 @@ class _RanksDisplay:
         self.view.output(text if rank is None else f"[rank {rank}] {text}", stream)
 
     def update(self, state) -> None:
-        self.state.done, self.state.busy = len(self.work.results), self.work.busy
+        self.state.done, self.state.busy, self.state.total = len(self.work.results), self.work.busy, self.work.total
         self.view.update(self.state)
         if self.work.failure is not None:
             raise KeyboardInterrupt  # the supervisor interrupts the ranks; they keep their state
@@ -212,16 +211,16 @@ def map_on_ranks(ranks, fn, items, *, batch_size: int = 1, run_dir=None, progres
     """`Ranks.map`: see there."""
     if not isinstance(fn, types.FunctionType):
         raise TypeError(f"map(fn, items) on live ranks takes a Python function, got {type(fn).__name__}.")
-    items = _items(items)
+    total = item_count(items)
     check_count(batch_size, "batch_size")
     check_timeout(timeout)
     view = make_map_view(progress)
     if ranks.closed:
         ranks.eval("None")  # raises, saying how to get ranks again
     pool = ranks._pool
-    saved = SavedResults(run_dir, len(items)) if run_dir is not None else None
-    work = WorkQueue(items, batch_size, saved, pool.channel_options())
-    state = MapState(f"map of {fn.__name__} on {ranks.world_size} live ranks", len(items), work.resumed,
+    saved = SavedResults(run_dir, total) if run_dir is not None else None
+    work = WorkQueue(items, batch_size, saved, pool.channel_options(), shared_memory=not pool.remote)
+    state = MapState(f"map of {fn.__name__} on {ranks.world_size} live ranks", total, work.resumed,
                      len(work.results))
     bare = types.FunctionType(fn.__code__, {}, fn.__name__, fn.__defaults__, fn.__closure__)
     bare.__kwdefaults__, bare.__qualname__ = fn.__kwdefaults__, fn.__qualname__
@@ -234,7 +233,9 @@ def map_on_ranks(ranks, fn, items, *, batch_size: int = 1, run_dir=None, progres
     except KeyboardInterrupt as interrupt:
         if work.failure is None:
             verdict = "interrupted"
-            interrupt._render_traceback_ = lambda: [_interrupted(work, run_dir)]  # type: ignore[attr-defined]
+            said = interrupt._render_traceback_()[0] if hasattr(interrupt, "_render_traceback_") else ""
+            ranks_said = said.removeprefix("KeyboardInterrupt: ").rstrip(".") or "the live ranks were interrupted"
+            interrupt._render_traceback_ = lambda: [_interrupted(work, run_dir, ranks_said)]  # type: ignore[attr-defined]
             raise
         verdict = "failed"
     except WorkerError as error:
@@ -243,7 +244,7 @@ def map_on_ranks(ranks, fn, items, *, batch_size: int = 1, run_dir=None, progres
             raise
     finally:
         work.close()
-        state.done, state.busy, state.ended = len(work.results), 0, time.monotonic()
+        state.done, state.busy, state.total, state.ended = len(work.results), 0, work.total, time.monotonic()
         if verdict == "finished" and work.failure is not None:
             verdict = "failed"
         view.finish(state, verdict)

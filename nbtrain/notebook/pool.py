@@ -23,6 +23,7 @@ from collections import defaultdict, deque
 from ..common import protocol
 from ..common.channel import Hub, SendInterrupted
 from ..common.errors import NbtrainError
+from ..common.limits import out_of_files
 from ..common.output_reader import OutputReader
 from ..common.pickling import explain_pickling, ship_bytes
 from ..common.process_tree import descendants
@@ -60,11 +61,22 @@ class Pool:
     def __init__(self, launcher, job, live: bool):
         self._launcher, self._job, self._live = launcher, job, live
         self._inbox: queue.Queue = queue.Queue()
-        self._hub = Hub(self._inbox, **launcher.channel_options(job))
-        self._reader = OutputReader(self._inbox.put)
-        # Large returned tensors come through files this machine shares with its ranks (a remote
-        # rank on another machine sends bytes instead: see clusters.base.here).
-        self._files = LaunchFiles()
+        made: list = []  # what holds descriptors, closed again when a later part cannot be made
+        step = "opening the ranks' channel"
+        try:
+            self._hub = Hub(self._inbox, **launcher.channel_options(job))
+            made.append(self._hub.close)
+            step = "preparing to read the ranks' output"
+            self._reader = OutputReader(self._inbox.put)
+            made.append(self._reader.close)
+            step = "preparing shared memory for returned tensors"
+            # Large returned tensors come through files this machine shares with its ranks (a remote
+            # rank on another machine sends bytes instead: see clusters.base.here).
+            self._files = LaunchFiles()
+        except OSError as exc:
+            for close in reversed(made):
+                close()
+            raise out_of_files(exc, step, len(job.ranks)) from exc
         self._processes: list = []
         self._store: PrivateStore | None = None  # the ranks' rendezvous, for ranks on this machine
         # What the pool notes of the ranks' messages (`_note`):
@@ -146,15 +158,20 @@ class Pool:
         job.live = self._live
         job.first = protocol.Start(0, True) if self._live else protocol.Run(0, True, launcher._first_job(job))
         launcher._apply_nccl_quirks(job, display)
-        if launcher.local:
-            self._store = PrivateStore()
-            job.options["store"] = self._store.path
-        # Torch's variables, for libraries that read them: nothing of nbtrain's listens there.
-        job.master_port = job.master_port or free_port()
-        state = self._state = RunState(self._title(), job.ranks)
-        display.start(state)
-        launcher._start(job, {**self._hub.environ, **(self._files.environ if self._files else {})}, self._reader,
-                        self._processes)
+        try:  # what is opened here is closed by `close`, which a failed start is followed by
+            step = "making the ranks' rendezvous"
+            if launcher.local:
+                self._store = PrivateStore()
+                job.options["store"] = self._store.path
+            # Torch's variables, for libraries that read them: nothing of nbtrain's listens there.
+            job.master_port = job.master_port or free_port()
+            state = self._state = RunState(self._title(), job.ranks)
+            display.start(state)
+            step = "starting the ranks (their output pipes and channels)"
+            launcher._start(job, {**self._hub.environ, **(self._files.environ if self._files else {})}, self._reader,
+                            self._processes)
+        except OSError as exc:
+            raise out_of_files(exc, step, len(job.ranks)) from exc
         self._hub.start()
         self._reader.start()
         self._watch(state, display, timeout, job.start_timeout)

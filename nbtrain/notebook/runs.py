@@ -309,13 +309,15 @@ class Run:
         value.update(status="cancelled", reason="cancelled by Run.cancel()", ended=time.time())
         runlog.write_json(self.dir / runlog.STATUS, value)
 
-    def _summary(self) -> dict:
+    def _summary(self, from_logs: bool = True) -> dict:
         """devices, ranks and rank 0's last metrics: summary.json (the supervisor's recorder
         keeps it), or for a run written before it was (or before its first), the logs."""
         path = self.dir / runlog.SUMMARY
         try:
             summary = runlog.read_json(path, "devices", "ranks", "metrics")
         except FileNotFoundError:
+            if not from_logs:
+                raise
             return self._summary_from_logs()
         if not isinstance(summary["metrics"], dict) or not isinstance(summary["ranks"], list):
             raise ValueError(f"{str(path)!r} is damaged: its metrics or ranks are not what the recorder writes")
@@ -323,22 +325,24 @@ class Run:
 
     def _summary_from_logs(self) -> dict:
         summary: dict[str, Any] = {"devices": "", "ranks": [], "metrics": {}}
-        for _, event in runlog.Tail(self.dir / runlog.EVENTS).read():
-            if isinstance(event, protocol.AttemptStarted) and isinstance(event.title, str) \
-                    and isinstance(event.ranks, list):
+        # Read from the logs' ends: the last attempt's start, the latest metrics (a bounded number
+        # of them, so a huge log costs no more than a small one).
+        for _, event in runlog.last_events(self.dir / runlog.EVENTS, 1, protocol.AttemptStarted):
+            if isinstance(event.title, str) and isinstance(event.ranks, list):
                 summary.update(devices=event.title.split(" on ", 1)[-1], ranks=event.ranks)
-        for _, event in runlog.Tail(self.dir / runlog.rank_events(0)).read():
-            if isinstance(event, protocol.Metric):
-                summary["metrics"][runlog.metric_name(event.name)] = event.value
+        for _, event in runlog.last_events(self.dir / runlog.rank_events(0), SUMMARY_METRICS, protocol.Metric):
+            summary["metrics"][runlog.metric_name(event.name)] = event.value
         return summary
 
-    def logs(self, rank: int = 0) -> str:
+    def logs(self, rank: int = 0, last: int | None = None) -> str:
         """What a rank printed, every attempt's, as text.
 
         Parameters
         ----------
         rank : int, default 0
             The rank.
+        last : int, optional
+            Only the last this many lines, read from the log's end (quick whatever its size).
 
         Returns
         -------
@@ -351,13 +355,28 @@ class Run:
         """
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"logs(rank={rank!r}): give a rank number (0 is the first).")
-        ranks = self._summary()["ranks"]
+        if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 0):
+            raise ValueError(f"logs(last={last!r}): give a number of lines, 0 or more.")
+        ranks = self._ranks()
         if ranks and rank not in ranks:
             raise ValueError(f"logs(rank={rank}): the run has rank{'s' if len(ranks) > 1 else ''} "
                              f"{', '.join(map(str, ranks))}.")
-        lines = [event.text for _, event in runlog.Tail(self.dir / runlog.rank_events(rank)).read()
-                 if isinstance(event, protocol.Output)]
+        path = self.dir / runlog.rank_events(rank)
+        if last is not None:
+            lines = [event.text for _, event in runlog.last_events(path, last, protocol.Output)]
+        else:
+            lines = [event.text for _, event in runlog.Tail(path).read() if isinstance(event, protocol.Output)]
         return "".join(f"{line}\n" for line in lines)
+
+    def _ranks(self) -> list:
+        """The run's ranks: from summary.json, or where that is damaged or missing, from the
+        last attempt's start in the run's log (read from its end)."""
+        try:
+            return self._summary(from_logs=False)["ranks"]
+        except (ValueError, OSError):
+            started = runlog.last_events(self.dir / runlog.EVENTS, 1, protocol.AttemptStarted)
+            ranks = started[0].event.ranks if started else []
+            return ranks if isinstance(ranks, list) else []
 
     def export(self, path) -> Path:
         """This run's job as a directory that runs with no notebook, as `export` writes it.
@@ -593,6 +612,7 @@ class RunTable(list):
         return f"<table><tr>{head}</tr>{body}</table>"
 
 
+SUMMARY_METRICS = 1000  # the last metric events a run without summary.json is summed up from
 PROBLEMS = ("damaged", "refused")  # a row's status when the run cannot be read, or is not ours to read
 
 
@@ -619,7 +639,7 @@ def runs(path="nbtrain-runs") -> RunTable:
     TypeError
         ``path`` is not a path.
     ValueError
-        ``path`` is a file.
+        ``path`` is a file, or a run directory itself (see it with `attach`).
     PermissionError
         ``path`` is another user's, or a symbolic link.
     """
@@ -633,6 +653,10 @@ def runs(path="nbtrain-runs") -> RunTable:
     check_own(base, "folder")
     if not base.is_dir():
         raise ValueError(f"runs(path={str(path)!r}): it is a file; give the folder that holds run directories.")
+    if any(os.path.lexists(base / name) for name in (runlog.SPEC, runlog.STATUS)):
+        raise ValueError(f"runs(path={str(path)!r}): it is a run directory itself: see it with "
+                         f"nbtrain.attach({str(path)!r}) (in a shell: nbtrain attach {path}), or list it with the "
+                         f"others in its folder: runs({str(base.absolute().parent)!r}).")
     runlog.remove_stale_partials(base)
     for entry in sorted(os.scandir(base), key=lambda e: e.name):
         if not entry.name.startswith(runlog.PARTIAL):  # a run being submitted: not a run yet

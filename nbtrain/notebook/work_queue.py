@@ -14,7 +14,6 @@ import queue
 import struct
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 from ..common import protocol
@@ -27,6 +26,16 @@ from .insight import check_run_dir
 from .restarts import why
 
 log = logging.getLogger(__name__)
+
+
+def item_count(items) -> int | None:
+    """How many items, where the iterable says without being iterated (a list, a range); else None."""
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise TypeError(f"items={items!r}: give the items to map over as a list (or any iterable).")
+    try:
+        return len(items)
+    except TypeError:  # an iterator, a generator: counted as it is drawn from
+        return None
 
 
 class MapError(NbtrainError, RuntimeError):
@@ -44,7 +53,7 @@ class MapError(NbtrainError, RuntimeError):
         ``{index: result}`` of the items finished before the map stopped (all of them saved in
         ``run_dir``, when one was given: running the map again starts where it stopped).
     total : int, default 0
-        Items in the map.
+        Items in the map (0: not known, the items being an iterator not drawn to its end).
     batch : tuple of int, default ()
         Every index of the failed item's batch (default: ``(index,)``).
 
@@ -70,8 +79,9 @@ class MapError(NbtrainError, RuntimeError):
 
     def _message(self) -> str:
         text = f"{self._which} failed: {self.summary}"
-        if self.total:
-            text += f" ({len(self.results)} of {self.total} items done; their results are in .results)"
+        if self.total or self.results:
+            of = f" of {self.total}" if self.total else ""
+            text += f" ({len(self.results)}{of} items done; their results are in .results)"
         if self.traceback:
             text += f"\n\n--- {self._which} ---\n{readable(self.traceback).rstrip()}"
         return text
@@ -90,12 +100,12 @@ class SavedResults:
 
     HEADER = struct.Struct("!QI")  # payload bytes, number of indices
 
-    def __init__(self, run_dir, total: int):
+    def __init__(self, run_dir, total: int | None):
         self.directory = private_dir(Path(check_run_dir(run_dir)))
         meta = self.directory / "map.json"
         if meta.exists():
             held = read_own_json(meta).get("items")
-            if held != total:
+            if held is not None and total is not None and held != total:  # None: items from an iterator
                 raise ValueError(f"run_dir={str(run_dir)!r} holds a map of {held} items; this map has {total}. Give "
                                  "another run_dir for a new map (the same run_dir resumes the same map).")
         else:
@@ -154,11 +164,18 @@ class WorkQueue:
     """The notebook's side of a map: hands out items as workers ask, keeps the results (and saves
     them), and knows which items each worker holds, so a failure names its item."""
 
-    def __init__(self, items: list, batch_size: int, saved: SavedResults | None, channel: dict):
-        self.items, self.batch_size, self.saved = items, batch_size, saved
+    def __init__(self, items, batch_size: int, saved: SavedResults | None, channel: dict, shared_memory: bool = True):
+        self.total = item_count(items)  # None: an iterator, counted once it runs out
+        # Large tensors in items go as files in shared memory that the worker maps (and removes),
+        # as return values come back: pickled through the socket, a 1 GiB item cost the notebook 3 GiB.
+        from ..common.tensor_files import LaunchFiles  # torch: imported when a map runs, not with nbtrain
+
+        self._files = LaunchFiles() if shared_memory else None
+        self._source = iter(items)  # drawn from only as workers ask: never a list of them all here
+        self.batch_size, self.saved = batch_size, saved
         self.results: dict[int, object] = saved.values() if saved is not None else {}
         self.resumed = len(self.results)
-        self.pending = deque(i for i in range(len(items)) if i not in self.results)
+        self.taken = 0  # items drawn from the iterable so far (the next one's index)
         self.in_flight: dict[int, list[int]] = {}
         self.failure: MapError | None = None
         self.stopped = False
@@ -176,13 +193,13 @@ class WorkQueue:
 
     @property
     def finished(self) -> bool:
-        return len(self.results) == len(self.items)
+        return self.total is not None and len(self.results) >= self.total
 
     def spec(self, fn, bind: bool, worker: int | None = None) -> WorkSpec:
         return WorkSpec(self.hub.environ, fn, bind, self.batch_size, worker)
 
     def ordered(self) -> list:
-        return [self.results[i] for i in range(len(self.items))]
+        return [self.results[i] for i in range(self.total or 0)]
 
     def _serve(self) -> None:
         while not self._closing.is_set():
@@ -208,7 +225,13 @@ class WorkQueue:
             values = dill.loads(message.payload)
             with self._lock:
                 if self.saved is not None:
-                    self.saved.add(message.indices, message.payload)
+                    try:
+                        self.saved.add(message.indices, message.payload)
+                    except OSError as exc:  # a full disk, a file-size limit: saving failed, not the item
+                        self.in_flight.pop(worker, None)
+                        self._fail(message.indices, f"its result came back but could not be saved in "
+                                                    f"{self.saved.path}: {exc.strerror or exc}")
+                        return
                 self.results.update(zip(message.indices, values))
                 self.in_flight.pop(worker, None)
         elif isinstance(message, protocol.ItemsFailed):
@@ -217,28 +240,59 @@ class WorkQueue:
                 self._fail(message.indices, message.summary, message.traceback)
 
     def _hand_out(self, worker: int, count: int):
-        import dill
-
         with self._lock:
             self.in_flight.pop(worker, None)
             batch: list[tuple[int, bytes]] = []
-            while self.pending and len(batch) < count and self.failure is None and not self.stopped:
-                index = self.pending[0]
+            while len(batch) < count and self.failure is None and not self.stopped:
+                index, item = self._next_item()
+                if index is None:
+                    break
                 try:
-                    payload = dill.dumps(self.items[index], recurse=True)
+                    payload = self._pack(index, item)
                 except Exception as exc:
                     self._fail([index], f"the item cannot be sent to the workers: {type(exc).__name__}: {exc}")
                     break
-                self.pending.popleft()
                 batch.append((index, payload))
             if not batch:
                 return protocol.NoMoreItems()
             self.in_flight[worker] = [index for index, _ in batch]
             return protocol.Items(batch)
 
+    def _pack(self, index: int, item) -> bytes:
+        """The item pickled as a job travels; its large tensors written to shared memory, where
+        one worker maps them (`rank/work.py`), unless the workers may be on other machines."""
+        from ..common.tensor_files import RankFiles
+        from ..common.transfer import pack_push
+
+        environ = {**os.environ, **self._files.environ} if self._files is not None else {}
+        files = RankFiles.from_environ(index, environ)  # named by the item: one worker maps and removes them
+        try:
+            return pack_push(item, files)
+        except BaseException:
+            if files is not None:
+                files.discard()
+            raise
+
+    def _next_item(self) -> tuple[int | None, object]:
+        """The next item not done yet (resumed ones are skipped), or (None, None) once there are no more."""
+        while self.total is None or self.taken < self.total:
+            index = self.taken
+            try:
+                item = next(self._source)
+            except StopIteration:
+                self.total = index
+                break
+            except Exception as exc:
+                self._fail([index], f"taking it from the items raised {type(exc).__name__}: {exc}")
+                break
+            self.taken += 1
+            if index not in self.results:
+                return index, item
+        return None, None
+
     def _fail(self, indices: list[int], summary: str, traceback: str = "") -> None:
         if self.failure is None:
-            self.failure = MapError(indices[0], summary, traceback, total=len(self.items), batch=tuple(indices))
+            self.failure = MapError(indices[0], summary, traceback, total=self.total or 0, batch=tuple(indices))
 
     def lost(self, worker: int, error: BaseException) -> bool:
         """A worker's run ended in failure; True when it held items (the map then fails, naming the first)."""
@@ -251,7 +305,7 @@ class WorkQueue:
     def error(self) -> MapError | None:
         """The failure, with the results so far."""
         if self.failure is not None:
-            self.failure.results = dict(self.results)
+            self.failure.results, self.failure.total = dict(self.results), self.total or 0
             self.failure.args = (self.failure._message(),)
         return self.failure
 
@@ -267,5 +321,7 @@ class WorkQueue:
         except queue.Empty:
             pass
         self.hub.close()
+        if self._files is not None:
+            self._files.cleanup()  # the items no worker mapped: a map stopped, a worker that died
         if self.saved is not None:
             self.saved.close()

@@ -199,13 +199,22 @@ class _Pipes:
     def __init__(self, ranks: list[int], pump):
         self.write_ends: dict[int, tuple[int, int]] = {}
         self.read_ends: list[int] = []
-        for rank in ranks:
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
+        made: list[int] = []
+        try:  # every pipe first: one that cannot be made (the open-file limit) leaves none behind
+            for rank in ranks:
+                out_r, out_w = os.pipe()
+                made += [out_r, out_w]
+                err_r, err_w = os.pipe()
+                made += [err_r, err_w]
+                self.write_ends[rank] = (out_w, err_w)
+                self.read_ends += [out_r, err_r]
+        except OSError:
+            for fd in made:
+                os.close(fd)
+            raise
+        for rank, out_r, err_r in zip(ranks, self.read_ends[::2], self.read_ends[1::2]):
             pump.add(out_r, rank, "stdout", sole=True)
             pump.add(err_r, rank, "stderr", sole=True)
-            self.write_ends[rank] = (out_w, err_w)
-            self.read_ends += [out_r, err_r]
 
     def close_write_ends(self) -> None:
         # After the ranks hold their copies; a rank's death is then EOF on its pipes.
@@ -233,12 +242,14 @@ class ForkLauncher(ProcessLauncher):
             except Exception:  # a closed or odd stream object: nothing to duplicate
                 pass
         pipes = _Pipes(job.ranks, pump)
-        # Each rank's channel, connected before it starts: no dial, no challenge (`Hub.adopt`).
-        channels = {rank: socket.socketpair() for rank in job.ranks}
-        watcher = kernel_watcher.address()  # the kernel's one watcher of its ranks, started at its first launch
-        every_end = (pipes.read_ends + [fd for fds in pipes.write_ends.values() for fd in fds]
-                     + [end.fileno() for pair in channels.values() for end in pair])
+        channels: dict[int, tuple[socket.socket, socket.socket]] = {}
         try:
+            # Each rank's channel, connected before it starts: no dial, no challenge (`Hub.adopt`).
+            for rank in job.ranks:
+                channels[rank] = socket.socketpair()
+            watcher = kernel_watcher.address()  # the kernel's one watcher of its ranks, started at its first launch
+            every_end = (pipes.read_ends + [fd for fds in pipes.write_ends.values() for fd in fds]
+                         + [end.fileno() for pair in channels.values() for end in pair])
             # Everything the forks take is made first: after the first fork each page the kernel writes
             # is copied (the rank shares them), and the next rank would start that much later.
             forks = {}

@@ -22,10 +22,12 @@ import logging
 import os
 import shutil
 import warnings
+from pathlib import Path
 
 import torch
 
 from ..common.errors import NbtrainError
+from ..common.private import DIR_MODE, FILE_MODE, make_parents
 
 METADATA = ".metadata"  # DCP's index file: its presence marks a checkpoint directory
 # DCP's words for a checkpoint that is whole but holds other shapes or names than the objects given
@@ -185,6 +187,8 @@ def save(ctx, path, objects: dict) -> None:
         shutil.rmtree(partial, ignore_errors=True)
     _barrier(group)
     try:
+        make_parents(Path(partial))  # DCP would make them with the umask's mode (0777 under umask 000)
+        os.makedirs(partial, DIR_MODE, exist_ok=True)
         with _single_process_is_meant():
             dcp.save(state, checkpoint_id=partial, storage_writer=_writer(partial), process_group=group,
                      no_dist=group is None)
@@ -195,6 +199,7 @@ def save(ctx, path, objects: dict) -> None:
     if ctx.is_global_zero:  # dcp.save returns on rank 0 once every rank's shard is written
         old = path + ".old"
         try:
+            _private_files(partial)
             if os.path.exists(path):
                 os.replace(path, old)
             os.replace(partial, path)
@@ -276,6 +281,14 @@ def _explain(exc: BaseException, verb: str, path: str, written: str, rank: int) 
     else:
         message = f"save_checkpoint: writing {path} failed ({who}): {_brief(first)}"
     return CheckpointError(message, code, path, {r: _brief(e) for r, e in failures.items()})
+
+
+def _private_files(directory: str) -> None:
+    """What DCP wrote under `directory` (with the umask's modes) made 0600 in 0700 folders."""
+    for folder, _, files in os.walk(directory):
+        os.chmod(folder, DIR_MODE)
+        for name in files:
+            os.chmod(os.path.join(folder, name), FILE_MODE)
 
 
 def _writer(partial: str):

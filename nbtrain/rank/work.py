@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 from ..common import protocol
 from ..common.channel import Link
-from ..common.transfer import pack_exception
+from ..common.errors import UnpicklableError
+from ..common.pickling import RETURN_ADVICE, explain_return
+from ..common.transfer import pack_exception, unpack_result
 from .context import context
 from .trial import take_share
 
@@ -42,7 +44,6 @@ def bind(fn, namespace: dict):
 
 def serve_items(spec: WorkSpec, namespace: dict | None = None) -> int:
     """Run items until the queue says done; the number of items this worker ran."""
-    import dill
 
     take_share(spec.threads, spec.cores)
     fn = bind(spec.fn, namespace if namespace is not None else {}) if spec.bind else spec.fn
@@ -60,8 +61,12 @@ def serve_items(spec: WorkSpec, namespace: dict | None = None) -> int:
                 return count
             indices = [index for index, _ in answer.batch]
             try:
-                items = [dill.loads(payload) for _, payload in answer.batch]
-                payload = pack_values(call(fn, items, spec.batch_size))
+                items = [unpack_result(payload) for _, payload in answer.batch]  # large tensors mapped
+                values = call(fn, items, spec.batch_size)
+                payload = pack_values(values)
+            except UnpicklableReturn as exc:  # fn ran: what it returned cannot be sent back
+                link.emit(protocol.ItemsFailed(worker, indices, exc.line, str(exc), pack_exception(exc)))
+                return count
             except Exception as exc:
                 link.emit(protocol.ItemsFailed(worker, indices, f"{type(exc).__name__}: {exc}", own_traceback(exc),
                                                pack_exception(exc)))
@@ -97,7 +102,26 @@ def pack_values(values: list) -> bytes:
     try:
         return dill.dumps(values, byref=True)
     except Exception:
+        pass
+    try:
         return dill.dumps(values, recurse=True)
+    except Exception as exc:
+        raise UnpicklableReturn(values, exc) from exc
+
+
+class UnpicklableReturn(UnpicklableError):
+    """What `fn` returned cannot be pickled: named as its return value, where in it and why."""
+
+    def __init__(self, values: list, exc: BaseException):
+        findings = explain_return(values[0] if len(values) == 1 else values, "the return value")
+        super().__init__("fn's return value", findings, f"{type(exc).__name__}: {exc}", RETURN_ADVICE, returning=True)
+        first = self.findings[0] if self.findings else None
+        self.line = "its return value cannot travel back to the notebook: " + (
+            f"{first.path} is a {first.type} ({first.reason})" + (f"; {first.hint}" if first.hint else "")
+            if first is not None else self.detail)
+
+    def __reduce__(self):  # travels as the plain error it is
+        return (UnpicklableError, (self.what, self.findings, self.detail, self.advice, self.returning))
 
 
 def on_cpu(value):
