@@ -47,9 +47,9 @@ class Steerer:
     # -- pause and resume ------------------------------------------------------------------
     def pause(self, timeout: float = PAUSE_TIMEOUT) -> int:
         """Hold every rank at one step boundary; the step (already held: that step)."""
+        self._going()  # a run that ended while paused holds nothing
         if self.held_at is not None:
             return self.held_at
-        self._going()
         _drain(self._pool.replies)
         self._send(protocol.SteerHold(None))
         try:
@@ -64,8 +64,8 @@ class Steerer:
         target: int | None = None
         moved = time.monotonic()
         while True:
-            reply = self._reply(deadline)
-            if reply is None:
+            reply = self._reply(min(deadline, time.monotonic() + POLL))  # None: look again (the grace below)
+            if reply is None and time.monotonic() >= deadline:
                 raise self._not_at_boundary(held, timeout)
             if isinstance(reply, protocol.SteerHeld):
                 held[reply.rank] = reply.step
