@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nbtrain
-from conftest import running
+from conftest import CHILDREN, running
 from nbtrain.common import protocol
 from nbtrain.common.errors import WorkerError
 from nbtrain.notebook.steer import SteerError
@@ -250,3 +250,44 @@ def test_a_rank_holds_at_the_target_step_and_reports_each_step_it_holds_at():
     steering.on_message(protocol.SteerResume())
     main.join(10)
     assert not main.is_alive() and steering.steps == 6 and steering.stopping
+
+
+# -- from a real Jupyter kernel --------------------------------------------------------------------
+
+KERNEL_SETUP = '''
+import time, torch, nbtrain
+''' + CHILDREN + '''
+def train():
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctx.steer(model=model, optimizer=opt)
+    for _ in ctx.progress(range(1_000_000)):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        time.sleep(0.005)
+    return model
+'''
+
+
+@pytest.mark.slow
+def test_a_background_run_frees_the_kernel_and_a_later_ctrl_c_does_not_reach_it(kernel):
+    _, _, error, _ = kernel.run(KERNEL_SETUP)
+    assert error is None, error
+    _, _, error, _ = kernel.run("run = nbtrain.launch(train, devices=2, accelerator='cpu', start='fork', "
+                                "wait=False, progress=False)")
+    assert error is None, error  # the cell ended while the ranks train
+    assert kernel.value("run.done()") is False
+    asked = kernel.client.execute("print('waiting', flush=True); time.sleep(120)")
+    kernel.wait_for_output(asked, "waiting")
+    kernel.manager.interrupt_kernel()  # the cell that runs gets the Ctrl-C; the run goes on
+    while (reply := kernel.client.get_shell_msg(timeout=30))["msg_type"] != "execute_reply":
+        pass
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert kernel.value("run.done()") is False
+    step = kernel.value("run.pause()")
+    assert kernel.value("run.call(lambda step: step)") == [step, step]
+    assert kernel.value("run.stop()") >= step
+    assert kernel.value("type(run.result(timeout=60).value).__name__, run.result().changes[-1].what") == \
+        ("Linear", "stop")
+    assert kernel.value("children()") == []
