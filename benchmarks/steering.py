@@ -143,8 +143,8 @@ def main() -> None:
     rows += ["", f"Commit {commit.strip()}. Loop costs: medians of {args.repeats} interleaved repeats, the calling "
              "thread's CPU time. Pauses: wall time of pause() on the notebook's side, each after the run trained "
              "0.2 s on from the last resume(); the ranks stop at their next boundary and the notebook agrees the "
-             "furthest step, so a pause costs up to one step plus the channel's round trips (and, where a rank "
-             "waits in the next step's collective, the grace of 2 step times, at least 50 ms)."]
+             "furthest step any rank can reach (a rank waiting in the next step's collective says so at once from "
+             "its channel thread), so a pause costs up to one step plus the channel's round trips."]
     body = "\n".join(rows)
     if args.no_save:
         print(body)

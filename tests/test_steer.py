@@ -233,20 +233,21 @@ def test_a_rank_holds_at_the_target_step_and_reports_each_step_it_holds_at():
 
     assert boundaries(3) == "ran" and not said  # nothing asked: nothing said
     steering.on_message(protocol.SteerHold(5))  # the agreed step is ahead: run on to it
+    assert said == [protocol.SteerHeld(0, 3, held=False)]  # the listener's answer: 3 passed, inside the 4th
     main = threading.Thread(target=boundaries, args=(10,))
     main.start()
     deadline = time.monotonic() + 10
-    while not said and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert said == [protocol.SteerHeld(0, 5)] and main.is_alive()
-    steering.on_message(protocol.SteerHold(6))  # moved on: hold one step later
     while len(said) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert said[1] == protocol.SteerHeld(0, 6)
-    steering.on_message(protocol.SteerApply(1, "stop"))
+    assert said[1] == protocol.SteerHeld(0, 5) and main.is_alive()
+    steering.on_message(protocol.SteerHold(6))  # moved on: hold one step later
     while len(said) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert said[2].seq == 1 and said[2].step == 6 and not said[2].error
+    assert said[2] == protocol.SteerHeld(0, 6)
+    steering.on_message(protocol.SteerApply(1, "stop"))
+    while len(said) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert said[3].seq == 1 and said[3].step == 6 and not said[3].error
     steering.on_message(protocol.SteerResume())
     main.join(10)
     assert not main.is_alive() and steering.steps == 6 and steering.stopping

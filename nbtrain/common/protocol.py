@@ -565,9 +565,11 @@ class SteerResume(NamedTuple):
 
 @_kind("steer_held")
 class SteerHeld(NamedTuple):
-    """A rank holds at the boundary after `step` steps of its current command."""
+    """A rank holds at the boundary after `step` steps of its current command; `held` False: the
+    listener's answer as the hold came, `step` boundaries passed and the rank inside the next step."""
     rank: int
     step: int
+    held: bool = True
 
 
 @_kind("steer_done")

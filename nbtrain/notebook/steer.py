@@ -1,11 +1,13 @@
 """Steering on the notebook side: agree on one step boundary with every rank, act there, remember it.
 
-`pause` asks every rank to hold at its next boundary (`rank/steer.py`); each reports the step it
-stopped at. The target is the furthest step heard, and every rank behind it runs on to it. Under
-DDP a rank may be one step ahead of a held one, waiting in that step's collective for it: it
-cannot report until the held one runs on, so when every rank heard is held at the target and the
-others stay silent for a grace period, the target moves one step on. No collective is added to a
-step: the agreement travels on the run's channel, and only while a pause is asked.
+`pause` asks every rank to hold at its next boundary (`rank/steer.py`). Each rank's listener thread
+answers at once with the boundaries its main thread has passed (it can hold at the next one at the
+earliest), and the main thread reports the step it holds at. The target is the furthest step any
+rank can reach, and every rank behind it runs on to it. Under DDP a rank may be one step ahead of
+a held one, waiting in that step's collective for it: its listener's answer moves the target there
+at once. Should a rank stay silent (its listener starved), when every rank heard is held at the
+target for a grace period the target moves one step on. No collective is added to a step: the
+agreement travels on the run's channel, and only while a pause is asked.
 """
 from __future__ import annotations
 
@@ -60,25 +62,29 @@ class Steerer:
         return self.held_at
 
     def _agree(self, deadline: float, timeout: float) -> int:
-        held: dict[int, int] = {}
+        held: dict[int, int] = {}  # rank: the step it holds at
+        passed: dict[int, int] = {}  # rank: boundaries it had passed as the hold came (it holds at one more)
         target: int | None = None
         moved = time.monotonic()
         while True:
             reply = self._reply(min(deadline, time.monotonic() + POLL))  # None: look again (the grace below)
             if reply is None and time.monotonic() >= deadline:
-                raise self._not_at_boundary(held, timeout)
+                raise self._not_at_boundary(held, passed, timeout)
             if isinstance(reply, protocol.SteerHeld):
-                held[reply.rank] = reply.step
+                (held if reply.held else passed)[reply.rank] = reply.step
             now = time.monotonic()
-            furthest = max(held.values(), default=None)
+            # The earliest step each rank can hold at: where it holds, or the boundary after those it passed.
+            reachable = [held.get(r, passed[r] + 1 if r in passed else None) for r in self.ranks]
+            furthest = max((s for s in reachable if s is not None), default=None)
             if furthest is not None and (target is None or furthest > target):
                 target, moved = furthest, now
                 self._send(protocol.SteerHold(target))  # those behind run on to it
-            if target is None:
+            if target is None or not held:
                 continue
             if len(held) == len(self.ranks) and all(step == target for step in held.values()):
                 return target
-            if all(step == target for step in held.values()) and now - moved > self._grace():
+            unheard = any(r not in held and r not in passed for r in self.ranks)
+            if unheard and all(step == target for step in held.values()) and now - moved > self._grace():
                 target, moved = target + 1, now  # a silent rank may wait for the held ones in the next step
                 self._send(protocol.SteerHold(target))
 
@@ -171,10 +177,13 @@ class Steerer:
                 return None
             self._going()  # after the queue: answers that came just before the run ended still count
 
-    def _not_at_boundary(self, held: dict[int, int], timeout: float) -> TimeoutError:
+    def _not_at_boundary(self, held: dict[int, int], passed: dict[int, int], timeout: float) -> TimeoutError:
         silent = [r for r in self.ranks if r not in held]
         where = self._pool.where_now(silent, WHERE_WAIT) if silent else {}
         at = (f"; ranks {sorted(held)} stopped at steps {[held[r] for r in sorted(held)]}" if held else "")
+        never = [r for r in silent if passed.get(r) == 0]
+        if never:
+            at += f"; ranks {never} have passed no step boundary in this run"
         verdict = stall_verdict(where, [r for r in silent if r not in where]).text if silent else ""
         return TimeoutError(
             f"run.pause(): ranks {silent or self.ranks} did not reach a step boundary within {timeout:g} s{at}. "

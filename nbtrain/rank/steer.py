@@ -47,6 +47,8 @@ class Steering:
     def on_message(self, message) -> None:
         with self._cond:
             if isinstance(message, protocol.SteerHold):
+                if not self._holding:  # where the main thread is: it cannot hold before its next boundary
+                    self._emit(protocol.SteerHeld(self._rank, self.steps, False))
                 self._holding, self._target = True, message.step
                 self.pending = True
             elif isinstance(message, protocol.SteerResume):
