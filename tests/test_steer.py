@@ -184,6 +184,25 @@ def test_a_failing_call_keeps_the_ranks_held_and_the_run_goes_on(background):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_at_the_agreed_step_loads_back(background, tmp_path):
+    def load(path):
+        ctx = nbtrain.context()
+        model = ctx.setup(torch.nn.Linear(4, 1))
+        loaded = ctx.load_checkpoint(path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), step=0)
+        return loaded["step"], parameters(model)
+
+    run = started(background(train, devices=2, accelerator="cpu", start="fork"))
+    step = run.pause()
+    held = run.call(parameters)[0]
+    run.checkpoint(tmp_path / "ckpt")
+    run.stop()
+    assert [c.what for c in run.result(timeout=60).changes] == ["call", "checkpoint", "stop"]
+    for loaded_step, loaded in nbtrain.launch(load, tmp_path / "ckpt", devices=2, accelerator="cpu", start="fork",
+                                              progress=False).values:
+        assert loaded_step == step and all(torch.equal(a, b) for a, b in zip(held, loaded))
+
+
+@pytest.mark.slow
 def test_wait_true_is_unchanged_and_ctx_step_stops_a_loop_of_ones_own(background):
     def own_loop():
         ctx = nbtrain.context()
@@ -275,9 +294,10 @@ def train():
 def test_a_background_run_frees_the_kernel_and_a_later_ctrl_c_does_not_reach_it(kernel):
     _, _, error, _ = kernel.run(KERNEL_SETUP)
     assert error is None, error
-    _, _, error, _ = kernel.run("run = nbtrain.launch(train, devices=2, accelerator='cpu', start='fork', "
-                                "wait=False, progress=False)")
-    assert error is None, error  # the cell ended while the ranks train
+    _, err, error, shown = kernel.run("run = nbtrain.launch(train, devices=2, accelerator='cpu', start='fork', "
+                                      "wait=False)")
+    assert error is None and "Traceback" not in err, (error, err)  # the cell ended while the ranks train
+    assert shown, "the live view is drawn in the cell that started the run"
     assert kernel.value("run.done()") is False
     asked = kernel.client.execute("print('waiting', flush=True); time.sleep(120)")
     kernel.wait_for_output(asked, "waiting")
