@@ -81,6 +81,7 @@ def test_every_rank_applies_each_change_at_the_same_step(start, ranks, backgroun
     started(run)
     step = run.pause()
     assert run.pause() == step, "paused already: the same step"
+    assert run.metrics("lr") and set(run.metrics("lr", None)) == {LR}  # what was logged so far
     before = run.call(parameters)
     assert len(before) == ranks
     for other in before[1:]:

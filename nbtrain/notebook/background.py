@@ -273,6 +273,23 @@ class BackgroundRun:
         """
         return self._steer.stop(timeout)
 
+    def metrics(self, name: str, rank: int | None = 0) -> list[float]:
+        """The values logged under one name so far (as ``Result.metrics``), while the run trains.
+
+        Parameters
+        ----------
+        name : str
+            The name given to ``ctx.log``.
+        rank : int or None, default 0
+            Whose values: a rank, or None for every rank's.
+
+        Returns
+        -------
+        list of float
+        """
+        history = list(self._pool.state.history) if self._pool.state is not None else []
+        return [m.value for m in history if m.name == name and (rank is None or m.rank == rank)]
+
     @property
     def changes(self) -> list[protocol.Change]:
         """What was changed so far, each with the step it was applied at on every rank."""
