@@ -120,12 +120,22 @@ def test_ranks_at_different_steps_hold_at_the_furthest(background):
     run = started(background(train_alone, devices=2, accelerator="cpu", start="fork"))
     time.sleep(0.5)  # rank 0 is far ahead by now
     step = run.pause()
+    assert step > 2
     assert run.call(lambda step: step) == [step, step]
     run.set(lr=NEW_LR)
     stopped = run.stop()
     result = run.result(timeout=60)
     for rank in (0, 1):
         assert result.metrics("lr", rank) == [LR] * step + [NEW_LR] * (stopped - step), f"rank {rank}"
+
+
+@pytest.mark.slow
+def test_a_pause_right_after_the_launch_holds_at_the_first_step(background):
+    run = background(train, devices=2, accelerator="cpu", start="spawn")  # slow to start: still starting now
+    assert run.pause(timeout=120) == 1
+    assert run.call(lambda step: step) == [1, 1]
+    assert run.stop() == 1
+    assert run.result(timeout=60).metrics("lr") == [LR]
 
 
 @pytest.mark.slow

@@ -79,6 +79,10 @@ class BackgroundPool(Pool):
     def send(self, rank: int, message) -> bool:
         return self._hub.send(rank, message)
 
+    def connected(self, rank: int) -> bool:
+        """`rank` has reached the notebook: what is sent to it now arrives."""
+        return self._hub.connected(rank)
+
     def where_now(self, ranks: list[int], wait: float) -> dict[int, protocol.Whereabouts]:
         """Where each listed rank's main thread is (those that answered within `wait` s)."""
         for rank in ranks:

@@ -53,9 +53,13 @@ class Steerer:
         if self.held_at is not None:
             return self.held_at
         _drain(self._pool.replies)
+        deadline = time.monotonic() + timeout
+        while not all(self._pool.connected(r) for r in self.ranks) and time.monotonic() < deadline:
+            self._going()  # ranks still starting (a pause right after launch): a hold sent now would be lost
+            time.sleep(0.01)
         self._send(protocol.SteerHold(None))
         try:
-            self.held_at = self._agree(time.monotonic() + timeout, timeout)
+            self.held_at = self._agree(deadline, timeout)
         except BaseException:  # timed out, interrupted, the run ended: no rank stays held
             self._send(protocol.SteerResume())
             raise
