@@ -323,3 +323,26 @@ def test_a_background_run_frees_the_kernel_and_a_later_ctrl_c_does_not_reach_it(
     assert kernel.value("type(run.result(timeout=60).value).__name__, run.result().changes[-1].what") == \
         ("Linear", "stop")
     assert kernel.value("children()") == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_pause_lets_every_rank_go_on(kernel):
+    _, _, error, _ = kernel.run(KERNEL_SETUP + '''
+def late():
+    ctx = nbtrain.context()
+    time.sleep(4)                     # no boundary yet: a pause waits here
+    return sum(1 for _ in ctx.progress(range(5)))
+
+run = nbtrain.launch(late, devices=2, accelerator='cpu', start='fork', wait=False, progress=False)
+''')
+    assert error is None, error
+    asked = kernel.client.execute("print('pausing', flush=True); run.pause(timeout=60)")
+    kernel.wait_for_output(asked, "pausing")
+    time.sleep(0.5)
+    kernel.manager.interrupt_kernel()
+    while (reply := kernel.client.get_shell_msg(timeout=30))["msg_type"] != "execute_reply":
+        pass
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    # The hold was taken back: the ranks pass their boundaries and finish, rather than hold at the first.
+    assert kernel.value("run.result(timeout=60).values") == [5, 5]
+    assert kernel.value("children()") == []
