@@ -233,6 +233,27 @@ def test_wait_true_is_unchanged_and_ctx_step_stops_a_loop_of_ones_own(background
     assert run.result(timeout=60).values == [step - 1, step - 1]  # stopped at ctx.step()'s boundary `step`
 
 
+@pytest.mark.slow
+def test_a_submitted_run_is_steered_from_its_run_object(tmp_path, no_leftovers):
+    run = nbtrain.submit(train, devices=2, accelerator="cpu", run_dir=tmp_path / "run", progress=False)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run.dir / "steer").is_dir():  # the supervisor serves steering once its ranks started
+            assert time.monotonic() < deadline and run.status not in ("failed", "finished"), run.status
+            time.sleep(0.1)
+        step = nbtrain.attach(run.dir).pause(timeout=120)  # from any kernel: a Run read back from the directory
+        run.set(lr=NEW_LR)
+        assert run.call(lambda step: step) == [step, step]
+        stopped = run.stop()
+        result = run.result(timeout=120)
+    finally:
+        if run.status not in ("finished", "failed", "cancelled"):
+            run.cancel()
+    assert [(c.step, c.what) for c in result.changes] == [(step, "set"), (step, "call"), (stopped, "stop")]
+    for rank in (0, 1):
+        assert result.metrics("lr", rank) == [LR] * step + [NEW_LR] * (stopped - step), f"rank {rank}"
+
+
 # -- without processes -------------------------------------------------------------------------
 
 def test_bad_input_is_refused_before_anything_starts():

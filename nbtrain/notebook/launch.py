@@ -45,6 +45,8 @@ def check_timeout(timeout):
 def launch(fn: Callable, *args: Any, wait: Literal[True] = ..., **kwargs: Any) -> Result: ...
 @overload
 def launch(fn: Callable, *args: Any, wait: Literal[False], **kwargs: Any) -> BackgroundRun: ...
+@overload
+def launch(fn: Callable, *args: Any, wait: bool, **kwargs: Any) -> Result | BackgroundRun: ...
 
 
 def launch(fn: Callable, *args, strategy: str = "auto", start: str = "auto", devices="auto",
@@ -161,7 +163,8 @@ def launch(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
     check_restarts(max_restarts)
     if not isinstance(wait, bool):
         raise TypeError(f"launch(wait={wait!r}): give True (return the Result when the run ends) or False (return "
-                        "a handle at once, the run going on in the background).")
+                        "a handle at once, the run going on in the background); a `wait` for the training function "
+                        "is bound to it: launch(functools.partial(fn, wait=...)).")
     asked = words(strategy, start, launcher_options)
     insight = {"trackers": trackers, "profile": profile, "run_dir": run_dir}
     if cluster is not None:

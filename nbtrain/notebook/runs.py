@@ -24,6 +24,7 @@ from ..common import protocol, runlog, session, wake
 from ..common.private import NotYours, check_own
 from ..display import check_progress, in_jupyter, make_display
 from ..display.widgets import WidgetDisplay
+from . import steer_files
 from .result import Result
 from .runmodel import RunState
 
@@ -263,6 +264,37 @@ class Run:
         if os.path.lexists(self.dir / runlog.ERROR):
             raise runlog.read_pickle(self.dir / runlog.ERROR)
         raise RuntimeError(f"the run in {self.dir} failed: {self.reason}")
+
+    # -- steering (a run of rank processes on this machine: `steer_files.py`) ------------------
+    def _steer(self, method: str, *args, timeout: float | None = None, **kwargs):
+        return steer_files.ask(self.dir, lambda: self.status in runlog.ENDED, method, *args, timeout=timeout,
+                               **kwargs)
+
+    def pause(self, timeout: float = 30.0) -> int:
+        """Hold every rank at the same step boundary and return that step, as
+        ``launch(wait=False)``'s `BackgroundRun.pause` does (docs/steering.md); from any kernel."""
+        return self._steer("pause", timeout=timeout)
+
+    def resume(self) -> None:
+        """Let every rank go on from the step it holds at."""
+        self._steer("resume", timeout=None)
+
+    def call(self, fn, timeout: float | None = None) -> list:
+        """Run ``fn`` on every rank at the agreed step (with what ``ctx.steer`` registered, by its
+        parameters' names); each rank's answer, in rank order."""
+        return self._steer("call", fn, timeout=timeout)
+
+    def set(self, optimizer: str | None = None, timeout: float | None = None, **values) -> None:
+        """Set param-group values (``lr=...``) of the registered optimizers on every rank at the same step."""
+        self._steer("set", optimizer=optimizer, timeout=timeout, **values)
+
+    def checkpoint(self, path, timeout: float | None = None) -> None:
+        """Save every registered object (and ``step``) at the agreed step (``ctx.save_checkpoint``)."""
+        self._steer("checkpoint", str(path), timeout=timeout)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """End the training at the agreed step as if its loops had finished; `result` gives what it returned."""
+        return self._steer("stop", timeout=timeout)
 
     def cancel(self) -> None:
         """Stop the run: its ranks stop as a Ctrl-C stops a launch, and nothing of its processes is left.
