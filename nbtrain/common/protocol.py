@@ -562,3 +562,59 @@ class TrialAnswer(NamedTuple):
 
 
 URGENT |= {TrialAsk}
+
+
+# -- steering a run while it trains (`rank/steer.py`, `notebook/steer.py`) ------------------------
+# Notebook -> rank, on the run's channel (handled by the rank's listener thread): SteerHold,
+# SteerApply, SteerResume. Rank -> notebook: SteerHeld, SteerDone. A `Change` is a run event.
+
+@_kind("steer_hold")
+class SteerHold(NamedTuple):
+    """Hold at a step boundary: the next one (`step` None), or the first at or past `step` (the agreed one)."""
+    step: int | None = None
+
+
+@_kind("steer_apply")
+class SteerApply(NamedTuple):
+    """For a held rank: `what` ('call', 'set', 'checkpoint', 'stop') with its pickled arguments; numbered `seq`."""
+    seq: int
+    what: str
+    payload: bytes | None = None
+
+
+@_kind("steer_resume")
+class SteerResume(NamedTuple):
+    """Go on from the boundary the rank holds at (or stop holding for one it has not reached)."""
+
+
+@_kind("steer_held")
+class SteerHeld(NamedTuple):
+    """A rank holds at the boundary after `step` steps of its current command; `held` False: the
+    listener's answer as the hold came, `step` boundaries passed and the rank inside the next step."""
+    rank: int
+    step: int
+    held: bool = True
+
+
+@_kind("steer_done")
+class SteerDone(NamedTuple):
+    """A held rank did `SteerApply` `seq` at `step`: its answer (`transfer.pack_result`), or its error's traceback."""
+    rank: int
+    seq: int
+    step: int
+    payload: bytes | None = None
+    error: str = ""
+
+
+@_kind("change")
+class Change(NamedTuple):
+    """A run event: what was changed while the run trained (`what`: 'pause', 'call', 'set', 'checkpoint',
+    'stop', 'resume'), at which step (every rank's), in words, and when (the notebook's time.time())."""
+    step: int
+    what: str
+    detail: str
+    time: float
+
+
+STEER_REPLIES = (SteerHeld, SteerDone)
+URGENT |= set(STEER_REPLIES)

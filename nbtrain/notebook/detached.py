@@ -16,6 +16,7 @@ moment the kernel that submitted it was killed at.
 """
 from __future__ import annotations
 
+import functools
 import io
 import os
 import signal
@@ -32,6 +33,8 @@ from ..common.pickling import ship_bytes
 from ..common.process_tree import become_subreaper, end_descendants
 from ..common.transfer import unpack_job
 from ..display.recorder import RunRecorder
+from . import steer_files
+from .background import BackgroundRun
 from .choices import IN_KERNEL, choose, words
 from .launch import launch
 from .restarts import restarting, wait_to_restart, why
@@ -170,6 +173,8 @@ def _supervise(run_dir: Path, load, echo) -> int:
     os.environ["NBTRAIN_RUN_DIR"] = str(run_dir)  # ctx.run_dir, in every rank (their environment starts from ours)
     try:
         fn, args, kwargs, objects = load()
+        if "wait" in kwargs:  # the function's own (a job submitted before launch took `wait=`): bound to it
+            fn = functools.partial(fn, wait=kwargs.pop("wait"))
         sweeping = spec.get("kind") == "sweep"
         in_process = not sweeping and _in_process(spec["launch"], objects["cluster"])
     except BaseException as exc:
@@ -207,8 +212,11 @@ def _supervise(run_dir: Path, load, echo) -> int:
             sys.stdout, sys.stderr = (_RankZeroOutput(name, stream, recorder)
                                       for name, stream in zip(("stdout", "stderr"), streams))
         try:
-            result = launch(fn, *args, progress=recorder, run_dir=str(run_dir), **objects, **spec["launch"],
-                            **kwargs)
+            # A run of rank processes here runs in the background, steered from any kernel (`steer_files.py`).
+            steerable = cluster is None and not in_process
+            ran = launch(fn, *args, progress=recorder, run_dir=str(run_dir), **objects, **spec["launch"],
+                         wait=not steerable, **kwargs)
+            result = steer_files.serve(ran, run_dir) if isinstance(ran, BackgroundRun) else ran
         except KeyboardInterrupt:
             recorder.note("cancelled")
             status.set("cancelled", reason=_cancelled(signals))

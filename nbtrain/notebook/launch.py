@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Literal, overload
 
 from ..common.devices import DevicePlan, plan_devices
 from ..common.errors import WorkerError
@@ -12,6 +13,7 @@ from ..placements.clusters import ClusterJob, check_cluster
 from ..placements.processes import ForkLauncher, SpawnLauncher
 from ..placements.script import ScriptLauncher
 from ..placements.template import start_ranks_cleanly
+from .background import BackgroundRun, check_background, start_in_background
 from .choices import IN_KERNEL, Choice, choose, words
 from .doctor import check_stall
 from .inprocess import InProcessLauncher
@@ -40,10 +42,19 @@ def check_timeout(timeout):
     return timeout
 
 
+@overload
+def launch(fn: Callable, *args: Any, wait: Literal[True] = ..., **kwargs: Any) -> Result: ...
+@overload
+def launch(fn: Callable, *args: Any, wait: Literal[False], **kwargs: Any) -> BackgroundRun: ...
+@overload
+def launch(fn: Callable, *args: Any, wait: bool, **kwargs: Any) -> Result | BackgroundRun: ...
+
+
 def launch(fn: Callable, *args, strategy: str = "auto", start: str = "auto", devices="auto",
            accelerator: str = "auto", num_nodes: int = 1, backend: str | None = None, timeout: float | None = None,
            progress=True, launcher_options: dict | None = None, cluster=None, trackers=None, profile=None,
-           run_dir=None, max_restarts: int = 0, stall: float | bool | None = None, **kwargs) -> Result:
+           run_dir=None, max_restarts: int = 0, stall: float | bool | None = None, wait: bool = True,
+           **kwargs) -> Result | BackgroundRun:
     """Run ``fn(*args, **kwargs)`` on every rank and return what the ranks gave back.
 
     Inside ``fn``, ``nbtrain.context()`` is this rank's `Context`. The call shows a live view
@@ -106,15 +117,22 @@ def launch(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
     max_restarts : int, default 0
         A failed run starts all ranks again, after a back-off, up to this many times (at most
         100); ``fn`` resumes from its own checkpoint. ``Result.restarts`` says why each happened.
+    wait : bool, default True
+        False: return at once with a `BackgroundRun` while the ranks train, the kernel free for
+        other cells and the live view still updating; ``run.result()`` waits for the `Result`,
+        and ``run.pause()``, ``call``, ``set``, ``stop`` steer the training at a step every rank
+        agrees on (see docs/steering.md). Needs rank processes (not one device in the kernel),
+        no ``max_restarts`` and no ``cluster``.
     **kwargs
         Keyword arguments for ``fn``. Names that ``launch`` takes itself (strategy, start,
         devices...) cannot reach ``fn`` this way: bind them with ``functools.partial``.
 
     Returns
     -------
-    Result
+    Result or BackgroundRun
         Rank 0's return value (``value``), every rank's (``values``), the logged metrics
-        (``history``), the time taken, and how the run was made.
+        (``history``), the time taken, and how the run was made; with ``wait=False``, the
+        `BackgroundRun` whose ``result()`` gives it.
 
     Raises
     ------
@@ -146,30 +164,56 @@ def launch(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
     check_timeout(timeout)
     check_stall(stall)
     check_restarts(max_restarts)
+    if not isinstance(wait, bool):
+        raise TypeError(f"launch(wait={wait!r}): give True (return the Result when the run ends) or False (return "
+                        "a handle at once, the run going on in the background); a `wait` for the training function "
+                        "is bound to it: launch(functools.partial(fn, wait=...)).")
     asked = words(strategy, start, launcher_options)
     insight = {"trackers": trackers, "profile": profile, "run_dir": run_dir}
     if cluster is not None:
+        if not wait:
+            raise ValueError("launch(wait=False) with cluster=...: a run on a cluster is not kept in the background "
+                             "of this kernel; use nbtrain.submit(...) for a run that goes on without the cell.")
         return launch_on(cluster, fn, args, kwargs, asked=asked, devices=devices, accelerator=accelerator,
                          num_nodes=num_nodes, backend=backend, timeout=timeout, progress=progress,
                          max_restarts=max_restarts, stall=stall, **insight)
     plan = plan_devices(devices, accelerator, backend, num_nodes)
     choice = choose(asked, plan)
+    if not wait:
+        check_background(choice.start, max_restarts)
     display = make_display(progress)
     asked.say(display.note)
+    if not wait:
+        return launch_in_background(fn, args, kwargs, plan, choice, display, timeout=timeout, stall=stall, **insight)
     return launch_chosen(fn, args, kwargs, plan, choice, display, timeout=timeout, max_restarts=max_restarts,
                          stall=stall, **insight)
+
+
+def _prepare(fn: Callable, args: tuple, kwargs: dict, plan: DevicePlan, choice: Choice, display, **insight):
+    """The function as every rank runs it (`instrument`), once the view has said what to know."""
+    fn = instrument(fn, args, kwargs, plan=plan, strategy=choice.strategy, **insight)
+    if choice.note:
+        display.note(choice.note)
+    for line in edited_since_loaded():  # forks and fresh ranks would run different code
+        display.note(line)
+    return fn
+
+
+def launch_in_background(fn: Callable, args: tuple, kwargs: dict, plan: DevicePlan, choice: Choice, display, *,
+                         timeout: float | None, trackers=None, profile=None, run_dir=None,
+                         stall: float | bool | None = None) -> BackgroundRun:
+    """`launch(wait=False)`: the ranks started from here, watched from a thread of their own."""
+    fn = _prepare(fn, args, kwargs, plan, choice, display, trackers=trackers, profile=profile, run_dir=run_dir)
+    job = Job(fn, args, kwargs, plan, choice.strategy, timeout, stall, options=dict(choice.options), start=choice.start)
+    launcher = _launcher(choice.start, job, display)
+    return start_in_background(launcher, job, display, lambda pool, watch: run_to_end(pool, job, display, watch))
 
 
 def launch_chosen(fn: Callable, args: tuple, kwargs: dict, plan: DevicePlan, choice: Choice, display, *,
                   timeout: float | None, max_restarts: int, trackers=None, profile=None, run_dir=None,
                   stall: float | bool | None = None) -> Result:
     """`launch` once the plan and the (strategy, start) pair are known (a cell's job depends on them)."""
-    fn = instrument(fn, args, kwargs, plan=plan, strategy=choice.strategy, trackers=trackers, profile=profile,
-                    run_dir=run_dir)
-    if choice.note:
-        display.note(choice.note)
-    for line in edited_since_loaded():  # forks and fresh ranks would run different code
-        display.note(line)
+    fn = _prepare(fn, args, kwargs, plan, choice, display, trackers=trackers, profile=profile, run_dir=run_dir)
 
     def attempt() -> Result:  # a new job each time: nothing of a failed attempt is reused
         job = Job(fn, args, kwargs, plan, choice.strategy, timeout, stall, options=dict(choice.options),
@@ -185,9 +229,14 @@ def launch_chosen(fn: Callable, args: tuple, kwargs: dict, plan: DevicePlan, cho
 def run_once(launcher, job: Job, display) -> Result:
     """Start the ranks with `job.fn` as their one command, watch it, stop them: a `Result`."""
     pool = Pool(launcher, job, live=False)
+    return run_to_end(pool, job, display, lambda: pool.start(display, job.timeout))
+
+
+def run_to_end(pool: Pool, job: Job, display, watch: Callable[[], object]) -> Result:
+    """`watch()` the run (its start too, unless started already), then stop the ranks: a `Result`."""
     ok = False
     try:
-        pool.start(display, job.timeout)
+        watch()
         ok = True
     finally:
         # Every rank may have reported while their processes still take seconds to end (a

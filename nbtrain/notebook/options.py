@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 # What launch() takes besides fn and its arguments; submit and Ranks.run take these or a subset.
 RUN_OPTIONS = ("strategy", "start", "devices", "accelerator", "num_nodes", "backend", "timeout", "stall",
-               "progress", "launcher_options", "cluster", "trackers", "profile", "run_dir", "max_restarts")
+               "progress", "launcher_options", "cluster", "trackers", "profile", "run_dir", "max_restarts", "wait")
 
 
 def refuse_foreign_keywords(fn: Callable, args: tuple, kwargs: dict, caller: str,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..common.protocol import Metric, Vital
+from ..common.protocol import Change, Metric, Vital
 from ..display.figure import make_displayable, metrics_figure
 from ..display.profile import ProfileTable
 from .runmodel import RunState
@@ -51,6 +51,9 @@ class Result:
     straggler : str, optional
         A rank that held the others back, in words ("rank 1 is 1.9x slower than the others: 70 %
         of its step waiting for data"); None when none stood out.
+    changes : list of Change
+        What was steered while the run trained (``launch(..., wait=False)``): ``Change(step,
+        what, detail, time)`` rows, in order, each applied at ``step`` on every rank.
     """
     value: Any  # rank 0's return value
     values: list[Any]  # every rank's return value on this node, in rank order
@@ -65,6 +68,7 @@ class Result:
     start: str = ""  # a class attribute too: a Result pickled by an earlier release reads ""
     step_times: dict = field(default_factory=dict)  # rank: protocol.StepTimes (rank/doctor.py)
     straggler: str | None = None  # the doctor's word on a rank that held the others back
+    changes: list[Change] = field(default_factory=list)  # steered while it trained: `protocol.Change`
 
     @classmethod
     def from_state(cls, state: RunState, strategy: str, devices: str, start: str = "") -> Result:

@@ -23,6 +23,7 @@ from . import strategies
 from .checkpoint import load, save
 from .compat import destroy_group_now
 from .doctor import progressed, timed_batches
+from .steer import Steering
 from .strategies import DDP_STRATEGIES, DEFAULT_MIN_PARAMS, SHARDED_STRATEGIES
 
 PROGRESS_INTERVAL = 0.1  # seconds between progress events of one bar
@@ -89,6 +90,7 @@ class Context:
         self._recorder = None  # this run's profiler (profile=), stepped by step()
         self._deepest = -1  # the innermost progress level seen: its iterations are the steps
         self._explicit_steps = False  # the code calls step() itself
+        self._steering = Steering(rank, self._sink.emit)  # run.pause() & co. (`launch(wait=False)`)
 
     @classmethod
     def from_environ(cls, environ=os.environ, sink=None) -> Context:
@@ -163,18 +165,53 @@ class Context:
         if recorder is not None:
             recorder.start()
 
-    def step(self) -> None:
-        """Mark the end of one training step, for a profile's window (``launch(..., profile=...)``).
+    def step(self) -> bool:
+        """Mark the end of one training step: for a profile's window (``launch(..., profile=...)``),
+        and as the step boundary where a run in the background is steered (`run.pause()` holds here).
 
         Without calls to it, each iteration of the innermost `progress` loop is a step.
+
+        Returns
+        -------
+        bool
+            True once ``run.stop()`` asked the training to end: a loop of your own ends then
+            (`progress` loops end by themselves).
         """
         self._explicit_steps = True
         if self._recorder is not None:
             self._recorder.step()
+        steering = self._steering
+        steering.steps += 1
+        return steering.pending and steering.at_boundary(True)
+
+    def steer(self, **objects) -> None:
+        """Register what a run in the background may be steered with, by name: ``run.call(fn)``
+        passes them to ``fn`` by its parameters' names, ``run.set(lr=...)`` changes registered
+        optimizers, ``run.checkpoint(path)`` saves them all.
+
+        Parameters
+        ----------
+        **objects
+            The training's objects: ``ctx.steer(model=model, optimizer=opt)``. Registering a
+            name again replaces it.
+
+        Raises
+        ------
+        ValueError
+            No objects given, or a name that `run.call` offers itself (``ctx``, ``step``).
+        """
+        if not objects:
+            raise ValueError("ctx.steer() needs the objects to register by name: ctx.steer(model=model, optimizer=opt)")
+        taken = sorted({"ctx", "step"} & objects.keys())
+        if taken:
+            raise ValueError(f"ctx.steer({taken[0]}=...): {taken} is offered to run.call's functions already; "
+                             "register it under another name.")
+        self._steering.objects.update(objects)
 
     def _begin_command(self) -> None:
         # A live rank runs many commands: each one's progress bars start at the outer level.
         self._depth = 0
+        self._steering.reset()
 
     def close(self) -> None:
         """Destroy the process group this Context created (the rank does it when it ends)."""
@@ -493,13 +530,21 @@ class Context:
         # where this loop began: the notebook tells a new loop by it, and counts only the steps after it.
         n, last = initial, time.monotonic()
         emit(protocol.Progress(rank, level, desc, n, total, False, last, initial))
+        steering = self._steering
         try:
+            if steering.stopping:  # run.stop(): a loop that begins after it has nothing left to do
+                return
             for item in iterable:
                 yield item
                 n += 1
                 progressed()
-                if self._recorder is not None and level == self._deepest and not self._explicit_steps:
-                    self._recorder.step()
+                counted = level == self._deepest and not self._explicit_steps  # a step boundary
+                if counted:
+                    steering.steps += 1
+                    if self._recorder is not None:
+                        self._recorder.step()
+                if steering.pending and steering.at_boundary(counted):
+                    break  # run.stop(): as if the loop had finished
                 now = time.monotonic()
                 if now - last >= PROGRESS_INTERVAL:
                     emit(protocol.Progress(rank, level, desc, n, total, False, now, initial))

@@ -11,7 +11,8 @@ The messages both ways are `common/protocol.py`'s records. A command (`Run`, `Ca
 collectives — the gather of a sharded model — may run); `_do_<kind>` runs it. The rank answers
 `Begin`, then `Returned` or `Raised`; code that reads a name the rank lacks sends `Need` (answered
 by `Names`), its debugger `Prompt` (answered by `Stdin`). `Interrupt`, `Stacks` and `Stop` come on
-the same link. What user code displays travels beside them (`output.py`).
+the same link, and so do steering's (`SteerHold`, `SteerApply`, `SteerResume`: `steer.py`). What
+user code displays travels beside them (`output.py`).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from .rendezvous import use_private_store
 from .strategies import contains_sharded
 
 NOTHING = object()  # an exec whose code ends without an expression
+STEERING = (protocol.SteerHold, protocol.SteerApply, protocol.SteerResume)  # `rank/steer.py`'s
 
 
 class RankLoop:
@@ -83,6 +85,8 @@ class RankLoop:
             self.stdin.put(message.line)
         elif isinstance(message, protocol.Names):
             self.names.put(message)
+        elif isinstance(message, STEERING):  # the main thread finds it at its next step boundary
+            self.ctx._steering.on_message(message)
         else:
             self.commands.put(message)
 
