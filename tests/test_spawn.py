@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 import nbtrain
-from nbtrain.common.errors import UnpicklableError
+from nbtrain.common.errors import UnpicklableError, WorkerError
+from test_launch import crash, stuck_in_barrier
 
 CELL = """
 import nbtrain, socket
@@ -97,3 +98,22 @@ def test_a_script_that_exits_with_live_spawned_ranks_exits_and_takes_them(tmp_pa
     pids = [int(pid) for pid in line.split()[1:]]
     assert len(pids) == 2
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+@pytest.mark.slow
+def test_a_dying_spawned_rank_is_named_with_its_signal_and_its_last_words(capfd, no_leftovers):
+    # Its pipes are the Connections multiprocess handed over: faulthandler's report reaches the notebook.
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(crash, "segv", devices=2, accelerator="cpu", start="spawn", progress=False)
+    assert info.value.rank == 0 and "Signal 11 (SIGSEGV) received by PID" in str(info.value)
+    assert "Fatal Python error: Segmentation fault" in info.value.traceback
+    assert "[rank 0] about to die" in capfd.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_hanging_spawned_rank_shows_its_stack_at_the_timeout(no_leftovers):
+    # 60 s: spawned ranks import torch first (seconds, more on a loaded machine)
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(stuck_in_barrier, devices=2, accelerator="cpu", start="spawn", timeout=60, progress=False)
+    assert "timed out after 60 s; still running: ranks [0, 1]" in str(info.value)
+    assert "--- rank 1 stack ---" in info.value.traceback and "slow_data_loading" in info.value.traceback

@@ -279,7 +279,7 @@ class SpawnLauncher(ProcessLauncher):
             proc = context.Process(target=spawned.main, name=f"nbtrain-rank{rank}",
                                    args=(job.first, job.live, env, *ends, os.getpid(), watcher))
             try:
-                with _main_stays_here(), _sigint_held():
+                with _starting, _main_stays_here(), _sigint_held():
                     proc.start()
             finally:
                 for end in ends:  # the rank holds its copies; its death is then EOF on the pipes
@@ -347,7 +347,8 @@ def _main_stays_here():
     (as `__mp_main__`) when it has a file or a module name: a script, `python -m`, never a
     notebook (whose `__main__` has neither). A script's top level would launch again in every
     rank, and the job travels whole with dill anyway: while a rank starts, `__main__` is a
-    stand-in without them (a thread that looks up a notebook class meanwhile still finds it)."""
+    stand-in without them (a thread that looks up one of the script's classes meanwhile still
+    finds it)."""
     main = sys.modules.get("__main__")
     if main is None or not (getattr(getattr(main, "__spec__", None), "name", None)
                             or getattr(main, "__file__", None)):
@@ -361,6 +362,7 @@ def _main_stays_here():
 
 
 _exit_hook = False
+_starting = threading.Lock()  # one spawned rank starts at a time (launches from threads): `__main__` is process-wide
 _ranks_at_exit: weakref.WeakSet = weakref.WeakSet()  # spawned ranks' processes, while the kernel has them
 
 
