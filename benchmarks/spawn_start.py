@@ -11,6 +11,13 @@ warm ones, one pair for the 8-rank cold launch. Within a round, now and before a
 which goes first.
 
     python benchmarks/spawn_start.py --before DIR [--rounds 3] [--warm 2]
+
+`--mechanism N`: where the time goes, without torch: N starts of a bare child each way,
+interleaved, from this process: the parent's share (multiprocess's `start()`, or Popen and
+the pickles written to the child's stdin) and the time until the child has imported dill and
+nbtrain's package (which a rank imports next in both ways, to unpack its job).
+
+    python benchmarks/spawn_start.py --mechanism 30
 """
 from __future__ import annotations
 
@@ -57,12 +64,79 @@ def launch(kernel: Kernel, n: int) -> tuple[float, float]:
     return to_fn, total
 
 
+# The subprocess launcher's program (6566c20), up to what a rank imports next.
+BEFORE_CHILD = ("import os, pickle, sys, time; os.setpgid(0, 0); "
+                "sys.path[:], sys.argv[:] = pickle.load(sys.stdin.buffer); pickle.load(sys.stdin.buffer); "
+                "import dill, nbtrain.rank.spawned; print(time.time(), flush=True)")
+
+
+def _ready(conn) -> None:
+    """The multiprocess child, as `rank/spawned.main` begins, up to where the subprocess one is."""
+    import time
+
+    from nbtrain.rank.spawned import leave_kernel_group
+
+    leave_kernel_group()
+    import dill  # noqa: F401
+
+    conn.send(time.time())
+    conn.close()
+
+
+def mechanism(count: int) -> None:
+    import pickle
+    import time
+
+    import multiprocess
+
+    from nbtrain.placements.processes import _main_stays_here, _sigint_held, _spawn_context
+
+    context = _spawn_context()
+    times: dict[str, list[tuple[float, float]]] = {"now": [], "before": []}
+    for _ in range(count):
+        t0 = time.time()
+        reader, writer = context.Pipe(duplex=False)
+        proc = context.Process(target=_ready, args=(writer,))
+        with _main_stays_here(), _sigint_held():
+            proc.start()
+        parent = time.time() - t0
+        writer.close()
+        times["now"].append((parent, reader.recv() - t0))
+        proc.join()
+        reader.close()
+        t0 = time.time()
+        child = subprocess.Popen([sys.executable, "-c", BEFORE_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 process_group=0)
+        with child.stdin:
+            pickle.dump((sys.path, sys.argv), child.stdin)
+            pickle.dump((b"job" * 1000, False, dict(os.environ), os.getpid(), None), child.stdin)
+        parent = time.time() - t0
+        times["before"].append((parent, float(child.stdout.read()) - t0))
+        child.wait()
+        child.stdout.close()
+    rows = [[which, f"{1000 * median([p for p, _ in values]):.1f}", f"{1000 * median([c for _, c in values]):.0f}",
+             str(len(values))] for which, values in (("multiprocess spawn (now)", times["now"]),
+                                                   ("subprocess (before)", times["before"]))]
+    body = table(["a bare spawned child", "parent's share ms", "to dill and nbtrain imported ms", "starts"], rows)
+    body += (f"\n\nMedians, interleaved; multiprocess {multiprocess.__version__}; load average "
+             f"{os.getloadavg()[0]:.1f}. The parent's share is multiprocess pickling the preparation data and "
+             "the Process with dill, once per rank, one rank after another; the child's extra is multiprocess's "
+             "own modules (its `import multiprocess` imports dill, which a rank imports in both ways anyway) "
+             "and its preparation.")
+    record("Plain spawn: where a rank's start goes (spawn_start.py --mechanism)", body)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", required=True, help="another checkout of nbtrain (the launcher compared)")
+    parser.add_argument("--mechanism", type=int, help="bare starts each way, no torch, no launch")
+    parser.add_argument("--before", help="another checkout of nbtrain (the launcher compared)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warm", type=int, default=2, help="warm launches of each size per round")
     args = parser.parse_args()
+    if args.mechanism:
+        return mechanism(args.mechanism)
+    if not args.before:
+        parser.error("--before DIR (or --mechanism N)")
     before = os.path.abspath(args.before)
     times: dict[tuple[str, str], list[tuple[float, float]]] = {}
     load = []
