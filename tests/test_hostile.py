@@ -893,9 +893,15 @@ def test_spawned_ranks_interrupted_while_starting_print_no_tracebacks(nb):
     before = nb.value("children()")  # earlier tests' live ranks, if any
     kernel = psutil.Process(nb.manager.provisioner.pid)
     msg_id = nb.client.execute("nbtrain.launch(sleeps, devices=2, accelerator='cpu', start='spawn', progress=False)")
+    def spawned(child) -> bool:  # spawned ranks: multiprocess's spawn_main
+        try:
+            return "spawn_main" in " ".join(child.cmdline())
+        except psutil.Error:  # gone, or a zombie not yet reaped (the kernel watcher's starter)
+            return False
+
     seen, deadline = [], time.monotonic() + 60
-    while len(seen) < 2 and time.monotonic() < deadline:  # spawned ranks: multiprocess's spawn_main
-        seen = [c for c in kernel.children() if "spawn_main" in " ".join(c.cmdline())]
+    while len(seen) < 2 and time.monotonic() < deadline:
+        seen = [c for c in kernel.children() if spawned(c)]
         time.sleep(0.01)
     kernels_group = [c.pid for c in seen if os.getpgid(c.pid) == os.getpgid(kernel.pid)]
     nb.manager.interrupt_kernel()
