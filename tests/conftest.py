@@ -12,13 +12,17 @@ def no_leftovers():
 
     me = psutil.Process()
     had_template = nbtrain.placements.template_process.template(start=False) is not None
+    had_tracker = any(is_resource_tracker(c) for c in me.children())
     fds_before = me.num_fds()
     yield
     if not had_template:  # a template the test started is the kernel's by design: stopping it must leave nothing
         nbtrain.stop_template()
-    children = [c for c in me.children(recursive=True) if not _is_template(c) and not _is_local_slurm(c)]
+    children = [c for c in me.children(recursive=True)
+                if not _is_template(c) and not _is_local_slurm(c) and not is_resource_tracker(c)]
     assert not children, f"processes left behind: {[(c.pid, c.name()) for c in children]}"
-    assert me.num_fds() <= fds_before, f"file descriptors leaked: {fds_before} -> {me.num_fds()}"
+    # multiprocess's resource tracker, started by the test's first spawned rank, stays with its pipe
+    tracker_fd = not had_tracker and any(is_resource_tracker(c) for c in me.children())
+    assert me.num_fds() <= fds_before + tracker_fd, f"file descriptors leaked: {fds_before} -> {me.num_fds()}"
     assert "MASTER_PORT" not in os.environ
 
 
@@ -57,6 +61,15 @@ def this_workers(process) -> bool:
         return False
 
 
+def is_resource_tracker(process) -> bool:
+    """multiprocess's resource tracker, which a kernel's first spawned rank starts (start='spawn'),
+    kept for the kernel's life."""
+    try:
+        return "from multiprocess.resource_tracker import main" in " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
 def _is_template(process) -> bool:
     import nbtrain.placements.template_process
 
@@ -64,14 +77,19 @@ def _is_template(process) -> bool:
     return running is not None and process.pid == running.process.pid
 
 
-# A kernel's children as the kernel tests see them, for their set-up cells: the warm template is
-# the kernel's by design (the warm template), its ranks are not.
+# A kernel's children as the kernel tests see them, for their set-up cells: the warm template and
+# multiprocess's resource tracker (start='spawn') are the kernel's by design, its ranks are not.
 CHILDREN = '''
 def children():
     import psutil, nbtrain.placements.template_process
     keep = nbtrain.placements.template_process.template(start=False)
     keep = keep.process.pid if keep else None
-    return [c.pid for c in psutil.Process().children(recursive=True) if c.pid != keep]
+    def tracker(c):
+        try:
+            return "from multiprocess.resource_tracker import main" in " ".join(c.cmdline())
+        except psutil.Error:
+            return False
+    return [c.pid for c in psutil.Process().children(recursive=True) if c.pid != keep and not tracker(c)]
 '''
 
 

@@ -23,9 +23,10 @@ def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, da
           progress=True) -> Result:
     """`torch.multiprocessing.spawn` on nbtrain's ranks: `fn(i, *args)` on `nprocs` ranks, `i`
     being the rank. `start_method="spawn"` (torch's default) starts them from nbtrain's warm
-    template: fresh processes, safe with CUDA in the kernel, at fork speed; `"fork"` forks the
-    kernel. A rank's exception is raised here as a `WorkerError` naming the rank, where torch
-    raises `ProcessRaisedException`.
+    template: fresh processes, safe with CUDA in the kernel, at fork speed (where the template
+    cannot start, fresh interpreters from `multiprocess`'s spawn context, as `start="spawn"`);
+    `"fork"` forks the kernel. A rank's exception is raised here as a `WorkerError` naming the
+    rank, where torch raises `ProcessRaisedException`.
     """
     if not callable(fn):
         raise TypeError(f"spawn(fn=...) needs a callable, got {type(fn).__name__}.")

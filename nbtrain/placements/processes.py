@@ -1,33 +1,36 @@
-"""ddp_fork and plain spawn: ranks forked from the kernel (`os.fork`), or fresh
-interpreters (`subprocess`) that read their first command, already packed by dill, from a pipe.
+"""ddp_fork and plain spawn: ranks forked from the kernel (`os.fork`), or fresh interpreters
+started by `multiprocess`'s spawn context, whose first command (the job packed by dill) is among
+the arguments of their Process.
 
 Each rank gets its own stdout and stderr pipes, read by the notebook, so C-level output and
 a dying rank's last words (faulthandler's dump) are never lost.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
-import pickle
 import select
+import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 import traceback
+import types
 import warnings
-from typing import IO, Any
+import weakref
 
 from ..common import kernel_watcher
 from ..common.channel import FD_VAR
 from ..common.preflight import check_fork
 from ..common.transfer import pack_job
+from ..rank import spawned
 from ..rank.loop import serve
-from ..rank.process import die_with_parent, enable_stacks, limit_threads, redirect_output
+from ..rank.process import PARENT_THREAD_VAR, become_rank
 from .base import Job, ProcessLauncher, RankProcess, rank_environ
 
 _warm = False
-PARENT_THREAD_VAR = "NBTRAIN_PARENT_THREAD"  # "other": started by a thread that may end before the rank
 
 
 def parent_thread() -> dict[str, str]:
@@ -49,18 +52,6 @@ def warm_kernel() -> None:
         _warm = True
 
 
-def _become_rank(parent_pid: int, env: dict, stdout_fd: int, stderr_fd: int, forked: bool, watcher: str | None) -> None:
-    try:
-        os.setpgid(0, 0)  # stops reach the rank's own children; the kernel's Ctrl-C does not
-    except OSError:
-        pass
-    die_with_parent(parent_pid, thread_bound=env.get(PARENT_THREAD_VAR) != "other", kernel_watcher=watcher)
-    redirect_output(stdout_fd, stderr_fd)
-    os.environ.update(env)
-    enable_stacks()
-    limit_threads(int(env["LOCAL_WORLD_SIZE"]), forked_from_kernel=forked)
-
-
 def _fork_main(first, live, env, stdout_fd, stderr_fd, inherited_fds, parent_pid, watcher):
     for fd in inherited_fds:  # other ranks' pipe and channel ends: holding them would hide their EOF
         try:
@@ -68,7 +59,7 @@ def _fork_main(first, live, env, stdout_fd, stderr_fd, inherited_fds, parent_pid
         except OSError:
             pass
     _close_listening_sockets()
-    _become_rank(parent_pid, env, stdout_fd, stderr_fd, forked=True, watcher=watcher)
+    become_rank(parent_pid, env, stdout_fd, stderr_fd, forked=True, watcher=watcher)
 
     os._exit(serve(first, once=not live, live=live, exits=True))
 
@@ -96,25 +87,6 @@ def _close_listening_sockets() -> None:
             sock.detach()
         if listening:
             os.close(fd)
-
-
-# A spawned rank's program. Its first statement takes it out of the kernel's process group
-# (where Popen's `process_group=` cannot: Python 3.10): Jupyter interrupts the kernel's whole
-# group, and until the rank's own setpgid, seconds later, after importing torch, a Ctrl-C reached
-# it there (a KeyboardInterrupt traceback from each rank in the cell). Then it reads the kernel's
-# sys.path and argv, so that what the job refers to imports as in the kernel, and its first
-# command, whole, before importing anything (the kernel's write waits for no import). The
-# notebook's or script's main module is never run again: the job travels whole with dill, and a
-# script's top level would launch again.
-SPAWNED = ("import os, pickle, sys; os.setpgid(0, 0); sys.path[:], sys.argv[:] = pickle.load(sys.stdin.buffer); "
-           "rank = pickle.load(sys.stdin.buffer); "
-           "from nbtrain.placements.processes import spawned_main; spawned_main(*rank)")
-
-
-def spawned_main(first, live, env, parent_pid, watcher):
-    _become_rank(parent_pid, env, 1, 2, forked=False, watcher=watcher)  # its stdout and stderr are its pipes already
-
-    os._exit(serve(first, once=not live, live=live, exits=True))
 
 
 def _own_group(pid: int) -> None:
@@ -183,14 +155,28 @@ def _forked(pid: int, ranks: list[int]) -> RankProcess:
     return RankProcess(ranks, pid, poll, join, close)
 
 
-def _spawned(proc: subprocess.Popen, ranks: list[int]) -> RankProcess:
-    def join(timeout: float) -> None:
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
+def _spawned(proc, ranks: list[int]) -> RankProcess:
+    """A spawned rank's process (multiprocess's): its exit code kept, since the process object,
+    closed once the rank has ended (its sentinel descriptor released), cannot be asked again."""
+    ended: list[int] = []
+    closed: list[bool] = []
 
-    return RankProcess(ranks, proc.pid, proc.poll, join)
+    def poll() -> int | None:
+        if not ended and (code := proc.exitcode) is not None:
+            ended.append(code)
+        return ended[0] if ended else None
+
+    def join(timeout: float) -> None:
+        if not ended:
+            proc.join(timeout)  # wakes as the process ends (its sentinel)
+
+    def close() -> None:
+        if poll() is not None and not closed:
+            closed.append(True)
+            _ranks_at_exit.discard(proc)
+            proc.close()
+
+    return RankProcess(ranks, proc.pid, poll, join, close)
 
 
 class _Pipes:
@@ -284,6 +270,10 @@ class ForkLauncher(ProcessLauncher):
 
 
 class SpawnLauncher(ProcessLauncher):
+    """Fresh interpreters, started by `multiprocess`'s spawn context: a `Process` per rank, whose
+    arguments (the rank's environment, its first command with the job dill packed once for all,
+    and the write ends of its output pipes) multiprocess pickles with dill into the child."""
+
     strategy = "ddp_spawn"
     local = True
 
@@ -292,29 +282,107 @@ class SpawnLauncher(ProcessLauncher):
             job.options["payload"] = pack_job(job.fn, job.args, job.kwargs)
 
     def _start(self, job, channel_env, pump, started) -> None:
-        # Where Python has it (3.11+), the child leaves the kernel's group before it runs at all.
-        own_group: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {}
-        pipes = _Pipes(job.ranks, pump)
+        context = _spawn_context()
         watcher = kernel_watcher.address()  # its children, as forked ranks are: the kernel's one watcher
-        try:
-            for local, rank in enumerate(job.ranks):
-                env = {**rank_environ(job, local, channel_env), **parent_thread()}
-                out_w, err_w = pipes.write_ends[rank]
-                proc = subprocess.Popen([sys.executable, "-c", SPAWNED], stdin=subprocess.PIPE, stdout=out_w,
-                                        stderr=err_w, **own_group)
-                started.append(_spawned(proc, [rank]))
-                _send(proc.stdin, (sys.path, sys.argv), (job.first, job.live, env, os.getpid(), watcher))
-        finally:
-            pipes.close_write_ends()
+        for local, rank in enumerate(job.ranks):
+            env = {**rank_environ(job, local, channel_env), **parent_thread()}
+            ends = [_output_pipe(context, pump, rank, stream) for stream in ("stdout", "stderr")]
+            proc = context.Process(target=spawned.main, name=f"nbtrain-rank{rank}",
+                                   args=(job.first, job.live, env, *ends, os.getpid(), watcher))
+            try:
+                with _starting, _main_stays_here(), _sigint_held():
+                    proc.start()
+            finally:
+                for end in ends:  # the rank holds its copies; its death is then EOF on the pipes
+                    end.close()
+            started.append(_spawned(proc, [rank]))
+            _ranks_at_exit.add(proc)
 
 
-def _send(pipe: IO[bytes] | None, *objects) -> None:
-    """Pickle `objects` into a spawned rank's stdin (None only without stdin=PIPE), and close it."""
-    if pipe is None:
-        return
+def _spawn_context():
+    """multiprocess's spawn context. Its resource tracker, which each spawn hands to the child,
+    is started here, first: starting it unblocks SIGINT (`_sigint_held`). It is the kernel's for
+    its life, as the template is, and ends with the kernel and its ranks."""
+    import multiprocess
+    from multiprocess import resource_tracker
+
+    global _exit_hook
+    if not _exit_hook:  # after multiprocess's own (atexit runs the last registered first)
+        atexit.register(_end_ranks_at_exit)
+        _exit_hook = True
+    resource_tracker.ensure_running()
+    return multiprocess.get_context("spawn")
+
+
+def _output_pipe(context, pump, rank: int, stream: str):
+    """A pipe for one of the rank's streams: the read end to the notebook's reader (a descriptor
+    of its own: the reader closes it), the write end as a Connection, which multiprocess hands
+    to the child as a descriptor."""
+    reader, writer = context.Pipe(duplex=False)
     try:
-        with pipe:
-            for obj in objects:
-                pickle.dump(obj, pipe)
-    except BrokenPipeError:  # the rank died starting: the pool reads why from its stderr
-        pass
+        fd = os.dup(reader.fileno())
+    finally:
+        reader.close()
+    pump.add(fd, rank, stream, sole=True)
+    return writer
+
+
+@contextlib.contextmanager
+def _sigint_held():
+    """SIGINT blocked in this thread while a rank starts: the child inherits the mask and drops
+    one sent meanwhile to the kernel's group (`rank/spawned.py`). A Ctrl-C meant for the kernel
+    still reaches it: another thread takes it, or this one once unblocked."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class _MainByName(types.ModuleType):
+    """The caller's `__main__` without its file or module name; every other name reads through."""
+
+    def __init__(self, main: types.ModuleType):
+        super().__init__("__main__")
+        self.__dict__["_main"] = main
+
+    def __getattr__(self, name: str):
+        if name == "__file__":
+            raise AttributeError(name)
+        return getattr(self.__dict__["_main"], name)
+
+
+@contextlib.contextmanager
+def _main_stays_here():
+    """Spawned ranks never run the caller's main module again. multiprocess runs it in the child
+    (as `__mp_main__`) when it has a file or a module name: a script, `python -m`, never a
+    notebook (whose `__main__` has neither). A script's top level would launch again in every
+    rank, and the job travels whole with dill anyway: while a rank starts, `__main__` is a
+    stand-in without them (a thread that looks up one of the script's classes meanwhile still
+    finds it)."""
+    main = sys.modules.get("__main__")
+    if main is None or not (getattr(getattr(main, "__spec__", None), "name", None)
+                            or getattr(main, "__file__", None)):
+        yield
+        return
+    sys.modules["__main__"] = _MainByName(main)
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+_exit_hook = False
+_starting = threading.Lock()  # one spawned rank starts at a time (launches from threads): `__main__` is process-wide
+_ranks_at_exit: weakref.WeakSet = weakref.WeakSet()  # spawned ranks' processes, while the kernel has them
+
+
+def _end_ranks_at_exit() -> None:
+    """At the caller's exit, its spawned ranks end, as they would once it is gone (parent-death
+    signal, the kernel's watcher), but first: multiprocess's own exit hook then joins them
+    without a bound (live ranks serve until stopped)."""
+    alive = [proc for proc in list(_ranks_at_exit) if proc.exitcode is None]
+    for proc in alive:
+        _spawned(proc, []).signal(signal.SIGKILL)
+    for proc in alive:
+        proc.join(5.0)

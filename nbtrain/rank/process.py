@@ -21,6 +21,22 @@ from ..common.process_tree import end_descendants, prctl, watch_rank
 
 STACKS_SIGNAL = signal.SIGUSR1  # the notebook sends it to see where a rank is stuck
 PR_SET_PDEATHSIG = 1
+PARENT_THREAD_VAR = "NBTRAIN_PARENT_THREAD"  # "other": started by a thread that may end before the rank
+
+
+def become_rank(parent_pid: int, env: dict, stdout_fd: int, stderr_fd: int, forked: bool,
+                watcher: str | None) -> None:
+    """Make this process, started by the kernel (forked or spawned), a rank: a process group of its
+    own, dies with the kernel, writes to the notebook's pipes, runs with `env`, shows its stacks."""
+    try:
+        os.setpgid(0, 0)  # stops reach the rank's own children; the kernel's Ctrl-C does not
+    except OSError:
+        pass
+    die_with_parent(parent_pid, thread_bound=env.get(PARENT_THREAD_VAR) != "other", kernel_watcher=watcher)
+    redirect_output(stdout_fd, stderr_fd)
+    os.environ.update(env)
+    enable_stacks()
+    limit_threads(int(env["LOCAL_WORLD_SIZE"]), forked_from_kernel=forked)
 
 
 def die_with_parent(parent_pid: int, thread_bound: bool = True, watched: bool = True,
