@@ -6,6 +6,7 @@ as the notebook's own classes, so `isinstance(result.value, Net)` holds.
 """
 from __future__ import annotations
 
+import copy
 import io
 import linecache
 import pickle
@@ -21,18 +22,23 @@ from .pickling import RETURN_ADVICE, ShippingPickler, dumps, explain_return, shi
 from .tensor_files import RankFiles, map_storage
 
 
-def to_cpu(value: Any) -> Any:
-    """Tensors and modules to CPU, DDP/DataParallel unwrapped, through lists, tuples and dicts."""
+def to_cpu(value: Any, keep: bool = False) -> Any:
+    """Tensors and modules to CPU, DDP/DataParallel unwrapped, through lists, tuples and dicts.
+
+    `keep`: the rank goes on using what it sends (a live rank, a map's worker, a steering call), so
+    a module off the CPU is copied to it rather than moved (a launch's rank ends: it moves its own)."""
     if isinstance(value, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         value = value.module
     if isinstance(value, torch.nn.Module):
+        if keep and any(p.device.type != "cpu" for p in value.parameters()):
+            return copy.deepcopy(value).to("cpu")
         return value.to("cpu")
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if type(value) is dict:
-        return {k: to_cpu(v) for k, v in value.items()}
+        return {k: to_cpu(v, keep) for k, v in value.items()}
     if type(value) in (list, tuple):
-        return type(value)(to_cpu(v) for v in value)
+        return type(value)(to_cpu(v, keep) for v in value)
     return value
 
 
@@ -124,10 +130,10 @@ def _dump_result(value, files: RankFiles | None, **options) -> bytes:
     return buffer.getvalue()
 
 
-def pack_result(value: Any, rank: int) -> bytes:
-    """Rank `rank`'s return value for the notebook: tensors on CPU, large storages through
-    shared memory when this launch offers it (see `tensor_files`), the rest pickled."""
-    value = to_cpu(value)
+def pack_result(value: Any, rank: int, keep: bool = False) -> bytes:
+    """Rank `rank`'s return value for the notebook: tensors on CPU (`to_cpu`, `keep` as there),
+    large storages through shared memory when this launch offers it (see `tensor_files`), the rest pickled."""
+    value = to_cpu(value, keep)
     files = RankFiles.from_environ(rank)
     try:  # by reference first: the notebook then gets instances of its own classes back
         return _dump_result(value, files, byref=True)

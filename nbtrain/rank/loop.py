@@ -173,7 +173,7 @@ class RankLoop:
         return _Span()
 
     def _pack(self, value) -> bytes:
-        return pack_result(_detached(value) if self.live else value, self.ctx.rank)
+        return pack_result(value, self.ctx.rank, keep=self.live)
 
     # -- commands ------------------------------------------------------------------------
     def _do_run(self, command: protocol.Run):
@@ -363,24 +363,6 @@ def _compile_cell(source: str, filename: str):
         tree.body[-1] = ast.copy_location(ast.Assign([ast.Name(_LAST, ast.Store())], last.value), last)
         ast.fix_missing_locations(tree)
     return compile(tree, filename, "exec")
-
-
-def _detached(value):
-    """What a live rank sends back must not change its own state: modules off the CPU are copied
-    to it (a launch's rank may move its own, it ends anyway), DDP/DataParallel unwrapped."""
-    import copy
-
-    import torch
-
-    if isinstance(value, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        value = value.module
-    if isinstance(value, torch.nn.Module) and any(p.device.type != "cpu" for p in value.parameters()):
-        return copy.deepcopy(value).to("cpu")
-    if type(value) in (list, tuple):
-        return type(value)(_detached(v) for v in value)
-    if type(value) is dict:
-        return {k: _detached(v) for k, v in value.items()}
-    return value
 
 
 def _user_frames(tb):

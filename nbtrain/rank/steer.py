@@ -84,7 +84,7 @@ class Steering:
     def _apply(self, apply: protocol.SteerApply) -> None:
         try:
             value = getattr(self, f"_{apply.what}")(apply.payload)
-            done = protocol.SteerDone(self._rank, apply.seq, self.steps, pack_result(value, self._rank))
+            done = protocol.SteerDone(self._rank, apply.seq, self.steps, pack_result(value, self._rank, keep=True))
         except Exception as exc:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             done = protocol.SteerDone(self._rank, apply.seq, self.steps, None, text)

@@ -8,7 +8,6 @@ items only once it has sent its last result, so a fast rank takes more than a sl
 """
 from __future__ import annotations
 
-import copy
 import queue
 import traceback
 import types
@@ -19,7 +18,7 @@ from ..common import protocol
 from ..common.channel import Link
 from ..common.errors import UnpicklableError
 from ..common.pickling import RETURN_ADVICE, explain_return
-from ..common.transfer import pack_exception, unpack_result
+from ..common.transfer import pack_exception, to_cpu, unpack_result
 from .context import context
 from .trial import take_share
 
@@ -98,7 +97,7 @@ def pack_values(values: list) -> bytes:
     come back as themselves), else by value, as a launch's return value travels."""
     import dill
 
-    values = on_cpu(values)
+    values = to_cpu(values, keep=True)
     try:
         return dill.dumps(values, byref=True)
     except Exception:
@@ -122,22 +121,6 @@ class UnpicklableReturn(UnpicklableError):
 
     def __reduce__(self):  # travels as the plain error it is
         return (UnpicklableError, (self.what, self.findings, self.detail, self.advice, self.returning))
-
-
-def on_cpu(value):
-    """Tensors copied to the CPU (a module on a GPU too, copied: the rank keeps its own), through lists,
-    tuples and dicts."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, torch.nn.Module) and any(p.device.type != "cpu" for p in value.parameters()):
-        return copy.deepcopy(value).to("cpu")
-    if type(value) in (list, tuple):
-        return type(value)(on_cpu(v) for v in value)
-    if type(value) is dict:
-        return {k: on_cpu(v) for k, v in value.items()}
-    return value
 
 
 def own_traceback(exc: BaseException) -> str:
