@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import check_progress, in_jupyter
-from .widgets import _duration, replace, show
+from .widgets import duration_text, replace, show
 
 REDRAW_INTERVAL = 0.25  # seconds, at most, between redraws in Jupyter
 LINE_INTERVAL = 5.0  # seconds between lines in a log
@@ -42,7 +42,7 @@ class MapState:
         rate = self.rate
         speed = f"{rate:.3g} items/s" if rate else ""
         running = not verdict and self.total is not None and self.done < self.total
-        eta = f"eta {_duration((self.total - self.done) / rate)}" if rate and running and self.total else ""
+        eta = f"eta {duration_text((self.total - self.done) / rate)}" if rate and running and self.total else ""
         resumed = f"{self.resumed} resumed from run_dir" if self.resumed else ""
         when = f"{verdict} in {self.elapsed:.1f} s" if verdict else f"{self.busy} busy"
         count = f"{self.done}/{self.total} items" if self.total is not None else f"{self.done} items"

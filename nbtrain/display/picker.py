@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Mapping
 
 from ..common.inventory import Gpu, Inventory, describe_holders, find_free_gpus, visible_gpus
-from .text import _processes, gpu_table, gpu_table_html, memory_bar_html
+from .text import gpu_processes_text, gpu_table, gpu_table_html, memory_bar_html
 from .widgets import close_tree, ipython_shell, load_ipywidgets, replace, show
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class _GpuRow:
         self.name.value = html.escape(gpu.name)
         self.memory.value = memory_bar_html(gpu.memory_used, gpu.memory_total)
         self.util.value = "-" if gpu.utilization is None else f"{gpu.utilization}%"
-        self.processes.value = html.escape(_processes(gpu))
+        self.processes.value = html.escape(gpu_processes_text(gpu))
 
 
 class GpuPicker:

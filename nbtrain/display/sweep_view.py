@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from . import check_progress, in_jupyter
 from .chart import _Line, panel_svg, use_log_scale
 from .figure import have_matplotlib, png
-from .widgets import _duration, replace, show
+from .widgets import duration_text, replace, show
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def headline(state: SweepState, verdict: str | None = None) -> str:
     counts = state.counts()
     done = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     earlier = f"; {state.earlier} earlier" if state.earlier else ""
-    when = f"{verdict} in {state.elapsed:.1f} s" if verdict else f"{_duration(state.elapsed)} elapsed"
+    when = f"{verdict} in {state.elapsed:.1f} s" if verdict else f"{duration_text(state.elapsed)} elapsed"
     return (f"nbtrain {state.title} on {state.slots}: {when}; {len(state.rows)} trials here ({done or 'none'})"
             f"{earlier} of {state.target}; {best_text(state)}")
 

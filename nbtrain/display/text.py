@@ -15,7 +15,7 @@ def _gib(n: int | None) -> str:
     return "-" if not n else f"{n / 2**30:.1f}"
 
 
-def _processes(gpu) -> str:
+def gpu_processes_text(gpu) -> str:
     return ", ".join(f"{p.pid} {p.name} {_gib(p.memory)}G" if p.memory else f"{p.pid} {p.name}"
                      for p in gpu.processes) or "-"
 
@@ -26,7 +26,7 @@ def _rows(gpus) -> list[list[str]]:
         index = str(g.index) if g.index == g.physical_index else f"{g.index} (phys {g.physical_index})"
         util = "-" if g.utilization is None else f"{g.utilization}%"
         memory = f"{_gib(g.memory_used)}/{_gib(g.memory_total)} GiB"
-        rows.append([index, g.name, memory, util, _processes(g)])
+        rows.append([index, g.name, memory, util, gpu_processes_text(g)])
     return rows
 
 
@@ -68,11 +68,11 @@ def gpu_table_html(gpus) -> str:
 
 # -- run progress --------------------------------------------------------------------------
 
-def _fraction(n: int, total: int | None) -> str:
+def fraction_text(n: int, total: int | None) -> str:
     return f"{n}/{total}" if total is not None else str(n)
 
 
-def _metric_text(metrics: dict) -> str:
+def metric_values_text(metrics: dict) -> str:
     return " ".join(f"{name}={m.value:.4g}" for name, m in metrics.items())
 
 
@@ -85,10 +85,10 @@ def rank_line(view, state=None, final: bool = False, vital=None) -> str:
     status, detail, reason = state.outcome(view.rank, final) if state is not None else (view.status, view.detail, "")
     if detail.startswith(status):  # "stopped (rank 1 failed)" says the status and why
         status, detail = detail, ""
-    bars = " ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in sorted(view.bars.items()))
+    bars = " ".join(f"{b.desc} {fraction_text(b.n, b.total)}" for _, b in sorted(view.bars.items()))
     rate = view.step_rate if final or vital is None else vital.step_rate
     parts = [f"rank {view.rank}", status, bars, rate_text(rate, None if final else view), memory_text(vital),
-             _metric_text(view.metrics),
+             metric_values_text(view.metrics),
              detail, _clip(reason.splitlines()[0]) if reason else ""]  # its first line; a stack may follow
     return "  ".join(p for p in parts if p)
 
@@ -235,7 +235,7 @@ class TqdmDisplay(LineDisplay):
                                               leave=False, dynamic_ncols=True, mininterval=0)
             levels = sorted(view.bars.items())
             inner = levels[-1][1] if levels else None
-            outer = " ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in levels[:-1])
+            outer = " ".join(f"{b.desc} {fraction_text(b.n, b.total)}" for _, b in levels[:-1])
             bar.total = inner.total if inner else None
             bar.n = inner.n if inner else 0
             # tqdm's rate counts from it: a resumed loop's earlier steps were not done now
@@ -243,7 +243,7 @@ class TqdmDisplay(LineDisplay):
             bar.set_description_str(" ".join(p for p in (f"rank {rank}", outer, inner.desc if inner else view.status)
                                              if p),
                                     refresh=False)
-            bar.set_postfix_str(_metric_text(view.metrics), refresh=False)
+            bar.set_postfix_str(metric_values_text(view.metrics), refresh=False)
             bar.refresh()
 
     def finish(self, state, ok: bool) -> None:

@@ -23,7 +23,7 @@ import time
 
 from .chart import MetricSeries, chart_html
 from .figure import MISSING_MATPLOTLIB, have_matplotlib, metrics_figure, metrics_text, png
-from .text import QuietDisplay, _fraction, _metric_text, batch_text, summary_lines
+from .text import QuietDisplay, batch_text, fraction_text, metric_values_text, summary_lines
 from .vitals import latest, memory_text, rate_text, slowest
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def close_tree(*widgets) -> None:
         widget.close()
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
@@ -127,9 +127,9 @@ def _duration(seconds: float) -> str:
 
 def _bar_info(bar, rate: float | None) -> str:
     """n/total, and for the innermost loop the time left at the rank's step rate."""
-    parts = [_fraction(bar.n, bar.total)]
+    parts = [fraction_text(bar.n, bar.total)]
     if rate and bar.total is not None and not bar.done:
-        parts.append(f"eta {_duration((bar.total - bar.n) / rate)}")
+        parts.append(f"eta {duration_text((bar.total - bar.n) / rate)}")
     return "  ".join(parts)
 
 
@@ -253,7 +253,7 @@ class _RankRow:
             metrics = (self._drawn or (None,))[0]
             self._drawn = drawn
             if drawn[0] != metrics:
-                text = html.escape(_metric_text(view.metrics))
+                text = html.escape(metric_values_text(view.metrics))
                 self.metrics = f"<code>{text}</code>" if text else ""
             parts = [rate_text(rate, None if final else view), html.escape(memory_text(vital)),
                      STRAGGLER_MARK if straggler else ""]
@@ -386,7 +386,7 @@ class WidgetDisplay(QuietDisplay):
     def _draw_header(self, state) -> None:
         word = "running" if self.ok is None else state.verdict(self.ok)
         parts = [f"<b>nbtrain</b> {html.escape(state.title)}",
-                 f'<span style="color:{STATUS_COLOURS[word]}">{word}</span>', f"{_duration(state.elapsed)} elapsed",
+                 f'<span style="color:{STATUS_COLOURS[word]}">{word}</span>', f"{duration_text(state.elapsed)} elapsed",
                  batch_text(state, "×")]
         stalled = (f'<br><span style="color:{STATUS_COLOURS["failed"]}">stalled: {html.escape(state.stall)}</span>'
                    if state.stall and self.ok is None else "")  # the doctor's verdict, while it holds
@@ -415,11 +415,11 @@ def summary_html(state, ok: bool) -> str:
         status, detail, reason = state.outcome(rank, final=True)
         label = detail if detail.startswith(status) else status  # "stopped (rank 1 failed)"
         why = detail_html(status, "" if label == detail else detail, reason)
-        progress = ", ".join(f"{b.desc} {_fraction(b.n, b.total)}" for _, b in sorted(view.bars.items()))
+        progress = ", ".join(f"{b.desc} {fraction_text(b.n, b.total)}" for _, b in sorted(view.bars.items()))
         rate = rate_text(view.step_rate) + (f" {STRAGGLER_MARK}" if rank == straggler else "")
         values = [str(rank), f'<span style="color:{STATUS_COLOURS.get(status, "")}">{html.escape(label)}</span>',
                   html.escape(progress), rate, html.escape(memory_text(vitals.get(rank))),
-                  html.escape(_metric_text(view.metrics)), why]
+                  html.escape(metric_values_text(view.metrics)), why]
         rows.append("<tr>" + "".join(f"<td style='text-align:left'>{v}</td>" for v in values) + "</tr>")
     doctor = "".join(f"<div>{html.escape(line)}</div>" for line in state.doctor_lines())
     return f'<div class="nbtrain-summary"><div>{head}</div><table>{"".join(rows)}</table>{doctor}</div>'

@@ -26,7 +26,7 @@ def instrument(fn, args: tuple, kwargs: dict, *, trackers, profile, run_dir, pla
         if run_dir is not None:
             check_run_dir(run_dir)
         return fn
-    name = _name(fn)
+    name = function_name(fn)
     if run_dir is None:  # a new one, never another run's (a submit's, or a launch's in the same second)
         run_dir = str(new_run_dir(Path(RUNS).absolute(), name))  # 0700
     else:
@@ -60,6 +60,6 @@ def plain_arguments(fn, args: tuple, kwargs: dict) -> dict:
     return {k: v for k, v in bound.items() if isinstance(v, PLAIN)}
 
 
-def _name(fn) -> str:
+def function_name(fn) -> str:
     name = getattr(fn, "__name__", None) or type(fn).__name__
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name) or "run"

@@ -46,7 +46,7 @@ def _at_least(low: int):
     return parse
 
 
-def _seconds(text: str) -> float:
+def parse_seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -107,7 +107,7 @@ RUN_OPTIONS = [
              "failure (torchrun's own restarts under --start torchrun)"),
     argument("--launcher", choices=LAUNCHERS, help="what runs the script under --start torchrun: torchrun (default), "
              "accelerate; deepspeed (the launcher of --strategy deepspeed)"),
-    argument("--timeout", type=_seconds, help="seconds before the run is stopped, with every rank's stack"),
+    argument("--timeout", type=parse_seconds, help="seconds before the run is stopped, with every rank's stack"),
     argument("--stall", type=stall_seconds, metavar="SECONDS|off", help="seconds without progress on any rank "
              "before the cell says where each rank waits (launch's stall=; the run goes on); off: never"),
     argument("--no-progress", dest="no_progress", action="store_true", default=None, help="no progress display"),
@@ -138,7 +138,7 @@ def run_options(func):
     return func
 
 
-def _given(args) -> dict:
+def given_options(args) -> dict:
     return {k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None}
 
 

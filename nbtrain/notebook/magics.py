@@ -32,7 +32,16 @@ from .cell import cell_job, run_cell
 from .choices import choose, deepspeed_options, words
 from .export import export
 from .launch import check_cluster_words
-from .magic_options import COMMANDS, DEFAULTS, RESULT_NAME, RUN_NAME, _given, make_cluster, run_options, shown_setting
+from .magic_options import (
+    COMMANDS,
+    DEFAULTS,
+    RESULT_NAME,
+    RUN_NAME,
+    given_options,
+    make_cluster,
+    run_options,
+    shown_setting,
+)
 from .ranks_magics import command as live_command
 from .ranks_magics import register as register_live
 from .runs import attach, runs
@@ -127,7 +136,7 @@ class NbtrainMagics(Magics):
         """
         if cell is None:
             return self._command(line)
-        given = _given(parse_argstring(self.nbtrain, line))
+        given = given_options(parse_argstring(self.nbtrain, line))
         options = {**DEFAULTS, **self.config_options, **given}
         check_options(options)
         if options["submit"] and "stall" in given:  # said by the live view of a kernel; a session default is not
@@ -200,7 +209,7 @@ class NbtrainMagics(Magics):
         if rest.strip() == "reset":
             self.config_options.clear()
         else:
-            given = _given(parse_argstring(self.nbtrain, rest))
+            given = given_options(parse_argstring(self.nbtrain, rest))
             check_options({**DEFAULTS, **self.config_options, **given})
             self.config_options.update(given)
         settings = {**DEFAULTS, **self.config_options}

@@ -20,7 +20,7 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..placements.template_process import warm_up
-from .magic_options import ACCELERATORS, CLUSTER_ARGUMENTS, DEFAULTS, _seconds, make_cluster, stall_seconds
+from .magic_options import ACCELERATORS, CLUSTER_ARGUMENTS, DEFAULTS, make_cluster, parse_seconds, stall_seconds
 from .ranks import START_METHODS, WRAPPINGS, Ranks
 
 if TYPE_CHECKING:
@@ -47,7 +47,8 @@ START_ARGUMENTS = [
     argument("--strategy", default="auto", choices=WRAPPINGS, help="how ctx.setup wraps a model (auto: ddp)"),
     argument("--start", default="auto", choices=START_METHODS, help="where the ranks come from: auto (a fork of the "
              "kernel when safe, else the warm template), fork, template, spawn"),
-    argument("--timeout", type=_seconds, default=None, help="default limit, in seconds, of each cell on the ranks"),
+    argument("--timeout", type=parse_seconds, default=None,
+             help="default limit, in seconds, of each cell on the ranks"),
     argument("--stall", type=stall_seconds, default=None, metavar="SECONDS|off", help="seconds without progress "
              "before a cell says where each rank waits (Ranks' stall=; the cell goes on); off: never"),
     *CLUSTER_ARGUMENTS,
@@ -73,7 +74,7 @@ class RanksMagics(Magics):
 
     @magic_arguments()
     @argument("--rank", type=_rank_list, default=None, help="run on this rank (or ranks: 0,2) only")
-    @argument("--timeout", type=_seconds, default=None, help="seconds before the cell is stopped, with stacks")
+    @argument("--timeout", type=parse_seconds, default=None, help="seconds before the cell is stopped, with stacks")
     @argument("--no-progress", dest="no_progress", action="store_true", help="no dashboard for this cell")
     @cell_magic
     def ranks(self, line: str, cell: str):

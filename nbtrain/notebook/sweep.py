@@ -31,7 +31,7 @@ from ..common.tracebacks import name_cells
 from ..display.sweep_view import SweepState, TrialRow, make_view, summary_html, summary_text
 from ..rank.trial import PRUNED, TrialSpec, run_trial
 from .choices import words
-from .insight import _name
+from .insight import function_name
 from .launch import check_cluster_words, check_timeout, launch
 from .restarts import why
 from .result import Result
@@ -649,9 +649,9 @@ def check_sweep(fn, space, trials, metric, direction, sampler, pruner, timeout, 
     with_trial = takes_trial(fn, space)
     check_count(trials, "trials")
     if metric is None and not with_trial:
-        raise ValueError(f"metric=None: sweep({_name(fn)}, space, ...) needs the name fn logs with ctx.log(name, "
-                         "value), e.g. metric='loss' (or write fn as Optuna's objective(trial), which returns its "
-                         "value).")
+        raise ValueError(f"metric=None: sweep({function_name(fn)}, space, ...) needs the name fn logs with "
+                         "ctx.log(name, value), e.g. metric='loss' (or write fn as Optuna's objective(trial), which "
+                         "returns its value).")
     if metric is not None and (not isinstance(metric, str) or not metric):
         raise ValueError(f"metric={metric!r}: give the name fn logs with ctx.log(name, value), e.g. metric='loss'.")
     if direction is not None and direction not in DIRECTIONS:

@@ -18,7 +18,7 @@ import psutil
 
 from ..common import protocol
 from ..common.errors import NbtrainError
-from ..rank.template_main import READY_TIMEOUT, _receive, _send
+from ..rank.template_main import READY_TIMEOUT, receive_message, send_message
 from .processes import parent_thread
 
 ANSWER_SECONDS = 5.0  # a ready template answers a ping in milliseconds: one that does not is unusable
@@ -59,7 +59,7 @@ class Template:
     def _read(self) -> None:
         try:
             while True:
-                message, _ = _receive(self._sock)
+                message, _ = receive_message(self._sock)
                 with self._changed:
                     if isinstance(message, protocol.Exited):
                         self.exits[message.pid] = message.code
@@ -127,7 +127,7 @@ class Template:
             with self._changed:
                 self._replies.clear()
             try:
-                _send(self._sock, request, fds)
+                send_message(self._sock, request, fds)
             except OSError:
                 return GONE
             with self._changed:

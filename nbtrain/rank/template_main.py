@@ -53,13 +53,13 @@ _HEADER = struct.Struct("!Q")
 
 # -- framing ---------------------------------------------------------------------------------
 
-def _send(sock: socket.socket, message, fds=()) -> None:
+def send_message(sock: socket.socket, message, fds=()) -> None:
     data = pickle.dumps(message)
     socket.send_fds(sock, [_HEADER.pack(len(data))], list(fds))
     sock.sendall(data)
 
 
-def _receive(sock: socket.socket, max_fds: int = 0):
+def receive_message(sock: socket.socket, max_fds: int = 0):
     header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, max_fds)
     if not header:
         raise EOFError("the other end closed")
@@ -88,17 +88,17 @@ def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
 
     if torch.cuda.is_initialized():  # a preloaded package did it: forks could not use CUDA
         raise SystemExit("nbtrain template: CUDA was initialised while preloading; refusing to serve")
-    _send(sock, protocol.TemplateReady(os.getpid()))
+    send_message(sock, protocol.TemplateReady(os.getpid()))
     children: set[int] = set()
     while True:
         readable, _, _ = select.select([sock], [], [], 0.05)
         if readable:
             try:
-                request, fds = _receive(sock, max_fds=2)
+                request, fds = receive_message(sock, max_fds=2)
             except (EOFError, OSError):
                 break  # the kernel is gone
             if request == "ping":
-                _send(sock, protocol.Pong())
+                send_message(sock, protocol.Pong())
             else:
                 pid = os.fork()  # from the main thread, with no other thread: nothing held in the child
                 if pid == 0:
@@ -109,7 +109,7 @@ def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
                 for fd in fds:
                     os.close(fd)
                 children.add(pid)
-                _send(sock, protocol.Forked(pid))
+                send_message(sock, protocol.Forked(pid))
         for pid in list(children):
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)
@@ -117,7 +117,7 @@ def _serve(control_fd: int, kernel_pid: int, extra: list[str]) -> None:
                 done, status = pid, 0
             if done:
                 children.discard(pid)
-                _send(sock, protocol.Exited(pid, os.waitstatus_to_exitcode(status)))
+                send_message(sock, protocol.Exited(pid, os.waitstatus_to_exitcode(status)))
     os._exit(0)
 
 
