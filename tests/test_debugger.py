@@ -32,7 +32,7 @@ class Panel:
     the control channel, events from IOPub (other IOPub messages are kept for the cell's output)."""
 
     def __init__(self, kernel: Kernel):
-        self.client, self.seq = kernel.client, itertools.count(1)
+        self.kernel, self.client, self.seq = kernel, kernel.client, itertools.count(1)
         self.events: list[dict] = []
         self.output: list[str] = []
 
@@ -73,6 +73,9 @@ class Panel:
             pass
         return reply["content"]
 
+    def value(self, expression: str):
+        return self.kernel.value(expression)
+
     def stopped(self) -> set[int]:
         return {e["body"]["threadId"] for e in self.events if e.get("event") == "stopped"}
 
@@ -89,14 +92,16 @@ class Panel:
 def panel():
     kernel = Kernel()
     try:
-        out, err, error, _ = kernel.run(SETUP)
+        out, err, error, _ = kernel.run("%load_ext nbtrain")
         assert error is None, (out, err, error)
-        panel = Panel(kernel)
+        panel = Panel(kernel)  # the debugger on first, as JupyterLab's toggle: the ranks are forks of a debugged kernel
         panel.ok("initialize", clientID="test", adapterID="python", pathFormat="path", linesStartAt1=True,
                  columnsStartAt1=True, supportsVariableType=True, supportsVariablePaging=True,
                  supportsRunInTerminalRequest=True, locale="en")
         panel.ok("attach")
         panel.ok("configurationDone")
+        out, err, error, _ = kernel.run(SETUP)
+        assert error is None, (out, err, error)
         yield panel
     finally:
         kernel.close()
@@ -140,3 +145,66 @@ def test_a_breakpoint_in_a_ranks_cell_stops_every_rank_and_each_shows_its_own_va
     stops = len(panel.stopped())
     assert panel.run(CELL)["status"] == "ok"  # no breakpoint left: the cell runs through
     assert len(panel.stopped()) == stops
+
+
+def test_debugpy_in_the_kernel_does_not_take_over_its_forks(panel):
+    """debugpy, as ipykernel starts it, patches os.fork so each child dials it as a debuggee of its
+    own (a forked rank hung there); nbtrain asks that off: the ranks have their own debugger."""
+    assert panel.value("__import__('os').fork.__module__") == "posix"
+    assert panel.value("ranks.eval('__import__(\"sys\").gettrace()')") == [None, None]
+
+
+FUNCTION = '''def train(scale):
+    rank = nbtrain.context().rank
+    value = rank * scale + 1
+    return value
+'''
+
+
+def test_a_breakpoint_in_a_launched_function_stops_its_ranks(panel):
+    path = panel.ok("dumpCell", code=FUNCTION)["sourcePath"]
+    assert panel.run(FUNCTION)["status"] == "ok"
+    panel.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 3}], sourceModified=False)
+    seen = len(panel.events)
+    cell = panel.client.execute('result = nbtrain.launch(train, 5, devices=2, accelerator="cpu", start="fork")')
+
+    def stops():
+        return {e["body"]["threadId"] for e in panel.events[seen:] if e.get("event") == "stopped"}
+
+    panel.read_iopub(lambda: len(stops()) == 2)
+    threads = panel.ok("threads")["threads"]
+    launched = {t["name"]: t["id"] for t in threads if t["id"] in stops()}
+    assert set(launched) == {"rank 0", "rank 1"}, (threads, stops())
+    frame = panel.ok("stackTrace", threadId=launched["rank 1"])["stackFrames"][0]
+    assert (frame["name"], frame["source"]["path"], frame["line"]) == ("train", path, 3)
+    assert panel.local(launched["rank 1"], "rank") == "1"
+    panel.ok("continue", threadId=launched["rank 1"])
+    while (reply := panel.client.get_shell_msg(timeout=120))["parent_header"].get("msg_id") != cell:
+        pass
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert panel.value("result.values") == [1, 6]
+    panel.ok("setBreakpoints", source={"path": path}, breakpoints=[], sourceModified=False)
+
+
+KERNEL_CELL = '''a = 20
+b = a + 1
+print("kernel", b)
+'''
+
+
+def test_the_kernels_own_breakpoints_keep_working(panel):
+    path = panel.ok("dumpCell", code=KERNEL_CELL)["sourcePath"]
+    panel.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 2}], sourceModified=False)
+    ranks = {t["id"] for t in panel.ok("threads")["threads"] if t["name"].startswith("rank ")}
+    seen = len(panel.events)
+    cell = panel.client.execute(KERNEL_CELL)
+    panel.read_iopub(lambda: any(e.get("event") == "stopped" for e in panel.events[seen:]))
+    thread = next(e for e in panel.events[seen:] if e.get("event") == "stopped")["body"]["threadId"]
+    assert thread not in ranks
+    frame = panel.ok("stackTrace", threadId=thread)["stackFrames"][0]
+    assert (frame["source"]["path"], frame["line"]) == (path, 2)
+    panel.ok("continue", threadId=thread)
+    while (reply := panel.client.get_shell_msg(timeout=120))["parent_header"].get("msg_id") != cell:
+        pass
+    assert reply["content"]["status"] == "ok"
+    panel.ok("setBreakpoints", source={"path": path}, breakpoints=[], sourceModified=False)

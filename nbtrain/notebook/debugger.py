@@ -90,6 +90,8 @@ class RanksDebugger:
         target = self._target(command, args)
         if target is not None:
             return await self._for_rank(message, *target)
+        if command == "initialize":
+            _no_subprocess_patching()
         reply = await self.inner(message)
         if command == "threads" and reply.get("success"):
             reply["body"]["threads"] = reply["body"].get("threads", []) + self._rank_threads()
@@ -229,6 +231,18 @@ class RanksDebugger:
         if loop is None or loop.is_closed():
             return  # no client ever spoke to the debugger: nobody listens
         loop.call_soon_threadsafe(self.kernel._publish_debug_event, event)
+
+
+def _no_subprocess_patching() -> None:
+    """debugpy, started by ipykernel at the first `initialize`, by default patches `os.fork` so a
+    child connects to it as a debuggee of its own: a rank would hang in that connection. The
+    ranks have their own debugger; the patch is asked off before debugpy starts."""
+    import debugpy
+
+    try:
+        debugpy.configure(subProcess=False)
+    except RuntimeError:  # already listening (configure comes too late): it stays as it is
+        log.debug("debugpy started before nbtrain's debugger", exc_info=True)
 
 
 def install(shell) -> RanksDebugger | None:

@@ -42,7 +42,13 @@ class RankDebugger(bdb.Bdb):
         self._refs: dict[int, object] = {}  # variablesReference -> what it expands
 
     def attach(self, link) -> None:
+        """This process is a rank that `link` serves. A rank forked from a kernel that debugpy
+        traces inherits its tracer, whose threads and socket stayed in the kernel: a breakpoint
+        would wait for them forever. Off, here: the rank's own debugger is this one."""
         self.link = link
+        if "pydevd" in sys.modules:
+            sys.settrace(None)
+            threading.settrace(None)
 
     # -- the main thread: around the user's code -------------------------------------------
     def arm(self) -> None:
