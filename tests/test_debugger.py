@@ -208,3 +208,25 @@ def test_the_kernels_own_breakpoints_keep_working(panel):
         pass
     assert reply["content"]["status"] == "ok"
     panel.ok("setBreakpoints", source={"path": path}, breakpoints=[], sourceModified=False)
+
+
+def test_an_interrupt_ends_a_paused_cell_and_the_ranks_serve_on(panel):
+    cell_code = CELL.replace("done", "interrupted")
+    path = panel.ok("dumpCell", code=cell_code)["sourcePath"]
+    panel.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": BREAK_LINE}], sourceModified=False)
+    seen = len(panel.events)
+    cell = panel.client.execute(cell_code)
+
+    def events(kind):
+        return [e for e in panel.events[seen:] if e.get("event") == kind]
+
+    panel.read_iopub(lambda: len(events("stopped")) == 2)
+    panel.kernel.manager.interrupt_kernel()
+    while (reply := panel.client.get_shell_msg(timeout=120))["parent_header"].get("msg_id") != cell:
+        pass
+    assert reply["content"]["status"] == "error" and "KeyboardInterrupt" in "".join(reply["content"]["traceback"])
+    panel.read_iopub(lambda: len(events("continued")) == 2)  # the panel hears that they run again
+    assert not panel.ok("debugInfo")["stoppedThreads"]
+    panel.ok("setBreakpoints", source={"path": path}, breakpoints=[], sourceModified=False)
+    assert panel.run("%%ranks\nctx.rank")["status"] == "ok"
+    assert "interrupted" not in "".join(panel.output)
