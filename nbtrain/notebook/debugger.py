@@ -24,6 +24,7 @@ import concurrent.futures
 import itertools
 import logging
 import queue
+import sys
 import threading
 import weakref
 
@@ -60,6 +61,8 @@ class DebugPort(queue.Queue):
             if _active:
                 _active[0].receive(self, item)
             return
+        if isinstance(item, (protocol.Returned, protocol.Raised)) and _active:
+            _active[0].ended(self, item.rank)
         super().put(item, block, timeout)
 
 
@@ -76,6 +79,7 @@ class RanksDebugger:
         self._refs: dict[int, tuple[DebugPort, int, int]] = {}  # ours: (port, rank, the rank's)
         self._ref_ids = itertools.count(REF_BASE)
         self._stopped: set[int] = set()
+        self._last_stopped = 0  # the rank thread that stopped last
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self.raw_cell: str | None = None  # the cell running now, as the client sent it (dumpCell's name is its hash)
@@ -88,11 +92,18 @@ class RanksDebugger:
         self._loop = asyncio.get_running_loop()
         command, args = message.get("command"), message.get("arguments") or {}
         target = self._target(command, args)
+        if target is None and command in STEPS and self._last_stopped in self._stopped \
+                and args.get("threadId") not in getattr(self.kernel.debugger, "stopped_threads", ()):
+            # JupyterLab's panel steps thread 1 whichever thread stopped (its service tracks no
+            # threads): with the kernel's own running, the paused ranks are what it means.
+            target = (*self._thread_of[self._last_stopped], None)
         if target is not None:
             return await self._for_rank(message, *target)
         if command == "initialize":
             _no_subprocess_patching()
         reply = await self.inner(message)
+        if command == "initialize":
+            _unfollow_children()
         if command == "threads" and reply.get("success"):
             reply["body"]["threads"] = reply["body"].get("threads", []) + self._rank_threads()
         elif command == "setBreakpoints":
@@ -219,11 +230,19 @@ class RanksDebugger:
         body = dict(message.body, threadId=thread)
         if message.event == "stopped":
             self._stopped.add(thread)
+            self._last_stopped = thread
             body.update(allThreadsStopped=False, description=f"rank {message.rank}")
         elif message.event == "continued":
             self._stopped.discard(thread)
             body.update(allThreadsContinued=False)
         self._publish({"type": "event", "seq": next(self._seq), "event": message.event, "body": body})
+
+    def ended(self, port: DebugPort, rank: int) -> None:
+        """`rank` replied to its command: it is not paused, whatever it said before (a second
+        interrupt may have cut its `continued` short)."""
+        thread = self._threads.get((port.serial, rank))
+        if thread in self._stopped:
+            self.receive(port, protocol.DebugEvent(rank, "continued", {}))
 
     def _publish(self, event: dict) -> None:
         """On IOPub, as ipykernel sends debugpy's events, from the control thread's loop."""
@@ -245,6 +264,19 @@ def _no_subprocess_patching() -> None:
         log.debug("debugpy started before nbtrain's debugger", exc_info=True)
 
 
+def _unfollow_children() -> None:
+    """What debugpy patched to follow child processes, put back (it keeps each original as
+    `original_<name>` beside it): debugpy started with that on before `%load_ext nbtrain` (the
+    panel was switched on first), and a rank, forked or spawned, would dial it and wait."""
+    import _posixsubprocess
+    import os
+
+    for module in (os, _posixsubprocess):
+        for name, original in list(vars(module).items()):
+            if name.startswith("original_") and hasattr(module, name[len("original_"):]):
+                setattr(module, name[len("original_"):], original)
+
+
 def install(shell) -> RanksDebugger | None:
     """Extend the debugger of `shell`'s kernel (ipykernel's) to the ranks; once per kernel. None without one."""
     kernel = getattr(shell, "kernel", None)
@@ -253,6 +285,8 @@ def install(shell) -> RanksDebugger | None:
     debugger = getattr(kernel, "debugger", None) if kernel is not None else None
     if debugger is None or not hasattr(debugger, "process_request"):
         return None
+    if "debugpy" in sys.modules:
+        _unfollow_children()
     ours = RanksDebugger(kernel)
     shell.events.register("pre_run_cell", ours.note_cell)
     debugger.process_request = ours.process_request  # the handler ipykernel's do_debug_request awaits

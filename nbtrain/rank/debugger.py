@@ -46,6 +46,9 @@ class RankDebugger(bdb.Bdb):
         traces inherits its tracer, whose threads and socket stayed in the kernel: a breakpoint
         would wait for them forever. Off, here: the rank's own debugger is this one."""
         self.link = link
+        tracing = sys.modules.get("pydevd_tracing")
+        if tracing is not None:
+            tracing.restore_sys_set_trace_func()  # its sys.settrace warns at every call, in every rank
         if "pydevd" in sys.modules:
             sys.settrace(None)
             threading.settrace(None)
@@ -83,12 +86,12 @@ class RankDebugger(bdb.Bdb):
                 if self._answer_paused(request):
                     break
         finally:
+            self._emit(protocol.DebugEvent(self.link.rank, "continued", {}))
             with self._lock:
                 self._paused = False
                 while not self.requests.empty():  # asked while it went on: too late
                     self._refuse(self.requests.get_nowait())
             self._frames, self._refs = [], {}
-            self._emit(protocol.DebugEvent(self.link.rank, "continued", {}))
 
     def _answer_paused(self, request) -> bool:
         """Answer one request of a paused rank; True if the rank goes on."""
