@@ -44,6 +44,15 @@ _ports: weakref.WeakSet[DebugPort] = weakref.WeakSet()
 _active: list[RanksDebugger] = []  # the kernel's, once installed
 
 
+def _live_ports() -> list[DebugPort]:
+    """The pools' ports, oldest first (read from the control thread while the main one may add one)."""
+    while True:
+        try:
+            return sorted(_ports, key=lambda port: port.serial)
+        except RuntimeError:  # "changed size during iteration": a pool started meanwhile
+            continue
+
+
 class DebugPort(queue.Queue):
     """A pool's inbox that hands the ranks' debugger messages to the kernel's debugger, and the
     pool's way to send it requests: `ranks()` (those connected) and `send(rank, message)`."""
@@ -176,7 +185,7 @@ class RanksDebugger:
         self.breakpoints[path] = {"source": {"path": path}, "breakpoints": wanted, "content": content}
         self._version += 1
         IN_KERNEL.set_breakpoints(path, wanted, content)  # what a rank forked from now on starts with
-        await asyncio.gather(*(self._tell(port, rank, path) for port in list(_ports) for rank in port.ranks()))
+        await asyncio.gather(*(self._tell(port, rank, path) for port in _live_ports() for rank in port.ranks()))
 
     async def _tell(self, port: DebugPort, rank: int, path: str) -> None:
         success, _, error = await self._ask(port, rank, "setBreakpoints", self.breakpoints[path])
@@ -187,7 +196,7 @@ class RanksDebugger:
     def sync(self) -> None:
         """Every connected rank has the breakpoints set so far (ranks started since: spawned,
         template-forked). From the kernel's main thread, before a cell runs on the ranks."""
-        for port in list(_ports):
+        for port in _live_ports():
             told = self._told.setdefault(port, {})
             for rank in port.ranks():
                 if told.get(rank) != self._version:
@@ -199,7 +208,7 @@ class RanksDebugger:
         self.breakpoints.clear()
         self._version += 1
         IN_KERNEL.clear_all_breaks()
-        await asyncio.gather(*(self._ask(port, rank, "disconnect", {}) for port in list(_ports)
+        await asyncio.gather(*(self._ask(port, rank, "disconnect", {}) for port in _live_ports()
                                for rank in port.ranks()))
         self._stopped.clear()
 
@@ -213,8 +222,8 @@ class RanksDebugger:
             return self._threads[key]
 
     def _rank_threads(self) -> list[dict]:
-        ports = sorted(_ports, key=lambda p: p.serial)
-        return [{"id": self._thread(port, rank), "name": f"rank {rank}"} for port in ports for rank in port.ranks()]
+        return [{"id": self._thread(port, rank), "name": f"rank {rank}"} for port in _live_ports()
+                for rank in port.ranks()]
 
     def _paused(self, port: DebugPort) -> list[tuple[DebugPort, int]]:
         return [self._thread_of[t] for t in sorted(self._stopped) if self._thread_of[t][0] is port]
