@@ -230,3 +230,31 @@ def test_an_interrupt_ends_a_paused_cell_and_the_ranks_serve_on(panel):
     panel.ok("setBreakpoints", source={"path": path}, breakpoints=[], sourceModified=False)
     assert panel.run("%%ranks\nctx.rank")["status"] == "ok"
     assert "interrupted" not in "".join(panel.output)
+
+
+FAILING = '''%%ranks
+def step(batch):
+    scale = 10 + ctx.rank
+    if ctx.rank == 1:
+        raise ValueError(f"bad batch {batch}")
+    return batch * scale
+step(3)
+'''
+
+
+def test_percent_debug_opens_a_failed_ranks_frame_in_the_panel(panel):
+    out, err, error, _ = panel.kernel.run(FAILING)
+    assert error is not None and error["ename"] == "WorkerError", (out, err, error)
+    seen = len(panel.events)
+    assert panel.run("%debug")["status"] == "ok"  # the stopped event may come before the cell ends: read below
+    panel.read_iopub(lambda: any(e.get("event") == "stopped" for e in panel.events[seen:])
+                     and "rank 1's failure is open in the debugger panel" in "".join(panel.output))
+    stopped = next(e for e in panel.events[seen:] if e.get("event") == "stopped")["body"]
+    assert stopped["reason"] == "exception" and stopped["description"] == "rank 1"
+    frame = panel.ok("stackTrace", threadId=stopped["threadId"])["stackFrames"][0]
+    assert (frame["name"], frame["line"]) == ("step", 5)
+    assert panel.local(stopped["threadId"], "scale") == "11"
+    assert panel.ok("evaluate", expression="batch + 1", frameId=frame["id"], context="watch")["result"] == "4"
+    panel.ok("continue", threadId=1)  # as JupyterLab's panel sends it: closes the post-mortem
+    panel.read_iopub(lambda: any(e.get("event") == "continued" for e in panel.events[seen:]))
+    assert panel.run("%%ranks\nctx.rank")["status"] == "ok"  # the ranks serve on

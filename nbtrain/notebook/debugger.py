@@ -308,6 +308,18 @@ def started() -> bool:
     return bool(_active) and bool(getattr(_active[0].kernel.debugger, "is_started", False))
 
 
+def post_mortem(rank: int) -> bool:
+    """With the client's debugger on: open live rank `rank`'s last failure in the panel (its
+    frames, its variables; continue closes it). False when the debugger is off or no live pool has
+    that rank connected."""
+    if not started():
+        return False
+    for port in reversed(_live_ports()):
+        if rank in port.ranks():
+            return bool(port.send(rank, protocol.DebugRequest(next(_active[0]._seq), "postMortem", {})))
+    return False
+
+
 def sync() -> None:
     if _active:
         _active[0].sync()

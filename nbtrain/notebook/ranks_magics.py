@@ -114,6 +114,10 @@ class RanksMagics(Magics):
         """`%debug`: after a WorkerError from live ranks, pdb in the failed rank; otherwise IPython's."""
         error = getattr(sys, "last_value", None)
         if cell is None and not line.strip() and callable(getattr(error, "debug", None)):
+            rank = getattr(error, "rank", None)
+            if isinstance(rank, int) and debugger.post_mortem(rank):  # the debugger panel is on: there
+                print(f"nbtrain: rank {rank}'s failure is open in the debugger panel; continue closes it.")
+                return None
             return error.debug()  # type: ignore[union-attr]  # callable: checked above
         return self._ipython_debug(line, cell)
 

@@ -40,12 +40,14 @@ class RankDebugger(bdb.Bdb):
         self._stepping = False
         self._frames: list = []  # the paused stack, innermost first: frame id - 1 is its index
         self._refs: dict[int, object] = {}  # variablesReference -> what it expands
+        self._last_failure = lambda: None  # the traceback of the rank's last failed command
+        self._post_mortem = False  # its frames are open in the panel (answered on the receiving thread)
 
-    def attach(self, link) -> None:
+    def attach(self, link, last_failure=lambda: None) -> None:
         """This process is a rank that `link` serves. A rank forked from a kernel that debugpy
         traces inherits its tracer, whose threads and socket stayed in the kernel: a breakpoint
         would wait for them forever. Off, here: the rank's own debugger is this one."""
-        self.link = link
+        self.link, self._last_failure = link, last_failure
         tracing = sys.modules.get("pydevd_tracing")
         if tracing is not None:
             tracing.restore_sys_set_trace_func()  # its sys.settrace warns at every call, in every rank
@@ -76,7 +78,7 @@ class RankDebugger(bdb.Bdb):
         self._pause(frame, "step" if self._stepping else "breakpoint")
 
     def _pause(self, frame, reason: str) -> None:
-        self._frames, self._refs = _user_stack(frame), {}
+        self._frames, self._refs, self._post_mortem = _user_stack(frame), {}, False
         with self._lock:
             self._paused = True
         self._emit(protocol.DebugEvent(self.link.rank, "stopped", {"reason": reason}))
@@ -184,6 +186,9 @@ class RankDebugger(bdb.Bdb):
             return
         if request.command == "disconnect":
             self.clear_all_breaks()
+        if request.command == "postMortem" or self._post_mortem:
+            self._answer_post_mortem(request)
+            return
         with self._lock:
             if self._paused:
                 self.requests.put(request)
@@ -192,6 +197,26 @@ class RankDebugger(bdb.Bdb):
             self._reply(request, True, {})
         else:
             self._refuse(request)
+
+    def _answer_post_mortem(self, request) -> None:
+        """The last failure's frames, opened in the panel: nothing runs there, so the receiving
+        thread answers, and the main thread stays free for commands."""
+        if request.command == "postMortem":
+            tb = self._last_failure()
+            if tb is None:
+                self._reply(request, False, {}, f"rank {self.link.rank} has no failure to debug")
+                return
+            while tb.tb_next is not None:
+                tb = tb.tb_next
+            self._frames, self._refs, self._post_mortem = _user_stack(tb.tb_frame), {}, True
+            self._reply(request, True, {})
+            self._emit(protocol.DebugEvent(self.link.rank, "stopped", {"reason": "exception"}))
+        elif request.command in STEPS or request.command == "disconnect":
+            self._frames, self._refs, self._post_mortem = [], {}, False
+            self._reply(request, True, {"allThreadsContinued": False} if request.command == "continue" else {})
+            self._emit(protocol.DebugEvent(self.link.rank, "continued", {}))
+        else:
+            self._answer_paused(request)
 
     def set_breakpoints(self, path: str, wanted: list[dict], content: str | None = None) -> list[dict]:
         """The breakpoints of one file, replacing its others (DAP's `setBreakpoints`)."""

@@ -67,7 +67,7 @@ class RankLoop:
         signal.signal(signal.SIGINT, self._on_sigint)
         if live:
             sys.breakpointhook = self._breakpoint
-        DEBUGGER.attach(link)  # the notebook's visual debugger (`debugger.py`)
+        DEBUGGER.attach(link, lambda: self.last_traceback)  # the notebook's visual debugger (`debugger.py`)
 
     # -- the receiving thread ------------------------------------------------------------
     def on_message(self, message) -> None:
