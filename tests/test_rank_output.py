@@ -1,5 +1,5 @@
 """A rank's notebook output in a real Jupyter kernel, for every local placement: rich display and its
-updates from rank 0 in the cell (other ranks' counted), a tqdm bar as one live line per rank, and
+updates from rank 0 in the cell (other ranks' shown at the end, one selector per rank), a tqdm bar as one live line per rank, and
 log records tagged with their rank."""
 import re
 
@@ -74,7 +74,11 @@ def nb(kernel):
 
 def check(out: Output) -> None:
     html = [c for c in out.of("display_data") if "text/html" in c["data"]]
+    tabs = [c["data"]["text/html"] for c in html if "nbtrain-rank-tabs" in c["data"]["text/html"]]
+    html = [c for c in html if "nbtrain-rank-tabs" not in c["data"]["text/html"]]
     assert [c["data"]["text/html"] for c in html] == ["<b>table from rank 0</b>"]
+    # rank 1's, at the end, in its own selector, as it last drew it
+    assert len(tabs) == 1 and "<summary>rank 1 (1 output)</summary><div><b>rank 1 updated its table</b></div>" in tabs[0]
     display_id = html[0]["transient"]["display_id"]
     updates = [c for c in out.of("update_display_data") if "text/html" in c["data"]]
     assert [(c["data"]["text/html"], c["transient"]["display_id"]) for c in updates] == [
@@ -117,7 +121,9 @@ r = nbtrain.launch(frames, devices=2, accelerator="cpu", start="fork", progress=
     clears = out.of("clear_output")
     assert len(clears) == 3 and all(c["wait"] for c in clears)
     frames = [c["data"]["text/html"] for c in out.of("display_data") if "<i>" in c["data"].get("text/html", "")]
-    assert frames == [f"<i>frame {i} of rank 0</i>" for i in range(3)]
+    assert frames[:3] == [f"<i>frame {i} of rank 0</i>" for i in range(3)]
+    # rank 1's selector, at the end, holds what it showed after its last clear
+    assert len(frames) == 4 and "<summary>rank 1 (1 output)</summary><div><i>frame 2 of rank 1</i></div>" in frames[3]
     # After each clear the dashboard is shown again, under its own id: the summary replaces it at the end.
     dashboard = [c for c in out.of("display_data") if "nbtrain-dashboard" in str(c["data"]) or
                  "replaced by a summary" in c["data"].get("text/plain", "")]

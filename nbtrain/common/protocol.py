@@ -618,3 +618,36 @@ class Change(NamedTuple):
 
 STEER_REPLIES = (SteerHeld, SteerDone)
 URGENT |= set(STEER_REPLIES)
+
+
+# -- the notebook's visual debugger on the ranks (notebook/debugger.py <-> rank/debugger.py) ------
+
+@_kind("debug_request")
+class DebugRequest(NamedTuple):
+    """Notebook -> rank: a Debug Adapter Protocol request (`command`, `arguments`) for the rank's
+    debugger; its frame ids and variable references are the rank's own. Answered by a `DebugReply`."""
+    seq: int
+    command: str
+    arguments: dict
+
+
+@_kind("debug_reply")
+class DebugReply(NamedTuple):
+    """Rank -> notebook: the answer to the `DebugRequest` `seq` (a DAP response's body, or why not)."""
+    rank: int
+    seq: int
+    success: bool
+    body: dict
+    message: str = ""
+
+
+@_kind("debug_event")
+class DebugEvent(NamedTuple):
+    """Rank -> notebook: a DAP event of the rank's debugger (`stopped`, `continued`) and its body."""
+    rank: int
+    event: str
+    body: dict
+
+
+DEBUGGER = (DebugReply, DebugEvent)  # what the notebook's debugger takes, never a command's watcher
+URGENT = URGENT | frozenset(DEBUGGER)  # a paused rank waits for the panel's next request

@@ -8,7 +8,7 @@ In Jupyter:
   cell. Display ids are prefixed by the rank, so no two ranks' (nor the notebook's) collide.
   Widgets cannot cross processes: their view is dropped, their text kept.
 - Other ranks' rich output is counted and said once at the end of the command, never dropped in
-  silence (`end`).
+  silence (`end`); in Jupyter it is then shown there, one selector per rank (`rank_tabs.py`).
 Elsewhere (a terminal, a log): a redrawn block's last text as lines, and the shown rank's rich
 output as its text.
 """
@@ -19,6 +19,7 @@ from collections import Counter
 from typing import Any
 
 from ..common import protocol
+from .rank_tabs import RankTabs
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 KINDS = (protocol.Live, *protocol.RICH)  # the messages `deliver` takes
@@ -63,15 +64,18 @@ class RankOutput:
         self.shown_rank = 0
         self._live: dict[tuple, Any] = {}  # (rank, stream): the display handle of its live lines
         self._unshown: Counter = Counter()  # rank: rich outputs not shown
+        self._tabs = RankTabs()  # what they were, shown at the end of the command
 
     def start(self, state) -> None:
         self.shown_rank = min(state.ranks, default=0)
         self._live.clear()  # a new cell: live lines start afresh there
         self._unshown.clear()
+        self._tabs = RankTabs()
 
     def carry_on(self, other: RankOutput) -> None:
         """Take over from another display's (LazyDisplay's quiet one) in the middle of a command."""
         self.shown_rank, self._live, self._unshown = other.shown_rank, other._live, other._unshown
+        self._tabs = other._tabs
 
     # -- lines a bar redraws -------------------------------------------------------------
     def live(self, rank, stream: str, text: str, done: bool) -> None:
@@ -96,6 +100,7 @@ class RankOutput:
         rank, new = message.rank, isinstance(message, protocol.Display)
         if rank != self.shown_rank:
             self._unshown[rank] += new
+            self._tabs.add(message)
             return
         if jupyter_shell() is None:
             text = message.data.get("text/plain") if new else None
@@ -125,5 +130,12 @@ class RankOutput:
         count = sum(self._unshown.values())
         self._unshown.clear()
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        tabs, self._tabs = self._tabs, RankTabs()
+        if tabs and jupyter_shell() is not None:
+            from IPython.display import HTML, display
+
+            display(HTML(tabs.html()))
+            return (f"{who} displayed {count} rich output{'s' if count > 1 else ''} (IPython display: HTML, images, "
+                    f"tables): shown above, one selector per rank; rank {self.shown_rank}'s is shown where it was.")
         return (f"{who} displayed {count} rich output{'s' if count > 1 else ''} (IPython display: HTML, images, "
                 f"tables) not shown here: only rank {self.shown_rank}'s rich output is shown in the cell.")

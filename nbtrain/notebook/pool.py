@@ -35,6 +35,7 @@ from ..placements.base import PrivateStore, describe_exit, free_port
 from ..rank.process import STACKS_SIGNAL
 from . import stacks
 from .chatter import Chatter
+from .debugger import DebugPort
 from .runmodel import RunState
 from .supervisor import CONNECTION_CLOSED, NOT_SENT, Supervisor
 
@@ -60,11 +61,13 @@ class PoolBroken(NbtrainError, RuntimeError):
 class Pool:
     def __init__(self, launcher, job, live: bool):
         self._launcher, self._job, self._live = launcher, job, live
-        self._inbox: queue.Queue = queue.Queue()
+        # The ranks' debugger messages go to the kernel's debugger (`debugger.py`), the rest to the watcher.
+        self._inbox: queue.Queue = DebugPort(lambda: [r for r in self.ranks if self._hub.connected(r)],
+                                             lambda rank, message: self._hub.send(rank, message))
         made: list = []  # what holds descriptors, closed again when a later part cannot be made
         step = "opening the ranks' channel"
         try:
-            self._hub = Hub(self._inbox, **launcher.channel_options(job))
+            self._hub: Hub = Hub(self._inbox, **launcher.channel_options(job))
             made.append(self._hub.close)
             step = "preparing to read the ranks' output"
             self._reader = OutputReader(self._inbox.put)

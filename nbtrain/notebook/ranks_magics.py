@@ -20,6 +20,7 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..placements.template_process import warm_up
+from . import debugger
 from .magic_options import ACCELERATORS, CLUSTER_ARGUMENTS, DEFAULTS, make_cluster, parse_seconds, stall_seconds
 from .ranks import START_METHODS, WRAPPINGS, Ranks
 
@@ -92,9 +93,11 @@ class RanksMagics(Magics):
             raise UsageError(f"--rank {args.rank}: the live ranks are 0 .. {ranks.world_size - 1}.")
         progress = ranks.progress
         ranks.progress = False if args.no_progress else progress  # for this cell only
+        source, filename = debugger.cell_for_ranks(self.shell, cell) or (cell, self._cell_file(cell))
+        debugger.sync()  # ranks started since breakpoints were set get them
         try:
-            ranks.exec(cell, ranks=args.rank, timeout=args.timeout, _namespace=self.shell.user_ns,
-                       _filename=self._cell_file(cell), _show=True)
+            ranks.exec(source, ranks=args.rank, timeout=args.timeout, _namespace=self.shell.user_ns,
+                       _filename=filename, _show=True)
         finally:
             ranks.progress = progress
 
@@ -112,6 +115,10 @@ class RanksMagics(Magics):
         """`%debug`: after a WorkerError from live ranks, pdb in the failed rank; otherwise IPython's."""
         error = getattr(sys, "last_value", None)
         if cell is None and not line.strip() and callable(getattr(error, "debug", None)):
+            rank = getattr(error, "rank", None)
+            if isinstance(rank, int) and debugger.post_mortem(rank):  # the debugger panel is on: there
+                print(f"nbtrain: rank {rank}'s failure is open in the debugger panel; continue closes it.")
+                return None
             return error.debug()  # type: ignore[union-attr]  # callable: checked above
         return self._ipython_debug(line, cell)
 
@@ -148,3 +155,4 @@ def register(ipython) -> None:
     if isinstance(mine, RanksMagics):  # %load_ext again: keep IPython's own underneath
         original = mine._ipython_debug
     ipython.register_magics(RanksMagics(ipython, original))
+    debugger.install(ipython)  # JupyterLab's debugger reaches the ranks

@@ -39,6 +39,7 @@ from ..common.tracebacks import package_path
 from ..common.transfer import pack_exception, pack_result, unpack_job, unpack_push
 from .compat import become_torchrun_worker, destroy_asked_group
 from .context import Context, set_current
+from .debugger import DEBUGGER
 from .doctor import TALLY, count_collectives, whereabouts
 from .output import show_in_notebook
 from .process import enable_stacks, end_output, limit_threads, watched_from_here
@@ -68,6 +69,7 @@ class RankLoop:
         signal.signal(signal.SIGINT, self._on_sigint)
         if live:
             sys.breakpointhook = self._breakpoint
+        DEBUGGER.attach(link, lambda: self.last_traceback)  # the notebook's visual debugger (`debugger.py`)
 
     # -- the receiving thread ------------------------------------------------------------
     def on_message(self, message) -> None:
@@ -87,6 +89,8 @@ class RankLoop:
             self.names.put(message)
         elif isinstance(message, STEERING):  # the main thread finds it at its next step boundary
             self.ctx._steering.on_message(message)
+        elif isinstance(message, protocol.DebugRequest):  # the notebook's visual debugger
+            DEBUGGER.on_request(message)
         else:
             self.commands.put(message)
 
@@ -165,8 +169,10 @@ class RankLoop:
             def __enter__(self):
                 with loop._lock:
                     loop._running = seq
+                DEBUGGER.arm()  # traced only while a breakpoint is set
 
             def __exit__(self, *exc):
+                DEBUGGER.disarm()
                 with loop._lock:
                     loop._running, loop._interrupting = None, False
 
