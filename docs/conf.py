@@ -76,12 +76,16 @@ html_static_path = ["_static"]
 html_css_files = ["wide.css"]
 # The guide's pages have no children to list on the left: give their width to the text. The
 # notebooks' and the API's pages keep the list of their section.
-html_sidebars = {"*": [], "notebooks": ["sidebar-nav-bs"], "api/index": ["sidebar-nav-bs"]}
+# A notebook's page gives its width to the cells and their outputs (no side lists).
+html_sidebars = {"*": [], "notebooks": ["sidebar-nav-bs"], "api/index": ["sidebar-nav-bs"], "notebooks/*": []}
 html_theme_options = {
     "github_url": "https://github.com/nbtrain/nbtrain",
     "navigation_with_keys": False,
     "show_toc_level": 2,
     "header_links_before_dropdown": 3,
+    # The pages' own contents on the right, except on a notebook's page (its outputs take the width).
+    "secondary_sidebar_items": {"*": ["page-toc", "sourcelink"], "api/**": ["page-toc", "sourcelink"],
+                                "decisions/*": ["page-toc", "sourcelink"], "notebooks/*": []},
 }
 
 

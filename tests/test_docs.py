@@ -85,6 +85,17 @@ def test_a_notebook_page_carries_its_saved_outputs(site, notebook):
 
 
 @pytest.mark.slow
+def test_a_notebook_page_gives_its_width_to_the_outputs(site):
+    """A notebook's outputs (a stall message, a traceback) are read whole: no side lists on its page,
+    and long output lines wrap instead of hiding behind a scroll bar."""
+    page = (site / "notebooks" / "13_hangs_and_stragglers.html").read_text()
+    guide = (site / "launching.html").read_text()
+    assert "page-toc" in guide and "page-toc" not in page
+    css = (site / "_static" / "wide.css").read_text()
+    assert re.search(r"div\.cell_output pre[^{]*\{[^}]*white-space: pre-wrap", css)
+
+
+@pytest.mark.slow
 def test_the_figures_page_is_benchmarks_results_as_written(site):
     text = text_of(site / "benchmarks.html")
     rows = [line for line in (ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()
