@@ -153,6 +153,21 @@ def test_the_summarys_picture_has_a_slice_of_the_most_important_parameter():
     assert len(curves_figure(state).axes) == 1
 
 
+def test_the_summary_says_what_each_line_and_step_is():
+    pytest.importorskip("matplotlib", reason="the summary's picture is drawn with matplotlib")
+    from nbtrain.display.sweep_view import curves_figure
+
+    state = SweepState("sweep of train", "loss", "minimize", "2 CPU slots", target=3)
+    state.rows = {0: TrialRow(0, {"lr": 0.1}, "CPU slot 0", "complete", 0.5, 2, progress="epoch 3/3"),
+                  1: TrialRow(1, {"lr": 0.3}, "CPU slot 1", "pruned", 2.0, 1, detail="pruned at step 1")}
+    for row in state.rows.values():
+        row.curve.add(0, row.value)
+    state.best = (0, 0.5, {"lr": 0.1})
+    legend = curves_figure(state).axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["trial 0 (best)", "other trials", "pruned"]
+    assert "<th style='text-align:left'>at step</th>" in summary_html(state, "finished")  # the logged step, beside 3/3
+
+
 def test_an_objectives_key_is_its_code_and_space():
     def key(fn, space=None):
         from nbtrain.notebook.sweep_study import objective_key

@@ -120,7 +120,8 @@ def row_line(row: TrialRow, metric: str) -> str:
 
 def _rows_html(state: SweepState, final: bool) -> str:
     names = list(dict.fromkeys(k for row in state.rows.values() for k in row.params))
-    head = ["trial", "state", *names, state.metric, "step", "progress", "slot", "time", ""]
+    # "at step": the step the value was logged at (ctx.log's, from 0), beside the loop's count (3/3).
+    head = ["trial", "state", *names, state.metric, "at step", "progress", "slot", "time", ""]
     best = state.best[0] if state.best else None
     rows = sorted(state.rows.values(), key=lambda r: r.number)
     hidden = max(0, len(rows) - MAX_ROWS) if not final else 0
@@ -199,8 +200,15 @@ def curves_figure(state: SweepState):
     ax.set_xlabel("step", fontsize=9)
     ax.tick_params(labelsize=8)
     ax.grid(True, color="#e6e6e6", linewidth=0.6)
-    if best is not None and best in state.rows:
-        ax.legend(fontsize=8, frameon=False)
+    from matplotlib.lines import Line2D
+
+    # What the grey and the dashed lines are, beside the best trial's own entry.
+    keys = [Line2D([], [], color="#9e9e9e", linewidth=1.0, label="other trials")]
+    if any(row.state == "pruned" for row in state.rows.values()):
+        keys.append(Line2D([], [], color="#9e9e9e", linewidth=1.0, linestyle="--", label="pruned"))
+    handles, _ = ax.get_legend_handles_labels()
+    if handles or len(state.rows) > 1:
+        ax.legend(handles=handles + keys, fontsize=8, frameon=False)
     if top:
         name, xs, ys, bests = top
         side = axes[1]
