@@ -568,8 +568,7 @@ def test_a_kernel_killed_while_starting_the_supervisor_leaves_a_run_that_reads_t
     try:
         setup = (f"{TAKES_LONG}\nimport os, signal, subprocess\n{DIES[moment]}subprocess.run = dying\n"
                  "import nbtrain.notebook.submit as submitting\n"
-                 "def no_template():\n    raise RuntimeError('no warm template in this test')\n"
-                 "submitting.template = no_template\n")
+                 "submitting._ready_template = lambda: None\n")  # no warm template in this test
         assert kernel.run(setup)[2] is None
         kernel.client.execute(f"nbtrain.submit(takes_long, b'', 600, devices=1, accelerator='cpu', "
                               f"run_dir={str(tmp_path / 'run')!r})")

@@ -548,6 +548,7 @@ def test_a_second_sweep_of_a_running_study_is_refused_until_the_first_is_gone(tm
     finally:
         holder.kill()
         holder.wait()
+        holder.stdout.close()
     # Its kernel gone, the lock went with it.
     swept = nbtrain.sweep(lambda trial: 0.5, trials=1, devices=1, accelerator="cpu", run_dir=run_dir, progress=False)
     assert swept.best_value == 0.5
