@@ -352,3 +352,37 @@ def test_a_local_ray_whose_start_timed_out_is_shut_down_and_started_again_twice_
     with pytest.raises(Exception, match="num_cpus"):
         _init(other, None)
     assert other.calls == [("init", None)]
+
+
+def test_a_link_closed_while_its_receiver_reads_ends_quietly(hub):
+    """A rank's map or trial link closed while its receiving thread was between recv's check and its
+    read: multiprocessing reads from the handle close() set to None (a TypeError), which printed
+    "Exception ignored in thread" into the user's cell after a Ranks.map (issue #54)."""
+    import threading
+
+    hub, _ = hub
+    link, said, lost, reading = Link(0, hub.environ), [], [], threading.Event()
+
+    class ClosedUnderneath:  # the real connection, whose next read comes after close took its handle
+        def __init__(self, conn):
+            self._conn = conn
+
+        def recv(self):
+            reading.set()
+            while not link._closing:
+                threading.Event().wait(0.01)
+            return self._conn._recv(4)  # as Connection.recv reads once close() set the handle to None
+
+        def __getattr__(self, name):
+            return getattr(self._conn, name)
+
+    link._conn = ClosedUnderneath(link._conn)
+    previous, sys.unraisablehook = sys.unraisablehook, lambda unraisable: said.append(unraisable.exc_value)
+    try:
+        link.listen(lambda message: None, lambda: lost.append(True))
+        assert reading.wait(10)
+        link.close()
+        threading.Event().wait(0.5)  # the receiving thread's end, were it to print anything
+    finally:
+        sys.unraisablehook = previous
+    assert said == [] and lost == []

@@ -438,12 +438,20 @@ class Link:
             return False
 
     def _receive_loop(self, on_command, on_lost) -> None:
-        try:
-            while True:
-                on_command(self._conn.recv())
-        except (EOFError, OSError):
-            if not self._closing:
-                on_lost()
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                if not self._closing:
+                    on_lost()
+                return
+            except (TypeError, ValueError):
+                # This link's own `close` took the connection's handle between recv's check and its
+                # read (multiprocessing then reads from None): the end asked for, not an error.
+                if self._closing:
+                    return
+                raise
+            on_command(message)
 
     def close(self, *final) -> None:
         """Send what is pending, then `final` messages, and wait until they are written: from
