@@ -166,7 +166,7 @@ def main() -> None:
         rows["wrapped"].append(per_call(wrapped_nop, t, 200000))
         rows["step plain"].append(steps(plain, lambda it: it, 200))
         rows["step measured"].append(steps(counted, doctor.timed_batches, 200))
-    from nbtrain.notebook.doctor import stall_after
+    from nbtrain.notebook.run.doctor import stall_after
 
     check = per_call(lambda _: stall_after(None, 0.01), None, 200000)
     n = 200000

@@ -26,7 +26,7 @@ SETUP = '''
 import os, statistics, time, nbtrain, torch
 from nbtrain.common.protocol import Hello
 from nbtrain.display import make_display
-from nbtrain.notebook.runmodel import RunState
+from nbtrain.notebook.run.runmodel import RunState
 
 def empty():
     return nbtrain.context().rank

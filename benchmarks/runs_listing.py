@@ -18,7 +18,7 @@ from pathlib import Path
 
 import nbtrain
 from nbtrain.common import protocol, runlog
-from nbtrain.notebook.runs import Run
+from nbtrain.notebook.detached.runs import Run
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, record, table  # noqa: E402

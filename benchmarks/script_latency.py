@@ -64,7 +64,7 @@ def timed(start_run, stamp: Path) -> tuple[float, float]:
 
 def contenders(script: Path):
     import nbtrain
-    from nbtrain.notebook.cell import run_cell
+    from nbtrain.notebook.ipython.cell import run_cell
 
     def bare(*flags):
         def run():

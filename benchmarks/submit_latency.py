@@ -5,7 +5,7 @@ real Jupyter kernel. Interleaved round by round:
 - `submit(...).result()`: to the Result read back from the run directory;
 - `launch()` of the same function in the same kernel (start='fork'), for comparison;
 - `attach(run_dir).result()` of a finished run: reading the Result back;
-- the supervisor's imports alone (`python -c "import nbtrain.notebook.detached"`), the cost a
+- the supervisor's imports alone (`python -c "import nbtrain.notebook.detached.supervise"`), the cost a
   supervisor started as a fresh interpreter pays before it runs anything.
 
 Round 0 is each kernel's first submit (cold: for this nbtrain, it starts the kernel's warm
@@ -69,7 +69,7 @@ def last(output: str) -> str:
 
 def supervisor_imports(env: dict) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import nbtrain.notebook.detached"], check=True, env=env)
+    subprocess.run([sys.executable, "-c", "import nbtrain.notebook.detached.supervise"], check=True, env=env)
     return time.perf_counter() - start
 
 

@@ -12,15 +12,15 @@ from .common.preflight import install_cuda_init_hook_when_imported as _install_c
 # What a notebook user types, and nothing else (name: the module that defines it). Each has a
 # docstring with every parameter, what it returns and what it raises (tests/test_public_api.py).
 _PUBLIC = {
-    **dict.fromkeys(["launch"], ".notebook.launch"),
-    **dict.fromkeys(["submit"], ".notebook.submit"),
-    **dict.fromkeys(["Ranks"], ".notebook.ranks"),
+    **dict.fromkeys(["launch"], ".notebook.run.launch"),
+    **dict.fromkeys(["submit"], ".notebook.detached.submit"),
+    **dict.fromkeys(["Ranks"], ".notebook.live.ranks"),
     **dict.fromkeys(["context", "Context"], ".rank.context"),
-    **dict.fromkeys(["Result"], ".notebook.result"),
-    **dict.fromkeys(["Run", "attach", "runs"], ".notebook.runs"),
-    **dict.fromkeys(["export"], ".notebook.export"),
-    **dict.fromkeys(["sweep"], ".notebook.sweep"),
-    **dict.fromkeys(["MapError", "map"], ".notebook.mapping"),
+    **dict.fromkeys(["Result"], ".notebook.run.result"),
+    **dict.fromkeys(["Run", "attach", "runs"], ".notebook.detached.runs"),
+    **dict.fromkeys(["export"], ".notebook.detached.export"),
+    **dict.fromkeys(["sweep"], ".notebook.many.sweep"),
+    **dict.fromkeys(["MapError", "map"], ".notebook.many.mapping"),
     **dict.fromkeys(["NbtrainError", "WorkerError"], ".common.errors"),
     **dict.fromkeys(["explain_pickling"], ".common.pickling"),
     **dict.fromkeys(["gpus"], ".display.gpus"),
@@ -59,9 +59,9 @@ _MOVED = {
     **dict.fromkeys(["ForkUnsafeError", "install_cuda_init_hook"], ".common.preflight"),
     **dict.fromkeys(["GpuPicker"], ".display.picker"),
     **dict.fromkeys(["notebook_launcher", "spawn"], ".notebook.dropins"),
-    **dict.fromkeys(["environment"], ".notebook.env"),
-    **dict.fromkeys(["Sweep"], ".notebook.sweep"),
-    **dict.fromkeys(["Rank"], ".notebook.ranks"),
+    **dict.fromkeys(["environment"], ".notebook.ipython.env"),
+    **dict.fromkeys(["Sweep"], ".notebook.many.sweep"),
+    **dict.fromkeys(["Rank"], ".notebook.live.ranks"),
     **dict.fromkeys(["rank_zero_only"], ".rank.context"),
 }
 _SUBMODULES = {"cli", "demo", "notebook", "display", "placements", "rank", "common"}
@@ -131,7 +131,7 @@ def __dir__() -> list[str]:
 
 def load_ipython_extension(ipython) -> None:
     """`%load_ext nbtrain`: the %nbtrain / %%nbtrain magics. IPython is imported only here."""
-    from .notebook.magics import register
+    from .notebook.ipython.magics import register
 
     _install_cuda_init_hook()  # already in place from the import; a no-op unless torch was reloaded
     register(ipython)

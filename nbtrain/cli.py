@@ -19,7 +19,7 @@ def _gpus(args) -> int:
 
 def _demo(args) -> int:
     from .demo import METRIC, train
-    from .notebook.launch import launch
+    from .notebook.run.launch import launch
 
     result = launch(train, args.epochs, devices=args.devices, accelerator=args.accelerator,
                     strategy=args.strategy, start=args.start, timeout=args.timeout)
@@ -36,7 +36,7 @@ def _demo(args) -> int:
 def _runs(args) -> int:
     import os
 
-    from .notebook.runs import runs
+    from .notebook.detached.runs import runs
 
     if not os.path.lexists(args.path):
         raise ValueError(f"{args.path!r} does not exist: give the folder that holds run directories (by default "
@@ -48,7 +48,7 @@ def _runs(args) -> int:
 
 def _cancel(args) -> int:
     """Stop a submitted run (as ``Run.cancel()``) and say how it ended."""
-    from .notebook.runs import Run
+    from .notebook.detached.runs import Run
 
     run = Run(args.path, progress=False)
     before = run.status
@@ -65,7 +65,7 @@ def _attach(args) -> int:
     """A submitted run as text, for a shell: where it stands, its last lines, what it gave back.
     It does not wait: `nbtrain attach` again (or `watch -n 5`) to follow it."""
     from .common.errors import WorkerError
-    from .notebook.runs import Run
+    from .notebook.detached.runs import Run
 
     run = Run(args.path, progress=False)
     print(f"{run.function}: {run.status}" + (f" ({run.reason})" if run.reason else ""))

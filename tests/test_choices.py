@@ -2,8 +2,8 @@
 import pytest
 
 from nbtrain.common.devices import plan_devices
-from nbtrain.notebook import choices
-from nbtrain.notebook.choices import ALIASES, Words, choose, words
+from nbtrain.notebook.run import choices
+from nbtrain.notebook.run.choices import ALIASES, Words, choose, words
 
 
 def cpu(n=2, nodes=1):

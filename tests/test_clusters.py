@@ -274,7 +274,7 @@ def test_cell_options_for_clusters_are_checked():
     pytest.importorskip("IPython")
     from IPython.core.error import UsageError
 
-    from nbtrain.notebook.magics import DEFAULTS, make_cluster
+    from nbtrain.notebook.ipython.magics import DEFAULTS, make_cluster
 
     slurm = make_cluster({**DEFAULTS, "cluster": "slurm", "partition": "gpu", "time": "90",
                           "sbatch": ["qos=high", "exclusive"]})

@@ -7,7 +7,7 @@ from nbtrain.common.protocol import ClearOutput, Display, Live, UpdateDisplay
 from nbtrain.display.lazy import LazyDisplay
 from nbtrain.display.rank_output import deliver
 from nbtrain.display.text import LineDisplay, QuietDisplay
-from nbtrain.notebook.runmodel import RunState
+from nbtrain.notebook.run.runmodel import RunState
 
 HTML_BUNDLE = {"text/plain": "<IPython.core.display.HTML object>", "text/html": "<b>hi</b>"}
 

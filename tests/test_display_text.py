@@ -11,7 +11,7 @@ from nbtrain import gpus
 from nbtrain.common.inventory import Gpu, GpuProcess, StaticInventory
 from nbtrain.common.protocol import BatchSize, Hello, Metric, Progress
 from nbtrain.display.text import LineDisplay, QuietDisplay, gpu_table, rank_line, summary_lines
-from nbtrain.notebook.runmodel import RunState
+from nbtrain.notebook.run.runmodel import RunState
 
 GiB = 2**30
 
@@ -145,7 +145,7 @@ def test_progress_switched_off_by_environment(tmp_path):
 
 def test_a_rank_before_its_first_step_reads_first_step_not_a_rate():
     from nbtrain.display.text import rank_line
-    from nbtrain.notebook.runmodel import RunState
+    from nbtrain.notebook.run.runmodel import RunState
 
     state = RunState("ddp on 2 CPU ranks", [0, 1])
     state.handle(Hello(0, 123, "node"))

@@ -2,8 +2,8 @@
 import pytest
 
 from nbtrain.common.protocol import StepTimes, Whereabouts
-from nbtrain.notebook.doctor import check_stall, mismatch, stall_after, stall_verdict, straggler
-from nbtrain.notebook.stacks import fold_native
+from nbtrain.notebook.run.doctor import check_stall, mismatch, stall_after, stall_verdict, straggler
+from nbtrain.notebook.run.stacks import fold_native
 
 
 def where(rank, current=None, file="/home/me/train.py", line=8, code="time.sleep(30)", idle=90.0):
@@ -147,7 +147,7 @@ def test_a_rendezvous_waits_for_the_rank_that_never_joins():
 def test_the_live_view_says_a_stall_until_a_rank_progresses():
     from nbtrain.common.protocol import Hello, Progress
     from nbtrain.display import widgets
-    from nbtrain.notebook.runmodel import RunState
+    from nbtrain.notebook.run.runmodel import RunState
 
     state, display = RunState("ddp on 2 CPU ranks", [0, 1]), widgets.WidgetDisplay()
     display.start(state)
@@ -220,7 +220,7 @@ def test_many_ranks_are_grouped_by_where_they_are():
 
 
 def test_a_rank_that_ended_is_named_with_where_the_others_wait_not_the_socket_error():
-    from nbtrain.notebook.doctor import ended_verdict
+    from nbtrain.notebook.run.doctor import ended_verdict
 
     said = ended_verdict(0, "returned from train()", {1: ddp_call(12, 11)}, ran=10)
     assert said == ("rank 0 ended (returned from train()) while the others still needed it: rank 1 waits for it in "

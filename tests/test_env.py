@@ -1,4 +1,4 @@
-from nbtrain.notebook.env import QUIRKS, environment
+from nbtrain.notebook.ipython.env import QUIRKS, environment
 
 
 def test_platforms_are_told_apart_by_their_own_markers():

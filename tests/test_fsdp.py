@@ -266,7 +266,7 @@ def test_fsdp_picks_its_placement_as_auto_does(capfd, no_leftovers):
 def test_fsdp_ranks_are_spawned_where_fork_is_unsafe(monkeypatch, capfd, no_leftovers):
     # The kernel's state is the input here (on a GPU machine: CUDA initialised in the kernel);
     # the spawned ranks, the shipped job and the gather back are real.
-    monkeypatch.setattr(sys.modules["nbtrain.notebook.choices"], "fork_blocker", lambda: "CUDA was initialised by a cell")
+    monkeypatch.setattr(sys.modules["nbtrain.notebook.run.choices"], "fork_blocker", lambda: "CUDA was initialised by a cell")
     try:
         result = nbtrain.launch(train, strategy="fsdp", shard=(Block,), devices=2, accelerator="cpu", timeout=120)
     finally:

@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 import nbtrain
 from nbtrain import WorkerError
 from nbtrain.common.errors import UnpicklableError
-from nbtrain.notebook import choices
+from nbtrain.notebook.run import choices
 from nbtrain.placements import template_process
 from nbtrain.rank.context import rank_zero_only
 
@@ -447,7 +447,7 @@ def test_unshippable_function_does_not_start_the_template(no_leftovers):
 
 
 def test_stack_dumps_lead_with_the_users_code():
-    from nbtrain.notebook.stacks import tidy_stacks
+    from nbtrain.notebook.run.stacks import tidy_stacks
 
     dump = ("Thread 0x1 (most recent call first):\n  File \"nbtrain/channel.py\", line 125 in _send_loop\n\n"
             "Current thread 0x2 (most recent call first):\n  File \"cell.py\", line 5 in train\n"

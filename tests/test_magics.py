@@ -129,7 +129,7 @@ r = nbtrain.launch(train, 2, strategy="ddp", start="torchrun", devices=2, accele
 
 
 def test_other_nodes_are_told_their_own_magic_line():
-    from nbtrain.notebook.magics import DEFAULTS, rerun_line
+    from nbtrain.notebook.ipython.magics import DEFAULTS, rerun_line
 
     options = {**DEFAULTS, "devices": "2", "accelerator": "cpu", "nnodes": 2, "rdzv_endpoint": "10.0.0.1:29400"}
     line = rerun_line(options).replace("{node_rank}", "1")

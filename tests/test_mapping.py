@@ -12,7 +12,7 @@ import pytest
 
 import nbtrain
 from conftest import CHILDREN
-from nbtrain.notebook.work_queue import SavedResults
+from nbtrain.notebook.many.work_queue import SavedResults
 
 KEEP_THE_TEMPLATE = True  # the workers are the template's forks: one for the module (conftest.py)
 
@@ -54,7 +54,7 @@ def test_saved_results_are_private_and_a_cut_record_is_dropped(tmp_path):
 
 def test_items_are_drawn_from_the_iterable_only_as_workers_ask():
     from nbtrain.common import protocol
-    from nbtrain.notebook.work_queue import WorkQueue
+    from nbtrain.notebook.many.work_queue import WorkQueue
 
     drawn: list[int] = []
 
@@ -83,7 +83,7 @@ def test_a_result_that_cannot_be_saved_names_saving_not_the_item(tmp_path, small
     import dill
 
     from nbtrain.common import protocol
-    from nbtrain.notebook.work_queue import WorkQueue
+    from nbtrain.notebook.many.work_queue import WorkQueue
 
     disk = small_disk("64k")
     work = WorkQueue(range(2), 1, SavedResults(disk / "run", 2), {})

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from nbtrain.notebook.reloads import ModuleVersions
+from nbtrain.notebook.run.reloads import ModuleVersions
 
 
 def write_module(path, answer: int) -> None:

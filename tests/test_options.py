@@ -6,7 +6,7 @@ import functools
 import pytest
 
 import nbtrain
-from nbtrain.notebook.options import RUN_OPTIONS, refuse_foreign_keywords
+from nbtrain.notebook.run.options import RUN_OPTIONS, refuse_foreign_keywords
 
 
 def train(lr, epochs=1):

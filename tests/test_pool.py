@@ -4,7 +4,7 @@ attribute anyone can change. (The pool at work: test_launch.py, test_ranks.py.)"
 import ast
 import inspect
 
-from nbtrain.notebook import pool, supervisor
+from nbtrain.notebook.run import pool, supervisor
 
 
 def _asked_of_the_pool(tree) -> set[str]:

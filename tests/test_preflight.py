@@ -21,7 +21,7 @@ from nbtrain.common import preflight
 from nbtrain.common.devices import DevicePlan, plan_devices
 from nbtrain.common.inventory import Gpu, GpuProcess, StaticInventory, use_inventory
 from nbtrain.common.preflight import CudaInit, ForkUnsafeError, Frame
-from nbtrain.notebook.choices import choose, words
+from nbtrain.notebook.run.choices import choose, words
 from nbtrain.placements.base import Job, ProcessLauncher, rank_environ
 
 # What torch.cuda._lazy_init does with its queue, limited to nbtrain's recorder: on a GPU

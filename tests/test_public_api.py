@@ -11,7 +11,7 @@ import nbtrain
 # The classes a notebook user holds: every public method and property is documented.
 CLASSES = [*(getattr(nbtrain, name) for name in ("Result", "Run", "Ranks", "Context", "Slurm", "Ray", "Profile",
                                                   "TensorBoard", "MLflow", "WandB", "WorkerError", "MapError")),
-           importlib.import_module("nbtrain.notebook.sweep").Sweep]
+           importlib.import_module("nbtrain.notebook.many.sweep").Sweep]
 SECTION_RULE = set("-")
 
 
@@ -119,7 +119,7 @@ MOVED = {"parse_devices": "nbtrain.common.devices", "plan_devices": "nbtrain.com
          "Finding": "nbtrain.common.pickling", "ForkUnsafeError": "nbtrain.common.preflight",
          "install_cuda_init_hook": "nbtrain.common.preflight", "GpuPicker": "nbtrain.display.picker",
          "spawn": "nbtrain.notebook.dropins", "notebook_launcher": "nbtrain.notebook.dropins",
-         "environment": "nbtrain.notebook.env", "Rank": "nbtrain.notebook.ranks", "Sweep": "nbtrain.notebook.sweep",
+         "environment": "nbtrain.notebook.ipython.env", "Rank": "nbtrain.notebook.live.ranks", "Sweep": "nbtrain.notebook.many.sweep",
          "rank_zero_only": "nbtrain.rank.context"}
 
 
@@ -164,12 +164,12 @@ def test_the_check_finds_what_a_docstring_leaves_out():
         *args
             Its arguments.
 
-        See nbtrain/notebook/launch.py for the rest.
+        See nbtrain/notebook/run/launch.py for the rest.
         """
 
     assert check_documented(half, "half", needs_returns=True) == [
         "half: Parameters does not name ['devices', 'kwargs']", "half: no Returns section",
-        "half: points elsewhere ('nbtrain/notebook/launch.py') instead of saying it"]
+        "half: points elsewhere ('nbtrain/notebook/run/launch.py') instead of saying it"]
 
 
 def test_a_result_pickled_before_start_existed_reads_an_empty_start():
@@ -188,7 +188,7 @@ def test_every_error_nbtrain_raises_for_a_run_shares_one_base():
     from nbtrain.common.errors import UnpicklableError
     from nbtrain.common.preflight import ForkUnsafeError
     from nbtrain.common.private import IncompleteWrite, NotYours
-    from nbtrain.notebook.pool import PoolBroken
+    from nbtrain.notebook.run.pool import PoolBroken
     from nbtrain.placements.clusters.ray import RayGone
     from nbtrain.placements.clusters.slurm import SlurmJobError
     from nbtrain.placements.template_process import TemplateUnresponsive

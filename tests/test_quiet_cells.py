@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from nbtrain.common import protocol
-from nbtrain.notebook.chatter import Chatter
+from nbtrain.notebook.run.chatter import Chatter
 from nbtrain.placements.script import _BOOTSTRAP_TEXT
 
 

@@ -12,7 +12,7 @@ import torch  # the live ranks also take it from this module, as from a notebook
 import nbtrain
 from conftest import running
 from nbtrain.common.errors import UnpicklableError
-from nbtrain.notebook.pool import PoolBroken
+from nbtrain.notebook.run.pool import PoolBroken
 from nbtrain.placements import template_process
 
 pytestmark = pytest.mark.slow

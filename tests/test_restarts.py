@@ -9,8 +9,8 @@ import torch
 
 import nbtrain
 from conftest import CHILDREN
-from nbtrain.notebook.cell import run_cell
-from nbtrain.notebook.restarts import back_off, restarting
+from nbtrain.notebook.ipython.cell import run_cell
+from nbtrain.notebook.run.restarts import back_off, restarting
 
 
 def resumable(steps, where, die_at=None):

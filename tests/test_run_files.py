@@ -22,7 +22,7 @@ from nbtrain.common.errors import WorkerError
 from nbtrain.common.private import IncompleteWrite, NotYours, write_private
 from nbtrain.common.protocol import Metric, Note, Output
 from nbtrain.display.recorder import RunRecorder
-from nbtrain.notebook.runmodel import RunState
+from nbtrain.notebook.run.runmodel import RunState
 
 KEEP_THE_TEMPLATE = True  # a local run's supervisor is a fork of it: one for the module (conftest.py)
 
@@ -567,7 +567,7 @@ def test_a_kernel_killed_while_starting_the_supervisor_leaves_a_run_that_reads_t
     kernel = Kernel()
     try:
         setup = (f"{TAKES_LONG}\nimport os, signal, subprocess\n{DIES[moment]}subprocess.run = dying\n"
-                 "import nbtrain.notebook.submit as submitting\n"
+                 "import nbtrain.notebook.detached.submit as submitting\n"
                  "submitting._ready_template = lambda: None\n")  # no warm template in this test
         assert kernel.run(setup)[2] is None
         kernel.client.execute(f"nbtrain.submit(takes_long, b'', 600, devices=1, accelerator='cpu', "

@@ -15,7 +15,7 @@ from nbtrain.display import widgets
 from nbtrain.display.recorder import RunRecorder
 from nbtrain.display.text import LineDisplay, rank_line
 from nbtrain.display.vitals import latest, slowest
-from nbtrain.notebook.runmodel import RunState
+from nbtrain.notebook.run.runmodel import RunState
 from nbtrain.rank.context import Context
 
 CPU2 = {"devices": 2, "accelerator": "cpu", "start": "fork", "timeout": 120}

@@ -16,7 +16,7 @@ import nbtrain
 from nbtrain import WorkerError
 from nbtrain.common.errors import UnpicklableError
 from nbtrain.common.source import free_names
-from nbtrain.notebook.cell import run_cell
+from nbtrain.notebook.ipython.cell import run_cell
 from nbtrain.placements.base import free_port
 
 slow = pytest.mark.slow

@@ -168,7 +168,7 @@ def test_a_live_rank_that_ends_between_calls_is_named_with_its_signal_code_or_ca
     import re
     import signal
 
-    from nbtrain.notebook.pool import PoolBroken
+    from nbtrain.notebook.run.pool import PoolBroken
 
     with nbtrain.Ranks(devices=2, cluster=nbtrain.Slurm(), progress=False) as ranks:
         pids = ranks.eval("__import__('os').getpid()")

@@ -2,7 +2,7 @@
 the user's line that called it (`blocked_on_peers`), its own frames first (`tidy_stacks`), what
 a rank killed by a signal said last (`fatal_report`, `last_words`). faulthandler's text, as a
 rank writes it (most recent call first)."""
-from nbtrain.notebook.stacks import blocked_on_peers, exception_message, fatal_report, last_words, tidy_stacks
+from nbtrain.notebook.run.stacks import blocked_on_peers, exception_message, fatal_report, last_words, tidy_stacks
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
 C10D = f"{TORCH}/distributed/distributed_c10d.py"

@@ -11,7 +11,7 @@ import nbtrain
 from conftest import CHILDREN, running
 from nbtrain.common import protocol
 from nbtrain.common.errors import WorkerError
-from nbtrain.notebook.steer import SteerError
+from nbtrain.notebook.run.steer import SteerError
 from nbtrain.rank.context import Context
 from nbtrain.rank.steer import Steering
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import nbtrain
-import nbtrain.notebook.runs
-import nbtrain.notebook.sweep
+import nbtrain.notebook.detached.runs
+import nbtrain.notebook.many.sweep
 from conftest import Kernel
 from nbtrain.common import protocol, runlog, session
 from nbtrain.display.text import LineDisplay
@@ -203,7 +203,7 @@ def test_a_rank_that_dies_once_is_restarted_from_the_checkpoint(tmp_path, no_lef
 
 @pytest.mark.slow
 def test_result_is_woken_by_the_end_of_the_run(tmp_path, no_leftovers, monkeypatch):
-    monkeypatch.setattr(nbtrain.notebook.runs, "BACKSTOP", 3600.0)  # a result at all was woken by the run's end
+    monkeypatch.setattr(nbtrain.notebook.detached.runs, "BACKSTOP", 3600.0)  # a result at all was woken by the run's end
     run = nbtrain.submit(train, 3, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
     done = []
     waiter = threading.Thread(target=lambda: done.append(nbtrain.attach(run.dir).result()), daemon=True)
@@ -224,7 +224,7 @@ def test_without_a_template_the_supervisor_is_a_fresh_interpreter(tmp_path, no_l
     run = nbtrain.submit(train, 1000, 0.1, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
     _wait_for(lambda: "step 1" in run.logs(1), 60, "the run to take steps")
     supervisor = json.loads((run.dir / runlog.SUPERVISOR).read_text())["pid"]
-    assert "nbtrain.notebook.detached" in " ".join(psutil.Process(supervisor).cmdline())
+    assert "nbtrain.notebook.detached.supervise" in " ".join(psutil.Process(supervisor).cmdline())
     run.cancel()
     assert run.status == "cancelled"
     _ended_cleanly(run)
@@ -241,12 +241,12 @@ def test_the_first_submit_does_not_wait_for_the_template_it_starts(tmp_path, no_
     started = template_process.template(start=False)
     assert started is not None and started.pid is None  # started, not waited for
     supervisor = json.loads((first.dir / runlog.SUPERVISOR).read_text())["pid"]
-    assert "nbtrain.notebook.detached" in " ".join(psutil.Process(supervisor).cmdline())
+    assert "nbtrain.notebook.detached.supervise" in " ".join(psutil.Process(supervisor).cmdline())
     assert len(first.result(timeout=300).metrics("loss")) == 2
     nbtrain.warm_up()  # ready now: the next supervisor is its fork
     second = nbtrain.submit(train, 2, devices=2, accelerator="cpu", run_dir=tmp_path / "second")
     supervisor = json.loads((second.dir / runlog.SUPERVISOR).read_text())["pid"]
-    assert "nbtrain.notebook.detached" not in " ".join(psutil.Process(supervisor).cmdline())
+    assert "nbtrain.notebook.detached.supervise" not in " ".join(psutil.Process(supervisor).cmdline())
     assert len(second.result(timeout=300).metrics("loss")) == 2
     _ended_cleanly(first)
     _ended_cleanly(second)
@@ -280,7 +280,7 @@ def test_a_submitted_sweep_runs_in_the_supervisor_and_gives_the_sweep(tmp_path, 
                          run_dir=tmp_path / "sweep")
     assert run.function == "sweep of _trial"
     swept = run.result(timeout=300)
-    assert isinstance(swept, nbtrain.notebook.sweep.Sweep) and run.status == "finished"
+    assert isinstance(swept, nbtrain.notebook.many.sweep.Sweep) and run.status == "finished"
     values = [t.value for t in swept.study.trials]
     assert len(values) == 3 and swept.best_value == min(values)
     assert (tmp_path / "sweep" / "study.db").stat().st_mode & 0o077 == 0  # the study is the run directory's
@@ -341,7 +341,7 @@ def test_cancel_leaves_no_process(tmp_path, no_leftovers):
 @pytest.mark.slow
 def test_a_run_whose_supervisor_was_killed_is_failed_not_running(tmp_path, no_leftovers, monkeypatch):
     # No look at the run directory but what wakes it: result() hears of the supervisor's death itself.
-    monkeypatch.setattr(nbtrain.notebook.runs, "BACKSTOP", 3600.0)
+    monkeypatch.setattr(nbtrain.notebook.detached.runs, "BACKSTOP", 3600.0)
     run = nbtrain.submit(train, 1000, 0.1, devices=2, accelerator="cpu", run_dir=tmp_path / "run")
     _wait_for(lambda: "step 1" in run.logs(1), 60, "the run to take steps")
     ranks = _rank_pids(run)
@@ -517,7 +517,7 @@ def test_a_slurm_run_outlives_the_kernel_and_attach_collects_it(slurm, tmp_path)
 def test_bar_updates_are_logged_at_most_once_a_second_and_none_is_lost_at_the_end(tmp_path):
     from nbtrain.common.protocol import Metric, Progress
     from nbtrain.display.recorder import RunRecorder
-    from nbtrain.notebook.runmodel import RunState
+    from nbtrain.notebook.run.runmodel import RunState
 
     recorder, state = RunRecorder(tmp_path, 0), RunState("ddp on 1 CPU rank", [0])
     recorder.start(state)

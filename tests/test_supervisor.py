@@ -9,9 +9,9 @@ import pytest
 
 from nbtrain.common import protocol
 from nbtrain.common.errors import WorkerError
-from nbtrain.notebook import supervisor as supervising
-from nbtrain.notebook.runmodel import RunState
-from nbtrain.notebook.supervisor import Supervisor, Watched
+from nbtrain.notebook.run import supervisor as supervising
+from nbtrain.notebook.run.runmodel import RunState
+from nbtrain.notebook.run.supervisor import Supervisor, Watched
 
 # A rank's main thread waiting in a collective, as faulthandler dumps it (stacks.blocked_on_peers reads it).
 WAITING = ('Thread 0x00007f (most recent call first):\n'

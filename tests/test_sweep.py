@@ -14,9 +14,9 @@ import nbtrain
 from conftest import CHILDREN
 from nbtrain.common.inventory import Gpu, StaticInventory, use_inventory
 from nbtrain.display.sweep_view import SweepState, TrialRow, summary_html, summary_text
-from nbtrain.notebook.slots import plan_slots
-from nbtrain.notebook.sweep import objective
-from nbtrain.notebook.sweep_study import INTERRUPTED, KERNEL, RETRY_OF, TRACEBACK, _start_time, resume, this_kernel
+from nbtrain.notebook.many.slots import plan_slots
+from nbtrain.notebook.many.sweep import objective
+from nbtrain.notebook.many.sweep_study import INTERRUPTED, KERNEL, RETRY_OF, TRACEBACK, _start_time, resume, this_kernel
 
 KEEP_THE_TEMPLATE = True  # trials launched from threads start on the template: one for the module (conftest.py)
 
@@ -110,7 +110,7 @@ def test_cpu_slots():
 
 def test_a_trials_value_is_its_last_logged_metric_else_a_returned_number():
     from nbtrain.common.protocol import Metric
-    from nbtrain.notebook.result import Result
+    from nbtrain.notebook.run.result import Result
 
     logged = Result(None, [None], [Metric(0, 0, "loss", 2.0, False), Metric(1, 1, "loss", 9.0, False),
                                    Metric(1, 0, "loss", 1.5, False)], 0.0)
@@ -170,7 +170,7 @@ def test_the_summary_says_what_each_line_and_step_is():
 
 def test_an_objectives_key_is_its_code_and_space():
     def key(fn, space=None):
-        from nbtrain.notebook.sweep_study import objective_key
+        from nbtrain.notebook.many.sweep_study import objective_key
 
         return objective_key(fn, space)
 
@@ -526,7 +526,7 @@ def halved(trial):
 
 HOLD = '''
 import sys, time, optuna
-from nbtrain.notebook.sweep_study import open_study
+from nbtrain.notebook.many.sweep_study import open_study
 opened = open_study(optuna, None, eval("lambda trial: 0"), space=None, direction=None, sampler=None, pruner=None,
                     metric=None, run_dir=sys.argv[1])
 print("held", flush=True)
@@ -568,7 +568,7 @@ def test_a_trials_owner_is_its_pid_and_start_time():
 
 FULL_DISK = '''
 import resource, sys, tempfile, optuna, nbtrain
-import nbtrain.notebook.sweep, optuna.storages, sqlalchemy.pool
+import nbtrain.notebook.many.sweep, optuna.storages, sqlalchemy.pool
 tempfile.gettempdir()  # what imports need, before the limit
 resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))  # any write past 0 bytes fails (EFBIG)
 nbtrain.sweep(lambda trial: 0, trials=1, devices=1, accelerator="cpu", run_dir=sys.argv[1], progress=False)

@@ -21,7 +21,7 @@ from nbtrain.common.inventory import Gpu, GpuProcess, NvmlInventory, StaticInven
 from nbtrain.common.protocol import BatchSize, Hello, Metric, Progress
 from nbtrain.display import chart, make_display, widgets
 from nbtrain.display.text import LineDisplay, QuietDisplay, summary_lines
-from nbtrain.notebook.runmodel import RunState
+from nbtrain.notebook.run.runmodel import RunState
 
 GiB = 2**30
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -294,7 +294,7 @@ def test_tracebacks_are_left_alone_outside_ipython():
 # -- plots and vitals kept in the Result ---------------------------------------------------
 
 def test_result_plot_draws_every_metric_or_the_named_ones():
-    from nbtrain.notebook.result import Result
+    from nbtrain.notebook.run.result import Result
 
     result = Result.from_state(two_rank_run(), "ddp_fork", "2 CPU ranks, gloo")
     fig = result.plot()
@@ -308,7 +308,7 @@ def test_result_plot_draws_every_metric_or_the_named_ones():
 
 
 def test_result_plot_without_matplotlib_names_the_extra(monkeypatch):
-    from nbtrain.notebook.result import Result
+    from nbtrain.notebook.run.result import Result
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
@@ -351,7 +351,7 @@ def test_vitals_find_each_ranks_gpu_by_pid_and_memory_otherwise(monkeypatch):
 
     from nbtrain.common.inventory import use_inventory
     from nbtrain.display.vitals import VitalsSampler, latest, memory_text, slowest
-    from nbtrain.notebook.result import Result
+    from nbtrain.notebook.run.result import Result
 
     state = RunState("ddp_fork on 2 GPUs, nccl", [0, 1])
     state.handle(Hello(0, os.getpid()))  # rank 0: this process, which "holds" GPU 1 below

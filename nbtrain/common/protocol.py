@@ -20,7 +20,7 @@ A map's work queue, on a channel of its own: `WantItems`, `ItemsDone`, `ItemsFai
 worker; `Items`, `NoMoreItems` back. The warm template, on its socket: `TemplateReady`, `Forked`,
 `Exited`, `Pong`.
 
-Run events: what a run's model (`notebook/runmodel.py`) tells its observers, and a submitted
+Run events: what a run's model (`notebook/run/runmodel.py`) tells its observers, and a submitted
 run's event logs hold, one JSON object a line (`event_line`): `Hello`, `Progress`, `Metric`,
 `BatchSize`, `Finished`, `Failed`, `Stopped`, `Vital`, `Output` per rank, and `AttemptStarted`,
 `Note`, `AttemptEnded` for the run. Every log begins with a header naming its format's VERSION,
@@ -542,6 +542,9 @@ def read_spec(value: dict, path: str) -> dict:
 # Classes a pickle in an older run directory names where they were then (result.pkl's Result
 # holds Metric and Vital records).
 MOVED = {("nbtrain.display.runstate", "Metric"): Metric, ("nbtrain.display.runstate", "Vital"): Vital}
+# Modules of the notebook side that moved into its wings (0.2): a finished run's result.pkl names
+# the Result's module as it was when the run was written.
+MOVED_MODULES = {"nbtrain.notebook.result": "nbtrain.notebook.run.result"}
 
 
 # -- a sweep's trials: Optuna's trial, asked from a rank (`rank/trial.py`), on a channel of its own
@@ -564,7 +567,7 @@ class TrialAnswer(NamedTuple):
 URGENT |= {TrialAsk}
 
 
-# -- steering a run while it trains (`rank/steer.py`, `notebook/steer.py`) ------------------------
+# -- steering a run while it trains (`rank/steer.py`, `notebook/run/steer.py`) ------------------------
 # Notebook -> rank, on the run's channel (handled by the rank's listener thread): SteerHold,
 # SteerApply, SteerResume. Rank -> notebook: SteerHeld, SteerDone. A `Change` is a run event.
 
@@ -620,7 +623,7 @@ STEER_REPLIES = (SteerHeld, SteerDone)
 URGENT |= set(STEER_REPLIES)
 
 
-# -- the notebook's visual debugger on the ranks (notebook/debugger.py <-> rank/debugger.py) ------
+# -- the notebook's visual debugger on the ranks (notebook/run/debugger.py <-> rank/debugger.py) ------
 
 @_kind("debug_request")
 class DebugRequest(NamedTuple):

@@ -49,7 +49,7 @@ ERROR = "error.pkl"  # the WorkerError, pickled (a failed run)
 SUPERVISOR_LOG = "supervisor.log"  # the supervisor's own stdout and stderr
 SUPERVISOR = "supervisor.json"  # the supervisor's pid and start time (common/session.py), or its SLURM job
 SUMMARY = "summary.json"  # what `runs()` shows: devices, ranks, rank 0's last metrics (display/recorder.py)
-STUDY = "study.db"  # a sweep's Optuna study (notebook/sweep_study.py)
+STUDY = "study.db"  # a sweep's Optuna study (notebook/many/sweep_study.py)
 PARTIAL = ".partial-"  # a run directory being written: .partial-PID-START-NAME, renamed into place when whole
 
 ACTIVE = ("queued", "running", "restarting")
@@ -174,7 +174,7 @@ class _Unpickler(dill.Unpickler):
 
     def find_class(self, module: str, name: str):
         moved = protocol.MOVED.get((module, name))
-        return moved if moved is not None else super().find_class(module, name)
+        return moved if moved is not None else super().find_class(protocol.MOVED_MODULES.get(module, module), name)
 
 
 def read_pickle(path: Path):

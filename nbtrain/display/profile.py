@@ -44,7 +44,7 @@ class ProfileTable:
         return summary["step_time"] - summary["split"].get("communication", 0.0)
 
     def slowest(self) -> int | None:
-        """The rank the others wait for, by the doctor's rule (`notebook/doctor.py`'s straggler):
+        """The rank the others wait for, by the doctor's rule (`notebook/run/doctor.py`'s straggler):
         the one with the most time outside collectives in its step; never the one with the
         longer step because it waited longer."""
         ranks = self.ranks

@@ -3,7 +3,7 @@
 A submitted run's supervisor runs `launch` with this as its display. It subscribes to the run's
 model (`notebook/runmodel.RunState`): every run event (progress, metrics, failures, vitals) goes
 to one file per rank, with the ranks' output; the run's notes to the run's own file. A notebook
-that attaches later feeds them to a `RunState` of its own (`notebook/runs.py`). It has no `live`
+that attaches later feeds them to a `RunState` of its own (`notebook/detached/runs.py`). It has no `live`
 or `rich`: a redrawn bar arrives as its last lines.
 
 The logs are best effort: a write that fails (a full disk) stops them, says so once (`stopped`,

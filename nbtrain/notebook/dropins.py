@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from ..common.errors import WorkerError, launcher_failed
 from ..rank.compat import LauncherCall, SpawnCall
-from .launch import launch
-from .result import Result
+from .run.launch import launch
+from .run.result import Result
 
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 START_METHODS = {"spawn": "template", "forkserver": "template", "fork": "fork"}  # torch's: how nbtrain starts ranks

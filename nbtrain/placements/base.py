@@ -1,8 +1,8 @@
 """What every placement shares: the job, the ranks' environment, and the process handle.
 
 A placement only starts rank processes; which one runs is the strategy's decision
-(`nbtrain.notebook.launch`), and the processes, the channel and the commands are the pool's
-(`nbtrain.notebook.pool`), which the notebook side builds around a placement.
+(`nbtrain.notebook.run.launch`), and the processes, the channel and the commands are the pool's
+(`nbtrain.notebook.run.pool`), which the notebook side builds around a placement.
 """
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ class RankProcess:
 class ProcessLauncher:
     """Starts ranks as processes and supervises them; variants implement `_start` only."""
 
-    strategy = ""
+    start = ""  # the start= word that names this placement (a cluster's is its engine's name)
     local = False  # every rank on this machine: the caller gives them a PrivateStore
 
     def _start(self, job: Job, channel_env: dict[str, str], pump, started: list[RankProcess]) -> None:

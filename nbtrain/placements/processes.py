@@ -211,7 +211,7 @@ class _Pipes:
 
 
 class ForkLauncher(ProcessLauncher):
-    strategy = "ddp_fork"
+    start = "fork"
     local = True
 
     def _prepare(self, job: Job) -> None:
@@ -274,7 +274,7 @@ class SpawnLauncher(ProcessLauncher):
     arguments (the rank's environment, its first command with the job dill packed once for all,
     and the write ends of its output pipes) multiprocess pickles with dill into the child."""
 
-    strategy = "ddp_spawn"
+    start = "spawn"
     local = True
 
     def _prepare(self, job: Job) -> None:

@@ -262,7 +262,7 @@ class LauncherProcess(RankProcess):
 
 
 class ScriptLauncher(ProcessLauncher):
-    strategy = "ddp"
+    start = "torchrun"
 
     def __init__(self):
         self._dir: str | None = None

@@ -14,7 +14,7 @@ from .template_process import TemplateUnresponsive, template
 
 
 class TemplateLauncher(ProcessLauncher):
-    strategy = "ddp_spawn"
+    start = "template"
     local = True
 
     def _prepare(self, job: Job) -> None:

@@ -1,6 +1,6 @@
 """A notebook cell as a callable job: on every rank (or in the kernel, for in-place strategies)
 it runs the cell's code in a namespace of its own and returns the value of its last expression.
-Built in the kernel by `nbtrain.notebook.cell.cell_job`."""
+Built in the kernel by `nbtrain.notebook.ipython.cell.cell_job`."""
 from __future__ import annotations
 
 import ast

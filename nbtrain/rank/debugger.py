@@ -1,5 +1,5 @@
 """A rank's side of the notebook's visual debugger (JupyterLab's panel): breakpoints, stepping and
-inspection of the rank's main thread, asked for by the kernel (`notebook/debugger.py`) as Debug
+inspection of the rank's main thread, asked for by the kernel (`notebook/run/debugger.py`) as Debug
 Adapter Protocol requests over the run's authenticated channel. Nothing listens on a port.
 
 Tracing is `bdb`'s, on the main thread only, and only while user code runs *and* a breakpoint is

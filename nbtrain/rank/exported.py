@@ -1,6 +1,6 @@
 """The rank side of an exported run (`nbtrain.export`) under sbatch: its script calls `main` on
 every rank that srun's torchrun starts (`run.sh` runs the job under `launch` instead, see
-`notebook/exported_job.py`). No notebook, no channel: the Context comes from
+`notebook/detached/exported_job.py`). No notebook, no channel: the Context comes from
 torchrun's environment, and rank 0 prints its return value and writes it, pickled, to the run directory's value.pkl."""
 from __future__ import annotations
 

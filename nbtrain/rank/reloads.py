@@ -1,5 +1,5 @@
 """A live rank follows the notebook's `importlib.reload`: the modules the notebook reloaded are
-reloaded here too, from the same files, before the next command runs (`notebook/reloads.py`)."""
+reloaded here too, from the same files, before the next command runs (`notebook/run/reloads.py`)."""
 from __future__ import annotations
 
 import importlib

@@ -4,7 +4,7 @@ A step boundary is an iteration of the innermost `ctx.progress` loop (or a `ctx.
 The rank's listener thread (`loop.py`) hands the notebook's steering messages to
 `Steering.on_message`, which sets `pending`; the main thread looks at `pending` at every
 boundary and calls `at_boundary` only when it is set, so a boundary with nothing asked costs one
-attribute check. The notebook (`notebook/steer.py`) agrees the step: it asks every rank to hold
+attribute check. The notebook (`notebook/run/steer.py`) agrees the step: it asks every rank to hold
 at its next boundary, hears where each stopped, and moves the target to the furthest, so those
 behind run on to it; what it sends then runs on the main thread, where the training's objects live.
 """

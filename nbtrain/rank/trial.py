@@ -6,7 +6,7 @@ side by side do not fight over the cores. Then it calls the user's function: `fn
 `fn(trial)` with a `RemoteTrial`, which looks like the `optuna.trial.Trial` it stands for: each
 `suggest_*`, `report`, `should_prune`, `set_user_attr`, `params` is asked of the study in the
 notebook over the sweep's own channel (`common/channel.py`; the notebook's side is
-`notebook/sweep_trials.py`), so define-by-run spaces, conditional parameters and pruning work as
+`notebook/many/sweep_trials.py`), so define-by-run spaces, conditional parameters and pruning work as
 Optuna's own `study.optimize` runs them. A trial that raises `optuna.TrialPruned` returns `PRUNED`.
 """
 from __future__ import annotations

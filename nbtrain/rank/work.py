@@ -31,7 +31,7 @@ class WorkSpec:
     batch_size: int
     worker: int | None = None  # this worker's name on the queue; None: the rank's number
     threads: int = 0  # torch threads for this worker: its slot's share of the cores (0: as the launch set them)
-    cores: tuple[int, ...] = ()  # the CPUs it runs on (its slot's, `notebook/slots.py`); (): any
+    cores: tuple[int, ...] = ()  # the CPUs it runs on (its slot's, `notebook/many/slots.py`); (): any
 
 
 def bind(fn, namespace: dict):

@@ -346,7 +346,6 @@ class RemotePlacement(ProcessLauncher):
     """A placement whose ranks run in processes an engine starts, possibly on other machines."""
 
     remote = True
-    strategy = "ddp"
 
     def __init__(self, cluster: Cluster):
         self.cluster = cluster

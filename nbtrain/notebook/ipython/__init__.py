@@ -1,0 +1,1 @@
+"""The IPython front end: the magics, their options, the cell as a job, where the kernel runs."""

@@ -1,0 +1,1 @@
+"""Live ranks: one pool serving many commands until closed."""

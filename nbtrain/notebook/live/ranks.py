@@ -1,0 +1,655 @@
+"""Live ranks: start N ranks once, then run code, objects and functions on them, cell after cell.
+
+    ranks = nbtrain.Ranks(devices=2)                  # process group ready on every rank
+    ranks.exec("model = ctx.setup(Net())")            # state kept between calls
+    result = ranks.run(train_epoch, 3)                # a notebook function, the rank's names as globals
+    ranks.pull("loss"); ranks.push(lr=3e-4); ranks.eval("ctx.rank")
+    ranks[1].debug()                                  # pdb in rank 1's last failure
+    ranks.close()                                     # or restart(), or `with nbtrain.Ranks(...) as ranks:`
+
+Built on the same pool, channel, Context, display and errors as `launch`: a live pool is one
+whose ranks serve commands until closed (see pool.py here and nbtrain/rank/loop.py).
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import itertools
+import keyword
+import os
+import sys
+import time
+import types
+import weakref
+
+from ...common.devices import DevicePlan, plan_devices
+from ...common.errors import UnpicklableError, WorkerError
+from ...common.pickling import explain_pickling
+from ...common.source import parse_cell
+from ...common.tensor_files import RankFiles
+from ...common.transfer import PUSH_FILES, pack_push
+from ...display import check_progress, make_display
+from ...display.lazy import LazyDisplay
+from ...display.text import QuietDisplay
+from ...placements.base import Job
+from ...placements.clusters import ClusterJob, check_cluster
+from ..many.mapping import map_on_ranks
+from ..run.choices import words
+from ..run.doctor import check_stall
+from ..run.insight import instrument
+from ..run.launch import check_timeout
+from ..run.options import refuse_foreign_keywords
+from ..run.pool import Pool, PoolBroken
+from ..run.reloads import RELOAD_SOURCE, ModuleVersions
+from ..run.result import Result
+from ..run.starts import LIVE_STARTS, entry, live_launcher
+
+START_METHODS = LIVE_STARTS  # the table's starts that can host live ranks (run/starts.py)
+WRAPPINGS = ("auto", "ddp", "fsdp")
+_open: weakref.WeakValueDictionary[int, Ranks] = weakref.WeakValueDictionary()
+_order = itertools.count()
+_exec_count = itertools.count(1)
+
+
+class Ranks:
+    """Live ranks: started once, then code, objects and functions run on them, cell after cell.
+
+    Each rank keeps its namespace (``ctx`` is its `Context`, the process group is ready) until
+    `close`; ``%%ranks`` cells run on the last Ranks started. A rank's failure is a `WorkerError`
+    and ``%debug`` (or `debug`) opens pdb in that rank; Ctrl-C interrupts the ranks, which keep
+    their state. ``with nbtrain.Ranks(...) as ranks:`` closes them at the end.
+
+    >>> ranks = nbtrain.Ranks(devices=2)                    # doctest: +SKIP
+    >>> ranks.exec("model = ctx.setup(Net())")              # doctest: +SKIP
+    >>> result = ranks.run(train_epoch, 3)                  # doctest: +SKIP
+
+    Parameters
+    ----------
+    devices : int, str or list, default 'auto'
+        As for `launch`; with ``cluster``, ranks per node.
+    accelerator : {'auto', 'gpu', 'cpu'}, default 'auto'
+        As for `launch`.
+    backend : str, optional
+        The process group's backend; default nccl on GPUs, gloo on CPU.
+    timeout : float, optional
+        The default limit, in seconds, of each call; None (the default): none, a cell may run for hours.
+    strategy : {'auto', 'ddp', 'fsdp'}, default 'auto'
+        How ``ctx.setup(module)`` wraps a model on them ('auto' is 'ddp').
+    start : {'auto', 'fork', 'template', 'spawn'}, default 'auto'
+        Where the ranks come from, as for `launch`: 'auto' forks the kernel when that is safe,
+        else the warm template. ('torchrun' runs a script to its end: not for live ranks.)
+    progress : bool or str, default True
+        The live view of each call, as for `launch`; False also leaves out the line saying the
+        ranks are ready.
+    cluster : Slurm or Ray, optional
+        Start them there: ``devices`` ranks on each of ``num_nodes`` nodes.
+    num_nodes : int, default 1
+        Nodes, with ``cluster``.
+    stall : float or False, optional
+        As for `launch`, for each call: seconds without progress on any rank before the cell says
+        where each rank is and whom the others wait for (the call goes on). None: the default.
+
+    Raises
+    ------
+    ValueError
+        A setting is not accepted (a strategy or start live ranks do not take, devices that are
+        not there); nothing was started.
+    NbtrainError
+        start='fork' while CUDA is initialised in this kernel (also a RuntimeError).
+    WorkerError
+        A rank failed to start.
+    """
+
+    def __init__(self, devices="auto", accelerator: str = "auto", backend: str | None = None,
+                 timeout: float | None = None, strategy: str = "auto", start: str = "auto", progress=True,
+                 cluster=None, num_nodes: int = 1, stall: float | bool | None = None):
+        asked = words(strategy, start)
+        if asked.strategy not in WRAPPINGS:
+            raise ValueError(f"strategy={strategy!r}: live ranks wrap models with {', '.join(map(repr, WRAPPINGS))} "
+                             "('auto' is 'ddp').")
+        if asked.start not in LIVE_STARTS:
+            raise ValueError(f"start={asked.start!r}: live ranks start by {LIVE_STARTS!r}; {entry(asked.start).note}.")
+        strategy, start = "ddp" if asked.strategy == "auto" else asked.strategy, asked.start
+        asked.say()
+        self.timeout = check_timeout(timeout)
+        self.stall = check_stall(stall)
+        check_progress(progress)
+        if type(num_nodes) is not int or num_nodes < 1 or (num_nodes > 1 and cluster is None):
+            raise ValueError(f"num_nodes={num_nodes!r}: give an int >= 1; more than one node needs a cluster "
+                             "(cluster=nbtrain.Slurm(...) or nbtrain.Ray(...)).")
+        if cluster is not None:
+            if start != "auto":
+                raise ValueError(f"start={start!r} with cluster={cluster!r}: the cluster's engine starts the ranks.")
+            self.plan: DevicePlan = check_cluster(cluster).plan(devices, accelerator, backend, num_nodes)
+        else:
+            self.plan = plan_devices(devices, accelerator, backend)
+        self.cluster = cluster
+        self.strategy, self.start_method, self.progress = strategy, start, progress
+        self.placement = ""
+        self._pool: Pool | None = None
+        self._last_failure: int | None = None
+        self._start()
+
+    # -- life ----------------------------------------------------------------------------
+    def _start(self) -> None:
+        make_job: type[Job]
+        display = QuietDisplay()
+        if self.cluster is not None:
+            launcher, self.placement, note, make_job = self.cluster.placement(), self.cluster.engine, None, ClusterJob
+        else:
+            (launcher, note), make_job = live_launcher(self.start_method, display), Job
+            self.placement = launcher.start
+        # Live ranks: no fn, the commands come later.
+        job = make_job(None, (), {}, self.plan, self.strategy, stall=self.stall,  # type: ignore[arg-type]
+                       start_timeout=120.0, start=self.placement)
+        if note:
+            display.note(note)
+        started = time.monotonic()
+        pool = Pool(launcher, job, live=True)
+        try:
+            pool.start(display)
+        except BaseException:
+            pool.close(False, display)
+            raise
+        self._pool = pool
+        self._modules = ModuleVersions()  # what the ranks' imports match; reloads in the notebook follow
+        self._key = next(_order)
+        _open[self._key] = self
+        if self.progress is not False and os.environ.get("NBTRAIN_PROGRESS", "").strip() != "0":  # quiet: not said
+            display.note(f"{self.world_size} live ranks ({self.placement}, {self.plan.describe()}) ready in "
+                         f"{time.monotonic() - started:.2f} s")
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks."""
+        return self.plan.world_size
+
+    @property
+    def closed(self) -> bool:
+        """True once `close` was called."""
+        return self._pool is None
+
+    def close(self) -> None:
+        """Stop the ranks; their state is gone. Also done at kernel exit, and by ``with``.
+
+        Returns
+        -------
+        None
+        """
+        self._close("closed by .close()")
+
+    def _close(self, why: str) -> None:
+        pool, self._pool = self._pool, None
+        _open.pop(getattr(self, "_key", -1), None)
+        if pool is not None:
+            pool.close(True, QuietDisplay(), why)
+
+    def restart(self) -> None:
+        """Fresh ranks in place of these, their state lost: after a crash, or to start over.
+
+        Returns
+        -------
+        None
+        """
+        self._close("restarted by .restart()")
+        self._start()
+
+    def __enter__(self) -> Ranks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        broken = self._pool.broken if self._pool is not None else None
+        state = "closed" if self.closed else (f"broken: {broken}" if broken else "ready")
+        return f"Ranks(world_size={self.world_size}, {self.placement}, {self.plan.describe()}, {state})"
+
+    @classmethod
+    def current(cls) -> Ranks:
+        """The Ranks that ``%%ranks`` cells use: the last started and not closed.
+
+        Returns
+        -------
+        Ranks
+
+        Raises
+        ------
+        LookupError
+            No live ranks.
+        """
+        alive = [r for _, r in sorted(_open.items()) if not r.closed]
+        if not alive:
+            raise LookupError("no live ranks: start them with `ranks = nbtrain.Ranks(devices=2)` or `%nbtrain start`.")
+        return alive[-1]
+
+    def __getitem__(self, rank: int) -> Rank:
+        if type(rank) is not int or not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank!r}: these live ranks are 0 .. {self.world_size - 1}.")
+        return Rank(self, rank)
+
+    def __len__(self) -> int:
+        return self.world_size
+
+    # -- the calls -----------------------------------------------------------------------
+    def exec(self, code: str, *, ranks: list[int] | None = None, timeout: float | None = None,
+             _namespace: dict | None = None, _filename: str | None = None, _show: bool = False) -> None:
+        """Run code in every rank's namespace, as a cell there; its names stay.
+
+        Names the code reads that a rank lacks are taken from the caller's namespace (modules as
+        imports), never overwriting the rank's own.
+
+        Parameters
+        ----------
+        code : str
+            Python source.
+        ranks : list of int, optional
+            Run on these ranks only; default every rank.
+        timeout : float, optional
+            Seconds before the call is stopped, with every rank's stack; default the Ranks' own.
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        SyntaxError
+            The code is not Python; no rank ran it.
+        WorkerError
+            A rank failed (``%debug`` opens pdb there).
+        TypeError
+            ``code`` is not a str.
+        """
+        if not isinstance(code, str):
+            raise TypeError(f"exec(code) takes Python source as a str, got {type(code).__name__}.")
+        namespace = _namespace if _namespace is not None else sys._getframe(1).f_globals
+        filename = _filename or f"<ranks exec {next(_exec_count)}>"
+        mistake = syntax_error(code, filename, "exec")
+        if mistake:  # found here, before any rank sees the code: nothing ran
+            raise mistake
+        state = self._command("exec", code, filename, _show, ranks=ranks, timeout=timeout, namespace=namespace)
+        if _show:
+            for rank in sorted(state.values):
+                if state.values[rank] is not None:
+                    print(f"[rank {rank}] {state.values[rank]}" if len(state.ranks) > 1 else state.values[rank])
+
+    def eval(self, expression: str, *, ranks: list[int] | None = None, timeout: float | None = None) -> list:
+        """An expression's value on every rank.
+
+        Parameters
+        ----------
+        expression : str
+            A Python expression, evaluated in each rank's namespace.
+        ranks : list of int, optional
+            Run on these ranks only; default every rank.
+        timeout : float, optional
+            Seconds before the call is stopped, with every rank's stack; default the Ranks' own.
+
+        Returns
+        -------
+        list
+            Each rank's value, in rank order.
+
+        Raises
+        ------
+        SyntaxError
+            Not an expression; no rank ran it.
+        WorkerError
+            A rank failed.
+        TypeError
+            ``expression`` is not a str.
+        """
+        if not isinstance(expression, str):
+            raise TypeError(f"eval(expression) takes Python source as a str, got {type(expression).__name__}.")
+        mistake = syntax_error(expression, "<nbtrain eval>", "eval")
+        if mistake:  # found here, before any rank sees the code
+            raise mistake
+        state = self._command("eval", expression, ranks=ranks, timeout=timeout, namespace=sys._getframe(1).f_globals)
+        return [state.values.get(r) for r in sorted(state.ranks)]
+
+    def push(self, *, ranks: list[int] | None = None, **objects) -> None:
+        """Put objects into every rank's namespace, by name (dill: notebook classes and lambdas travel).
+
+        Large tensors go through shared memory, mapped by every rank on this machine.
+
+        Parameters
+        ----------
+        ranks : list of int, optional
+            Run on these ranks only; default every rank.
+        **objects
+            The objects, by the names they get on the ranks: ``push(lr=3e-4, data=batch)``.
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        TypeError
+            Nothing to push.
+        ValueError
+            A name that is not an identifier, or one the ranks keep (``ctx``).
+        NbtrainError
+            An object cannot be sent (also a TypeError); the message names the part.
+        """
+        if not objects:
+            raise TypeError("push(name=value, ...) needs at least one object to send.")
+        for name in objects:
+            if not name.isidentifier() or keyword.iskeyword(name):
+                raise ValueError(f"push({name!r}=...): a pushed object becomes a variable on the ranks, so its "
+                                 "name must be a Python identifier, e.g. push(lr=0.1).")
+            if name in RESERVED:
+                raise ValueError(f"push({name}=...): `{name}` is {RESERVED[name]} on every rank and is not replaced; "
+                                 "push the object under another name.")
+        files = self._push_files()
+        try:
+            try:
+                payload = pack_push(objects, files)
+            except Exception as exc:
+                raise UnpicklableError(f"the objects pushed to the ranks ({', '.join(objects)})",
+                                       explain_pickling(objects, "dill", "objects"), detail=str(exc)) from exc
+            self._command("push", payload, ranks=ranks)
+        finally:
+            if files is not None:
+                files.discard()  # each rank has mapped its copy-on-write view by now, or failed
+
+    def _push_files(self) -> RankFiles | None:
+        """Where a push's large tensors go: shared memory that ranks on this machine map."""
+        pool = self._pool
+        if pool is None or pool.remote or not pool.files or not pool.files.prefixes:
+            return None
+        return RankFiles.from_environ(PUSH_FILES, {**os.environ, **pool.files.environ})  # NBTRAIN_SHARED_MEMORY=0 too
+
+    def pull(self, name: str, *, ranks: list[int] | None = None) -> list:
+        """A variable's value from every rank (models come back on the CPU, unwrapped).
+
+        Parameters
+        ----------
+        name : str
+            The variable's name on the ranks.
+        ranks : list of int, optional
+            Run on these ranks only; default every rank.
+
+        Returns
+        -------
+        list
+            Each rank's value, in rank order.
+
+        Raises
+        ------
+        ValueError
+            ``name`` is not a variable name.
+        WorkerError
+            A rank lacks it, or its value cannot travel back.
+        """
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"pull(name) takes a variable name such as 'loss', got {name!r}.")
+        state = self._command("pull", name, ranks=ranks)
+        return [state.values.get(r) for r in sorted(state.ranks)]
+
+    def run(self, fn, *args, progress=None, timeout: float | None = None, ranks: list[int] | None = None,
+            trackers=None, profile=None, run_dir=None, **kwargs):
+        """``fn(*args, **kwargs)`` on every rank, with the rank's namespace as its globals.
+
+        So ``fn`` sees ``model``, ``opt``... defined on the ranks; names it reads that a rank lacks
+        come from the notebook. Shown with the live view, as a launch is.
+
+        Parameters
+        ----------
+        fn : function
+            A Python function (defined in the notebook, say).
+        *args
+            Positional arguments for ``fn``.
+        progress : bool or str, optional
+            The live view, as for `launch`; default the Ranks' own.
+        timeout : float, optional
+            Seconds before the call is stopped, with every rank's stack; default the Ranks' own.
+        ranks : list of int, optional
+            Run on these ranks only; default every rank.
+        trackers : str, tracker or list, optional
+            As for `launch`.
+        profile : bool or Profile, optional
+            As for `launch`.
+        run_dir : str or Path, optional
+            As for `launch`.
+        **kwargs
+            Keyword arguments for ``fn``.
+
+        Returns
+        -------
+        Result
+            As `launch` returns it (``start`` reads 'live (fork)' and the like).
+
+        Raises
+        ------
+        WorkerError
+            A rank failed.
+        TypeError
+            ``fn`` is not a Python function.
+        NbtrainError
+            ``fn`` or its arguments cannot be sent (also a TypeError); the message names the part.
+        ValueError
+            ``ranks`` with trackers or a profile (they need every rank).
+        """
+        import dill
+
+
+        if not isinstance(fn, types.FunctionType):
+            raise TypeError(f"run(fn, ...) takes a Python function, got {type(fn).__name__}; "
+                            "for other callables, push them and call them with exec().")
+        refuse_foreign_keywords(fn, args, kwargs, "run", ("progress", "timeout", "ranks", "trackers", "profile",
+                                                          "run_dir"))
+        wrapped = instrument(fn, args, kwargs, trackers=trackers, profile=profile, run_dir=run_dir, plan=self.plan,
+                             strategy=f"live ({self.placement})")
+        insight = None
+        if wrapped is not fn:
+            if ranks is not None:
+                raise ValueError(f"ranks={ranks!r} with trackers or a profile: they run on every rank together "
+                                 "(rank 0's tracker run is shared), so leave ranks=None.")
+            insight = dataclasses.replace(wrapped, fn=None)  # the settings; the rank has its own fn
+        bare = types.FunctionType(fn.__code__, {}, fn.__name__, fn.__defaults__, fn.__closure__)
+        bare.__kwdefaults__, bare.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+        try:
+            payload = dill.dumps((bare, args, kwargs, insight), recurse=True)
+        except Exception as exc:
+            findings = [f for part, root in ((bare, fn.__name__), (args, "args"), (kwargs, "kwargs"))
+                        for f in explain_pickling(part, "dill", root)]
+            raise UnpicklableError(f"the function `{fn.__qualname__}` and its arguments", findings, str(exc)) from exc
+        display = make_display(self.progress if progress is None else progress)
+        state = self._command("call", payload, ranks=ranks, timeout=timeout, namespace=fn.__globals__,
+                              display=display, title=f"{fn.__qualname__} on live ranks")
+        return Result.from_state(state, self.strategy, self.plan.describe(), f"live ({self.placement})")
+
+    def map(self, fn, items, *, batch_size: int = 1, run_dir=None, progress=None, timeout: float | None = None) -> list:
+        """``[fn(item) for item in items]`` on these ranks, results in input order.
+
+        Each rank takes the next items whenever it is free, and ``fn`` runs with the rank's
+        namespace as its globals (a model loaded or trained there is used as it is). The ranks
+        keep their state.
+
+        Parameters
+        ----------
+        fn : function
+            The function.
+        items : iterable
+            What to map over.
+        batch_size : int, default 1
+            As for `map`.
+        run_dir : str or Path, optional
+            As for `map`.
+        progress : bool or str, optional
+            As for `launch`; default the Ranks' own.
+        timeout : float, optional
+            Seconds before the call is stopped, with every rank's stack; default the Ranks' own.
+
+        Returns
+        -------
+        list
+            ``fn``'s result for each item, in input order.
+
+        Raises
+        ------
+        MapError
+            An item failed: its index, traceback and the results so far.
+        TypeError
+            ``fn`` is not a Python function.
+        """
+        return map_on_ranks(self, fn, items, batch_size=batch_size, run_dir=run_dir, timeout=timeout,
+                            progress=self.progress if progress is None else progress)
+
+    def profile(self, fn, *args, profile=True, **kwargs):
+        """`run` with torch.profiler on every rank: the Result's ``profile`` is the table.
+
+        Parameters
+        ----------
+        fn : function
+            As for `run`.
+        *args
+            As for `run`.
+        profile : bool or Profile, default True
+            What to record.
+        **kwargs
+            As for `run`.
+
+        Returns
+        -------
+        Result
+        """
+        return self.run(fn, *args, profile=profile, **kwargs)
+
+    def debug(self, rank: int | None = None, commands: list[str] | None = None) -> None:
+        """pdb in a rank's last failure, from this notebook (``%debug`` after a WorkerError does it too).
+
+        Parameters
+        ----------
+        rank : int, optional
+            Default: the rank that failed last.
+        commands : list of str, optional
+            pdb commands typed for you first (``["p x.shape", "up", "q"]``); the prompt follows
+            unless they end the session, so a notebook run top to bottom does not stop at it.
+
+        Returns
+        -------
+        None
+
+        Raises
+        ------
+        RuntimeError
+            No rank has failed yet.
+        TypeError
+            ``commands`` is not a list of str.
+        """
+        rank = self._last_failure if rank is None else rank
+        if rank is None:
+            raise RuntimeError("no rank has failed yet: there is nothing to debug. (breakpoint() in code run on "
+                               "the ranks also opens pdb here.)")
+        if commands is not None and (isinstance(commands, str) or not all(isinstance(c, str) for c in commands)):
+            raise TypeError(f"debug(commands={commands!r}): give a list of pdb commands, e.g. ['p x.shape', 'q'].")
+        self._command("debug", list(commands or []), ranks=[rank])
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _command(self, kind: str, *args, ranks=None, timeout=None, namespace=None, display=None, title=""):
+        if self._pool is None:
+            raise PoolBroken("these live ranks are closed: start new ones with nbtrain.Ranks(...), or .restart().")
+        if ranks is not None:
+            ranks = [ranks] if type(ranks) is int else list(ranks)
+            bad = [r for r in ranks if type(r) is not int or not 0 <= r < self.world_size]
+            if bad or not ranks:
+                raise ValueError(f"ranks={ranks!r}: name one or more of these live ranks, 0 .. {self.world_size - 1} "
+                                 "(or None for all of them).")
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(f"ranks={ranks!r}: each rank once; the code would run twice on the same rank.")
+
+        timeout = check_timeout(timeout) if timeout is not None else self.timeout
+        display = display or LazyDisplay(self.progress)
+        pool = self._pool
+        try:
+            if kind in ("exec", "eval", "call"):
+                self._follow_reloads(pool, timeout)
+            return pool.command(kind, *args, ranks=ranks, display=display, timeout=timeout, namespace=namespace,
+                                title=title)
+        except WorkerError as error:
+            self._last_failure = error.rank
+            if not pool.restart_reason and not pool.broken:
+                error.debug = lambda rank=error.rank: self.debug(rank)  # type: ignore[attr-defined]  # `%debug` opens the rank's pdb
+            raise
+        finally:
+            if pool.restart_reason:
+                self.restart()
+
+    def _follow_reloads(self, pool: Pool, timeout) -> None:
+        """Modules the notebook reloaded (`importlib.reload`) are reloaded on every rank first, so
+        the command runs the code the notebook has, and said in one line."""
+        names = self._modules.reloaded()
+        if names:
+            display = QuietDisplay()
+            pool.command("exec", RELOAD_SOURCE.format(names=names), "<nbtrain reload>", False, display=display,
+                               timeout=timeout)
+            display.note(f"live ranks reloaded {', '.join(names)}, as the notebook did")
+
+
+class Rank:
+    """One live rank: the same calls as `Ranks`, with single values."""
+
+    def __init__(self, ranks: Ranks, rank: int):
+        self._ranks, self.rank = ranks, rank
+
+    def exec(self, code: str, *, timeout: float | None = None) -> None:
+        self._ranks.exec(code, ranks=[self.rank], timeout=timeout, _namespace=sys._getframe(1).f_globals)
+
+    def eval(self, expression: str, *, timeout: float | None = None):
+        state = self._ranks._command("eval", expression, ranks=[self.rank], timeout=timeout,
+                                     namespace=sys._getframe(1).f_globals)
+        return state.values.get(self.rank)
+
+    def push(self, **objects) -> None:
+        self._ranks.push(ranks=[self.rank], **objects)
+
+    def pull(self, name: str):
+        return self._ranks.pull(name, ranks=[self.rank])[0]
+
+    def run(self, fn, *args, **kwargs):
+        return self._ranks.run(fn, *args, ranks=[self.rank], **kwargs)
+
+    def debug(self, commands: list[str] | None = None) -> None:
+        self._ranks.debug(self.rank, commands)
+
+    def __repr__(self) -> str:
+        return f"Rank({self.rank} of {self._ranks!r})"
+
+
+RESERVED = {"ctx": "the rank's Context (nbtrain.context())", "__builtins__": "Python's builtins"}
+
+
+def syntax_error(source: str, filename: str, mode: str) -> SyntaxError | None:
+    """The code's syntax error, if it has one, for the caller to raise: IPython then shows it as for
+    `exec()` in a cell (the line, the caret), not from inside a rank or the parser's frames."""
+    try:
+        if mode == "exec":
+            parse_cell(source, filename)  # its hint for %magics and !commands
+        compile(source, filename, mode, dont_inherit=True)
+    except SyntaxError as exc:
+        exc.__traceback__ = None
+        exc.debug = _nothing_to_debug  # type: ignore[attr-defined]  # `%debug` (nbtrain's) would otherwise open pdb in nbtrain's frames
+        return exc
+    return None
+
+
+def _nothing_to_debug() -> None:
+    print("nbtrain: a syntax error has no frames to debug: correct the line shown and run the cell again.")
+
+
+@atexit.register
+def _close_all() -> None:
+    for ranks in list(_open.values()):
+        try:
+            ranks.close()
+        except Exception:
+            pass

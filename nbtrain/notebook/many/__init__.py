@@ -1,0 +1,1 @@
+"""Many runs on one slot machinery: sweeps (Optuna) and map."""

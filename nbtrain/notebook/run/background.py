@@ -1,0 +1,323 @@
+"""A launch in the background of this kernel: `launch(..., wait=False)` and the handle it returns.
+
+The ranks are started from the calling thread (a fork from another thread could copy a lock the
+kernel's main thread holds); the supervisor then watches them from a thread of its own, so the
+kernel is free for other cells and a later cell's Ctrl-C, which IPython raises on the main thread
+only, never reaches the run. `cancel()` is the run's Ctrl-C: the watching thread takes it as the
+supervisor takes the kernel's. Steering (`steer.py`) talks to the ranks through the same pool.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import CancelledError
+from typing import TYPE_CHECKING
+
+from ...common import protocol
+from .choices import IN_KERNEL
+from .pool import Pool
+from .steer import PAUSE_TIMEOUT, Steerer
+
+if TYPE_CHECKING:
+    from .result import Result
+
+CANCEL_WAIT = 30.0  # seconds `cancel()` waits for the ranks to be stopped
+
+
+def check_background(start: str, max_restarts: int) -> None:
+    """What `wait=False` needs: rank processes of its own, and no restarts (slept on the caller's thread)."""
+    if start == IN_KERNEL:
+        raise ValueError("launch(wait=False) runs the ranks as processes beside this kernel, but one device runs the "
+                         "function in the kernel itself: give devices=2 (or more), or start='fork'/'template'/'spawn'.")
+    if max_restarts:
+        raise ValueError(f"launch(wait=False, max_restarts={max_restarts}): restarts are not offered in the "
+                         "background; give max_restarts=0, or use nbtrain.submit for a run that restarts itself.")
+
+
+class BackgroundPool(Pool):
+    """A launch's pool whose watch runs later, on the run's thread (`watch`), and which hands the
+    ranks' steering replies to `replies` rather than to the supervisor."""
+
+    def __init__(self, launcher, job):
+        super().__init__(launcher, job, live=False)
+        self.replies: queue.Queue = queue.Queue()
+        self._where: dict[int, protocol.Whereabouts] = {}
+        self._watching: tuple | None = None
+        self._cancel = threading.Event()
+        self._cancelled = False
+
+    def _watch(self, state, display, timeout, start_timeout, interrupt=None) -> None:
+        if self._watching is None:  # `start` on the caller's thread: the ranks are started, the watch waits
+            self._watching = (state, display, timeout, start_timeout, interrupt)
+            return
+        super()._watch(state, display, timeout, start_timeout, interrupt)
+
+    def watch(self) -> None:
+        """Watch the run to its end (on the run's thread)."""
+        assert self._watching is not None, "started first"
+        super()._watch(*self._watching)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def receive(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._cancel.is_set() and not self._cancelled:
+                self._cancelled = True
+                raise KeyboardInterrupt  # as the kernel's Ctrl-C reaches a launch that waits
+            message = super().receive(min(max(deadline - time.monotonic(), 0.0), 0.1))
+            if isinstance(message, protocol.STEER_REPLIES):
+                self.replies.put(message)
+            else:
+                if isinstance(message, protocol.Whereabouts):
+                    self._where[message.rank] = message
+                if message is not None or time.monotonic() >= deadline:
+                    return message
+
+    def send(self, rank: int, message) -> bool:
+        return self._hub.send(rank, message)
+
+    def connected(self, rank: int) -> bool:
+        """`rank` has reached the notebook: what is sent to it now arrives."""
+        return self._hub.connected(rank)
+
+    def where_now(self, ranks: list[int], wait: float) -> dict[int, protocol.Whereabouts]:
+        """Where each listed rank's main thread is (those that answered within `wait` s)."""
+        for rank in ranks:
+            self._where.pop(rank, None)
+        self.ask_where(ranks)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not all(r in self._where for r in ranks):
+            time.sleep(0.02)
+        return {r: self._where[r] for r in ranks if r in self._where}
+
+
+class BackgroundRun:
+    """A run started by ``launch(..., wait=False)``: it trains while the kernel runs other cells.
+
+    Wait for it with `result`, end it with `cancel`, or steer it at a step boundary (an iteration
+    of ``ctx.progress``, or ``ctx.step()``) that every rank agrees on: `pause`, `call`, `set`,
+    `checkpoint`, `resume`, `stop`. Each change is kept with its step (`changes`, and
+    ``Result.changes``).
+    """
+
+    def __init__(self, pool: BackgroundPool, finish, display):
+        self._pool, self._display = pool, display
+        self._result: Result | None = None
+        self._error: BaseException | None = None
+        self._cancelled = False
+        self._steer = Steerer(pool, self._going, self._step_time, display.note)
+        self._thread = threading.Thread(target=self._run, args=(finish,), name="nbtrain-background-run", daemon=True)
+
+    def _start(self) -> BackgroundRun:
+        self._thread.start()
+        return self
+
+    def _run(self, finish) -> None:
+        try:
+            self._result = finish()
+            self._result.changes = list(self._steer.changes)
+        except BaseException as exc:  # handed to whoever asks for the result
+            self._error = exc
+
+    # -- the run's end -----------------------------------------------------------------------
+    def done(self) -> bool:
+        """Whether the run has ended (finished, failed or cancelled)."""
+        return not self._thread.is_alive()
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Wait for the run to end and return its `Result` (``changes`` lists what was steered).
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait; None: until it ends. Ctrl-C stops the waiting, not the run.
+
+        Returns
+        -------
+        Result
+
+        Raises
+        ------
+        TimeoutError
+            The run is still going after ``timeout`` s.
+        WorkerError
+            A rank failed, timed out or died, as ``launch`` raises it.
+        concurrent.futures.CancelledError
+            The run was cancelled.
+        """
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the run is still going after {timeout:g} s (run.done() says when it has ended).")
+        if self._cancelled:
+            raise CancelledError("the run was cancelled (run.cancel()); its ranks were stopped.")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None, "a run that ended without an error has its result"
+        return self._result
+
+    def cancel(self) -> bool:
+        """Stop every rank now, as Ctrl-C stops a launch that waits; False if the run had ended."""
+        if self.done():
+            return False
+        self._cancelled = True
+        self._pool.cancel()
+        self._thread.join(CANCEL_WAIT)
+        return True
+
+    def _going(self) -> None:
+        """Raise when the run is over: its error, or that it ended."""
+        if not self.done():
+            return
+        if self._error is not None and not self._cancelled:
+            raise self._error
+        raise RuntimeError("the run has ended: there is nothing to steer (run.result() gives what it returned).")
+
+    def _step_time(self) -> float | None:
+        state = self._pool.state
+        rates = [rate for view in list(state.ranks.values()) if (rate := view.step_rate)] if state else []
+        return 1.0 / min(rates) if rates else None
+
+    # -- steering ----------------------------------------------------------------------------
+    def pause(self, timeout: float = PAUSE_TIMEOUT) -> int:
+        """Hold every rank at the same step boundary, and return that step.
+
+        Each rank stops at its next boundary (an iteration of the innermost ``ctx.progress``
+        loop, or ``ctx.step()``); ranks behind the furthest run on to it, so they all hold after
+        the same number of steps. Already paused: the step it holds at.
+
+        Parameters
+        ----------
+        timeout : float, default 30
+            Seconds to wait for every rank to reach the agreed boundary.
+
+        Returns
+        -------
+        int
+            The step every rank holds at (steps done in the training function so far).
+
+        Raises
+        ------
+        TimeoutError
+            A rank did not reach a step boundary in time (the message says where each is); every
+            rank goes on.
+        RuntimeError
+            The run has ended (or its error, if it failed).
+        """
+        return self._steer.pause(timeout)
+
+    def resume(self) -> None:
+        """Let every rank go on from the step it holds at (nothing happens when not paused)."""
+        self._steer.resume()
+
+    def call(self, fn, timeout: float | None = None) -> list:
+        """Run ``fn`` on every rank at the agreed step, and return each rank's answer.
+
+        ``fn`` gets, by its parameters' names, what the training registered with ``ctx.steer``
+        (``lambda model, optimizer: ...``), and ``ctx`` and ``step``; ``**kwargs`` takes them all.
+        A run that was not paused is paused for the call and resumed after it.
+
+        Parameters
+        ----------
+        fn : callable
+            Run on each rank's main thread, where the training's objects live.
+        timeout : float, optional
+            Seconds to wait for every rank's answer; None: as long as the run lives.
+
+        Returns
+        -------
+        list
+            Each rank's return value, in rank order.
+
+        Raises
+        ------
+        SteerError
+            ``fn`` raised on a rank (every failing rank's traceback is in the message); the ranks
+            stay held.
+        TypeError
+            ``fn`` is not callable.
+        """
+        return self._steer.call(fn, timeout)
+
+    def set(self, optimizer: str | None = None, timeout: float | None = None, **values) -> None:
+        """Set hyper-parameters of the registered optimizers in every param group, on every rank
+        at the same step: ``run.set(lr=1e-3)``.
+
+        Parameters
+        ----------
+        optimizer : str, optional
+            The name it was registered under (``ctx.steer(opt=...)``); None: every registered optimizer.
+        timeout : float, optional
+            Seconds to wait for every rank; None: as long as the run lives.
+        **values
+            The param group keys to set (``lr``, ``weight_decay``, ``momentum``...).
+
+        Raises
+        ------
+        SteerError
+            No optimizer is registered (under that name), or a key is not in its param groups.
+        """
+        self._steer.set(values, optimizer, timeout)
+
+    def checkpoint(self, path, timeout: float | None = None) -> None:
+        """Save every registered object (and ``step``) at the agreed step, as ``ctx.save_checkpoint``:
+        every rank writes its shard, and ``ctx.load_checkpoint`` reads it back."""
+        self._steer.checkpoint(path, timeout)
+
+    def stop(self, timeout: float = PAUSE_TIMEOUT) -> int:
+        """End the training at the agreed step, as if its loops had finished: every ``ctx.progress``
+        loop ends there, so the function returns what it returns (the model) to `result`.
+
+        Returns
+        -------
+        int
+            The step the training stopped at.
+        """
+        return self._steer.stop(timeout)
+
+    def metrics(self, name: str, rank: int | None = 0) -> list[float]:
+        """The values logged under one name so far (as ``Result.metrics``), while the run trains.
+
+        Parameters
+        ----------
+        name : str
+            The name given to ``ctx.log``.
+        rank : int or None, default 0
+            Whose values: a rank, or None for every rank's.
+
+        Returns
+        -------
+        list of float
+        """
+        history = list(self._pool.state.history) if self._pool.state is not None else []
+        return [m.value for m in history if m.name == name and (rank is None or m.rank == rank)]
+
+    @property
+    def changes(self) -> list[protocol.Change]:
+        """What was changed so far, each with the step it was applied at on every rank."""
+        return list(self._steer.changes)
+
+    def __repr__(self) -> str:
+        title = self._pool.state.title if self._pool.state is not None else "a run"
+        if self.done():
+            how = "cancelled" if self._cancelled else "failed" if self._error is not None else "finished"
+        else:
+            held = self._steer.held_at
+            how = "running" if held is None else f"paused at step {held}"
+        return f"<nbtrain run in the background: {title}, {how}>"
+
+
+def start_in_background(launcher, job, display, finish) -> BackgroundRun:
+    """Start `job`'s ranks from this thread and watch them from another; `finish(pool, watch)`
+    watches, stops the ranks and makes the `Result` (launch's own, so both ends are the same)."""
+    pool = BackgroundPool(launcher, job)
+    try:
+        pool.start(display, job.timeout)
+    except BaseException:
+        pool.close(False, display)
+        if pool.state is not None:
+            display.finish(pool.state, False)
+        raise
+    return BackgroundRun(pool, lambda: finish(pool, pool.watch), display)._start()
