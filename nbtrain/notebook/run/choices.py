@@ -2,9 +2,9 @@
 
 `strategy` is how `ctx.setup` wraps a model (DDP, FSDP2, DataParallel, DeepSpeed's own); `start` is
 where the rank processes come from (a fork of this kernel, a fork of the warm template, a fresh
-interpreter, a script under torchrun; the words and their placements are `starts.py`'s table). Every front end (`launch`, `submit`, `Ranks`, `sweep`, the
-magics) reads its two words through `words` here, so an old name means the same pair everywhere
-and is said once per kernel.
+interpreter, a script under torchrun; the words and their placements are `starts.py`'s table).
+Every front end (`launch`, `submit`, `Ranks`, `sweep`, the magics) reads its two words through
+`words` here, so an old name means the same pair everywhere and is said once per kernel.
 """
 from __future__ import annotations
 
