@@ -36,7 +36,7 @@ def _demo(args) -> int:
 def _runs(args) -> int:
     import os
 
-    from .notebook.detached.runs import runs
+    from .notebook.detached.listing import runs
 
     if not os.path.lexists(args.path):
         raise ValueError(f"{args.path!r} does not exist: give the folder that holds run directories (by default "

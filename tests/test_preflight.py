@@ -309,7 +309,7 @@ def test_the_launcher_passes_the_quirk_to_every_rank_and_says_so(monkeypatch):
     use_inventory(StaticInventory(RTX))
     try:
         job, display = Job(print, (), {}, gpu_plan(), "ddp_spawn"), Notes()
-        ProcessLauncher()._apply_nccl_quirks(job, display)
+        job = job.with_options(quirk_env=ProcessLauncher()._quirk_env(job, display))
     finally:
         use_inventory(None)
     assert len(display.notes) == 1 and "RTX 4090 has no peer-to-peer support" in display.notes[0]

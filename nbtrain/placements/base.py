@@ -13,9 +13,10 @@ import signal
 import socket
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..common import protocol
 from ..common.devices import DevicePlan
 from ..common.leftovers import remove_orphans
 from ..common.preflight import nccl_environ
@@ -25,8 +26,10 @@ from ..rank.rendezvous import STORE_VAR
 _STORE_DIR = re.compile(r"nbtrain-store-(\d+)-\w+")  # a PrivateStore's, named for its kernel
 
 
-@dataclass
+@dataclass(frozen=True)
 class Job:
+    """What `launch` asked for, never changed after: a placement's `prepare` returns the job as its
+    ranks get it (their first command, the rendezvous, the launcher's settings) as a new Job."""
     fn: Callable
     args: tuple
     kwargs: dict
@@ -47,6 +50,9 @@ class Job:
     def ranks(self) -> list[int]:
         first = self.node_rank * self.plan.nprocs
         return list(range(first, first + self.plan.nprocs))
+
+    def with_options(self, **options) -> Job:
+        return replace(self, options={**self.options, **options})
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -195,18 +201,53 @@ class RankProcess:
 
 
 class ProcessLauncher:
-    """Starts ranks as processes and supervises them; variants implement `_start` only."""
+    """Starts a job's ranks as processes and closes what it opened for them, as torch elastic's
+    `PContext` does: `prepare` (checks, shipping, rendezvous: the job as the ranks get it), then
+    `start_ranks`, and `close` (after a failed start too). Variants implement `_prepare`, `_start`
+    and `_cleanup`."""
 
     start = ""  # the start= word that names this placement (a cluster's is its engine's name)
-    local = False  # every rank on this machine: the caller gives them a PrivateStore
+    local = False  # every rank on this machine: they meet in a PrivateStore this launcher makes
+    _store: PrivateStore | None = None
+    _say: Callable[[str], None] = print
+    _adopt: Callable[[socket.socket], None]
+
+    def prepare(self, job: Job, live: bool, display, adopt) -> Job:
+        """Everything before the first process starts, as the job the ranks get: the launcher's
+        own checks and shipping, the ranks' first command (a launch's run, live ranks' start-up),
+        the GPU quirks' environment, the rendezvous and torch's port. `display.note` is told what
+        the user should know while starting; `adopt` serves a channel made before a rank started."""
+        self._say, self._adopt = display.note, adopt
+        job = self._prepare(replace(job, live=live))
+        first = protocol.Start(0, True) if live else protocol.Run(0, True, self._first_job(job))
+        job = replace(job, first=first).with_options(quirk_env=self._quirk_env(job, display))
+        if self.local:
+            self._store = PrivateStore()
+            job = job.with_options(store=self._store.path)
+        # Torch's variables, for libraries that read them: nothing of nbtrain's listens there.
+        return replace(job, master_port=job.master_port or free_port())
+
+    def start_ranks(self, job: Job, channel_env: dict[str, str], pump, started: list[RankProcess]) -> None:
+        """Start the prepared job's ranks, appending each process to `started` as soon as it runs."""
+        self._start(job, channel_env, pump, started)
+
+    def close(self, job: Job) -> None:
+        """Undo what `prepare` and `start_ranks` left (the processes are the caller's to stop first)."""
+        try:
+            self._cleanup(job)
+        finally:
+            if self._store is not None:
+                self._store.close()
+                self._store = None
 
     def _start(self, job: Job, channel_env: dict[str, str], pump, started: list[RankProcess]) -> None:
         """Start the ranks, appending each process to `started` as soon as it runs
         (so a failure half-way still stops what did start)."""
         raise NotImplementedError
 
-    def _prepare(self, job: Job) -> None:
-        """Checks and shipping that must succeed before any process starts."""
+    def _prepare(self, job: Job) -> Job:
+        """Checks and shipping that must succeed before any process starts: the job with what they add."""
+        return job
 
     remote = False  # ranks on other machines: stacks are asked for over the channel, not by signal
 
@@ -215,12 +256,13 @@ class ProcessLauncher:
         return {}
 
     def note(self, text: str) -> None:
-        """Tell the user something while starting (the pool points this at its display)."""
+        """Tell the user something while starting (the display given to `prepare`)."""
+        self._say(text)
 
     def adopt(self, sock: socket.socket) -> None:
-        """Serve a connection made for a rank before it started (the pool points this at its
-        channel's `Hub.adopt`); launchers whose ranks dial the channel never call it."""
-        raise NotImplementedError
+        """Serve a connection made for a rank before it started (the channel's `Hub.adopt`, given
+        to `prepare`); launchers whose ranks dial the channel never call it."""
+        self._adopt(sock)
 
     def _first_job(self, job: Job):
         """How the function travels to the ranks: in memory (fork) or as a payload (the others)."""
@@ -229,8 +271,8 @@ class ProcessLauncher:
     def _cleanup(self, job: Job) -> None:
         """Undo what `_prepare`/`_start` left behind (temp files, helper processes)."""
 
-    def _apply_nccl_quirks(self, job: Job, display) -> None:
+    def _quirk_env(self, job: Job, display) -> dict:
         env, note = nccl_environ(job.plan)
         if note:
             display.note(note)
-        job.options["quirk_env"] = env
+        return env

@@ -214,9 +214,10 @@ class ForkLauncher(ProcessLauncher):
     start = "fork"
     local = True
 
-    def _prepare(self, job: Job) -> None:
+    def _prepare(self, job: Job) -> Job:
         check_fork()
         warm_kernel()
+        return job
 
     def _first_job(self, job: Job):
         return (job.fn, job.args, job.kwargs)  # inherited by the fork: nothing needs to pickle
@@ -277,9 +278,11 @@ class SpawnLauncher(ProcessLauncher):
     start = "spawn"
     local = True
 
-    def _prepare(self, job: Job) -> None:
-        if not job.live and "payload" not in job.options:  # start_ranks_cleanly may have shipped it
-            job.options["payload"] = pack_job(job.fn, job.args, job.kwargs)
+    def __init__(self, payload: bytes | None = None):
+        self._payload = payload  # the job, packed already (start_ranks_cleanly checked it pickles)
+
+    def _prepare(self, job: Job) -> Job:
+        return job if job.live else job.with_options(payload=self._payload or pack_job(job.fn, job.args, job.kwargs))
 
     def _start(self, job, channel_env, pump, started) -> None:
         context = _spawn_context()

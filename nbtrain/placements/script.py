@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 from ..common.leftovers import remove_orphans
 from ..common.tensor_files import SHM_DIR
@@ -269,22 +270,24 @@ class ScriptLauncher(ProcessLauncher):
         self._holds: list[int] = []  # our write ends of the ranks' pipes (shared with the process handle)
         self._loose: list[int] = []  # fds not yet handed over: ours to close if the start fails
 
-    def _prepare(self, job: Job) -> None:
+    def _prepare(self, job: Job) -> Job:
         self.options = script_options(job.options, job.plan.num_nodes)
         check_installed(self.options["launcher"])
-        job.node_rank = self.options["node_rank"]
+        job = replace(job, node_rank=self.options["node_rank"])
         if self.options["rdzv_endpoint"]:
-            job.master_addr, job.master_port = parse_endpoint(self.options["rdzv_endpoint"])
+            address, port = parse_endpoint(self.options["rdzv_endpoint"])
+            job = replace(job, master_addr=address, master_port=port)
         if job.plan.num_nodes > 1 and job.start_timeout is not None:
             # Ranks start only once every node has joined; that wait is not a stall.
-            job.start_timeout += RENDEZVOUS_WAIT
+            job = replace(job, start_timeout=job.start_timeout + RENDEZVOUS_WAIT)
         self._payload = pack_job(job.fn, job.args, job.kwargs)  # an unpicklable job fails here, before anything starts
+        self._dir = job_dir()  # removed by _cleanup, which a failed start is followed by
+        if job.plan.num_nodes == 1:  # the ranks' env:// meets in here, not at torchrun's TCP store
+            job = job.with_options(store=os.path.join(self._dir, "store"))
+            os.mkdir(job.options["store"], 0o700)
+        return job
 
     def _start(self, job, channel_env, pump, started) -> None:
-        self._dir = job_dir()
-        if job.plan.num_nodes == 1:  # the ranks' env:// meets in here, not at torchrun's TCP store
-            job.options["store"] = os.path.join(self._dir, "store")
-            os.mkdir(job.options["store"], 0o700)
         script = self._write_job(job)
         self._rank_pipes(job, pump)
         launcher = self.options["launcher"]

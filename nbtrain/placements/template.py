@@ -17,9 +17,14 @@ class TemplateLauncher(ProcessLauncher):
     start = "template"
     local = True
 
-    def _prepare(self, job: Job) -> None:
-        ship(job)
+    def __init__(self, payload: bytes | None = None):
+        self._payload = payload  # the job, packed already (start_ranks_cleanly checked it pickles)
+
+    def _prepare(self, job: Job) -> Job:
+        if not job.live:
+            job = job.with_options(payload=self._payload or pack_job(job.fn, job.args, job.kwargs))
         self.template = template()
+        return job
 
     def _start(self, job, channel_env, pump, started) -> None:
         pipes = _Pipes(job.ranks, pump)
@@ -43,26 +48,19 @@ class TemplateLauncher(ProcessLauncher):
         return RankProcess([rank], pid, poll, lambda timeout: template.wait_exit(pid, timeout))
 
 
-def ship(job: Job) -> None:
-    """Pickle a launch's job for its ranks, once: an unpicklable one raises UnpicklableError here."""
-    if not job.live and "payload" not in job.options:
-        job.options["payload"] = pack_job(job.fn, job.args, job.kwargs)
-
-
 def start_ranks_cleanly(display, job: Job | None = None):
     """The launcher for ranks that must not be forks of the kernel: the template, or plain
     spawn (said in the display) when the template cannot start.
 
     Given the `job`, it is pickled first, so a job that cannot be sent starts nothing (not
     even the template, seconds of start-up for a launch that is refused anyway)."""
-    if job is not None:
-        ship(job)
+    payload = None if job is None or job.live else pack_job(job.fn, job.args, job.kwargs)
     try:
         template()
-        return TemplateLauncher()
+        return TemplateLauncher(payload)
     except TemplateUnresponsive as exc:
         display.note(f"the warm template cannot be used: {exc}; starting ranks with plain spawn instead")
-        return SpawnLauncher()
+        return SpawnLauncher(payload)
     except (RuntimeError, OSError) as exc:
         display.note(f"the warm template did not start ({exc}); starting ranks with plain spawn instead")
-        return SpawnLauncher()
+        return SpawnLauncher(payload)

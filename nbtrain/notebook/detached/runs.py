@@ -1,5 +1,5 @@
-"""`Run`: a submitted run, followed through its directory from any kernel (`attach`), and
-`runs()`, the table of the runs under a folder.
+"""`Run`: a submitted run, followed through its directory from any kernel (`attach`); its live
+view is `follow.py`'s, the table of runs under a folder `listing.py`'s.
 
 Everything here reads the run directory (`common/runlog.py`); nothing talks to the run's
 processes except `cancel`, which stops its session. The live view feeds the events to a
@@ -12,27 +12,26 @@ or impossible file is an error naming the file and the run, at once, never a wai
 """
 from __future__ import annotations
 
-import html
 import os
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from ...common import protocol, runlog, session, wake
-from ...common.private import NotYours, check_own
+from ...common.private import check_own
 from ...display import check_progress, in_jupyter, make_display
 from ...display.widgets import WidgetDisplay
 from ..run import steer_files
 from ..run.result import Result
-from ..run.runmodel import RunState
+from .follow import Follower
 
 POLL = 0.2  # seconds between looks at the run directory
 BACKSTOP = 2.0  # ... while waiting for its end, where a change wakes the waiter
 START_WAIT = 60.0  # seconds a Run shown in a cell waits for its ranks to start (the supervisor imports torch)
 SUBMIT_WAIT = 10.0  # seconds cancel() waits for the supervisor of a run still being submitted to be recorded
 STATUSES = (*runlog.ACTIVE, *runlog.ENDED)
+SUMMARY_METRICS = 1000  # the last metric events a run without summary.json is summed up from
 
 
 def _run_dir(run_dir) -> Path:
@@ -620,178 +619,3 @@ def attach(run_dir, progress=True) -> Run:
     """
     check_progress(progress)
     return Run(run_dir, progress)
-
-
-class Follower:
-    """Reads a run's event logs as they grow, into a RunState that a display draws."""
-
-    def __init__(self, run_dir: Path, display, output: bool):
-        self.dir, self.display, self.output = run_dir, display, output
-        self.run_events = runlog.Tail(run_dir / runlog.EVENTS)
-        self.tails: dict[int, runlog.Tail] = {}
-        self.state: RunState | None = None
-        self.attempt = -1
-        self.t0 = 0.0  # the attempt's start, wall clock
-        self.done = False
-        self.restart = ""  # the latest "restarting (k of N): why"
-        self.stopped = ""  # why the run's event logs stopped, once said
-
-    def poll(self, status: dict) -> bool:
-        """Take in what was written since the last poll; True once the run has ended and is drawn."""
-        if self.done:
-            return True
-        ended = status["status"] in runlog.ENDED  # read first: every event before the end is in the files now
-        if status.get("events_stopped") and not self.stopped:
-            self.stopped = status["events_stopped"]
-            self.display.note(f"the run's event logging stopped ({self.stopped}): the run goes on, this view no "
-                              "longer follows it; its status and result still come")
-        for attempt, event in self.run_events.read():
-            self._run_event(attempt, event)
-        if self.state is not None:
-            for tail in self.tails.values():
-                for attempt, event in tail.read():
-                    if attempt == self.attempt:
-                        self._rank_event(event)
-            self.display.update(self.state)
-        if ended:
-            if self.state is not None:
-                self.state.ended = self.state.ended or time.monotonic()
-                self.display.finish(self.state, status["status"] == "finished")
-            elif status.get("reason"):
-                self.display.note(status["reason"])
-            self.done = True
-        return self.done
-
-    def _run_event(self, attempt: int, event) -> None:
-        if isinstance(event, protocol.AttemptStarted):
-            title, ranks, self.t0 = event.title, event.ranks, event.time
-            self.attempt = attempt
-            if self.state is None:
-                self.state = RunState(title, ranks)
-                self.display.start(self.state)
-            else:  # a restart: the same state object, begun again, so the display keeps drawing it
-                self.state.reset(title if self.output else f"{title} · {self.restart.replace('ing', 'ed', 1)}", ranks)
-            self.state.started = time.monotonic() - (time.time() - self.t0)
-            for rank in ranks:
-                self.tails.setdefault(rank, runlog.Tail(self.dir / runlog.rank_events(rank)))
-        elif isinstance(event, protocol.Note) and self.output:
-            self.display.note(event.text)
-        elif isinstance(event, protocol.Note) and event.text.startswith("restarting") and self.state is not None:
-            # Drawn by a thread, a note would print into whichever cell runs: the title says it.
-            self.restart = event.text
-            self.state.title = f"{self.state.title.split(' · ')[0]} · {self.restart}"
-            self.state.version += 1
-        elif isinstance(event, protocol.AttemptEnded) and attempt == self.attempt and self.state is not None:
-            self.state.ended = self.state.started + (event.time - self.t0)
-
-    def _rank_event(self, event) -> None:
-        if isinstance(event, protocol.Output):
-            if self.output:
-                self.display.output(event.rank, event.stream, event.text)
-        else:  # what the ranks reported, and what the supervisor made of it: the state takes it as it did then
-            assert self.state is not None, "the run's first event, its start, made the state"
-            self.state.handle(event)
-
-
-class RunTable(list):
-    """`runs()`: one dict per run; shown as a table (with each run's reason when one of them is
-    damaged or refused)."""
-
-    COLUMNS = ("run", "function", "started", "devices", "status", "metrics")
-
-    def _columns(self) -> tuple:
-        return self.COLUMNS + (("reason",) if any(r["status"] in PROBLEMS for r in self) else ())
-
-    def __repr__(self) -> str:
-        columns = self._columns()
-        rows = [columns, *([str(r[c]) for c in columns] for r in self)]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-        return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
-
-    def _repr_html_(self) -> str:
-        columns = self._columns()
-        head = "".join(f"<th style='text-align:left'>{c}</th>" for c in columns)
-        body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(str(r[c]))}</td>"
-                                        for c in columns) + "</tr>" for r in self)
-        return f"<table><tr>{head}</tr>{body}</table>"
-
-
-SUMMARY_METRICS = 1000  # the last metric events a run without summary.json is summed up from
-PROBLEMS = ("damaged", "refused")  # a row's status when the run cannot be read, or is not ours to read
-
-
-def runs(path="nbtrain-runs") -> RunTable:
-    """The submitted runs under a folder, oldest first, as a table.
-
-    Each row: function, started, devices, status and rank 0's last metrics, read from the
-    run's summary (not its logs). A run that cannot be read is listed as damaged, one of
-    another user or behind a symbolic link as refused, each with its reason; what an
-    interrupted submit left behind is removed.
-
-    Parameters
-    ----------
-    path : str or Path, default 'nbtrain-runs'
-        The folder that holds run directories.
-
-    Returns
-    -------
-    RunTable
-        A list of rows (dicts), shown as a table.
-
-    Raises
-    ------
-    TypeError
-        ``path`` is not a path.
-    ValueError
-        ``path`` is a file, or a run directory itself (see it with `attach`).
-    PermissionError
-        ``path`` is another user's, or a symbolic link.
-    """
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise TypeError(f"runs(path={path!r}): give the folder that holds run directories (str or Path; by "
-                        "default 'nbtrain-runs').")
-    base = Path(path)
-    table = RunTable()
-    if not os.path.lexists(base):
-        return table
-    check_own(base, "folder")
-    if not base.is_dir():
-        raise ValueError(f"runs(path={str(path)!r}): it is a file; give the folder that holds run directories.")
-    if any(os.path.lexists(base / name) for name in (runlog.SPEC, runlog.STATUS)):
-        raise ValueError(f"runs(path={str(path)!r}): it is a run directory itself: see it with "
-                         f"nbtrain.attach({str(path)!r}) (in a shell: nbtrain attach {path}), or list it with the "
-                         f"others in its folder: runs({str(base.absolute().parent)!r}).")
-    runlog.remove_stale_partials(base)
-    for entry in sorted(os.scandir(base), key=lambda e: e.name):
-        if not entry.name.startswith(runlog.PARTIAL):  # a run being submitted: not a run yet
-            row = _row(Path(entry.path).absolute())
-            if row is not None:
-                table.append(row)
-    return table
-
-
-def _row(entry: Path) -> dict | None:
-    """The table's row for `entry`; None for what is not a run at all."""
-    if not any(os.path.lexists(entry / name) for name in (runlog.SPEC, runlog.STATUS)):
-        return None
-    row = {"run": entry.name, "function": "", "started": "", "devices": "", "status": "", "metrics": "",
-           "reason": "", "dir": str(entry)}
-    try:
-        run = Run(entry)
-        row.update(function=run.function,
-                   started=datetime.fromtimestamp(run.spec["started"]).strftime("%Y-%m-%d %H:%M:%S"))
-        status, summary = run._status(), run._summary()
-    except NotYours as error:
-        return {**row, "status": "refused", "reason": str(error)}
-    except (ValueError, OSError) as error:
-        return {**row, "status": "damaged", "reason": str(error)}
-    options = run.spec["launch"]
-    # As the run planned them ("2 CPU ranks, gloo"); before it started, as they were asked for.
-    devices = summary["devices"] or f"{options.get('devices')} ({options.get('accelerator')})"
-    metrics = ", ".join(f"{name}={_shown(value)}" for name, value in summary["metrics"].items())
-    return {**row, "devices": devices, "status": status["status"], "metrics": metrics,
-            "reason": status.get("reason", "")}
-
-
-def _shown(value) -> str:
-    return f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)

@@ -28,10 +28,10 @@ from ...rank.profiling import Profile
 from ...rank.trackers import check_trackers
 from ..many.slots import plan_slots, slot_start
 from ..many.sweep import check_sweep, sweep
-from ..run.choices import choose, words
+from ..run.choices import choose
 from ..run.doctor import check_stall
-from ..run.launch import check_cluster_words, check_timeout
-from ..run.options import refuse_foreign_keywords
+from ..run.launch import check_cluster_words
+from ..run.options import RunOptions, check_timeout, refuse_foreign_keywords
 from ..run.restarts import check_restarts
 from .runs import Run
 
@@ -131,11 +131,11 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
     if not callable(fn):
         raise TypeError(f"submit(fn=...) needs a callable training function, got {type(fn).__name__}.")
     check_restarts(max_restarts)
-    check_timeout(timeout)
-    check_stall(stall)
     check_progress(progress)
     given = None if run_dir is None else _given_run_dir(run_dir)
     if fn is sweep:
+        check_timeout(timeout)
+        check_stall(stall)
         unused = {"num_nodes": num_nodes != 1, "backend": backend is not None,
                   "launcher_options": bool(launcher_options), "trackers": trackers is not None,
                   "profile": profile is not None, "max_restarts": max_restarts != 0, "stall": stall is not None}
@@ -147,7 +147,9 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
         spec_name = f"sweep of {name[len('sweep-'):]}"
     else:
         refuse_foreign_keywords(fn, args, kwargs, "submit")
-        asked = words(strategy, start, launcher_options)
+        launch_options = RunOptions(strategy, start, devices, accelerator, num_nodes, backend, timeout, stall,
+                                    launcher_options, max_restarts)
+        asked = launch_options.asked
         if cluster is None:  # bad settings fail here, before anything starts
             choose(asked, plan_devices(devices, accelerator, backend, num_nodes))
         else:
@@ -162,10 +164,9 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
         job = pack_job(fn, args, kwargs)
         objects = ship_bytes({"cluster": cluster, "trackers": check_trackers(trackers),
                               "profile": Profile.check(profile)})
-        # In the new words (an earlier name was said here, once): the supervisor resolves 'auto' itself.
-        options = {"strategy": asked.strategy, "start": asked.start, "devices": devices, "accelerator": accelerator,
-                   "num_nodes": num_nodes, "backend": backend, "timeout": timeout, "launcher_options": asked.options,
-                   "stall": stall}
+        # In the new words (an earlier name was said here, once): the supervisor resolves 'auto' itself
+        # and restarts the attempts (max_restarts is run.json's own, not the launch's).
+        options = {key: value for key, value in launch_options.spec().items() if key != "max_restarts"}
     # ./nbtrain-runs is ours and no link (made 0700), as each run directory in it.
     base = private_dir(Path(RUNS).absolute()) if given is None else given.parent
     partial = runlog.partial_dir(base, name if given is None else given.name)

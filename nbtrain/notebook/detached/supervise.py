@@ -35,8 +35,9 @@ from ...common.transfer import unpack_job
 from ...display.recorder import RunRecorder
 from ..run import steer_files
 from ..run.background import BackgroundRun
-from ..run.choices import IN_KERNEL, choose, words
+from ..run.choices import IN_KERNEL, choose
 from ..run.launch import launch
+from ..run.options import RunOptions
 from ..run.restarts import restarting, wait_to_restart, why
 
 
@@ -106,12 +107,11 @@ class _RankZeroOutput(io.TextIOBase):
             pass
 
 
-def _in_process(options: dict, cluster) -> bool:
+def _in_process(options: RunOptions, cluster) -> bool:
     if cluster is not None:
         return False
-    plan = plan_devices(options["devices"], options["accelerator"], options["backend"], options["num_nodes"])
-    asked = words(options["strategy"], options.get("start", "auto"), options["launcher_options"])
-    return choose(asked, plan).start == IN_KERNEL
+    plan = plan_devices(options.devices, options.accelerator, options.backend, options.num_nodes)
+    return choose(options.asked, plan).start == IN_KERNEL
 
 
 def main(run_dir: str | Path, load=None, echo=None) -> int:
@@ -176,7 +176,8 @@ def _supervise(run_dir: Path, load, echo) -> int:
         if "wait" in kwargs:  # the function's own (a job submitted before launch took `wait=`): bound to it
             fn = functools.partial(fn, wait=kwargs.pop("wait"))
         sweeping = spec.get("kind") == "sweep"
-        in_process = not sweeping and _in_process(spec["launch"], objects["cluster"])
+        options = None if sweeping else RunOptions.from_spec(spec["launch"])
+        in_process = options is not None and _in_process(options, objects["cluster"])
     except BaseException as exc:
         return _failed(run_dir, status, exc, "the job could not be loaded")
     if sweeping:
@@ -214,7 +215,8 @@ def _supervise(run_dir: Path, load, echo) -> int:
         try:
             # A run of rank processes here runs in the background, steered from any kernel (`steer_files.py`).
             steerable = cluster is None and not in_process
-            ran = launch(fn, *args, progress=recorder, run_dir=str(run_dir), **objects, **spec["launch"],
+            assert options is not None  # not a sweep
+            ran = launch(fn, *args, progress=recorder, run_dir=str(run_dir), **objects, **options.keywords(),
                          wait=not steerable, **kwargs)
             result = steer_files.serve(ran, run_dir) if isinstance(ran, BackgroundRun) else ran
         except KeyboardInterrupt:

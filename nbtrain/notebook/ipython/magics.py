@@ -29,7 +29,8 @@ from ...display.gpus import gpus
 from ...placements.script import check_installed, script_options
 from ...rank.trackers import check_trackers
 from ..detached.export import export
-from ..detached.runs import attach, runs
+from ..detached.listing import runs
+from ..detached.runs import attach
 from ..detached.submit import submit
 from ..run.choices import choose, deepspeed_options, words
 from ..run.launch import check_cluster_words

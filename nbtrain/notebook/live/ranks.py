@@ -37,8 +37,7 @@ from ..many.mapping import map_on_ranks
 from ..run.choices import words
 from ..run.doctor import check_stall
 from ..run.insight import instrument
-from ..run.launch import check_timeout
-from ..run.options import refuse_foreign_keywords
+from ..run.options import check_timeout, refuse_foreign_keywords
 from ..run.pool import Pool, PoolBroken
 from ..run.reloads import RELOAD_SOURCE, ModuleVersions
 from ..run.result import Result

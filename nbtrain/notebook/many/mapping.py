@@ -22,7 +22,8 @@ from ...common.errors import WorkerError
 from ...common.limits import out_of_files
 from ...display.map_view import MapState, make_map_view
 from ...rank.work import serve_items
-from ..run.launch import check_timeout, launch
+from ..run.launch import launch
+from ..run.options import check_timeout
 from ..run.restarts import why
 from .slots import SlotRunner, check_count, plan_slots, slot_start
 from .work_queue import MapError, SavedResults, WorkQueue, item_count

@@ -32,7 +32,8 @@ from ...display.sweep_view import SweepState, TrialRow, make_view, summary_html,
 from ...rank.trial import PRUNED, TrialSpec, run_trial
 from ..run.choices import words
 from ..run.insight import function_name
-from ..run.launch import check_cluster_words, check_timeout, launch
+from ..run.launch import check_cluster_words, launch
+from ..run.options import check_timeout
 from ..run.restarts import why
 from ..run.result import Result
 from .slots import Slot, SlotRunner, check_count, plan_slots, slot_start

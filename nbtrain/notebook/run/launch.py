@@ -11,24 +11,15 @@ from ...placements.base import Job
 from ...placements.clusters import STRATEGIES as CLUSTER_STRATEGIES
 from ...placements.clusters import ClusterJob, check_cluster
 from .background import BackgroundRun, check_background, start_in_background
-from .choices import Choice, choose, words
-from .doctor import check_stall
+from .choices import Choice, choose
 from .inprocess import InProcessLauncher
 from .insight import instrument
-from .options import refuse_foreign_keywords
+from .options import RunOptions, refuse_foreign_keywords
 from .pool import Pool
 from .reloads import edited_since_loaded
-from .restarts import check_restarts, with_restarts
+from .restarts import with_restarts
 from .result import Result
 from .starts import launcher_for
-
-
-def check_timeout(timeout):
-    """`timeout` as given, once it is a positive number of seconds (or None: no limit)."""
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout > 0):  # so nan too: it is not "no limit"
-        raise ValueError(f"timeout={timeout!r}: give a positive number of seconds, or None for no limit.")
-    return timeout
 
 
 @overload
@@ -150,22 +141,19 @@ def launch(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
     if not callable(fn):
         raise TypeError(f"launch(fn=...) needs a callable training function, got {type(fn).__name__}.")
     refuse_foreign_keywords(fn, args, kwargs, "launch")
-    check_timeout(timeout)
-    check_stall(stall)
-    check_restarts(max_restarts)
+    options = RunOptions(strategy, start, devices, accelerator, num_nodes, backend, timeout, stall, launcher_options,
+                         max_restarts)
     if not isinstance(wait, bool):
         raise TypeError(f"launch(wait={wait!r}): give True (return the Result when the run ends) or False (return "
                         "a handle at once, the run going on in the background); a `wait` for the training function "
                         "is bound to it: launch(functools.partial(fn, wait=...)).")
-    asked = words(strategy, start, launcher_options)
+    asked = options.asked
     insight = {"trackers": trackers, "profile": profile, "run_dir": run_dir}
     if cluster is not None:
         if not wait:
             raise ValueError("launch(wait=False) with cluster=...: a run on a cluster is not kept in the background "
                              "of this kernel; use nbtrain.submit(...) for a run that goes on without the cell.")
-        return launch_on(cluster, fn, args, kwargs, asked=asked, devices=devices, accelerator=accelerator,
-                         num_nodes=num_nodes, backend=backend, timeout=timeout, progress=progress,
-                         max_restarts=max_restarts, stall=stall, **insight)
+        return launch_on(cluster, fn, args, kwargs, options, progress=progress, **insight)
     plan = plan_devices(devices, accelerator, backend, num_nodes)
     choice = choose(asked, plan)
     if not wait:
@@ -238,14 +226,14 @@ def run_to_end(pool: Pool, job: Job, display, watch: Callable[[], object]) -> Re
     return Result.from_state(pool.state, job.strategy, job.plan.describe(), job.start)
 
 
-def launch_on(cluster, fn, args: tuple, kwargs: dict, *, asked, devices, accelerator: str, num_nodes: int,
-              backend: str | None, timeout: float | None, progress, trackers=None, profile=None, run_dir=None,
-              max_restarts: int = 0, stall: float | bool | None = None):
+def launch_on(cluster, fn, args: tuple, kwargs: dict, options: RunOptions, *, progress, trackers=None, profile=None,
+              run_dir=None):
     """`launch(..., cluster=...)`: the same run, its ranks placed by the cluster's engine. A restart
     is a new placement (a new SLURM job, new Ray actors); the failed one is gone before it starts."""
     cluster = check_cluster(cluster)
+    asked, timeout, stall = options.asked, options.timeout, options.stall
     check_cluster_words(asked, cluster)
-    plan = cluster.plan(devices, accelerator, backend, num_nodes)
+    plan = cluster.plan(options.devices, options.accelerator, options.backend, options.num_nodes)
     strategy = "ddp" if asked.strategy == "auto" else asked.strategy
     fn = instrument(fn, args, kwargs, trackers=trackers, profile=profile, run_dir=run_dir, plan=plan, strategy=strategy)
     display = make_display(progress)
@@ -256,7 +244,7 @@ def launch_on(cluster, fn, args: tuple, kwargs: dict, *, asked, devices, acceler
         return run_once(cluster.placement(), job, display)
 
     # Only the ranks' failures restart: the engine's refusals (a job that can never start) would only repeat.
-    return with_restarts(attempt, max_restarts, display, only=WorkerError)
+    return with_restarts(attempt, options.max_restarts, display, only=WorkerError)
 
 
 def check_cluster_words(asked, cluster) -> None:

@@ -31,7 +31,7 @@ from ...common.source import shippable
 from ...common.tensor_files import LaunchFiles
 from ...display.rank_output import KINDS as RANK_OUTPUT
 from ...display.rank_output import deliver
-from ...placements.base import PrivateStore, describe_exit, free_port
+from ...placements.base import describe_exit
 from ...rank.process import STACKS_SIGNAL
 from . import stacks
 from .chatter import Chatter
@@ -81,7 +81,6 @@ class Pool:
                 close()
             raise out_of_files(exc, step, len(job.ranks)) from exc
         self._processes: list = []
-        self._store: PrivateStore | None = None  # the ranks' rendezvous, for ranks on this machine
         # What the pool notes of the ranks' messages (`_note`):
         self._closed: set[int] = set()  # ranks whose channel closed
         self._stderr: dict[int, deque] = defaultdict(lambda: deque(maxlen=STDERR_TAIL))
@@ -154,25 +153,14 @@ class Pool:
     def start(self, display, timeout: float | None = None) -> RunState:
         """Start the ranks and watch their first command (`job.first`: a launch's run, or a live
         pool's start-up) to its end; the processes stay until `close`."""
-        job, launcher = self._job, self._launcher
-        launcher.note = display.note
-        launcher.adopt = self._hub.adopt
-        launcher._prepare(job)
-        job.live = self._live
-        job.first = protocol.Start(0, True) if self._live else protocol.Run(0, True, launcher._first_job(job))
-        launcher._apply_nccl_quirks(job, display)
         try:  # what is opened here is closed by `close`, which a failed start is followed by
             step = "making the ranks' rendezvous"
-            if launcher.local:
-                self._store = PrivateStore()
-                job.options["store"] = self._store.path
-            # Torch's variables, for libraries that read them: nothing of nbtrain's listens there.
-            job.master_port = job.master_port or free_port()
+            job = self._job = self._launcher.prepare(self._job, self._live, display, self._hub.adopt)
             state = self._state = RunState(self._title(), job.ranks)
             display.start(state)
             step = "starting the ranks (their output pipes and channels)"
-            launcher._start(job, {**self._hub.environ, **(self._files.environ if self._files else {})}, self._reader,
-                            self._processes)
+            self._launcher.start_ranks(job, {**self._hub.environ, **(self._files.environ if self._files else {})},
+                                       self._reader, self._processes)
         except OSError as exc:
             raise out_of_files(exc, step, len(job.ranks)) from exc
         self._hub.start()
@@ -211,9 +199,7 @@ class Pool:
         finally:
             self._hub.close()
             self._reader.close()
-            self._launcher._cleanup(self._job)
-            if self._store is not None:
-                self._store.close()
+            self._launcher.close(self._job)
             if self._files is not None:
                 self._files.cleanup()
 

@@ -20,7 +20,7 @@ __all__ = ["Cluster", "ClusterJob", "Ray", "Slurm", "STRATEGIES", "check_cluster
 STRATEGIES = ("auto", "ddp", "fsdp")  # how ctx.setup wraps models; the engine starts the processes
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClusterJob(Job):
     @property
     def ranks(self) -> list[int]:

@@ -350,9 +350,8 @@ class RemotePlacement(ProcessLauncher):
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
 
-    def _apply_nccl_quirks(self, job: Job, display) -> None:
-        job.options["quirk_env"] = {}  # this machine's GPU quirks say nothing about the nodes'
+    def _quirk_env(self, job: Job, display) -> dict:
+        return {}  # this machine's GPU quirks say nothing about the nodes'
 
-    def _prepare(self, job: Job) -> None:
-        if not job.live:
-            job.options["payload"] = pack_job(job.fn, job.args, job.kwargs)
+    def _prepare(self, job: Job) -> Job:
+        return job if job.live else job.with_options(payload=pack_job(job.fn, job.args, job.kwargs))

@@ -161,9 +161,9 @@ class RayPlacement(RemotePlacement):
 
         return channel_options(self.cluster.notebook_address, ray_node_address)
 
-    def _prepare(self, job: Job) -> None:
+    def _prepare(self, job: Job) -> Job:
         self.ray = self._ray()
-        super()._prepare(job)
+        return super()._prepare(job)
 
     def _bundles(self, plan) -> tuple[list[dict], str, int]:
         """(bundles, strategy, ranks per bundle): a bundle per rank when Ray may place them

@@ -212,12 +212,12 @@ class SlurmPlacement(RemotePlacement):
 
         return channel_options(self.cluster.notebook_address, every_interface)
 
-    def _prepare(self, job: Job) -> None:
+    def _prepare(self, job: Job) -> Job:
         self.submitit = require("submitit", self.cluster.extra)
         if shutil.which("sbatch") is None:
             raise RuntimeError("cluster=Slurm(...): `sbatch` is not on PATH here. Run the notebook on a machine that "
                                "submits SLURM jobs (a login node, or a node of an interactive job).")
-        super()._prepare(job)
+        job = super()._prepare(job)
         if self.cluster.folder is None:
             base = private_dir(Path.home() / ".cache" / "nbtrain" / "slurm")  # nbtrain's own: 0700, no one else's
         else:
@@ -225,6 +225,7 @@ class SlurmPlacement(RemotePlacement):
         _remove_orphans(base)
         # Private: the pickled job holds the channel's authkey. Named for its kernel, see _remove_orphans.
         self.folder = Path(tempfile.mkdtemp(prefix=f"job-{socket.gethostname()}-{os.getpid()}-", dir=base))
+        return job
 
     def _parameters(self, job: Job) -> dict:
         cluster, plan = self.cluster, job.plan
