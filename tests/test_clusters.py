@@ -12,6 +12,7 @@ import nbtrain
 from nbtrain.common.channel import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable, Hub, Link
 from nbtrain.common.protocol import Closed, Hello
 from nbtrain.placements.clusters import base
+from nbtrain.rank import remote_entry
 
 
 @pytest.fixture
@@ -178,7 +179,7 @@ def test_a_rank_that_reaches_none_of_the_addresses_lists_each_with_its_reason():
         assert f"from {socket.gethostname()}" in message and "notebook_address=" in message
         environ = {ADDRESS_VAR: ",".join(f"{h}:{p}" for h, p in tried)}
         with pytest.raises(ConnectionError) as caught:
-            base.check_reachable(environ, 1)
+            remote_entry.check_reachable(environ, 1)
         message = str(caught.value)
         assert f"rank 1 on {socket.gethostname()} cannot reach the notebook's channel at any of" in message, message
         assert all(f"127.0.0.1:{port} (ConnectionRefusedError" in message for _, port in tried), message
@@ -189,17 +190,17 @@ def test_a_node_dials_first_the_address_it_can_connect_to():
         dead.bind(("127.0.0.1", 0))
         dead_at, live_at = f"127.0.0.1:{dead.getsockname()[1]}", f"127.0.0.1:{live.getsockname()[1]}"
         environ = {ADDRESS_VAR: f"nbtrain-test.invalid:1,{dead_at},{live_at}"}
-        base.check_reachable(environ, 0)
+        remote_entry.check_reachable(environ, 0)
     assert environ[ADDRESS_VAR] == f"{live_at},nbtrain-test.invalid:1,{dead_at}"
 
 
 def test_a_rank_on_another_machine_returns_bytes_not_shared_memory(tmp_path):
-    environ = {base.MACHINE_VAR: "elsewhere/boot/0:0", base.PATH_VAR: str(tmp_path), base.CWD_VAR: os.getcwd()}
+    environ = {remote_entry.MACHINE_VAR: "elsewhere/boot/0:0", remote_entry.PATH_VAR: str(tmp_path), remote_entry.CWD_VAR: os.getcwd()}
     cwd, path = os.getcwd(), list(sys.path)
     try:
-        assert base.here(environ)[base.SHARED_MEMORY_VAR] == "0"
+        assert remote_entry.here(environ)[remote_entry.SHARED_MEMORY_VAR] == "0"
         assert str(tmp_path) in sys.path
-        assert base.SHARED_MEMORY_VAR not in base.here({base.MACHINE_VAR: base.machine_identity()})
+        assert remote_entry.SHARED_MEMORY_VAR not in remote_entry.here({remote_entry.MACHINE_VAR: remote_entry.machine_identity()})
     finally:
         os.chdir(cwd)
         sys.path[:] = path
@@ -297,11 +298,11 @@ def test_a_node_without_the_notebook_s_directory_says_so_once(tmp_path):
     missing = str(tmp_path / "not-on-this-node")
     cwd, path = os.getcwd(), list(sys.path)
     try:
-        first = base.here({base.CWD_VAR: missing, base.PATH_VAR: missing, "LOCAL_RANK": "0"})
+        first = remote_entry.here({remote_entry.CWD_VAR: missing, remote_entry.PATH_VAR: missing, "LOCAL_RANK": "0"})
         assert first[NOTICE_VAR].startswith(f"the notebook's directory {missing} is not on {socket.gethostname()}")
         assert os.getcwd() == cwd and missing not in sys.path
-        assert NOTICE_VAR not in base.here({base.CWD_VAR: missing, "LOCAL_RANK": "1"})  # once per node
-        assert NOTICE_VAR not in base.here({base.CWD_VAR: str(tmp_path), "LOCAL_RANK": "0"})
+        assert NOTICE_VAR not in remote_entry.here({remote_entry.CWD_VAR: missing, "LOCAL_RANK": "1"})  # once per node
+        assert NOTICE_VAR not in remote_entry.here({remote_entry.CWD_VAR: str(tmp_path), "LOCAL_RANK": "0"})
         assert os.getcwd() == str(tmp_path)
     finally:
         os.chdir(cwd)

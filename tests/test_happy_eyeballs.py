@@ -14,7 +14,7 @@ import pytest
 
 from nbtrain.common.channel import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable, Hub, dial
 from nbtrain.common.happy_eyeballs import first_to_answer
-from nbtrain.placements.clusters import base
+from nbtrain.rank import remote_entry
 
 
 def _dial_threads() -> list[str]:
@@ -90,7 +90,7 @@ def test_a_silent_address_listed_first_does_not_hold_up_the_one_that_answers(hub
         assert index == 1 and pending.value, "the answering address was tried only after the silent one gave up"
 
         environ = {ADDRESS_VAR: f"{silent}:{port},{host}:{port}"}
-        base.check_reachable(environ, 0)
+        remote_entry.check_reachable(environ, 0)
         assert environ[ADDRESS_VAR] == f"{host}:{port},{silent}:{port}"  # the one that answered, first
 
         with socket.socket() as refused:

@@ -18,6 +18,7 @@ import time
 import uuid
 
 from ...common.errors import NbtrainError
+from ...rank.remote_entry import rank_entry
 from ..base import Job, describe_exit, free_port
 from .base import (
     Cluster,
@@ -28,7 +29,6 @@ from .base import (
     channel_options,
     count,
     make_plan,
-    rank_entry,
     rank_vars,
     require,
 )

@@ -27,6 +27,7 @@ from pathlib import Path
 from ...common.errors import NbtrainError
 from ...common.leftovers import alive
 from ...common.private import new_private_dir, private_dir
+from ...rank.remote_entry import rank_entry
 from ..base import Job, describe_exit
 from .base import (
     Cluster,
@@ -38,7 +39,6 @@ from .base import (
     count,
     make_plan,
     notebook_addresses,
-    rank_entry,
     rank_vars,
     require,
 )
