@@ -10,6 +10,7 @@ Nothing here imports IPython: the magics parse options and call `run_cell`.
 """
 from __future__ import annotations
 
+import dataclasses
 import linecache
 import sys
 import types
@@ -96,13 +97,13 @@ def run_cell(source: str, namespace: Mapping[str, Any], *, strategy: str = "auto
     asked = words(strategy, start, given or None)
     plan = plan_devices(devices, accelerator, None, num_nodes)
     choice = choose(asked, plan)  # before the job: whether the cell runs in place depends on it
-    if choice.start == "torchrun":
-        choice.options = {**choice.options, "launcher": choice.options.get("launcher", launcher),
-                          "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint, "max_restarts": max_restarts}
-        if rerun_as:
-            choice.options["rerun_as"] = rerun_as
+    if choice.start == "torchrun":  # the cell's torchrun settings, beside what the choice resolved
+        options = {**choice.options, "launcher": choice.options.get("launcher", launcher), "node_rank": node_rank,
+                   "rdzv_endpoint": rdzv_endpoint, "max_restarts": max_restarts,
+                   **({"rerun_as": rerun_as} if rerun_as else {})}
         if choice.strategy == "deepspeed":
-            choice.options = deepspeed_options(choice.options)  # refuses max_restarts: its launcher has none
+            options = deepspeed_options(options)  # refuses max_restarts: its launcher has none
+        choice = dataclasses.replace(choice, options=options)
     job = cell_job(source, namespace, choice.start in IN_PLACE, hidden)
     display = make_display(progress)
     asked.say(display.note)

@@ -51,7 +51,7 @@ class Words:
                 note(line) if note is not None else print(f"nbtrain: {line}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Choice:
     """The pair a run resolves to: `strategy` ('single', 'dp', 'ddp', 'fsdp', 'deepspeed') and
     `start` ('kernel', 'fork', 'template', 'spawn', 'torchrun'), the launcher's settings, and a
