@@ -173,7 +173,7 @@ def ddp_cause(own: tuple, backwards: int, left_loop: bool, peers: list[tuple]) -
     if skipped > max((p[2] for p in peers), default=0):
         return (f"skipped backward() after {skipped} of its {forwards + unsynced} forwards ({backwards} all-reduced)",
                 SKIPPED_FIX)
-    if any(p[1] != unsynced for p in peers):
+    if unsynced > max((p[1] for p in peers), default=0):
         theirs = "/".join(sorted({str(p[1]) for p in peers}))
         return (f"ran {unsynced} of its {forwards + unsynced} forwards under no_sync() (the ranks waiting: {theirs})",
                 NO_SYNC_FIX)
