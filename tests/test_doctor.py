@@ -67,21 +67,29 @@ def test_a_timeout_blames_the_rank_the_others_wait_for(world, no_leftovers):
     assert sorted(error.stacks) == list(range(world)) and "late_rank" in error.stacks[last]
 
 
-def skips_a_collective():
+def skips_a_collective(how):
     ctx = nbtrain.context()
     ctx.barrier()
+    if ctx.rank == 1 and how == "raises":
+        raise ValueError("a bad batch")
     if ctx.rank != 1:
         dist.all_reduce(torch.ones(2))
     return ctx.rank
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_a_skipped_collective_names_the_rank_that_skipped_it(world, no_leftovers):
+@pytest.mark.parametrize("world, how", [(2, "returns"), (4, "returns"), (2, "raises")])
+def test_a_skipped_collective_names_the_rank_that_skipped_it(world, how, no_leftovers):
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(skips_a_collective, devices=world, accelerator="cpu", start="fork", progress=False, timeout=60)
+        nbtrain.launch(skips_a_collective, how, devices=world, accelerator="cpu", start="fork", progress=False,
+                       timeout=60)
     said = str(info.value)
     assert info.value.rank == 1
-    assert "rank 1 ended (returned from skips_a_collective()) while the others still needed it" in said
+    if how == "returns":
+        assert "rank 1 ended (returned from skips_a_collective()) while the others still needed it" in said
+    else:  # the other rank's line says where it waited, not gloo's socket error
+        assert said.startswith("rank 1 failed: ValueError: a bad batch")
+        assert re.search(r"rank 0: stopped after rank 1 failed \(waiting for rank 1 in all_reduce #\d \(float32\[2\]\) "
+                         r"at test_doctor.py:\d+\)", said) and "Connection" not in said, said
 
 
 def mismatched(kind):
@@ -89,23 +97,27 @@ def mismatched(kind):
     ctx.barrier()
     if kind == "dtype, no fatal report":  # as under another library's terminate handler
         signal.signal(signal.SIGABRT, signal.SIG_DFL)
-    if kind == "shape":
+    if kind in ("shape", "all_gather shape"):
         t = torch.ones(3 + ctx.rank)
     else:
         t = torch.ones(3, dtype=torch.float64 if ctx.rank == 1 else torch.float32)
-    dist.all_reduce(t)
+    if kind == "all_gather shape":
+        dist.all_gather([torch.zeros(3) for _ in range(ctx.world_size)], t)
+    else:
+        dist.all_reduce(t)
     return ctx.rank
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_mismatched_shapes_are_named(world, no_leftovers):
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
+def test_mismatched_shapes_are_named(op, world, no_leftovers):
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(mismatched, "shape", devices=world, accelerator="cpu", start="fork", progress=False,
-                       timeout=60)
+        nbtrain.launch(mismatched, "shape" if op == "all_reduce" else "all_gather shape", devices=world,
+                       accelerator="cpu", start="fork", progress=False, timeout=60)
     said = info.value.summary
     assert said.startswith("Collective #2 does not match across ranks (different shapes): "
-                           "rank 0: all_reduce #2 (float32[3]) at test_doctor.py:"), said
-    assert "rank 1: all_reduce #2 (float32[4])" in said
+                           f"rank 0: {op} #2 (float32[3]) at test_doctor.py:"), said
+    assert f"rank 1: {op} #2 (float32[4])" in said
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -6,7 +6,8 @@ show them. Blame goes to the rank the others wait for, never to the one that wai
 same place are said once ("ranks 0-4, 6, 7 wait in all_reduce #12 at train.py:30"), so a verdict on
 many ranks stays one line per place. The classic hangs are named with their cause and their fix:
 a rank that ran out of batches while the others wait in DDP's gradient all-reduce (different numbers
-of batches), a rank stuck loading its next batch.
+of batches), or, by its DDP forwards, skipped a backward(), ran one under no_sync() the others did not,
+or left a parameter unused (find_unused_parameters); a rank stuck loading its next batch.
 """
 from __future__ import annotations
 

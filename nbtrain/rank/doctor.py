@@ -22,6 +22,19 @@ construction leaves a user's own hook, and a Join that changes how DDP divides, 
 `count_ddp`); a hook the user gives later fills the slot instead of failing. Its wait
 still shows in the step's backward (as compute), and async collectives' waits are not timed.
 
+A backward() a rank never all-reduced while others wait in its all-reduce has three causes besides
+fewer batches, told apart by each DDP model's training forwards (counted in DDP's `_pre_forward`,
+under no_sync() or not) and the `backward()` calls (torch.autograd.backward wrapped): a forward no
+backward() followed, a forward under no_sync() the others did not make, and a backward() that left a
+parameter without a gradient (find_unused_parameters=False: DDP then never all-reduces it; torch
+raises at the next forward, and its error is given the parameters' names and the fix first).
+
+Not counted: functional collectives (`torch.distributed._functional_collectives`, DTensor's) and
+compiled code's, which reach the process group from C++. torch 2.13's Flight Recorder does record
+them on gloo (TORCH_FR_BUFFER_SIZE) for about a microsecond each, but gloo never marks an entry
+started or completed (every one stays "scheduled"), so it cannot tell where a rank waits, and a dump
+takes about 0.4 s per 1,000 entries here (5 s with their stacks); its completion hook is NCCL's only.
+
 A collective called before any process group exists creates the rank's group first (as
 `ctx.setup` and ctx's own collectives do): the docs promise the group is made on first need.
 """
