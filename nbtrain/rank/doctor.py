@@ -409,7 +409,9 @@ def _say_unreduced(model, error: RuntimeError) -> None:
 def _reducer_names(model) -> list[str]:
     """The names of a DDP model's parameters in its reducer's order (torch's indices count them):
     each module's own, trained and not ignored, the first time each is seen."""
-    ignored, seen, names = getattr(model, "parameters_to_ignore", set()), set(), []
+    ignored: set[str] = getattr(model, "parameters_to_ignore", set())
+    seen: set = set()
+    names: list[str] = []
     for module_name, module in model.module.named_modules():
         for name, p in module.named_parameters(recurse=False):
             if p.requires_grad and f"{module_name}.{name}" not in ignored and p not in seen:
