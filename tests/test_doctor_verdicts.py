@@ -250,3 +250,13 @@ def test_a_backward_one_rank_never_all_reduced_is_told_by_its_ddp_forwards(waite
     left = Whereabouts(1, 8, None, "/home/me/train.py", 8, "time.sleep(30)", 9.0, "", 10, "left the loop", behind)
     verdict = stall_verdict({0: waits, 1: left})
     assert words in verdict.text and verdict.culprits == [1], verdict.text
+
+
+def test_ranks_that_made_the_same_mistake_are_said_together():
+    waits = Whereabouts(0, 9, BUCKET, "/home/me/train.py", 19, "loss.backward()", 9.0, "", 11, "in the loop",
+                        (11, 0, 0, ""))
+    skipped = {r: Whereabouts(r, 8, None, "/home/me/train.py", 8, "time.sleep(30)", 9.0, "", 10, "left the loop",
+                              (11, 0, 1, "")) for r in (1, 2)}
+    verdict = stall_verdict({0: waits, **skipped})
+    assert "; ranks 1, 2 skipped backward() after 1 of their 11 forwards (10 all-reduced), now at train.py:8" \
+        in verdict.text and verdict.text.count("run backward() after every training forward") == 1, verdict.text

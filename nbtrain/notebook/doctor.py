@@ -133,7 +133,8 @@ def stall_verdict(where: dict, silent: list[int] | tuple[int, ...] = ()) -> Verd
     def elsewhere(r, many):
         w = where[r]
         if r in causes:  # "... and left the loop at", or what it did, then where it is now
-            return f"{causes[r][0]}{'' if causes[r][1] is UNEVEN_FIX else ', now'} at {_at(w)}"
+            did = causes[r][0].replace(" its ", " their ") if many else causes[r][0]
+            return f"{did}{'' if causes[r][1] is UNEVEN_FIX else ', now'} at {_at(w)}"
         if r in loading:
             return f"{'are' if many else 'is'} loading {'their' if many else 'its'} next batch at {_at(w)}"
         return f"{'are' if many else 'is'} not in a collective: at {_at(w)}"
