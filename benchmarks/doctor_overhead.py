@@ -123,6 +123,26 @@ def counting_alone(n: int) -> float:
     return (counted - (CLOCK() - started)) / n
 
 
+def forward_backward_counting(model, n: int) -> tuple[float, float]:
+    """Seconds the counting adds to a DDP forward (its _pre_forward, counted vs torch's) and to a
+    backward() call (torch.autograd.backward, counted vs torch's, on a one-element graph)."""
+    x, leaf = torch.ones(64, 64), torch.ones(1, requires_grad=True)
+    counted_pre, pre = type(model)._pre_forward, type(model)._pre_forward.__wrapped__
+    counted_backward, backward = torch.autograd.backward, torch.autograd.backward.__wrapped__
+    costs = []
+    for fast, slow in ((lambda: pre(model, x)), (lambda: counted_pre(model, x))), \
+            ((lambda: backward(leaf.sum())), (lambda: counted_backward(leaf.sum()))):
+        started = CLOCK()
+        for _ in range(n):
+            fast()
+        bare = CLOCK() - started
+        started = CLOCK()
+        for _ in range(n):
+            slow()
+        costs.append((CLOCK() - started - bare) / n)
+    return costs[0], costs[1]
+
+
 def ddp_models():
     """The MLP in DDP three ways: no hook (torch's C++ all-reduce), torch's Python allreduce_hook, counted."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -160,6 +180,9 @@ def main() -> None:
         for kind, model in models.items():
             rows[kind].append(ddp_steps(model, 300))
         rows.setdefault("counting", []).append(counting_alone(20000))
+        forward, backward = forward_backward_counting(models["ddp counted"], 20000)
+        rows.setdefault("forward", []).append(forward)
+        rows.setdefault("backward", []).append(backward)
         rows["plain"].append(per_call(plain, t, 20000))
         rows["counted"].append(per_call(counted, t, 20000))
         rows["nop"].append(per_call(nop, t, 200000))
@@ -208,6 +231,9 @@ def main() -> None:
         f"| the counting alone, per bucket (its parts, thread CPU time) | | | {m['counting'] * 1e6:+.2f} µs = "
         f"{m['counting'] * len(buckets) / m['step plain']:.3%} of step_overhead's step ({len(buckets)} bucket"
         f"{'s' if len(buckets) > 1 else ''}) |",
+        f"| a DDP forward's and a backward() call's counting (a skipped backward(), no_sync()) | | | "
+        f"{m['forward'] * 1e6:+.2f} µs + {m['backward'] * 1e6:+.2f} µs = "
+        f"{(m['forward'] + m['backward']) / m['step plain']:.3%} of step_overhead's step |",
         "", f"Medians of {args.repeats} interleaved repeats, the calling thread's CPU time. Whole steps differ by "
         "several percent from run to run either way on a shared machine (the same code twice does too), so the "
         "per-step cost is read from its parts. Stall checks ask the ranks nothing until no progress message came "

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import nbtrain
 from nbtrain import WorkerError
 from nbtrain.display.text import QuietDisplay
+from nbtrain.notebook import doctor
 
 pytestmark = pytest.mark.slow
 WORLDS = [2, 4]
@@ -66,21 +67,29 @@ def test_a_timeout_blames_the_rank_the_others_wait_for(world, no_leftovers):
     assert sorted(error.stacks) == list(range(world)) and "late_rank" in error.stacks[last]
 
 
-def skips_a_collective():
+def skips_a_collective(how):
     ctx = nbtrain.context()
     ctx.barrier()
+    if ctx.rank == 1 and how == "raises":
+        raise ValueError("a bad batch")
     if ctx.rank != 1:
         dist.all_reduce(torch.ones(2))
     return ctx.rank
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_a_skipped_collective_names_the_rank_that_skipped_it(world, no_leftovers):
+@pytest.mark.parametrize("world, how", [(2, "returns"), (4, "returns"), (2, "raises")])
+def test_a_skipped_collective_names_the_rank_that_skipped_it(world, how, no_leftovers):
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(skips_a_collective, devices=world, accelerator="cpu", start="fork", progress=False, timeout=60)
+        nbtrain.launch(skips_a_collective, how, devices=world, accelerator="cpu", start="fork", progress=False,
+                       timeout=60)
     said = str(info.value)
     assert info.value.rank == 1
-    assert "rank 1 ended (returned from skips_a_collective()) while the others still needed it" in said
+    if how == "returns":
+        assert "rank 1 ended (returned from skips_a_collective()) while the others still needed it" in said
+    else:  # the other rank's line says where it waited, not gloo's socket error
+        assert said.startswith("rank 1 failed: ValueError: a bad batch")
+        assert re.search(r"rank 0: stopped after rank 1 failed \(waiting for rank 1 in all_reduce #\d \(float32\[2\]\) "
+                         r"at test_doctor.py:\d+\)", said) and "Connection" not in said, said
 
 
 def mismatched(kind):
@@ -88,23 +97,27 @@ def mismatched(kind):
     ctx.barrier()
     if kind == "dtype, no fatal report":  # as under another library's terminate handler
         signal.signal(signal.SIGABRT, signal.SIG_DFL)
-    if kind == "shape":
+    if kind in ("shape", "all_gather shape"):
         t = torch.ones(3 + ctx.rank)
     else:
         t = torch.ones(3, dtype=torch.float64 if ctx.rank == 1 else torch.float32)
-    dist.all_reduce(t)
+    if kind == "all_gather shape":
+        dist.all_gather([torch.zeros(3) for _ in range(ctx.world_size)], t)
+    else:
+        dist.all_reduce(t)
     return ctx.rank
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_mismatched_shapes_are_named(world, no_leftovers):
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
+def test_mismatched_shapes_are_named(op, world, no_leftovers):
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(mismatched, "shape", devices=world, accelerator="cpu", start="fork", progress=False,
-                       timeout=60)
+        nbtrain.launch(mismatched, "shape" if op == "all_reduce" else "all_gather shape", devices=world,
+                       accelerator="cpu", start="fork", progress=False, timeout=60)
     said = info.value.summary
     assert said.startswith("Collective #2 does not match across ranks (different shapes): "
-                           "rank 0: all_reduce #2 (float32[3]) at test_doctor.py:"), said
-    assert "rank 1: all_reduce #2 (float32[4])" in said
+                           f"rank 0: {op} #2 (float32[3]) at test_doctor.py:"), said
+    assert f"rank 1: {op} #2 (float32[4])" in said
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -209,7 +222,7 @@ def uneven_batches(after):
         loss = model(torch.ones(2, 4)).sum()
         loss.backward()  # the line DDP's gradient all-reduce is issued from
     if after == "stay":
-        time.sleep(60)  # rank 0 left the loop and lives on
+        time.sleep(8)  # rank 0 left the loop and lives on (a while: then it returns, which ends the run)
     return ctx.rank
 
 
@@ -222,7 +235,7 @@ def test_uneven_inputs_are_named_with_their_fix_while_the_ranks_live(no_leftover
     assert len(said) == 1, notes.notes
     assert re.search(r"rank 1 waits in DDP's gradient all-reduce of its backward\(\) #11 at test_doctor.py:\d+ "
                      r"\(bucket 0: 0.weight, 0.bias\); rank 0 ran 10 backward\(\) calls and left the loop at "
-                     r"test_doctor.py:\d+ \(time.sleep\(60\)\): the ranks had different numbers of batches — use "
+                     r"test_doctor.py:\d+ \(time.sleep\(8\)\): the ranks had different numbers of batches — use "
                      r"DistributedSampler\(drop_last=True\) or torch.distributed.algorithms.Join\.", said[0]), said[0]
     assert info.value.rank == 0 and "the ranks had different numbers of batches" in info.value.summary
 
@@ -264,7 +277,8 @@ class Stuck(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         if nbtrain.context().rank == 1 and i >= 8:
-            time.sleep(60)  # rank 1's data loading blocks at its third batch
+            time.sleep(8)  # rank 1's data loading blocks at its third batch...
+            raise TimeoutError("the source did not answer")  # ...and then fails, which ends the run
         return torch.ones(4)
 
 
@@ -283,7 +297,7 @@ def test_a_rank_stuck_loading_data_is_blamed(no_leftovers):
     assert len(said) == 1, notes.notes
     assert re.search(r"rank 0 waits in DDP's gradient all-reduce of its backward\(\) #3 at test_doctor.py:\d+ "
                      r"\(bucket 0: weight, bias\); rank 1 is loading its next batch at test_doctor.py:\d+ "
-                     r"\(time.sleep\(60\)\)\. The others wait for rank 1: its data loading is stuck", said[0]), said[0]
+                     r"\(time.sleep\(8\)\)\. The others wait for rank 1: its data loading is stuck", said[0]), said[0]
 
 
 def first_collective_bare(hook):
@@ -411,16 +425,90 @@ def slow_in_its_loop():
     for i in range(20):
         train_step()  # backward() is called in a helper; the loop is here
         if ctx.rank == 0 and i == 4:
-            time.sleep(60)  # rank 0 is slow inside its loop: its batches are not the cause
+            time.sleep(8)  # rank 0 is slow inside its loop: its batches are not the cause
+    return ctx.rank
 
 
 def test_a_rank_slow_inside_its_loop_is_waited_for_not_blamed_on_the_batches(no_leftovers):
     notes = Notes()
-    with pytest.raises(WorkerError):
-        nbtrain.launch(slow_in_its_loop, devices=2, accelerator="cpu", start="fork", progress=notes, stall=2,
-                       timeout=15)
+    result = nbtrain.launch(slow_in_its_loop, devices=2, accelerator="cpu", start="fork", progress=notes, stall=2,
+                            timeout=60)
+    assert result.values == [0, 1]  # the run went on once rank 0 came back
     said = [n for n in notes.notes if n.startswith("No rank has progressed")]
     assert len(said) == 1, notes.notes
     assert re.search(r"rank 1 waits in DDP's gradient all-reduce of its backward\(\) #6 at test_doctor.py:\d+ "
                      r"\(bucket 0: weight, bias\); rank 0 is not in a collective: at test_doctor.py:\d+ "
-                     r"\(time.sleep\(60\)\)\. The others wait for rank 0\.", said[0]), said[0]
+                     r"\(time.sleep\(8\)\)\. The others wait for rank 0\.", said[0]), said[0]
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+
+    def forward(self, x, use_b=True):
+        h = self.a(x)
+        return self.b(h).sum() if use_b else h.sum()
+
+
+def ddp_mistakes(steps, nap):
+    """Rank 0 trains `steps` steps as it should; each other rank makes one of DDP's classic mistakes once:
+    rank 1 skips a backward(), rank 2 runs one under no_sync(), rank 3 leaves `b` unused (at `steps - 1`)."""
+    ctx = nbtrain.context()
+    model = ctx.setup(TwoLayers())
+    for i in range(steps):
+        model.zero_grad()  # gradients to None: a parameter left unused keeps none
+        if ctx.rank == 2 and i == 1:
+            with model.no_sync():
+                model(torch.ones(2, 4)).backward()  # accumulated here, all-reduced nowhere
+            continue
+        loss = model(torch.ones(2, 4), use_b=not (ctx.rank == 3 and i == steps - 1))
+        if ctx.rank == 1 and i == 1:
+            continue  # no backward() after this forward
+        loss.backward()
+    time.sleep(nap)  # ranks 1-3 are here while rank 0 waits in its last backward()
+    return ctx.rank
+
+
+def test_ddps_classic_mistakes_are_named_with_their_fix_at_four_ranks(no_leftovers):
+    notes = Notes()
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(ddp_mistakes, 4, 6, devices=4, accelerator="cpu", start="fork", progress=notes, stall=2,
+                       timeout=60)
+    said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+    assert len(said) == 1, notes.notes
+    at = r"test_doctor.py:\d+ \(time.sleep\(nap\)\)"
+    assert re.search(
+        r"rank 0 waits in DDP's gradient all-reduce of its backward\(\) #4 at test_doctor.py:\d+ \(bucket 0: a.weight, "
+        rf"a.bias, b.weight, b.bias\); rank 1 skipped backward\(\) after 1 of its 4 forwards \(3 all-reduced\), now at "
+        rf"{at}; rank 2 ran 1 of its 4 forwards under no_sync\(\) \(the ranks waiting: 0\), now at {at}; rank 3 ran "
+        r"backward\(\) #4 but never all-reduced its gradients \(b.weight, b.bias got none\), now at "
+        rf"{at}: {re.escape(doctor.SKIPPED_FIX)}; {re.escape(doctor.NO_SYNC_FIX)}; {re.escape(doctor.UNUSED_FIX)}\.",
+        said[0]), said[0]
+    # Then ranks 1-3 return: the first to end is named by what it did, not as different numbers of batches.
+    culprit, summary = info.value.rank, info.value.summary
+    assert culprit in (1, 2, 3) and "rank 0 waits for it in DDP's gradient all-reduce of its backward() #4" in summary
+    fix = {1: doctor.SKIPPED_FIX, 2: doctor.NO_SYNC_FIX, 3: doctor.UNUSED_FIX}[culprit]
+    assert summary.endswith(f": {fix}."), summary
+
+
+def unused_mid_loop():
+    ctx = nbtrain.context()
+    model = ctx.setup(TwoLayers())
+    for i in range(4):
+        model(torch.ones(2, 4), use_b=not (ctx.rank == 1 and i == 1)).backward()
+
+
+def test_a_parameter_unused_on_one_rank_is_named_when_torch_raises(no_leftovers):
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(unused_mid_loop, devices=2, accelerator="cpu", start="fork", progress=False, timeout=60)
+    said = str(info.value)
+    assert info.value.rank == 1
+    assert re.search(r"^rank 1 failed: RuntimeError: b.weight, b.bias got no gradient in the backward\(\) at "
+                     r"test_doctor.py:\d+ \(its forward did not use them\): DDP never all-reduced that backward\(\)'s "
+                     r"gradients, and ranks that used them wait for them in the all-reduce — pass "
+                     r"find_unused_parameters=True to DistributedDataParallel", said), said
+    assert "(torch: Expected to have finished reduction in the prior iteration" in said  # torch's words kept
+    assert re.search(r"rank 0: stopped after rank 1 failed \(waiting for rank 1 in DDP's gradient all-reduce of its "
+                     r"backward\(\) #2 at test_doctor.py:\d+ \(bucket 0: a.weight, a.bias, b.weight, b.bias\)\)", said), said
+    assert "Connection" not in said, said

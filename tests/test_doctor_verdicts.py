@@ -232,3 +232,31 @@ def test_a_rank_that_ended_is_named_with_where_the_others_wait_not_the_socket_er
     assert said == ("rank 1 ended (returned from train()) while the others still needed it: ranks 0, 2 wait for it "
                     "in barrier #3 at train.py:9; rank 3 waits for it (in a collective it did not report). That wait "
                     "can never complete.")
+
+
+BUCKET = (9, "DDP's gradient all-reduce", (5,), "float32", "/home/me/train.py", 19, (11, 0, "fc.weight, fc.bias"))
+
+
+@pytest.mark.parametrize("waiter, behind, words", [
+    # Both ranks accumulate under no_sync() on the same steps: rank 1 had fewer batches, not another no_sync().
+    ((11, 10, 0, ""), (10, 10, 0, ""), "rank 1 ran 10 backward() calls and left the loop at train.py:8"),
+    ((11, 0, 0, ""), (10, 1, 0, ""), "rank 1 ran 1 of its 11 forwards under no_sync() (the ranks waiting: 0), now at"),
+    ((11, 0, 1, ""), (11, 0, 2, ""), "rank 1 skipped backward() after 2 of its 11 forwards (10 all-reduced), now at"),
+    ((11, 0, 0, ""), (11, 0, 0, "fc.bias"), "rank 1 ran backward() #11 but never all-reduced its gradients (fc.bias "
+                                            "got none), now at"),
+])
+def test_a_backward_one_rank_never_all_reduced_is_told_by_its_ddp_forwards(waiter, behind, words):
+    waits = Whereabouts(0, 9, BUCKET, "/home/me/train.py", 19, "loss.backward()", 9.0, "", 11, "in the loop", waiter)
+    left = Whereabouts(1, 8, None, "/home/me/train.py", 8, "time.sleep(30)", 9.0, "", 10, "left the loop", behind)
+    verdict = stall_verdict({0: waits, 1: left})
+    assert words in verdict.text and verdict.culprits == [1], verdict.text
+
+
+def test_ranks_that_made_the_same_mistake_are_said_together():
+    waits = Whereabouts(0, 9, BUCKET, "/home/me/train.py", 19, "loss.backward()", 9.0, "", 11, "in the loop",
+                        (11, 0, 0, ""))
+    skipped = {r: Whereabouts(r, 8, None, "/home/me/train.py", 8, "time.sleep(30)", 9.0, "", 10, "left the loop",
+                              (11, 0, 1, "")) for r in (1, 2)}
+    verdict = stall_verdict({0: waits, **skipped})
+    assert "; ranks 1, 2 skipped backward() after 1 of their 11 forwards (10 all-reduced), now at train.py:8" \
+        in verdict.text and verdict.text.count("run backward() after every training forward") == 1, verdict.text

@@ -142,13 +142,15 @@ class Profile(NamedTuple):
 class StepTimes(NamedTuple):
     """A rank's time in its last command, split (`rank/doctor.py`): `batches` taken from ctx.loader,
     `total` seconds, of which `data` waiting for them and `collective` inside collectives; the rest
-    is compute. `recent`: its last collectives, (seq, op, shape, dtype, file, line) each."""
+    is compute. `recent`: its last collectives, (seq, op, shape, dtype, file, line) each; `ddp`: its
+    DDP forwards, as Whereabouts.ddp."""
     rank: int
     batches: int
     total: float
     data: float
     collective: float
     recent: list
+    ddp: tuple = ()
 
 
 @_kind("whereabouts")
@@ -158,7 +160,9 @@ class Whereabouts(NamedTuple):
     the seconds since it last progressed (a collective or a batch done, a progress step), and
     where it meets its peers while its `init_process_group` has not completed (`rendezvous`); the
     backward() calls whose gradients DDP all-reduced, and what it is doing in the doctor's words
-    ("loading data", "in the loop" or "left the loop" that calls backward(), or "")."""
+    ("loading data", "in the loop" or "left the loop" that calls backward(), or ""); `ddp`: its
+    DDP models' training forwards (forwards, under no_sync(), not followed by backward(), and the
+    parameters without a gradient), or () before any."""
     rank: int
     collectives: int
     current: tuple | None
@@ -169,6 +173,7 @@ class Whereabouts(NamedTuple):
     rendezvous: str = ""
     backwards: int = 0
     doing: str = ""
+    ddp: tuple = ()
 
 
 @_kind("display")

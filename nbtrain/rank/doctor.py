@@ -22,6 +22,19 @@ construction leaves a user's own hook, and a Join that changes how DDP divides, 
 `count_ddp`); a hook the user gives later fills the slot instead of failing. Its wait
 still shows in the step's backward (as compute), and async collectives' waits are not timed.
 
+A backward() a rank never all-reduced while others wait in its all-reduce has three causes besides
+fewer batches, told apart by each DDP model's training forwards (counted in DDP's `_pre_forward`,
+under no_sync() or not) and the `backward()` calls (torch.autograd.backward wrapped): a forward no
+backward() followed, a forward under no_sync() the others did not make, and a backward() that left a
+parameter without a gradient (find_unused_parameters=False: DDP then never all-reduces it; torch
+raises at the next forward, and its error is given the parameters' names and the fix first).
+
+Not counted: functional collectives (`torch.distributed._functional_collectives`, DTensor's) and
+compiled code's, which reach the process group from C++. torch 2.13's Flight Recorder does record
+them on gloo (TORCH_FR_BUFFER_SIZE) for about a microsecond each, but gloo never marks an entry
+started or completed (every one stays "scheduled"), so it cannot tell where a rank waits, and a dump
+takes about 0.4 s per 1,000 entries here (5 s with their stacks); its completion hook is NCCL's only.
+
 A collective called before any process group exists creates the rank's group first (as
 `ctx.setup` and ctx's own collectives do): the docs promise the group is made on first need.
 """
@@ -30,13 +43,15 @@ from __future__ import annotations
 import dis
 import functools
 import linecache
+import re
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 
 from ..common import protocol
-from ..common.tracebacks import package_path
+from ..common.tracebacks import package_path, place_name
 
 RECENT = 16  # collectives remembered per rank, to name a mismatch across ranks
 DDP_OP = "DDP's gradient all-reduce"  # a bucket's all-reduce, as a counted call's op
@@ -75,6 +90,14 @@ class Tally:
         # the first not done is where the rank waits, in `work.wait()` or inside backward().
         self.pending: deque = deque(maxlen=PENDING)
         self.in_hook = False  # a DDP hook runs: its own collectives are the bucket's, counted as one
+        # DDP's training forwards (grad enabled), every DDP model of the rank: a backward() whose
+        # gradients were never all-reduced is told from them (a skipped backward(), no_sync(), an unused parameter).
+        self.forwards = 0  # whose gradients DDP all-reduces in the backward() that follows
+        self.unsynced = 0  # under no_sync()
+        self.skipped = 0  # of `forwards`, those no backward() followed before the next
+        self.awaiting = False  # the last of `forwards` has had no backward() yet
+        self.model = None  # a weak reference to the DDP model of the last of `forwards`
+        self.backward_called_at: tuple | None = None  # the user's line of the last backward() call
 
     def reset(self) -> None:
         meeting = self.rendezvous
@@ -85,7 +108,16 @@ class Tally:
         """The split of this rank's time since the command began, and its recent collectives."""
         total = time.perf_counter() - self.since
         recent = [_described(call) for call in self.recent]
-        return protocol.StepTimes(rank, self.batches, total, self.data_s, self.collective_s, recent)
+        return protocol.StepTimes(rank, self.batches, total, self.data_s, self.collective_s, recent, self.ddp())
+
+    def ddp(self) -> tuple:
+        """(training forwards, under no_sync(), not followed by backward(), the names of the last
+        model's parameters without a gradient) once a DDP model ran forward; else ()."""
+        if not (self.forwards or self.unsynced):
+            return ()
+        model = self.model() if self.model is not None else None
+        unused = _gradless(model) if model is not None and self.forwards > self.backwards else ""
+        return self.forwards, self.unsynced, self.skipped + self.awaiting, unused
 
 
 TALLY = Tally()
@@ -206,12 +238,15 @@ def count_ddp() -> None:
     (a one-shot pre-hook: nothing per step). Not then under `Join(divide_by_initial_world_size=False)`:
     there DDP's own all-reduce divides by the ranks still in, which no Python hook can know, so that
     model is left as torch has it (uncounted). A hook given after the first forward fills the slot."""
+    from torch import is_grad_enabled
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if getattr(DDP, "_nbtrain_counted", False):
         return
     construct, register, builtin = DDP.__init__, DDP.register_comm_hook, DDP._register_builtin_comm_hook
+    pre_forward = DDP._pre_forward
+    _count_backward_calls()
 
     def install(model, slot: _Slot) -> None:
         # The reducer's own registration, not `register_comm_hook`: the model's list of the
@@ -262,6 +297,27 @@ def count_ddp() -> None:
         register_comm_hook(self, self.process_group, python)  # after the first forward: the same hook, in Python
         self.logger._set_comm_hook_name(str(comm_hook_type))
 
+    @functools.wraps(pre_forward)
+    def _pre_forward(self, *inputs, **kwargs):
+        slot = self.__dict__.get("_nbtrain_slot")
+        if slot is not None and is_grad_enabled() and not getattr(self, "_delay_all_reduce_all_params", False):
+            tally = TALLY
+            if self.require_backward_grad_sync:
+                tally.skipped += tally.awaiting
+                tally.forwards += 1
+                tally.awaiting = True
+                if tally.model is None or tally.model() is not self:
+                    tally.model = weakref.ref(self)
+            else:
+                tally.unsynced += 1
+        try:
+            return pre_forward(self, *inputs, **kwargs)
+        except RuntimeError as error:
+            if slot is not None and UNREDUCED in str(error):
+                _say_unreduced(self, error)
+            raise
+
+    DDP._pre_forward = _pre_forward  # type: ignore[method-assign]
     DDP.__init__ = __init__  # type: ignore[method-assign]
     DDP.register_comm_hook = register_comm_hook  # type: ignore[method-assign]
     DDP._register_builtin_comm_hook = _register_builtin_comm_hook  # type: ignore[method-assign]
@@ -298,6 +354,72 @@ def _bucket_reduced(slot: _Slot, bucket):
     return future
 
 
+# torch's error at the forward after a backward() whose gradients DDP could not all-reduce.
+UNREDUCED = "Expected to have finished reduction in the prior iteration"
+UNUSED_FIX = ("pass find_unused_parameters=True to DistributedDataParallel, or use every parameter in every "
+              "rank's forward")
+
+
+def _count_backward_calls() -> None:
+    """Note each backward() call (`loss.backward()` calls torch.autograd.backward): a DDP forward
+    that none followed is a skipped backward(); its line names where the last one was."""
+    import torch.autograd
+
+    backward, tally, frame = torch.autograd.backward, TALLY, sys._getframe
+
+    @functools.wraps(backward)
+    def counted_backward(*args, **kwargs):
+        tally.awaiting = False
+        user = _user_frame(frame(1))
+        tally.backward_called_at = (user.f_code.co_filename, user.f_lineno)
+        return backward(*args, **kwargs)
+
+    torch.autograd.backward = counted_backward
+
+
+def _gradless(model) -> str:
+    """The names of a DDP model's trained parameters that have no gradient, when some have one
+    (those its forwards never used); "" when none or all have none."""
+    trained = [(n, p.grad is None) for n, p in model.module.named_parameters() if p.requires_grad]
+    names = [n for n, none in trained if none]
+    return _names_words(names) if len(names) < len(trained) else ""
+
+
+def _names_words(names: list[str]) -> str:
+    more = len(names) - NAMES_SHOWN
+    return ", ".join(names[:NAMES_SHOWN]) + (f" and {more} more" if more > 0 else "")
+
+
+def _say_unreduced(model, error: RuntimeError) -> None:
+    """torch's error at the forward after a backward() some parameters got no gradient in, the
+    cause and the fix said first: which parameters (torch gives their indices in the reducer's
+    order), at which backward(), and that the other ranks wait in that all-reduce."""
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(error))
+    names = _reducer_names(model)
+    unused = [names[int(i)] for i in found[1].split() if int(i) < len(names)] if found else []
+    at = TALLY.backward_called_at
+    where = f" at {place_name(at[0])}:{at[1]}" if at else ""
+    them = "them" if len(unused) != 1 else "it"
+    said = (f"{_names_words(unused) or 'A parameter'} got no gradient in the backward(){where} (its forward did not "
+            f"use {them}): DDP never all-reduced that backward()'s gradients, and ranks that used {them} wait for "
+            f"them in the all-reduce — {UNUSED_FIX}.")
+    error.args = (f"{said}\n(torch: {error.args[0] if error.args else ''})", *error.args[1:])
+
+
+def _reducer_names(model) -> list[str]:
+    """The names of a DDP model's parameters in its reducer's order (torch's indices count them):
+    each module's own, trained and not ignored, the first time each is seen."""
+    ignored: set[str] = getattr(model, "parameters_to_ignore", set())
+    seen: set = set()
+    names: list[str] = []
+    for module_name, module in model.module.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.requires_grad and f"{module_name}.{name}" not in ignored and p not in seen:
+                seen.add(p)
+                names.append(f"{module_name}.{name}" if module_name else name)
+    return names
+
+
 SITES = 8  # user frames around a backward() kept, outward
 
 
@@ -313,9 +435,7 @@ def _call_sites(frame) -> tuple:
 
 def _bucket_names(slot: _Slot, bucket) -> str:
     # In the model's order (a bucket holds them in the reverse order, the order gradients come).
-    names = [n for _, n in sorted(slot.parameter_names.get(p, (-1, "?")) for p in bucket.parameters())]
-    more = len(names) - NAMES_SHOWN
-    return ", ".join(names[:NAMES_SHOWN]) + (f" and {more} more" if more > 0 else "")
+    return _names_words([n for _, n in sorted(slot.parameter_names.get(p, (-1, "?")) for p in bucket.parameters())])
 
 
 def _main_frame():
@@ -425,5 +545,5 @@ def whereabouts(rank: int) -> protocol.Whereabouts:
     meeting = tally.rendezvous if tally.rendezvous and not dist.is_initialized() else ""
     doing = _doing(frame) if frame is not None else ""
     return protocol.Whereabouts(rank, tally.seq, current and _described(current), file, line, code,
-                                time.perf_counter() - tally.progressed, meeting, tally.backwards, doing)
+                                time.perf_counter() - tally.progressed, meeting, tally.backwards, doing, tally.ddp())
 

@@ -6,7 +6,8 @@ show them. Blame goes to the rank the others wait for, never to the one that wai
 same place are said once ("ranks 0-4, 6, 7 wait in all_reduce #12 at train.py:30"), so a verdict on
 many ranks stays one line per place. The classic hangs are named with their cause and their fix:
 a rank that ran out of batches while the others wait in DDP's gradient all-reduce (different numbers
-of batches), a rank stuck loading its next batch.
+of batches), or, by its DDP forwards, skipped a backward(), ran one under no_sync() the others did not,
+or left a parameter unused (find_unused_parameters); a rank stuck loading its next batch.
 """
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ STRAGGLER_SECONDS = 1.0
 DDP_OP = "DDP's gradient all-reduce"  # rank/doctor.py's op for a DDP bucket's all-reduce
 UNEVEN_FIX = ("the ranks had different numbers of batches — use DistributedSampler(drop_last=True) or "
               "torch.distributed.algorithms.Join")
+SKIPPED_FIX = ("a forward without its backward() leaves the others in that backward()'s all-reduce — run backward() "
+               "after every training forward on every rank (skip a batch on all ranks together, or run that forward "
+               "under torch.no_grad())")
+NO_SYNC_FIX = ("the ranks ran no_sync() on different steps — accumulate gradients on the same steps on every rank "
+               "(no_sync() around the same backward() calls)")
+UNUSED_FIX = ("a parameter a rank's forward did not use gets no gradient there, so DDP never all-reduces that "
+              "backward() — pass find_unused_parameters=True to DistributedDataParallel, or use every parameter in "
+              "every rank's forward")
 STARVED = ("its data loading is stuck (a DataLoader worker that blocks or died, a source that does not answer): "
            "its stack shows where")
 
@@ -113,7 +122,9 @@ def stall_verdict(where: dict, silent: list[int] | tuple[int, ...] = ()) -> Verd
     waiting = sorted(r for r, w in where.items() if w.current is not None)
     free = sorted(r for r, w in where.items() if w.current is None)
     backward = max((b for r in waiting if (b := backward_of(where[r].current))), default=None)
-    ran_out = [r for r in free if backward and where[r].doing == "left the loop" and where[r].backwards < backward]
+    peers = [facts(where[r]) for r in waiting if backward_of(where[r].current)]
+    causes = {r: cause for r in free if backward and where[r].backwards < backward
+              and (cause := ddp_cause(facts(where[r]), where[r].backwards, where[r].doing == "left the loop", peers))}
     loading = [r for r in free if where[r].doing == "loading data"]
 
     def waits(r, many):
@@ -121,8 +132,9 @@ def stall_verdict(where: dict, silent: list[int] | tuple[int, ...] = ()) -> Verd
 
     def elsewhere(r, many):
         w = where[r]
-        if r in ran_out:
-            return f"ran {w.backwards} backward() calls and left the loop at {_at(w)}"
+        if r in causes:  # "... and left the loop at", or what it did, then where it is now
+            did = causes[r][0].replace(" its ", " their ") if many else causes[r][0]
+            return f"{did}{'' if causes[r][1] is UNEVEN_FIX else ', now'} at {_at(w)}"
         if r in loading:
             return f"{'are' if many else 'is'} loading {'their' if many else 'its'} next batch at {_at(w)}"
         return f"{'are' if many else 'is'} not in a collective: at {_at(w)}"
@@ -136,8 +148,9 @@ def stall_verdict(where: dict, silent: list[int] | tuple[int, ...] = ()) -> Verd
     if mismatch:
         return Verdict(f"{text}. {mismatch}", [], waiting)
     culprits = free + sorted(silent)
-    if waiting and ran_out and ran_out == culprits:
-        return Verdict(f"{text}: {UNEVEN_FIX}.", culprits, waiting)
+    if waiting and causes and sorted(causes) == culprits:
+        fixes = dict.fromkeys(fix for _, fix in causes.values())  # each once, in the ranks' order
+        return Verdict(f"{text}: {'; '.join(fixes)}.", culprits, waiting)
     if waiting and culprits:
         starved = f": {STARVED}" if loading and loading == culprits else ""
         return Verdict(f"{text}. The others wait for {ranks_words(culprits)}{starved}.", culprits, waiting)
@@ -147,10 +160,40 @@ def stall_verdict(where: dict, silent: list[int] | tuple[int, ...] = ()) -> Verd
     return Verdict(f"{text}. No rank is in a collective.", culprits, [])
 
 
-def ended_verdict(culprit: int, ended: str, waits: dict, ran: int | None) -> str:
+def facts(said) -> tuple:
+    """A rank's DDP forwards (`Whereabouts.ddp`, `StepTimes.ddp`): (training forwards, under no_sync(),
+    not followed by backward(), parameters without a gradient); from its all-reduced backward() calls
+    when it sent none."""
+    return said.ddp or (getattr(said, "backwards", 0), 0, 0, "")
+
+
+def ddp_cause(own: tuple, backwards: int, left_loop: bool, peers: list[tuple]) -> tuple[str, str] | None:
+    """Why a rank that all-reduced `backwards` backward() calls has not all-reduced the one the
+    ranks with `peers` facts wait in: (what it did, the fix), from its DDP forwards (`facts`);
+    None when they do not tell."""
+    forwards, unsynced, skipped, unused = own
+    if skipped > max((p[2] for p in peers), default=0):
+        return (f"skipped backward() after {skipped} of its {forwards + unsynced} forwards ({backwards} all-reduced)",
+                SKIPPED_FIX)
+    if unsynced > max((p[1] for p in peers), default=0):
+        theirs = "/".join(sorted({str(p[1]) for p in peers}))
+        return (f"ran {unsynced} of its {forwards + unsynced} forwards under no_sync() (the ranks waiting: {theirs})",
+                NO_SYNC_FIX)
+    if forwards - skipped > backwards:
+        what = f"{unused} got none" if unused else "a parameter its forward did not use got none"
+        return f"ran backward() #{backwards + 1} but never all-reduced its gradients ({what})", UNUSED_FIX
+    if left_loop:
+        return f"ran {backwards} backward() calls and left the loop", UNEVEN_FIX
+    return None
+
+
+def ended_verdict(culprit: int, ended: str, waits: dict, ran: int | None, own: tuple = (),
+                  peers: list | tuple = ()) -> str:
     """A rank that ended while others wait for it: where each waits, in which collective (`waits`:
     rank -> its call, or its stack's words for it, or None), and, when they wait in DDP's gradient all-reduce of a
-    backward() the ended rank never ran (`ran`: its backward() calls), that the batches differed."""
+    backward() the ended rank never all-reduced (`ran`: its all-reduced backward() calls), why: from its DDP
+    forwards and the waiting ranks' (`own`, `peers`: `facts`), a skipped backward(), no_sync() or an
+    unused parameter, else that the batches differed."""
     def clause(r, many):
         call = waits[r]
         said = ("(in a collective it did not report)" if call is None else
@@ -160,7 +203,9 @@ def ended_verdict(culprit: int, ended: str, waits: dict, ran: int | None) -> str
     text = f"rank {culprit} ended ({ended}) while the others still needed it: " + "; ".join(_grouped(waits, clause))
     backward = max((b for c in waits.values() if isinstance(c, tuple) and (b := backward_of(c))), default=None)
     if backward and ran is not None and ran < backward:
-        return f"{text}; rank {culprit} ran {ran} backward() calls: {UNEVEN_FIX}."
+        cause = ddp_cause(own, ran, False, list(peers)) if own else None
+        said, fix = cause or (f"ran {ran} backward() calls", UNEVEN_FIX)
+        return f"{text}; rank {culprit} {said}: {fix}."
     return f"{text}. That wait can never complete."
 
 

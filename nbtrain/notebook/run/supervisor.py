@@ -23,7 +23,7 @@ from ...common.tracebacks import name_cells_in_pdb
 from ...common.transfer import unpack_exception
 from ...display.rank_output import KINDS as RANK_OUTPUT
 from ...display.rank_output import deliver
-from .doctor import Verdict, backward_of, call_words, ended_verdict, mismatch, stall_after, stall_verdict
+from .doctor import Verdict, backward_of, call_words, ended_verdict, facts, mismatch, stall_after, stall_verdict
 from .runmodel import RunState
 from .stacks import blocked_on_peers, exception_message, native_note, tidy_stacks
 
@@ -410,8 +410,9 @@ class Supervisor:
             return
         culprit = min(ended, key=lambda r: self.state.ranks[r].ended_at or now)
         view = self.state.ranks[culprit]
+        peers = [facts(where[r]) for r in waiting if r in where and backward_of(where[r].current)]
         summary = ended_verdict(culprit, view.ended_where or "finished", {r: calls[r] for r in waiting},
-                                self._backwards_ran(culprit))
+                                self._backwards_ran(culprit), self._facts(culprit), peers)
         text = "\n\n".join([f"--- rank {culprit}: {view.ended_where or 'finished'} ---",
                             *(f"--- rank {r} stack (waiting) ---\n{stacks.get(r, '')}" for r in waiting)])
         self.state.fail(culprit, summary, text, crashed=True, ended_early=True)
@@ -444,6 +445,7 @@ class Supervisor:
             self._pump(TICK)
             self._check_processes()
         self._blame_early_end()
+        self._say_waits()
         if not self.pool.live or self.pool.broken:  # the caller stops these ranks now: say so
             for rank in self.state.unfinished():
                 self.state.stop(rank)
@@ -468,7 +470,8 @@ class Supervisor:
         culprit = min(ended, key=lambda r: self.state.ranks[r].ended_at or 0.0)
         where = self.state.ranks[culprit].ended_where or "finished"
         waits = {f.rank: self._last_call(f.rank) for f in self.state.failures}
-        summary = ended_verdict(culprit, where, waits, self._backwards_ran(culprit))
+        peers = [self._facts(r) for r, call in waits.items() if backward_of(call)]
+        summary = ended_verdict(culprit, where, waits, self._backwards_ran(culprit), self._facts(culprit), peers)
         self.state.fail(culprit, summary, f"--- rank {culprit}: {where} ---", crashed=True, ended_early=True)
         for rank, call in waits.items():  # each one's line says where it waited, as a stopped rank's
             if call is not None:
@@ -478,6 +481,22 @@ class Supervisor:
         """The collective a rank began last (where it waited when its peer went away), if it reported it."""
         times = self.state.step_times.get(rank)
         return times.recent[-1] if times is not None and times.recent else None
+
+    def _facts(self, rank: int) -> tuple:
+        """A rank's DDP forwards as it last reported them (doctor.facts), () when it did not."""
+        times = self.state.step_times.get(rank)
+        return facts(times) if times is not None and times.ddp else ()
+
+    def _say_waits(self) -> None:
+        """Ranks whose only error is the lost peer (gloo's socket error) read as waiting for the
+        rank that failed, in the collective they began last, as ranks stopped in a wait do."""
+        cause = self.state.root_cause()
+        if cause.lost_peer:
+            return
+        for failure in self.state.failures:
+            call = self._last_call(failure.rank) if failure.lost_peer else None
+            if call is not None:
+                self.state.ranks[failure.rank].reason = f"waiting for rank {cause.rank} in {call_words(call)}"
 
     def _backwards_ran(self, rank: int) -> int | None:
         """The backward() calls whose gradients DDP all-reduced on `rank`, by its last reported bucket."""
