@@ -35,7 +35,7 @@ from ..placements.base import PrivateStore, describe_exit, free_port
 from ..rank.process import STACKS_SIGNAL
 from . import stacks
 from .chatter import Chatter
-from .debugger import DebugPort
+from .debugger import DebugPort, breakpoints_environ
 from .runmodel import RunState
 from .supervisor import CONNECTION_CLOSED, NOT_SENT, Supervisor
 
@@ -171,8 +171,8 @@ class Pool:
             state = self._state = RunState(self._title(), job.ranks)
             display.start(state)
             step = "starting the ranks (their output pipes and channels)"
-            launcher._start(job, {**self._hub.environ, **(self._files.environ if self._files else {})}, self._reader,
-                            self._processes)
+            launcher._start(job, {**self._hub.environ, **(self._files.environ if self._files else {}),
+                                  **breakpoints_environ()}, self._reader, self._processes)
         except OSError as exc:
             raise out_of_files(exc, step, len(job.ranks)) from exc
         self._hub.start()
