@@ -82,10 +82,10 @@ class RankOutput:
 
     # -- each rank on its own ------------------------------------------------------------
     def line(self, rank, stream: str, text: str) -> None:
-        """A whole line a rank printed (the cell shows it tagged): its tab holds it too."""
+        """A whole line a rank printed (the cell shows it tagged): its tab holds it too (drawn at
+        the display's next update: lines come many at a time)."""
         if self._in_jupyter and rank is not None:
             self._tabs.line(rank, stream, text)
-            self._tabs.tick(self.shown_rank)
 
     def tick(self) -> None:
         """Called as the display updates: the tabs' output that came since they were drawn."""
@@ -144,21 +144,17 @@ class RankOutput:
         publish_display_data(data, message.metadata, transient=transient, update=not new)
 
     def end(self) -> str | None:
-        """What was not shown, said once (the display notes it at the end of the command); the
-        live tabs, if shown, become the static summary."""
+        """What was not shown, said once (the display notes it at the end of the command); each
+        rank's output, if worth it, as the static summary (in place of the live tabs)."""
         tabs, self._tabs = self._tabs, RankTabs()
-        summarised = tabs.end()
+        summarised = self._in_jupyter and tabs.end(self.shown_rank)
         if not sum(self._unshown.values()):
             return None
         ranks = sorted(r for r, n in self._unshown.items() if n)
         count = sum(self._unshown.values())
         self._unshown.clear()
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-        if summarised or (tabs and jupyter_shell() is not None):
-            if not summarised:
-                from IPython.display import HTML, display
-
-                display(HTML(tabs.html()))
+        if summarised:
             return (f"{who} displayed {count} rich output{'s' if count > 1 else ''} (IPython display: HTML, images, "
                     f"tables): shown above, one selector per rank; rank {self.shown_rank}'s is shown where it was.")
         return (f"{who} displayed {count} rich output{'s' if count > 1 else ''} (IPython display: HTML, images, "

@@ -9,9 +9,10 @@ the cell) are kept here, per rank:
   `REDRAW` s (a pane only when its rank's output changed), once the ranks' output is more than a
   glance: a progress bar, rich output the cell does not show, or more than `AFTER_LINES` lines
   from two ranks or more;
-- when the command ends, that view (or, without it, the other ranks' rich output, if any) is
-  replaced by plain HTML, a `<details>` selector per rank: it stays in the saved notebook as a
-  static summary and needs no widget, script or style (a notebook's sanitizer keeps it).
+- when the command ends, that view is replaced by plain HTML, a `<details>` selector per rank
+  (shown then if the output became worth it only after the last redraw, or without ipywidgets):
+  it stays in the saved notebook as a static summary and needs no widget, script or style (a
+  notebook's sanitizer keeps it).
 
 A display a rank updated shows its last state; a rank's `clear_output` empties its pane.
 """
@@ -169,33 +170,27 @@ class RankTabs:
 
             show_again(self._handle, self._bundle())
 
-    def end(self) -> bool:
-        """The live tabs replaced by the static summary; True if they had been shown (the
-        summary is then in the cell), else the caller shows `html()` if it wants it."""
-        if self._view is None:
-            return False
-        from .widgets import close_tree, replace
+    def end(self, shown_rank: int) -> bool:
+        """The static summary in the cell: in place of the live tabs, or shown now if they are
+        worth it (output that came after the last redraw; no ipywidgets). True if it is there."""
+        from .widgets import close_tree, replace, show
 
-        replace(self._handle, {"text/html": self.html(every=True), "text/plain": self.text()})
+        summary = {"text/html": self.html(), "text/plain": self.text()}
+        if self._view is None:
+            if not self._worth_it(shown_rank):
+                return False
+            show(summary)
+            return True
+        replace(self._handle, summary)
         close_tree(self._view, *self._children.values())
         self._view, self._children = None, {}
         return True
 
     # -- the static summary -----------------------------------------------------------------------
-    def html(self, every: bool = False) -> str:
-        """One `<details>` per rank holding its output, in rank order: every rank's with `every`,
-        else only the rich output the cell did not show."""
-        parts = []
-        for rank in sorted(self._panes):
-            pane = self._panes[rank]
-            if not (pane if every else pane.outputs):
-                continue
-            if every:
-                body, label = pane.body(), pane.label()
-            else:
-                body = "".join(f"<div>{_as_html(data)}</div>" for _, data in pane.outputs)
-                label = f"{len(pane.outputs)} output{'s' if len(pane.outputs) > 1 else ''}"
-            parts.append(f"<details><summary>rank {rank} ({label})</summary>{body}</details>")
+    def html(self) -> str:
+        """One `<details>` per rank holding its output, in rank order."""
+        parts = [f"<details><summary>rank {rank} ({pane.label()})</summary>{pane.body()}</details>"
+                 for rank, pane in sorted(self._panes.items()) if pane]
         return f'<div class="nbtrain-rank-tabs">{"".join(parts)}</div>'
 
     def text(self) -> str:
