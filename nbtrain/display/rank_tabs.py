@@ -30,6 +30,8 @@ KEEP_LINES = 300  # a rank's latest lines kept in its pane (the cell's combined 
 AFTER_LINES = 10  # more lines than this from two ranks or more: the tabs are worth showing
 REDRAW = 0.25  # seconds: a pane is redrawn at most this often
 STDERR_STYLE = "color:#c62828"
+# A live pane scrolls, and starts at its bottom (its latest lines): a reversed column's scroll starts at its end.
+LIVE_PANE = '<div style="display:flex;flex-direction:column-reverse;max-height:24em;overflow:auto"><div>{}</div></div>'
 
 
 class _Pane:
@@ -153,7 +155,7 @@ class RankTabs:
         if len(self._children) != len(ranks):  # a rank's first output: its tab
             for rank in ranks:
                 if rank not in self._children:
-                    self._children[rank] = w.HTML(layout=w.Layout(max_height="24em", overflow="auto"))
+                    self._children[rank] = w.HTML()
                     self._panes[rank].changed = True
             self._view.children = [self._children[r] for r in ranks]
             self._view.titles = [f"rank {r}" for r in ranks]
@@ -161,7 +163,7 @@ class RankTabs:
             pane = self._panes[rank]
             if pane.changed:
                 pane.changed = False
-                self._children[rank].value = pane.body()
+                self._children[rank].value = LIVE_PANE.format(pane.body())
 
     def shown_again(self) -> None:
         """The cell was cleared (by the shown rank): the live tabs come back, under the same id."""
