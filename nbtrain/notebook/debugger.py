@@ -347,9 +347,10 @@ def breakpoints_environ() -> dict[str, str]:
     started by the warm template, spawn or a cluster reads them here before it runs any code, so
     a breakpoint stops its first command too. Each file's text goes along (dumpCell wrote it on
     this machine only)."""
-    if not _active or not any(args["breakpoints"] for args in _active[0].breakpoints.values()):
+    files = list(_active[0].breakpoints.values()) if _active else []  # a copy: the control thread sets them
+    if not any(args["breakpoints"] for args in files):
         return {}
-    return {BREAKPOINTS_VAR: json.dumps(list(_active[0].breakpoints.values()))}
+    return {BREAKPOINTS_VAR: json.dumps(files)}
 
 
 def cell_for_ranks(shell, cell: str) -> tuple[str, str] | None:
