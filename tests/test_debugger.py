@@ -162,11 +162,14 @@ FUNCTION = '''def train(scale):
 
 
 def test_a_breakpoint_in_a_launched_function_stops_its_ranks(panel):
+    """Ranks of the warm template read the breakpoints from their environment before their first
+    command, as forked, spawned and a cluster's ranks do (forked ones also inherit them; the live
+    ranks here are forked)."""
     path = panel.ok("dumpCell", code=FUNCTION)["sourcePath"]
     assert panel.run(FUNCTION)["status"] == "ok"
     panel.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 3}], sourceModified=False)
     seen = len(panel.events)
-    cell = panel.client.execute('result = nbtrain.launch(train, 5, devices=2, accelerator="cpu", start="fork")')
+    cell = panel.client.execute('result = nbtrain.launch(train, 5, devices=2, accelerator="cpu", start="template")')
 
     def stops():
         return {e["body"]["threadId"] for e in panel.events[seen:] if e.get("event") == "stopped"}
@@ -184,6 +187,23 @@ def test_a_breakpoint_in_a_launched_function_stops_its_ranks(panel):
     assert reply["content"]["status"] == "ok", reply["content"]
     assert panel.value("result.values") == [1, 6]
     panel.ok("setBreakpoints", source={"path": path}, breakpoints=[], sourceModified=False)
+
+
+NBTRAIN_CELL = "%%nbtrain --devices 1 --accelerator cpu\nz = 41\nz += 1\n"
+
+
+def test_a_breakpoint_in_a_percent_nbtrain_cell_is_said_not_to_stop_it(panel):
+    """Its body runs as code of its own: the cell says so in one line, and runs (never waits on a stop)."""
+    path = panel.ok("dumpCell", code=NBTRAIN_CELL)["sourcePath"]
+    panel.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 3}], sourceModified=False)
+    try:
+        out, err, error, _ = panel.kernel.run(NBTRAIN_CELL)
+        assert error is None, (out, err, error)
+        assert out.count("the breakpoints in this %%nbtrain cell do not stop its ranks") == 1, out
+    finally:
+        panel.ok("setBreakpoints", source={"path": path}, breakpoints=[], sourceModified=False)
+    out, err, error, _ = panel.kernel.run(NBTRAIN_CELL)  # none set: nothing said
+    assert error is None and "do not stop" not in out, (out, err, error)
 
 
 KERNEL_CELL = '''a = 20

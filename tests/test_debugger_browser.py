@@ -1,6 +1,7 @@
 """JupyterLab's debugger panel on live ranks, in real JupyterLab and headless Chromium (Playwright):
 the debugger switched on, a breakpoint clicked into the gutter of a `%%ranks` cell, the run stops
-on the ranks, the panel shows the cell's frame and a rank's own variables, continue ends the cell.
+on the ranks, the panel shows the cell's frame and a rank's own variables, continue ends the cell,
+whose ranks' lines are then in a selector per rank.
 The protocol underneath is tested without a browser in test_debugger.py."""
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(MISSING), reason=f"needs
 
 NOTEBOOK = "debugger.ipynb"
 SETUP = '%load_ext nbtrain\nimport nbtrain\nranks = nbtrain.Ranks(devices=2, accelerator="cpu")'
-CELL = '%%ranks\nx = ctx.rank * 10 + 7\ny = x + 1\nprint("done", y)'
+CELL = '%%ranks\nx = ctx.rank * 10 + 7\ny = x + 1\nfor i in range(6):\n    print("done", y, i)'
 
 
 def _run_cell(page, i: int) -> None:
@@ -71,4 +72,8 @@ def test_a_gutter_breakpoint_in_a_ranks_cell_stops_the_ranks_and_continue_ends_t
     finally:
         _snap(page, shots, "debugger-continued")
     assert "[rank 0] done 8" in output.all_inner_texts()[0]
+    # each rank's lines in its own tab, live; when the cell ended, a selector per rank that the page keeps
+    tab = cell.locator(".nbtrain-rank-tabs details", has_text="rank 1 (6 lines)")
+    tab.locator("summary").click()
+    assert "done 18 5" in tab.inner_text() and "done 8" not in tab.inner_text()
     assert "PYDEV DEBUGGER WARNING" not in "".join(page.locator(".jp-OutputArea-output").all_inner_texts())

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import nbtrain
 from nbtrain import WorkerError
 from nbtrain.display.text import QuietDisplay
-from nbtrain.notebook import doctor
+from nbtrain.notebook.run import doctor
 
 pytestmark = pytest.mark.slow
 WORLDS = [2, 4]

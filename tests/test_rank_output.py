@@ -72,15 +72,39 @@ def nb(kernel):
     return kernel
 
 
+def summaries(out: Output) -> list[str]:
+    """The ranks' tabs as the cell keeps them: a `<details>` per rank, shown at the end or put in
+    place of the live tabs."""
+    return [c["data"]["text/html"] for c in out.of("display_data") + out.of("update_display_data")
+            if "nbtrain-rank-tabs" in c["data"].get("text/html", "")]
+
+
+def live_panes(out: Output) -> dict[str, list[str]]:
+    """What each tab of the live view held, update by update, by its title (`rank 1`)."""
+    tabs, children, titles, values = set(), [], [], {}
+    for kind, content in out.messages:
+        state = content.get("data", {}).get("state", {}) if kind in ("comm_open", "comm_msg") else {}
+        if state.get("_model_name") == "TabModel":
+            tabs.add(content["comm_id"])
+        if content.get("comm_id") in tabs:
+            children = [c.removeprefix("IPY_MODEL_") for c in state.get("children", [])] or children
+            titles = state.get("titles") or titles
+        if "value" in state:
+            values.setdefault(content["comm_id"], []).append(state["value"])
+    return {title: values.get(child, []) for title, child in zip(titles, children)}
+
+
 def check(out: Output) -> None:
     html = [c for c in out.of("display_data") if "text/html" in c["data"]]
-    tabs = [c["data"]["text/html"] for c in html if "nbtrain-rank-tabs" in c["data"]["text/html"]]
+    tabs = summaries(out)
     html = [c for c in html if "nbtrain-rank-tabs" not in c["data"]["text/html"]]
     assert [c["data"]["text/html"] for c in html] == ["<b>table from rank 0</b>"]
-    # rank 1's, at the end, in its own selector, as it last drew it
-    assert len(tabs) == 1 and "<summary>rank 1 (1 output)</summary><div><b>rank 1 updated its table</b></div>" in tabs[0]
+    # rank 1's, at the end, in its own selector, as it last drew it, beside its lines
+    assert len(tabs) == 1 and "<div><b>rank 1 updated its table</b></div>" in tabs[0], tabs
+    rank_1 = tabs[0][tabs[0].index("<summary>rank 1 ("):]
+    assert "a record from the rank" in rank_1 and "50/50" in rank_1 and "table from rank 0" not in tabs[0]
     display_id = html[0]["transient"]["display_id"]
-    updates = [c for c in out.of("update_display_data") if "text/html" in c["data"]]
+    updates = [c for c in out.of("update_display_data") if "text/html" in c["data"] and c["data"]["text/html"] not in tabs]
     assert [(c["data"]["text/html"], c["transient"]["display_id"]) for c in updates] == [
         ("<b>rank 0 updated its table</b>", display_id)]
     assert "rank 1 displayed 1 rich output" in out.text  # not shown, but said
@@ -121,9 +145,10 @@ r = nbtrain.launch(frames, devices=2, accelerator="cpu", start="fork", progress=
     clears = out.of("clear_output")
     assert len(clears) == 3 and all(c["wait"] for c in clears)
     frames = [c["data"]["text/html"] for c in out.of("display_data") if "<i>" in c["data"].get("text/html", "")]
-    assert frames[:3] == [f"<i>frame {i} of rank 0</i>" for i in range(3)]
+    assert frames == [f"<i>frame {i} of rank 0</i>" for i in range(3)]
     # rank 1's selector, at the end, holds what it showed after its last clear
-    assert len(frames) == 4 and "<summary>rank 1 (1 output)</summary><div><i>frame 2 of rank 1</i></div>" in frames[3]
+    tabs = summaries(out)
+    assert len(tabs) == 1 and "<summary>rank 1 (1 output)</summary><div><i>frame 2 of rank 1</i></div>" in tabs[0]
     # After each clear the dashboard is shown again, under its own id: the summary replaces it at the end.
     dashboard = [c for c in out.of("display_data") if "nbtrain-dashboard" in str(c["data"]) or
                  "replaced by a summary" in c["data"].get("text/plain", "")]
@@ -143,7 +168,8 @@ def tracks():
     print("after the bar")
 r = nbtrain.launch(tracks, devices=2, accelerator="cpu", start={start!r}, progress=False)
 """)
-    drawn = out.of("display_data") + out.of("update_display_data")
+    drawn = [c for c in out.of("display_data") + out.of("update_display_data")  # the ranks' tabs are the kernel's
+             if not c["data"].get("text/plain", "").startswith("nbtrain: each rank's output")]
     for rank in (0, 1):
         assert out.outputs_with(f"rich{rank}") == 1, out.text
         last = [c["data"]["text/plain"] for c in drawn if f"rich{rank}" in c["data"].get("text/plain", "")][-1]
@@ -161,10 +187,19 @@ def test_live_ranks_show_rich_output_and_bars_in_the_cell_that_ran_them(nb):
 handle = display(HTML(f"<b>table from rank {ctx.rank}</b>"), display_id=True)
 handle.update(HTML(f"<b>rank {ctx.rank} updated its table</b>"))
 for _ in tqdm(range(50), desc=f"bar{ctx.rank}", mininterval=0, miniters=1):
-    time.sleep(0.002)
+    time.sleep(0.01)
 logging.warning("a record from the rank")
+print(f"first line of rank {ctx.rank}")
+time.sleep(0.6)
+print(f"second line of rank {ctx.rank}")
 """)
         check(out)
+        panes = live_panes(out)  # each rank's tab, as the cell ran: its own lines, before the next came
+        for rank in (0, 1):
+            assert any(f"first line of rank {rank}" in v and "second" not in v for v in panes[f"rank {rank}"]), panes
+            assert f"rank {1 - rank}" not in "".join(panes[f"rank {rank}"])
+            assert f"second line of rank {rank}" in summaries(out)[0]
+        assert any("bar1" in v and "50/50" not in v for v in panes["rank 1"])  # its bar, while it drew
         later = Output(nb, "%%ranks --rank 1\ndisplay(HTML('<b>only rank 1 ran this</b>'))")
         assert [c["data"]["text/html"] for c in later.of("display_data")] == ["<b>only rank 1 ran this</b>"]
     finally:

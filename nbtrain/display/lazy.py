@@ -44,6 +44,8 @@ class LazyDisplay:
                 self._inner.rank_output.carry_on(self._quiet.rank_output)
         if self._inner is not None:
             self._inner.update(state)
+        else:
+            self._quiet.rank_output.tick()  # the ranks' tabs (Jupyter)
 
     def finish(self, state, ok: bool) -> None:
         (self._inner or self._quiet).finish(state, ok)

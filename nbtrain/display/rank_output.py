@@ -8,7 +8,8 @@ In Jupyter:
   cell. Display ids are prefixed by the rank, so no two ranks' (nor the notebook's) collide.
   Widgets cannot cross processes: their view is dropped, their text kept.
 - Other ranks' rich output is counted and said once at the end of the command, never dropped in
-  silence (`end`); in Jupyter it is then shown there, one selector per rank (`rank_tabs.py`).
+  silence (`end`). In Jupyter each rank's output (lines, bars, the rich output not shown) is also
+  kept per rank: live tabs while the command runs, one selector per rank after (`rank_tabs.py`).
 Elsewhere (a terminal, a log): a redrawn block's last text as lines, and the shown rank's rich
 output as its text.
 """
@@ -64,10 +65,12 @@ class RankOutput:
         self.shown_rank = 0
         self._live: dict[tuple, Any] = {}  # (rank, stream): the display handle of its live lines
         self._unshown: Counter = Counter()  # rank: rich outputs not shown
-        self._tabs = RankTabs()  # what they were, shown at the end of the command
+        self._tabs = RankTabs()  # each rank's output, on its own
+        self._in_jupyter = False
 
     def start(self, state) -> None:
         self.shown_rank = min(state.ranks, default=0)
+        self._in_jupyter = jupyter_shell() is not None
         self._live.clear()  # a new cell: live lines start afresh there
         self._unshown.clear()
         self._tabs = RankTabs()
@@ -75,12 +78,27 @@ class RankOutput:
     def carry_on(self, other: RankOutput) -> None:
         """Take over from another display's (LazyDisplay's quiet one) in the middle of a command."""
         self.shown_rank, self._live, self._unshown = other.shown_rank, other._live, other._unshown
-        self._tabs = other._tabs
+        self._tabs, self._in_jupyter = other._tabs, other._in_jupyter
+
+    # -- each rank on its own ------------------------------------------------------------
+    def line(self, rank, stream: str, text: str) -> None:
+        """A whole line a rank printed (the cell shows it tagged): its tab holds it too (drawn at
+        the display's next update: lines come many at a time)."""
+        if self._in_jupyter and rank is not None:
+            self._tabs.line(rank, stream, text)
+
+    def tick(self) -> None:
+        """Called as the display updates: the tabs' output that came since they were drawn."""
+        if self._in_jupyter:
+            self._tabs.tick(self.shown_rank)
 
     # -- lines a bar redraws -------------------------------------------------------------
     def live(self, rank, stream: str, text: str, done: bool) -> None:
         key = (rank, stream)
         handle = self._live.pop(key, None) if done else self._live.get(key)
+        if self._in_jupyter and rank is not None:  # a bar that ends unseen is left as lines, which reach the tab below
+            self._tabs.bar(rank, stream, text if handle is not None or not done else "", done)
+            self._tabs.tick(self.shown_rank)
         if jupyter_shell() is None or (done and handle is None):
             if done:  # its last state, as lines: what a log or a terminal keeps
                 for line in text.split("\n") if text else ():
@@ -101,6 +119,8 @@ class RankOutput:
         if rank != self.shown_rank:
             self._unshown[rank] += new
             self._tabs.add(message)
+            if self._in_jupyter:
+                self._tabs.tick(self.shown_rank)
             return
         if jupyter_shell() is None:
             text = message.data.get("text/plain") if new else None
@@ -113,6 +133,7 @@ class RankOutput:
             clear_output(wait=message.wait)
             self._live.clear()  # their outputs are gone: a bar still drawing starts a new one
             self._shown_again()
+            self._tabs.shown_again()
             return
         from IPython.display import publish_display_data
 
@@ -123,18 +144,17 @@ class RankOutput:
         publish_display_data(data, message.metadata, transient=transient, update=not new)
 
     def end(self) -> str | None:
-        """What was not shown, said once (the display notes it at the end of the command)."""
+        """What was not shown, said once (the display notes it at the end of the command); each
+        rank's output, if worth it, as the static summary (in place of the live tabs)."""
+        tabs, self._tabs = self._tabs, RankTabs()
+        summarised = self._in_jupyter and tabs.end(self.shown_rank)
         if not sum(self._unshown.values()):
             return None
         ranks = sorted(r for r, n in self._unshown.items() if n)
         count = sum(self._unshown.values())
         self._unshown.clear()
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-        tabs, self._tabs = self._tabs, RankTabs()
-        if tabs and jupyter_shell() is not None:
-            from IPython.display import HTML, display
-
-            display(HTML(tabs.html()))
+        if summarised:
             return (f"{who} displayed {count} rich output{'s' if count > 1 else ''} (IPython display: HTML, images, "
                     f"tables): shown above, one selector per rank; rank {self.shown_rank}'s is shown where it was.")
         return (f"{who} displayed {count} rich output{'s' if count > 1 else ''} (IPython display: HTML, images, "

@@ -156,6 +156,7 @@ class QuietDisplay:
 
     def output(self, rank, stream: str, text: str) -> None:
         self._write(text if rank is None else f"[rank {rank}] {text}", stream)
+        self.rank_output.line(rank, stream, text)  # its rank's tab too (Jupyter)
 
     def live(self, rank, stream: str, text: str, done: bool) -> None:
         self.rank_output.live(rank, stream, text, done)
@@ -165,6 +166,7 @@ class QuietDisplay:
 
     def update(self, state) -> None:
         self.vitals.maybe_sample(state)
+        self.rank_output.tick()  # the ranks' tabs (Jupyter)
 
     def finish(self, state, ok: bool) -> None:
         self._end_rank_output()
@@ -194,6 +196,7 @@ class LineDisplay(QuietDisplay):
 
     def update(self, state) -> None:
         self.vitals.maybe_sample(state)
+        self.rank_output.tick()  # the ranks' tabs (Jupyter)
         now = time.monotonic()
         if now - self._last >= self.interval:
             self._last = now
@@ -222,6 +225,7 @@ class TqdmDisplay(LineDisplay):
 
     def update(self, state) -> None:
         self.vitals.maybe_sample(state)
+        self.rank_output.tick()  # the ranks' tabs (Jupyter)
         now = time.monotonic()
         if state.version == self._seen or now - self._last < self.interval:
             return

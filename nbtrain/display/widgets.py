@@ -321,6 +321,7 @@ class WidgetDisplay(QuietDisplay):
 
     def update(self, state) -> None:
         self.vitals.maybe_sample(state)
+        self.rank_output.tick()  # the ranks' tabs (Jupyter)
         now = time.monotonic()
         if now - self._drawn < self._interval or self.ok is not None:  # after finish: nothing live to draw
             return

@@ -12,7 +12,9 @@ this pause, valid until the rank goes on.
 from __future__ import annotations
 
 import bdb
+import json
 import linecache
+import os
 import queue
 import reprlib
 import sys
@@ -21,6 +23,7 @@ import threading
 from ..common import protocol
 
 STEPS = ("continue", "next", "stepIn", "stepOut")
+BREAKPOINTS_VAR = "NBTRAIN_BREAKPOINTS"  # the panel's breakpoints, for a rank not forked from the kernel
 MAX_CHILDREN = 300  # items of a list or dict shown under it
 _repr = reprlib.Repr()
 _repr.maxstring = _repr.maxother = 200
@@ -48,6 +51,8 @@ class RankDebugger(bdb.Bdb):
         traces inherits its tracer, whose threads and socket stayed in the kernel: a breakpoint
         would wait for them forever. Off, here: the rank's own debugger is this one."""
         self.link, self._last_failure = link, last_failure
+        for args in json.loads(os.environ.pop(BREAKPOINTS_VAR, "[]")):  # before the rank's first command runs
+            self.set_breakpoints(args["source"]["path"], args["breakpoints"], args.get("content"))
         tracing = sys.modules.get("pydevd_tracing")
         if tracing is not None:
             tracing.restore_sys_set_trace_func()  # its sys.settrace warns at every call, in every rank

@@ -6,8 +6,9 @@ requests about a rank go to the rank over nbtrain's authenticated channel, where
 tracer answers (`rank/debugger.py`); all others go to ipykernel's as before, so the kernel's own
 breakpoints keep working. The ranks are threads beside the kernel's (`rank 0`, `rank 1`, ...):
 
-- `setBreakpoints` sets the kernel's, then every connected rank's (a rank forked later starts
-  with them: the kernel's copy of the rank's debugger holds them too);
+- `setBreakpoints` sets the kernel's, then every connected rank's (a rank started later starts
+  with them: forked, the kernel's copy of the rank's debugger holds them; otherwise its
+  environment does, `breakpoints_environ`);
 - `threads` lists the kernel's threads, then each rank of each pool (live ranks, a launch);
 - `stackTrace`, `continue`/`next`/`stepIn`/`stepOut` with a rank's thread id, `scopes` and
   `evaluate` with a rank's frame id, `variables` with a rank's reference go to that rank;
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import json
 import logging
 import queue
 import sys
@@ -29,6 +31,7 @@ import threading
 import weakref
 
 from ...common import protocol
+from ...rank.debugger import BREAKPOINTS_VAR
 from ...rank.debugger import DEBUGGER as IN_KERNEL
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,8 @@ THREAD_BASE = 1 << 30  # a rank's thread id: far above debugpy's, which counts f
 REF_BASE = 1 << 40  # frame ids and variable references of ranks, as the client sees them
 ANSWER_SECONDS = 30.0  # a rank that does not answer a request by then is said to be busy
 STEPS = ("continue", "next", "stepIn", "stepOut")
+UNREACHABLE = ("nbtrain: the breakpoints in this %%nbtrain cell do not stop its ranks (its body runs there as code "
+               "of its own): to stop there, put the code in a function and nbtrain.launch it, or run it with %%ranks.")
 BY_THREAD = STEPS + ("stackTrace", "pause")
 BY_FRAME = ("scopes", "evaluate")
 
@@ -95,6 +100,17 @@ class RanksDebugger:
 
     def note_cell(self, info) -> None:
         self.raw_cell = info.raw_cell
+        if self._unreachable(info.raw_cell):
+            print(UNREACHABLE)
+
+    def _unreachable(self, raw: str | None) -> bool:
+        """A `%%nbtrain` cell with breakpoints set in its gutter: its body runs on the ranks as code
+        of its own (`rank/cell.py`), never on the lines the panel knows."""
+        if not raw or not raw.lstrip().startswith("%%nbtrain") or not self.breakpoints:
+            return False
+        from ipykernel.compiler import get_file_name
+
+        return bool(self.breakpoints.get(get_file_name(raw), {}).get("breakpoints"))
 
     # -- the control thread: every debug_request -------------------------------------------------
     async def process_request(self, message: dict) -> dict:
@@ -323,6 +339,18 @@ def post_mortem(rank: int) -> bool:
 def sync() -> None:
     if _active:
         _active[0].sync()
+
+
+def breakpoints_environ() -> dict[str, str]:
+    """The breakpoints set in the panel, for the environment of ranks about to start (empty when
+    none is set: a rank then pays nothing). A rank forked from the kernel inherits them; one
+    started by the warm template, spawn or a cluster reads them here before it runs any code, so
+    a breakpoint stops its first command too. Each file's text goes along (dumpCell wrote it on
+    this machine only)."""
+    files = list(_active[0].breakpoints.values()) if _active else []  # a copy: the control thread sets them
+    if not any(args["breakpoints"] for args in files):
+        return {}
+    return {BREAKPOINTS_VAR: json.dumps(files)}
 
 
 def cell_for_ranks(shell, cell: str) -> tuple[str, str] | None:

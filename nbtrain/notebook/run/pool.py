@@ -35,7 +35,7 @@ from ...placements.base import describe_exit
 from ...rank.process import STACKS_SIGNAL
 from . import stacks
 from .chatter import Chatter
-from .debugger import DebugPort
+from .debugger import DebugPort, breakpoints_environ
 from .runmodel import RunState
 from .supervisor import CONNECTION_CLOSED, NOT_SENT, Supervisor
 
@@ -159,8 +159,8 @@ class Pool:
             state = self._state = RunState(self._title(), job.ranks)
             display.start(state)
             step = "starting the ranks (their output pipes and channels)"
-            self._launcher.start_ranks(job, {**self._hub.environ, **(self._files.environ if self._files else {})},
-                                       self._reader, self._processes)
+            self._launcher.start_ranks(job, {**self._hub.environ, **(self._files.environ if self._files else {}),
+                                             **breakpoints_environ()}, self._reader, self._processes)
         except OSError as exc:
             raise out_of_files(exc, step, len(job.ranks)) from exc
         self._hub.start()
