@@ -68,10 +68,18 @@ def warm_kernel() -> None:
 
 
 def wants_warm_kernel(job: Job) -> bool:
-    """Whether `warm_kernel` pays before forking `job`'s ranks: when a rank of this kernel has
-    needed it already, or when the launch's code names what needs it. Live ranks start without
-    it: their commands come later, and a start that never trains does not pay ~1 s for it."""
-    return bool(_ranks_imported_dynamo[0]) or (not job.live and names_dynamo_users(job.fn, job.args, job.kwargs))
+    """Whether `warm_kernel` runs before forking `job`'s ranks: when a rank of this kernel has
+    needed it already, or when the launch's code names what needs it (or the kernel has it: then
+    it costs nothing). Live ranks start without it: their commands come later, and a start that
+    never trains does not pay ~1 s for it."""
+    if _warm or "torch._dynamo" in sys.modules or _ranks_imported_dynamo[0]:
+        return True
+    if job.live:
+        return False
+    try:
+        return names_dynamo_users(job.fn, job.args, job.kwargs)
+    except Exception:  # an object that fails when looked at (a proxy's __class__): warm, as before
+        return True
 
 
 def names_dynamo_users(*roots, limit: int = 500) -> bool:
