@@ -62,6 +62,8 @@ def nb(kernel):
     ok(kernel, SETUP)
     out, _ = ok(kernel, "%nbtrain start --devices 2 --accelerator cpu")
     assert "2 live ranks (fork, 2 CPU ranks, gloo) ready" in out
+    # Started without torch._dynamo (~1-2 s): the kernel imports it only once its ranks need it.
+    assert kernel.value("'torch._dynamo' in __import__('sys').modules") is False
     yield kernel
     ok(kernel, "%nbtrain stop")
     assert kernel.value("children()") == []
@@ -251,8 +253,12 @@ def test_a_dead_rank_is_named_and_work_refused_until_restart(nb):
 
 
 def test_launch_works_beside_live_ranks(nb):
-    ok(nb, "r = nbtrain.launch(lambda: nbtrain.context().rank, devices=2, accelerator='cpu', start='fork', progress=False)")
-    assert nb.value("r.values, ranks.eval('ctx.rank')") == ([0, 1], [0, 1])
+    ok(nb, STATE)  # the ranks built DDP and an optimizer, importing torch._dynamo each
+    # A launch whose code names nothing that needs it forks from a kernel that imported it first, as
+    # its ranks needed it: they share it.
+    ok(nb, "r = nbtrain.launch(lambda: (nbtrain.context().rank, 'torch._dynamo' in __import__('sys').modules), "
+           "devices=2, accelerator='cpu', start='fork', progress=False)")
+    assert nb.value("r.values, ranks.eval('ctx.rank')") == ([(0, True), (1, True)], [0, 1])
 
 
 def test_magic_mistakes_are_one_line_usage_errors(nb):
