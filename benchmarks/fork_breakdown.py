@@ -44,7 +44,7 @@ def _instrument() -> None:
     spans: dict[str, float] = {}
     _timed(processes, "die_with_parent", "die_with_parent", spans)
     _timed(loop.Link, "from_environ", "the channel (Link)", spans)
-    fork_main, run = processes._fork_main, loop.RankLoop._do_run
+    fork_main, run = processes.fork_main, loop.RankLoop._do_run
 
     def forked(*args):
         spans["t0"] = time.perf_counter()
@@ -56,7 +56,7 @@ def _instrument() -> None:
             marks.write(json.dumps(spans) + "\n")
         return run(self, command)
 
-    processes._fork_main, loop.RankLoop._do_run = forked, reached
+    processes.fork_main, loop.RankLoop._do_run = forked, reached
 
 
 def empty():

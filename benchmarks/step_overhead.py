@@ -136,7 +136,7 @@ def _display(variant: str):
 def measure(repeats: int, steps: int) -> dict[str, dict[str, list[float]]]:
     """Per variant, interleaved (raw, quiet, line, widgets, raw, ...): steps/s of each run and the
     launching process's CPU use during it (% of one core: supervisor, channel and display)."""
-    from nbtrain.placements.processes import warm_kernel
+    from nbtrain.placements.warm import warm_kernel
 
     warm_kernel()  # the fork launchers then start equally warm
     for variant in VARIANTS[1:]:  # first-use imports (ipywidgets, gloo) happen here, untimed

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import nbtrain
-from nbtrain.placements.processes import names_dynamo_users
+from nbtrain.placements.warm import names_dynamo_users
 
 
 def joins():

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
-import itertools
-import mmap
 import os
 import select
 import signal
@@ -29,175 +26,15 @@ from ..common.channel import FD_VAR
 from ..common.preflight import check_fork
 from ..common.transfer import pack_job
 from ..rank import spawned
-from ..rank.loop import serve
-from ..rank.process import PARENT_THREAD_VAR, become_rank
+from ..rank.forked import fork_main, quiet_stdin
+from ..rank.process import PARENT_THREAD_VAR
 from .base import Job, ProcessLauncher, RankProcess, rank_environ
-
-_warm = False
-# Set to 1 by a forked rank that imported torch._dynamo (`_DynamoNoticed`): an anonymous shared
-# page, the same one in the kernel and in every fork of it.
-_ranks_imported_dynamo = mmap.mmap(-1, 1)
-# Names whose use in a rank imports torch._dynamo (~800 modules, sympy's among them; ~1-2 s): an
-# optimizer (its methods are wrapped by `torch._disable_dynamo`, so constructing one imports it),
-# DDP (its constructor reads dynamo's config), torch.compile, activation checkpointing, and the
-# trainers and wrappers that build them. torch.optim's own names are added where it is imported.
-_DYNAMO_USERS = frozenset({"optim", "setup", "prepare", "DistributedDataParallel", "DDP", "FullyShardedDataParallel",
-                           "FSDP", "fully_shard", "compile", "checkpoint", "Trainer", "Fabric", "Accelerator",
-                           "initialize"})
-_LIBRARIES = frozenset({"nbtrain", "torch", *sys.stdlib_module_names})  # their code is read for no one
+from .warm import dynamo_page, wants_warm_kernel, warm_kernel
 
 
 def parent_thread() -> dict[str, str]:
     """What a rank must know of the thread starting it (see `die_with_parent`)."""
     return {} if threading.current_thread() is threading.main_thread() else {PARENT_THREAD_VAR: "other"}
-
-
-def warm_kernel() -> None:
-    """Import once, in the kernel, what every rank would otherwise import after the fork.
-
-    Building DistributedDataParallel or an optimizer lazily imports ~800 modules (~1 s); forked
-    ranks share what the kernel already holds. Synchronously: a fork during an import deadlocks
-    the child.
-    """
-    global _warm
-    if not _warm:
-        import torch._dynamo  # noqa: F401
-        import torch.nn.parallel.distributed  # noqa: F401
-
-        _warm = True
-
-
-def wants_warm_kernel(job: Job) -> bool:
-    """Whether `warm_kernel` runs before forking `job`'s ranks: when a rank of this kernel has
-    needed it already, or when the launch's code names what needs it (or the kernel has it: then
-    it costs nothing). Live ranks start without it: their commands come later, and a start that
-    never trains does not pay ~1 s for it."""
-    if _warm or "torch._dynamo" in sys.modules or _ranks_imported_dynamo[0]:
-        return True
-    if job.live:
-        return False
-    try:
-        return names_dynamo_users(job.fn, job.args, job.kwargs)
-    except Exception:  # an object that fails when looked at (a proxy's __class__): warm, as before
-        return True
-
-
-def names_dynamo_users(*roots, limit: int = 500) -> bool:
-    """Whether code reachable from `roots` names something that imports torch._dynamo in a rank
-    (`_DYNAMO_USERS`): the names of functions, and what they reach through their closures,
-    defaults and the globals they name, partials, methods, classes and the fields of objects
-    (nbtrain's own wrappers hold the user's function so). Not the code of torch, nbtrain or the
-    standard library. True too when there is more than `limit` objects to read: warm, to be safe.
-    A miss costs one launch: its ranks import it each, and say so (`_ranks_imported_dynamo`)."""
-    optim = sys.modules.get("torch.optim")
-    users = _DYNAMO_USERS.union(getattr(optim, "__all__", ()))
-    seen: set[int] = set()
-    todo = list(roots)
-    while todo:
-        obj = todo.pop()
-        if isinstance(obj, (str, bytes, int, float, types.ModuleType)) or obj is None or id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if len(seen) > limit:
-            return True
-        if isinstance(obj, types.FunctionType):
-            if _library(obj):
-                todo += [cell.cell_contents for cell in obj.__closure__ or () if _filled(cell)]
-                continue
-            names = {name for code in _codes(obj.__code__) for name in code.co_names}
-            if names & users:
-                return True
-            todo += [obj.__globals__[name] for name in names if name in obj.__globals__]
-            todo += [cell.cell_contents for cell in obj.__closure__ or () if _filled(cell)]
-            todo += [*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
-        elif isinstance(obj, types.MethodType):
-            todo += [obj.__func__, obj.__self__]
-        elif isinstance(obj, functools.partial):
-            todo += [obj.func, *obj.args, *obj.keywords.values()]
-        elif isinstance(obj, (tuple, list, set, frozenset)):
-            todo += itertools.islice(obj, 100)
-        elif isinstance(obj, dict):
-            todo += itertools.islice(obj.values(), 100)
-        elif isinstance(obj, type):  # its methods, and those of its bases that are not a library's
-            todo += [getattr(value, "__func__", value) for klass in obj.__mro__ if not _library(klass)
-                     for value in vars(klass).values() if isinstance(value, (types.FunctionType, staticmethod,
-                                                                             classmethod))]
-        else:
-            try:
-                fields = vars(obj)
-            except Exception:  # no __dict__ (a number array), or an odd object's own error: nothing to read
-                continue
-            todo += [type(obj), *itertools.islice(fields.values(), 100)]
-    return False
-
-
-def _library(obj) -> bool:
-    return (getattr(obj, "__module__", None) or "").partition(".")[0] in _LIBRARIES
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - an empty cell raises
-    except ValueError:
-        return False
-    return True
-
-
-def _codes(code: types.CodeType):
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _codes(const)
-
-
-class _DynamoNoticed:
-    """In a forked rank of a kernel without torch._dynamo: when the rank imports it, the kernel
-    is told (the shared page), and imports it before its next fork, so the ranks it forks then
-    share it. A finder that finds nothing: the import goes on as it would."""
-
-    @staticmethod
-    def find_spec(name, path=None, target=None):
-        if name == "torch._dynamo":
-            _ranks_imported_dynamo[0] = 1
-
-
-def _fork_main(first, live, env, stdout_fd, stderr_fd, inherited_fds, parent_pid, watcher):
-    for fd in inherited_fds:  # other ranks' pipe and channel ends: holding them would hide their EOF
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _close_listening_sockets()
-    if not _warm:
-        sys.meta_path.insert(0, _DynamoNoticed)
-    become_rank(parent_pid, env, stdout_fd, stderr_fd, forked=True, watcher=watcher)
-
-    os._exit(serve(first, once=not live, live=live, exits=True))
-
-
-def _close_listening_sockets() -> None:
-    """A fork holds copies of the kernel's listening sockets (Jupyter's, the channel's): while it
-    lives, their ports would stay bound after the kernel is gone. A rank uses none of them."""
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:  # not Linux
-        return
-    for name in names:
-        fd = int(name)
-        if fd <= 2:
-            continue
-        try:
-            sock = socket.socket(fileno=fd)  # borrows the descriptor; detached below
-        except OSError:  # not a socket (or already closed: the listing's own descriptor)
-            continue
-        try:
-            listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-        except OSError:
-            listening = 0
-        finally:
-            sock.detach()
-        if listening:
-            os.close(fd)
 
 
 def _own_group(pid: int) -> None:
@@ -216,20 +53,12 @@ def _fork(target, *args) -> int:
     pid = os.fork()
     if pid == 0:
         try:
-            _quiet_stdin()
+            quiet_stdin()
             target(*args)
         except BaseException:  # noqa: B036 - a fork must never return into the kernel's code
             traceback.print_exc()
         os._exit(1)  # reached only where the target failed before its own exit
     return pid
-
-
-def _quiet_stdin() -> None:
-    """A rank reads nothing from the kernel's stdin: an `input()` there reads end-of-file at once."""
-    try:
-        sys.stdin = open(os.devnull, encoding="utf-8")  # the process's stdin for its life
-    except OSError:
-        pass
 
 
 def _forked(pid: int, ranks: list[int]) -> RankProcess:
@@ -358,14 +187,14 @@ class ForkLauncher(ProcessLauncher):
                 env.setdefault("TOKENIZERS_PARALLELISM", os.environ.get("TOKENIZERS_PARALLELISM", "false"))
                 out_w, err_w = pipes.write_ends[rank]
                 others = [fd for fd in every_end if fd not in (out_w, err_w, theirs.fileno())]
-                forks[rank] = (job.first, job.live, env, out_w, err_w, others, os.getpid(), watcher)
+                forks[rank] = (job.first, job.live, env, out_w, err_w, others, os.getpid(), watcher, dynamo_page())
             with warnings.catch_warnings():
                 # A kernel always has threads (Python 3.12+ warns on every fork). The child
                 # touches none of their state: it replaces the kernel's streams and runs
                 # only the rank's own code; the kernel was warmed before forking.
                 warnings.filterwarnings("ignore", message=".*multi-threaded, use of fork", category=DeprecationWarning)
                 for rank, args in forks.items():
-                    pid = _fork(_fork_main, *args)
+                    pid = _fork(fork_main, *args)
                     _own_group(pid)
                     started.append(_forked(pid, [rank]))
             # Served once every rank is forked: a reading thread's start (1-2 ms here, the new rank
