@@ -11,6 +11,7 @@ import nbtrain
 from conftest import CHILDREN, running
 from nbtrain.common import protocol
 from nbtrain.common.errors import WorkerError
+from nbtrain.notebook.background import WATCHING
 from nbtrain.notebook.steer import SteerError
 from nbtrain.rank.context import Context
 from nbtrain.rank.steer import Steering
@@ -254,6 +255,28 @@ def test_a_submitted_run_is_steered_from_its_run_object(tmp_path, no_leftovers):
         assert result.metrics("lr", rank) == [LR] * step + [NEW_LR] * (stopped - step), f"rank {rank}"
 
 
+@pytest.mark.slow
+def test_a_fork_waits_until_a_watching_thread_is_between_messages():
+    """A fork copies the locks its other threads hold, held for ever in the child: it waits for
+    a background run's watching thread to stop drawing (`WATCHING`)."""
+    holding, drawn = threading.Event(), []
+
+    def draw():
+        with WATCHING:
+            holding.set()
+            time.sleep(0.3)  # drawing: the kernel's stdout or the widgets' comm held
+            drawn.append(True)
+
+    watcher = threading.Thread(target=draw)
+    watcher.start()
+    holding.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if drawn else 1)  # the child's copy of the draw: finished
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "forked in the middle of a draw"
+    watcher.join(10)
+
+
 # -- without processes -------------------------------------------------------------------------
 
 def test_bad_input_is_refused_before_anything_starts():
@@ -338,6 +361,8 @@ def test_a_background_run_frees_the_kernel_and_a_later_ctrl_c_does_not_reach_it(
         pass
     assert reply["content"]["ename"] == "KeyboardInterrupt"
     assert kernel.value("run.done()") is False
+    # A second launch forks the kernel while the first is watched (and drawn) from its thread.
+    assert kernel.value("nbtrain.launch(lambda: 7, devices=2, accelerator='cpu', start='fork').values") == [7, 7]
     step = kernel.value("run.pause()")
     assert kernel.value("run.call(lambda step: step)") == [step, step]
     assert kernel.value("run.stop()") >= step

@@ -5,9 +5,17 @@ kernel's main thread holds); the supervisor then watches them from a thread of i
 kernel is free for other cells and a later cell's Ctrl-C, which IPython raises on the main thread
 only, never reaches the run. `cancel()` is the run's Ctrl-C: the watching thread takes it as the
 supervisor takes the kernel's. Steering (`steer.py`) talks to the ranks through the same pool.
+
+A later launch may fork the kernel while a run is watched: the fork copies whatever lock the
+watching thread holds at that moment (the kernel's stdout as it prints, the widgets' comm as it
+draws) into the new ranks, held for ever. So the watching thread holds `WATCHING` whenever it
+does anything but wait for the ranks' next message, and every fork of this process waits for it
+first (`os.register_at_fork`): the ranks of a second launch are forked while the watcher waits.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
 import time
@@ -23,6 +31,33 @@ if TYPE_CHECKING:
     from .result import Result
 
 CANCEL_WAIT = 30.0  # seconds `cancel()` waits for the ranks to be stopped
+FORK_WAIT = 10.0  # seconds a fork waits for a watching thread to finish what it does (then forks anyway)
+
+WATCHING = threading.Lock()  # held by a background run's watching thread, except while it waits
+_forking = threading.local()
+
+
+def _before_fork() -> None:
+    _forking.held = WATCHING.acquire(timeout=FORK_WAIT)
+
+
+def _after_fork() -> None:
+    if getattr(_forking, "held", False):
+        _forking.held = False
+        WATCHING.release()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+
+
+@contextlib.contextmanager
+def waiting():
+    """Let forks happen while this watching thread waits (it holds `WATCHING` otherwise)."""
+    WATCHING.release()
+    try:
+        yield
+    finally:
+        WATCHING.acquire()
 
 
 def check_background(start: str, max_restarts: int) -> None:
@@ -46,6 +81,7 @@ class BackgroundPool(Pool):
         self._watching: tuple | None = None
         self._cancel = threading.Event()
         self._cancelled = False
+        self._watcher: threading.Thread | None = None
 
     def _watch(self, state, display, timeout, start_timeout, interrupt=None) -> None:
         if self._watching is None:  # `start` on the caller's thread: the ranks are started, the watch waits
@@ -54,8 +90,9 @@ class BackgroundPool(Pool):
         super()._watch(state, display, timeout, start_timeout, interrupt)
 
     def watch(self) -> None:
-        """Watch the run to its end (on the run's thread)."""
+        """Watch the run to its end (on the run's thread, which holds `WATCHING`)."""
         assert self._watching is not None, "started first"
+        self._watcher = threading.current_thread()
         super()._watch(*self._watching)
 
     def cancel(self) -> None:
@@ -67,7 +104,9 @@ class BackgroundPool(Pool):
             if self._cancel.is_set() and not self._cancelled:
                 self._cancelled = True
                 raise KeyboardInterrupt  # as the kernel's Ctrl-C reaches a launch that waits
-            message = super().receive(min(max(deadline - time.monotonic(), 0.0), 0.1))
+            wait = min(max(deadline - time.monotonic(), 0.0), 0.1)
+            with waiting() if threading.current_thread() is self._watcher else contextlib.nullcontext():
+                message = super().receive(wait)
             if isinstance(message, protocol.STEER_REPLIES):
                 self.replies.put(message)
             else:
@@ -117,7 +156,8 @@ class BackgroundRun:
 
     def _run(self, finish) -> None:
         try:
-            self._result = finish()
+            with WATCHING:  # a fork waits while this thread draws, closes, makes the Result
+                self._result = finish()
             self._result.changes = list(self._steer.changes)
         except BaseException as exc:  # handed to whoever asks for the result
             self._error = exc
