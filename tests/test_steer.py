@@ -1,5 +1,6 @@
 """Steering a run in the background (`launch(wait=False)`): every rank applies each change at the same step."""
 import os
+import re
 import threading
 import time
 from concurrent.futures import CancelledError
@@ -9,8 +10,11 @@ import torch
 
 import nbtrain
 from conftest import CHILDREN, running
-from nbtrain.common import protocol
+from nbtrain.common import protocol, runlog
 from nbtrain.common.errors import WorkerError
+from nbtrain.display import chart
+from nbtrain.display.chart import MetricSeries, chart_html
+from nbtrain.display.figure import metrics_figure
 from nbtrain.notebook.background import WATCHING
 from nbtrain.notebook.steer import SteerError
 from nbtrain.rank.context import Context
@@ -95,8 +99,8 @@ def test_every_rank_applies_each_change_at_the_same_step(start, ranks, backgroun
     assert stopped >= step
     result = run.result(timeout=120)
     assert run.done()
-    assert [(c.step, c.what) for c in result.changes] == [(step, "call"), (step, "set"), (step, "call"),
-                                                           (stopped, "stop")]
+    assert [(c.step, c.what) for c in result.changes] == [(step, "pause"), (step, "call"), (step, "set"),
+                                                           (step, "call"), (step, "resume"), (stopped, "stop")]
     for rank in range(ranks):
         lrs = result.metrics("lr", rank)
         # The steps before the agreed one used the old lr, every step after it the new one, and none was run after the stop.
@@ -208,7 +212,7 @@ def test_a_checkpoint_at_the_agreed_step_loads_back(background, tmp_path):
     held = run.call(parameters)[0]
     run.checkpoint(tmp_path / "ckpt")
     run.stop()
-    assert [c.what for c in run.result(timeout=60).changes] == ["call", "checkpoint", "stop"]
+    assert [c.what for c in run.result(timeout=60).changes] == ["pause", "call", "checkpoint", "stop"]
     for loaded_step, loaded in nbtrain.launch(load, tmp_path / "ckpt", devices=2, accelerator="cpu", start="fork",
                                               progress=False).values:
         assert loaded_step == step and all(torch.equal(a, b) for a, b in zip(held, loaded))
@@ -250,7 +254,11 @@ def test_a_submitted_run_is_steered_from_its_run_object(tmp_path, no_leftovers):
     finally:
         if run.status not in ("finished", "failed", "cancelled"):
             run.cancel()
-    assert [(c.step, c.what) for c in result.changes] == [(step, "set"), (step, "call"), (stopped, "stop")]
+    assert [(c.step, c.what) for c in result.changes] == [(step, "pause"), (step, "set"), (step, "call"),
+                                                           (stopped, "stop")]
+    # The changes are run events in its log: a kernel that attaches later reads them (and marks the chart).
+    logged = [e for _, e in runlog.Tail(run.dir / runlog.EVENTS).read() if isinstance(e, protocol.Change)]
+    assert logged == result.changes
     for rank in (0, 1):
         assert result.metrics("lr", rank) == [LR] * step + [NEW_LR] * (stopped - step), f"rank {rank}"
 
@@ -325,6 +333,22 @@ def test_a_rank_holds_at_the_target_step_and_reports_each_step_it_holds_at():
     steering.on_message(protocol.SteerResume())
     main.join(10)
     assert not main.is_alive() and steering.steps == 6 and steering.stopping
+
+
+def test_the_chart_and_the_summary_figure_mark_each_change_at_its_step():
+    history = [protocol.Metric(s, 0, "loss", 1.0 / (s + 1), False) for s in range(20)]
+    series = MetricSeries()
+    series.consume(history)
+    changes = [protocol.Change(8, "pause", "paused", 0.0), protocol.Change(8, "set", "set lr=0.01", 0.0),
+               protocol.Change(12, "stop", "stopped", 0.0)]
+    marks = re.findall(r'<g class="nbtrain-change"><title>([^<]*)</title><line x1="([\d.]+)"[^>]*/><text[^>]*>([^<]*)<',
+                       chart_html(series, changes))
+    x = [chart.LEFT + s / 19 * (chart.WIDTH - chart.LEFT - chart.RIGHT) for s in (8, 12)]  # steps 0..19 span the axis
+    assert [(said, round(float(at)), label) for said, at, label in marks] == [
+        ("step 8: paused; step 8: set lr=0.01", round(x[0]), "pause · set lr=0.01"), ("step 12: stopped", round(x[1]), "stop")]
+    ax = metrics_figure(history, changes=changes).axes[0]  # the PNG a notebook keeps
+    assert [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == "--"] == [8, 12]
+    assert [text.get_text() for text in ax.texts] == ["pause · set lr=0.01", "stop"]
 
 
 # -- from a real Jupyter kernel --------------------------------------------------------------------

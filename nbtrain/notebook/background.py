@@ -147,7 +147,7 @@ class BackgroundRun:
         self._result: Result | None = None
         self._error: BaseException | None = None
         self._cancelled = False
-        self._steer = Steerer(pool, self._going, self._step_time, display.note)
+        self._steer = Steerer(pool, self._going, self._step_time, self._told)
         self._thread = threading.Thread(target=self._run, args=(finish,), name="nbtrain-background-run", daemon=True)
 
     def _start(self) -> BackgroundRun:
@@ -158,7 +158,6 @@ class BackgroundRun:
         try:
             with WATCHING:  # a fork waits while this thread draws, closes, makes the Result
                 self._result = finish()
-            self._result.changes = list(self._steer.changes)
         except BaseException as exc:  # handed to whoever asks for the result
             self._error = exc
 
@@ -206,6 +205,12 @@ class BackgroundRun:
         self._pool.cancel()
         self._thread.join(CANCEL_WAIT)
         return True
+
+    def _told(self, change: protocol.Change) -> None:
+        """A change made on every rank: into the run's model (its events, the chart's marks), and said."""
+        if self._pool.state is not None:
+            self._pool.state.add_change(change)
+        self._display.note(f"step {change.step}: {change.detail} on every rank")
 
     def _going(self) -> None:
         """Raise when the run is over: its error, or that it ended."""

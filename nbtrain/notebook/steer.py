@@ -35,12 +35,13 @@ class Steerer:
     """Pause, act and resume a background run's ranks through its pool (`background.BackgroundPool`).
 
     `going()` raises when the run is over (its error, or a word that it ended); `step_time()` is
-    the run's recent step time in seconds, or None; `note(line)` tells the live view.
+    the run's recent step time in seconds, or None; `told(change)` hears each change made (the
+    run's model and live view).
     """
 
     def __init__(self, pool, going: Callable[[], None], step_time: Callable[[], float | None],
-                 note: Callable[[str], None]):
-        self._pool, self._going, self._step_time, self._note = pool, going, step_time, note
+                 told: Callable[[protocol.Change], None]):
+        self._pool, self._going, self._step_time, self._told = pool, going, step_time, told
         self.ranks = list(pool.ranks)
         self.held_at: int | None = None  # the step every rank holds at, while paused
         self.changes: list[protocol.Change] = []
@@ -48,6 +49,22 @@ class Steerer:
 
     # -- pause and resume ------------------------------------------------------------------
     def pause(self, timeout: float = PAUSE_TIMEOUT) -> int:
+        """`run.pause()`: `hold`, remembered as a change."""
+        if self.held_at is not None:
+            self._going()
+            return self.held_at
+        step = self.hold(timeout)
+        self._record(step, "pause", "paused")
+        return step
+
+    def resume(self) -> None:
+        """`run.resume()`: `release`, remembered as a change when the ranks were held."""
+        step = self.held_at
+        self.release()
+        if step is not None:
+            self._record(step, "resume", "resumed")
+
+    def hold(self, timeout: float = PAUSE_TIMEOUT) -> int:
         """Hold every rank at one step boundary; the step (already held: that step)."""
         self._going()  # a run that ended while paused holds nothing
         if self.held_at is not None:
@@ -96,7 +113,7 @@ class Steerer:
         step = self._step_time()
         return min(max(2 * step, GRACE[0]), GRACE[1]) if step else GRACE[0]
 
-    def resume(self) -> None:
+    def release(self) -> None:
         """Let every rank go on from the boundary it holds at."""
         if self.held_at is None:
             return
@@ -108,17 +125,21 @@ class Steerer:
         """Do `what` on every rank at the agreed step (pausing first, and resuming after, when the
         run was not paused); every rank's answer, in rank order."""
         paused_here = self.held_at is None
-        step = self.pause()
+        step = self.hold()
         try:
             self._seq += 1
             self._send(protocol.SteerApply(self._seq, what, payload))
             answers = self._answers(self._seq, timeout)
         finally:
             if paused_here or what == "stop":  # a stopped run's ranks leave their loops at this boundary
-                self.resume()
-        self.changes.append(protocol.Change(step, what, detail, time.time()))
-        self._note(f"step {step}: {detail} on every rank")
+                self.release()
+        self._record(step, what, detail)
         return answers
+
+    def _record(self, step: int, what: str, detail: str) -> None:
+        change = protocol.Change(step, what, detail, time.time())
+        self.changes.append(change)
+        self._told(change)
 
     def _answers(self, seq: int, timeout: float | None) -> list:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -160,7 +181,7 @@ class Steerer:
         self.apply("checkpoint", pickle.dumps((str(path),)), f"checkpoint saved to {path}", timeout)
 
     def stop(self, timeout: float) -> int:
-        step = self.pause(timeout)
+        step = self.hold(timeout)
         self.apply("stop", None, "stopped", None)
         return step
 
