@@ -618,8 +618,8 @@ class Change(NamedTuple):
 
 STEER_REPLIES = (SteerHeld, SteerDone)
 URGENT |= set(STEER_REPLIES)
-RUN_EVENTS += (Change,)  # in the run's own log: a kernel that attaches marks it on the chart too
-LOGGED[Change.kind] = Change  # type: ignore[attr-defined]  # set by @_kind
+RUN_EVENTS += (Change,)  # type: ignore[assignment]  # in the run's own log: a kernel that attaches marks it on the chart too
+LOGGED[Change.kind] = Change  # type: ignore[assignment, attr-defined]  # kind: set by @_kind
 
 
 # -- the notebook's visual debugger on the ranks (notebook/debugger.py <-> rank/debugger.py) ------
