@@ -15,6 +15,7 @@ from nbtrain.common.errors import WorkerError
 from nbtrain.display import chart
 from nbtrain.display.chart import MetricSeries, chart_html
 from nbtrain.display.figure import metrics_figure
+from nbtrain.notebook import exported_job
 from nbtrain.notebook.background import WATCHING
 from nbtrain.notebook.steer import SteerError
 from nbtrain.rank.context import Context
@@ -249,18 +250,26 @@ def test_a_submitted_run_is_steered_from_its_run_object(tmp_path, no_leftovers):
         step = nbtrain.attach(run.dir).pause(timeout=120)  # from any kernel: a Run read back from the directory
         run.set(lr=NEW_LR)
         assert run.call(lambda step: step) == [step, step]
+        run.resume()
+        time.sleep(0.3)
         stopped = run.stop()
         result = run.result(timeout=120)
     finally:
         if run.status not in ("finished", "failed", "cancelled"):
             run.cancel()
     assert [(c.step, c.what) for c in result.changes] == [(step, "pause"), (step, "set"), (step, "call"),
-                                                           (stopped, "stop")]
+                                                           (step, "resume"), (stopped, "stop")]
     # The changes are run events in its log: a kernel that attaches later reads them (and marks the chart).
     logged = [e for _, e in runlog.Tail(run.dir / runlog.EVENTS).read() if isinstance(e, protocol.Change)]
     assert logged == result.changes
     for rank in (0, 1):
         assert result.metrics("lr", rank) == [LR] * step + [NEW_LR] * (stopped - step), f"rank {rank}"
+    # Its export makes the set and the stop again at their steps (and job.py lists every change).
+    job = run.export(tmp_path / "job")
+    assert f"#   step {step}: set lr={NEW_LR}\n" in (job / "job.py").read_text()
+    fn, args, kwargs, _ = exported_job._load(job, "train")  # as run.sh loads it
+    replayed = nbtrain.launch(fn, *args, devices=2, accelerator="cpu", start="fork", progress=False, timeout=60, **kwargs)
+    assert [replayed.metrics("lr", rank) for rank in (0, 1)] == [result.metrics("lr", rank) for rank in (0, 1)]
 
 
 @pytest.mark.slow

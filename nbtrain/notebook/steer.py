@@ -121,7 +121,8 @@ class Steerer:
         self.held_at = None
 
     # -- acting at the boundary --------------------------------------------------------------
-    def apply(self, what: str, payload: bytes | None, detail: str, timeout: float | None) -> list:
+    def apply(self, what: str, payload: bytes | None, detail: str, timeout: float | None,
+              args: dict | None = None) -> list:
         """Do `what` on every rank at the agreed step (pausing first, and resuming after, when the
         run was not paused); every rank's answer, in rank order."""
         paused_here = self.held_at is None
@@ -133,11 +134,11 @@ class Steerer:
         finally:
             if paused_here or what == "stop":  # a stopped run's ranks leave their loops at this boundary
                 self.release()
-        self._record(step, what, detail)
+        self._record(step, what, detail, args)
         return answers
 
-    def _record(self, step: int, what: str, detail: str) -> None:
-        change = protocol.Change(step, what, detail, time.time())
+    def _record(self, step: int, what: str, detail: str, args: dict | None = None) -> None:
+        change = protocol.Change(step, what, detail, time.time(), args)
         self.changes.append(change)
         self._told(change)
 
@@ -175,10 +176,12 @@ class Steerer:
             raise TypeError(f"run.set({', '.join(f'{k}={v!r}' for k, v in bad.items())}): a param group's value is a "
                             "number (or a tuple, such as Adam's betas).")
         words = ", ".join(f"{k}={v!r}" for k, v in values.items())
-        return self.apply("set", pickle.dumps((values, optimizer)), f"set {words}", timeout)
+        return self.apply("set", pickle.dumps((values, optimizer)), f"set {words}", timeout,
+                          {"values": values, "optimizer": optimizer})
 
     def checkpoint(self, path, timeout: float | None) -> None:
-        self.apply("checkpoint", pickle.dumps((str(path),)), f"checkpoint saved to {path}", timeout)
+        self.apply("checkpoint", pickle.dumps((str(path),)), f"checkpoint saved to {path}", timeout,
+                   {"path": str(path)})
 
     def stop(self, timeout: float) -> int:
         step = self.hold(timeout)
