@@ -67,8 +67,8 @@ def started(run, timeout=120):
     """The run once every rank has passed a step boundary or two (it has begun training)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        state = run._pool.state
-        if all(1 in v.bars and v.bars[1].n > 2 or 0 in v.bars and v.bars[0].n > 2 for v in state.ranks.values()):
+        state = run._state()
+        if state is not None and all(1 in v.bars and v.bars[1].n > 2 or 0 in v.bars and v.bars[0].n > 2 for v in state.ranks.values()):
             return run
         assert not run.done(), run.result()
         time.sleep(0.05)
@@ -109,6 +109,29 @@ def test_every_rank_applies_each_change_at_the_same_step(start, ranks, backgroun
     models = result.values
     for model in models[1:]:  # DDP replicas did not diverge
         assert all(torch.equal(a, b) for a, b in zip(parameters(models[0]), parameters(model)))
+
+
+@pytest.mark.slow
+def test_live_ranks_run_in_the_background_steered_as_a_launch_and_stay(no_leftovers):
+    with nbtrain.Ranks(devices=2, accelerator="cpu", start="fork", progress=False) as ranks:
+        run = started(ranks.run(train, wait=False, progress=False))
+        with pytest.raises(RuntimeError, match="run a function in the background"):
+            ranks.eval("1")  # one command at a time
+        step = run.pause()
+        run.set(lr=NEW_LR)
+        run.resume()
+        time.sleep(0.3)
+        stopped = run.stop()
+        result = run.result(timeout=60)
+        assert [c.what for c in result.changes] == ["pause", "set", "resume", "stop"]
+        for rank in (0, 1):
+            assert result.metrics("lr", rank) == [LR] * step + [NEW_LR] * (stopped - step), f"rank {rank}"
+        assert ranks.eval("1 + 1") == [2, 2]  # the next command
+        run = started(ranks.run(train, wait=False, progress=False))
+        assert run.cancel()  # the ranks' Ctrl-C: they stay, ready for the next command
+        with pytest.raises(CancelledError):
+            run.result()
+        assert ranks.eval("2") == [2, 2]
 
 
 def train_alone(steps=1_000_000):

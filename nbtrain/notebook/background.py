@@ -15,6 +15,7 @@ first (`os.register_at_fork`): the ranks of a second launch are forked while the
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import queue
 import threading
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 from ..common import protocol
 from .choices import IN_KERNEL
 from .pool import Pool
-from .steer import PAUSE_TIMEOUT, Steerer
+from .steer import PAUSE_TIMEOUT, Steerer, drain_replies
 
 if TYPE_CHECKING:
     from .result import Result
@@ -70,30 +71,24 @@ def check_background(start: str, max_restarts: int) -> None:
                          "background; give max_restarts=0, or use nbtrain.submit for a run that restarts itself.")
 
 
-class BackgroundPool(Pool):
-    """A launch's pool whose watch runs later, on the run's thread (`watch`), and which hands the
-    ranks' steering replies to `replies` rather than to the supervisor."""
+class SteerablePool(Pool):
+    """A pool whose runs can be steered and cancelled from another thread than the one watching
+    them: the ranks' steering replies go to `replies` rather than to the supervisor, and `cancel`
+    is the watcher's Ctrl-C. Live ranks' pools are such pools (``Ranks.run(..., wait=False)``)."""
 
-    def __init__(self, launcher, job):
-        super().__init__(launcher, job, live=False)
+    def __init__(self, launcher, job, live: bool):
+        super().__init__(launcher, job, live)
         self.replies: queue.Queue = queue.Queue()
         self._where: dict[int, protocol.Whereabouts] = {}
-        self._watching: tuple | None = None
         self._cancel = threading.Event()
         self._cancelled = False
-        self._watcher: threading.Thread | None = None
+        self.watching_thread: threading.Thread | None = None  # a background run's, which holds `WATCHING`
 
-    def _watch(self, state, display, timeout, start_timeout, interrupt=None) -> None:
-        if self._watching is None:  # `start` on the caller's thread: the ranks are started, the watch waits
-            self._watching = (state, display, timeout, start_timeout, interrupt)
-            return
-        super()._watch(state, display, timeout, start_timeout, interrupt)
-
-    def watch(self) -> None:
-        """Watch the run to its end (on the run's thread, which holds `WATCHING`)."""
-        assert self._watching is not None, "started first"
-        self._watcher = threading.current_thread()
-        super()._watch(*self._watching)
+    def arm(self) -> None:
+        """A background run begins: no cancel yet, no earlier run's replies."""
+        self._cancel.clear()
+        self._cancelled = False
+        drain_replies(self.replies)
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -105,7 +100,7 @@ class BackgroundPool(Pool):
                 self._cancelled = True
                 raise KeyboardInterrupt  # as the kernel's Ctrl-C reaches a launch that waits
             wait = min(max(deadline - time.monotonic(), 0.0), 0.1)
-            with waiting() if threading.current_thread() is self._watcher else contextlib.nullcontext():
+            with waiting() if threading.current_thread() is self.watching_thread else contextlib.nullcontext():
                 message = super().receive(wait)
             if isinstance(message, protocol.STEER_REPLIES):
                 self.replies.put(message)
@@ -133,8 +128,28 @@ class BackgroundPool(Pool):
         return {r: self._where[r] for r in ranks if r in self._where}
 
 
+class BackgroundPool(SteerablePool):
+    """A launch's pool whose watch runs later, on the run's thread (`watch`)."""
+
+    def __init__(self, launcher, job):
+        super().__init__(launcher, job, live=False)
+        self._watching: tuple | None = None
+
+    def _watch(self, state, display, timeout, start_timeout, interrupt=None) -> None:
+        if self._watching is None:  # `start` on the caller's thread: the ranks are started, the watch waits
+            self._watching = (state, display, timeout, start_timeout, interrupt)
+            return
+        super()._watch(state, display, timeout, start_timeout, interrupt)
+
+    def watch(self) -> None:
+        """Watch the run to its end (on the run's thread)."""
+        assert self._watching is not None, "started first"
+        super()._watch(*self._watching)
+
+
 class BackgroundRun:
-    """A run started by ``launch(..., wait=False)``: it trains while the kernel runs other cells.
+    """A run started by ``launch(..., wait=False)`` or live ranks' ``run(..., wait=False)``: it
+    trains while the kernel runs other cells.
 
     Wait for it with `result`, end it with `cancel`, or steer it at a step boundary (an iteration
     of ``ctx.progress``, or ``ctx.step()``) that every rank agrees on: `pause`, `call`, `set`,
@@ -142,22 +157,30 @@ class BackgroundRun:
     ``Result.changes``).
     """
 
-    def __init__(self, pool: BackgroundPool, finish, display):
+    def __init__(self, pool: SteerablePool, finish, display, state=None, ranks: list[int] | None = None):
         self._pool, self._display = pool, display
+        self._state = state or (lambda: pool.state)  # the run's model (None until it is made)
         self._result: Result | None = None
         self._error: BaseException | None = None
         self._cancelled = False
-        self._steer = Steerer(pool, self._going, self._step_time, self._told)
-        self._thread = threading.Thread(target=self._run, args=(finish,), name="nbtrain-background-run", daemon=True)
+        self._steer = Steerer(pool, self._going, self._step_time, self._told, ranks)
+        # In the context of the cell that started it: what the run shows goes to that cell (ipykernel 7).
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run, finish),
+                                        name="nbtrain-background-run", daemon=True)
 
     def _start(self) -> BackgroundRun:
+        self._pool.arm()
         self._thread.start()
         return self
 
     def _run(self, finish) -> None:
         try:
             with WATCHING:  # a fork waits while this thread draws, closes, makes the Result
-                self._result = finish()
+                self._pool.watching_thread = threading.current_thread()
+                try:
+                    self._result = finish()
+                finally:
+                    self._pool.watching_thread = None
         except BaseException as exc:  # handed to whoever asks for the result
             self._error = exc
 
@@ -208,8 +231,9 @@ class BackgroundRun:
 
     def _told(self, change: protocol.Change) -> None:
         """A change made on every rank: into the run's model (its events, the chart's marks), and said."""
-        if self._pool.state is not None:
-            self._pool.state.add_change(change)
+        state = self._state()
+        if state is not None:
+            state.add_change(change)
         self._display.note(f"step {change.step}: {change.detail} on every rank")
 
     def _going(self) -> None:
@@ -221,7 +245,7 @@ class BackgroundRun:
         raise RuntimeError("the run has ended: there is nothing to steer (run.result() gives what it returned).")
 
     def _step_time(self) -> float | None:
-        state = self._pool.state
+        state = self._state()
         rates = [rate for view in list(state.ranks.values()) if (rate := view.step_rate)] if state else []
         return 1.0 / min(rates) if rates else None
 
@@ -336,7 +360,8 @@ class BackgroundRun:
         -------
         list of float
         """
-        history = list(self._pool.state.history) if self._pool.state is not None else []
+        state = self._state()
+        history = list(state.history) if state is not None else []
         return [m.value for m in history if m.name == name and (rank is None or m.rank == rank)]
 
     @property
@@ -345,7 +370,8 @@ class BackgroundRun:
         return list(self._steer.changes)
 
     def __repr__(self) -> str:
-        title = self._pool.state.title if self._pool.state is not None else "a run"
+        state = self._state()
+        title = state.title if state is not None else "a run"
         if self.done():
             how = "cancelled" if self._cancelled else "failed" if self._error is not None else "finished"
         else:
@@ -366,3 +392,36 @@ def start_in_background(launcher, job, display, finish) -> BackgroundRun:
             display.finish(pool.state, False)
         raise
     return BackgroundRun(pool, lambda: finish(pool, pool.watch), display)._start()
+
+
+class _Shown:
+    """A display, and the state its `start` was given (a live ranks' command makes its own)."""
+
+    def __init__(self, display):
+        self._display, self.state, self.started = display, None, threading.Event()
+
+    def start(self, state) -> None:
+        self.state = state
+        try:
+            self._display.start(state)
+        finally:
+            self.started.set()
+
+    def __getattr__(self, name):
+        return getattr(self._display, name)
+
+
+def run_in_background(pool: SteerablePool, command, display, ranks: list[int]) -> BackgroundRun:
+    """Live ranks' ``run(fn, wait=False)``: ``command(display)``, the pool's command to its Result,
+    watched from a thread of its own; returned once its view is shown in this cell."""
+    shown = _Shown(display)
+    run = BackgroundRun(pool, lambda: command(shown), shown, lambda: shown.state, ranks)._start()
+    try:
+        while not shown.started.wait(0.05) and not run.done():
+            pass
+    except KeyboardInterrupt:  # before it was shown: as a Ctrl-C of a command that waits
+        run.cancel()
+        raise
+    if run.done() and run._error is not None:  # refused before it began (closed ranks, say)
+        raise run._error
+    return run

@@ -40,9 +40,9 @@ class Steerer:
     """
 
     def __init__(self, pool, going: Callable[[], None], step_time: Callable[[], float | None],
-                 told: Callable[[protocol.Change], None]):
+                 told: Callable[[protocol.Change], None], ranks: list[int] | None = None):
         self._pool, self._going, self._step_time, self._told = pool, going, step_time, told
-        self.ranks = list(pool.ranks)
+        self.ranks = list(pool.ranks if ranks is None else ranks)
         self.held_at: int | None = None  # the step every rank holds at, while paused
         self.changes: list[protocol.Change] = []
         self._seq = 0
@@ -69,7 +69,7 @@ class Steerer:
         self._going()  # a run that ended while paused holds nothing
         if self.held_at is not None:
             return self.held_at
-        _drain(self._pool.replies)
+        drain_replies(self._pool.replies)
         deadline = time.monotonic() + timeout
         while not all(self._pool.connected(r) for r in self.ranks) and time.monotonic() < deadline:
             self._going()  # ranks still starting (a pause right after launch): a hold sent now would be lost
@@ -219,7 +219,7 @@ class Steerer:
             "that uses neither has no step boundary. Every rank goes on.")
 
 
-def _drain(replies: queue.Queue) -> None:
+def drain_replies(replies: queue.Queue) -> None:
     while True:
         try:
             replies.get_nowait()
