@@ -396,6 +396,7 @@ def train():
     for _ in ctx.progress(range(1_000_000)):
         loss = model(torch.randn(8, 4)).pow(2).mean()
         opt.zero_grad(); loss.backward(); opt.step()
+        ctx.log("loss", loss)
         time.sleep(0.005)
     return model
 '''
@@ -420,6 +421,10 @@ def test_a_background_run_frees_the_kernel_and_a_later_ctrl_c_does_not_reach_it(
     # A second launch forks the kernel while the first is watched (and drawn) from its thread.
     assert kernel.value("nbtrain.launch(lambda: 7, devices=2, accelerator='cpu', start='fork').values") == [7, 7]
     step = kernel.value("run.pause()")
+    deadline = time.monotonic() + 30
+    while "nbtrain-change" not in kernel.value("run._display.snapshot()['chart']"):  # the live chart marks it
+        assert time.monotonic() < deadline, "no mark on the live chart"
+        time.sleep(0.2)
     assert kernel.value("run.call(lambda step: step)") == [step, step]
     assert kernel.value("run.stop()") >= step
     assert kernel.value("type(run.result(timeout=60).value).__name__, run.result().changes[-1].what") == \
