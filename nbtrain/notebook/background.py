@@ -35,20 +35,25 @@ CANCEL_WAIT = 30.0  # seconds `cancel()` waits for the ranks to be stopped
 FORK_WAIT = 10.0  # seconds a fork waits for a watching thread to finish what it does (then forks anyway)
 
 WATCHING = threading.Lock()  # held by a background run's watching thread, except while it waits
-_forking = threading.local()
+_forking = threading.local()  # `watching`: this thread is a watching thread; `held`: its fork took WATCHING
 
 
 def _before_fork() -> None:
-    _forking.held = WATCHING.acquire(timeout=FORK_WAIT)
+    # A watching thread that forks (live ranks restarted from it) holds WATCHING itself.
+    _forking.held = not getattr(_forking, "watching", False) and WATCHING.acquire(timeout=FORK_WAIT)
 
 
-def _after_fork() -> None:
-    if getattr(_forking, "held", False):
-        _forking.held = False
+def _after_fork_in_parent() -> None:
+    if _forking.held:
         WATCHING.release()
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+def _after_fork_in_child() -> None:
+    global WATCHING
+    WATCHING = threading.Lock()  # no thread here holds it, whoever forked
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
@@ -174,6 +179,7 @@ class BackgroundRun:
         return self
 
     def _run(self, finish) -> None:
+        _forking.watching = True
         try:
             with WATCHING:  # a fork waits while this thread draws, closes, makes the Result
                 self._pool.watching_thread = threading.current_thread()
