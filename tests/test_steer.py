@@ -132,6 +132,10 @@ def test_live_ranks_run_in_the_background_steered_as_a_launch_and_stay(no_leftov
         with pytest.raises(CancelledError):
             run.result()
         assert ranks.eval("2") == [2, 2]
+        run = ranks.run(train, wait=False, progress=False)
+    assert run.done()  # closing the ranks cancelled it first
+    with pytest.raises(CancelledError):
+        run.result()
 
 
 def train_alone(steps=1_000_000):

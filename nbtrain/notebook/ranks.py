@@ -184,6 +184,9 @@ class Ranks:
         self._close("closed by .close()")
 
     def _close(self, why: str) -> None:
+        run = getattr(self, "_background", None)  # None: never started (a bad argument), or nothing ran
+        if run is not None and threading.current_thread() is not run._thread:
+            run.cancel()  # `run(fn, wait=False)` still going: its watcher lets go of the ranks first
         pool, self._pool = self._pool, None
         _open.pop(getattr(self, "_key", -1), None)
         if pool is not None:
