@@ -15,7 +15,6 @@ first (`os.register_at_fork`): the ranks of a second launch are forked while the
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 import queue
 import threading
@@ -169,9 +168,7 @@ class BackgroundRun:
         self._error: BaseException | None = None
         self._cancelled = False
         self._steer = Steerer(pool, self._going, self._step_time, self._told, ranks)
-        # In the context of the cell that started it: what the run shows goes to that cell (ipykernel 7).
-        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run, finish),
-                                        name="nbtrain-background-run", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(finish,), name="nbtrain-background-run", daemon=True)
 
     def _start(self) -> BackgroundRun:
         self._pool.arm()
@@ -419,7 +416,8 @@ class _Shown:
 
 def run_in_background(pool: SteerablePool, command, display, ranks: list[int]) -> BackgroundRun:
     """Live ranks' ``run(fn, wait=False)``: ``command(display)``, the pool's command to its Result,
-    watched from a thread of its own; returned once its view is shown in this cell."""
+    watched from a thread of its own; returned once its view is shown, while this cell still runs
+    (the kernel sends what a thread shows to the cell running then)."""
     shown = _Shown(display)
     run = BackgroundRun(pool, lambda: command(shown), shown, lambda: shown.state, ranks)._start()
     try:
