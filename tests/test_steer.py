@@ -330,6 +330,8 @@ def test_bad_input_is_refused_before_anything_starts():
         nbtrain.launch(train, devices=1, accelerator="cpu", wait=False)
     with pytest.raises(ValueError, match="restarts are not offered"):
         nbtrain.launch(train, devices=2, accelerator="cpu", wait=False, max_restarts=1)
+    with pytest.raises(TypeError, match="give a steered run's changes"):
+        nbtrain.export(train, to="/nonexistent/nbtrain-job", changes=["set lr=0.01"])  # nothing written
     ctx = Context()
     with pytest.raises(ValueError, match="needs the objects"):
         ctx.steer()
