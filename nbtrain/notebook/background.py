@@ -217,14 +217,16 @@ class BackgroundRun:
         if self._thread.is_alive():
             raise TimeoutError(f"the run is still going after {timeout:g} s (run.done() says when it has ended).")
         if self._cancelled:
-            raise CancelledError("the run was cancelled (run.cancel()); its ranks were stopped.")
+            raise CancelledError("the run was cancelled (run.cancel()); its ranks were stopped (live ranks: "
+                                 "interrupted, and kept).")
         if self._error is not None:
             raise self._error
         assert self._result is not None, "a run that ended without an error has its result"
         return self._result
 
     def cancel(self) -> bool:
-        """Stop every rank now, as Ctrl-C stops a launch that waits; False if the run had ended."""
+        """Stop every rank now, as Ctrl-C stops a launch that waits (live ranks: interrupts them, as
+        Ctrl-C does a cell); False if the run had ended."""
         if self.done():
             return False
         self._cancelled = True
