@@ -278,7 +278,7 @@ def test_a_submitted_run_is_steered_from_its_run_object(tmp_path, no_leftovers):
         run.set(lr=NEW_LR)
         assert run.call(lambda step: step) == [step, step]
         run.resume()
-        time.sleep(0.3)
+        time.sleep(0.1)  # a few steps with the new lr
         stopped = run.stop()
         result = run.result(timeout=120)
     finally:
@@ -295,8 +295,8 @@ def test_a_submitted_run_is_steered_from_its_run_object(tmp_path, no_leftovers):
     job = run.export(tmp_path / "job")
     assert f"#   step {step}: set lr={NEW_LR}\n" in (job / "job.py").read_text()
     fn, args, kwargs, _ = exported_job._load(job, "train")  # as run.sh loads it
-    replayed = nbtrain.launch(fn, *args, devices=2, accelerator="cpu", start="fork", progress=False, timeout=60, **kwargs)
-    assert [replayed.metrics("lr", rank) for rank in (0, 1)] == [result.metrics("lr", rank) for rank in (0, 1)]
+    replayed = nbtrain.launch(fn, *args, devices=1, accelerator="cpu", progress=False, timeout=60, **kwargs)  # here
+    assert replayed.metrics("lr") == result.metrics("lr")
 
 
 @pytest.mark.slow
