@@ -151,7 +151,7 @@ def test_a_failing_cell_names_the_rank_and_leaves_state_as_it_was(nb):
     cell = nb.value("len(get_ipython().history_manager.input_hist_raw)") - 2  # In[] of the failing cell
     assert f"Cell In[{cell}], line 2" in shown and 'raise ValueError("rank one says no")' in shown
     assert nb.value("ranks.eval('keep')") == [42, 41]
-    assert nb.value("type(nbtrain.Ranks.current()._pool).__name__") == "Pool"
+    assert nb.value("type(nbtrain.Ranks.current()._pool).__name__") == "SteerablePool"
 
 
 def test_interrupt_reaches_every_rank_and_keeps_state(nb):

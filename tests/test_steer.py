@@ -1,5 +1,6 @@
 """Steering a run in the background (`launch(wait=False)`): every rank applies each change at the same step."""
 import os
+import re
 import threading
 import time
 from concurrent.futures import CancelledError
@@ -9,8 +10,13 @@ import torch
 
 import nbtrain
 from conftest import CHILDREN, running
-from nbtrain.common import protocol
+from nbtrain.common import protocol, runlog
 from nbtrain.common.errors import WorkerError
+from nbtrain.display import chart
+from nbtrain.display.chart import MetricSeries, chart_html
+from nbtrain.display.figure import metrics_figure
+from nbtrain.notebook.detached import exported_job
+from nbtrain.notebook.run.background import WATCHING
 from nbtrain.notebook.run.steer import SteerError
 from nbtrain.rank.context import Context
 from nbtrain.rank.steer import Steering
@@ -61,8 +67,8 @@ def started(run, timeout=120):
     """The run once every rank has passed a step boundary or two (it has begun training)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        state = run._pool.state
-        if all(1 in v.bars and v.bars[1].n > 2 or 0 in v.bars and v.bars[0].n > 2 for v in state.ranks.values()):
+        state = run._state()
+        if state is not None and all(1 in v.bars and v.bars[1].n > 2 or 0 in v.bars and v.bars[0].n > 2 for v in state.ranks.values()):
             return run
         assert not run.done(), run.result()
         time.sleep(0.05)
@@ -94,8 +100,8 @@ def test_every_rank_applies_each_change_at_the_same_step(start, ranks, backgroun
     assert stopped >= step
     result = run.result(timeout=120)
     assert run.done()
-    assert [(c.step, c.what) for c in result.changes] == [(step, "call"), (step, "set"), (step, "call"),
-                                                           (stopped, "stop")]
+    assert [(c.step, c.what) for c in result.changes] == [(step, "pause"), (step, "call"), (step, "set"),
+                                                           (step, "call"), (step, "resume"), (stopped, "stop")]
     for rank in range(ranks):
         lrs = result.metrics("lr", rank)
         # The steps before the agreed one used the old lr, every step after it the new one, and none was run after the stop.
@@ -103,6 +109,33 @@ def test_every_rank_applies_each_change_at_the_same_step(start, ranks, backgroun
     models = result.values
     for model in models[1:]:  # DDP replicas did not diverge
         assert all(torch.equal(a, b) for a, b in zip(parameters(models[0]), parameters(model)))
+
+
+@pytest.mark.slow
+def test_live_ranks_run_in_the_background_steered_as_a_launch_and_stay(no_leftovers):
+    with nbtrain.Ranks(devices=2, accelerator="cpu", start="fork", progress=False) as ranks:
+        run = started(ranks.run(train, wait=False, progress=False))
+        with pytest.raises(RuntimeError, match="run a function in the background"):
+            ranks.eval("1")  # one command at a time
+        step = run.pause()
+        run.set(lr=NEW_LR)
+        run.resume()
+        time.sleep(0.3)
+        stopped = run.stop()
+        result = run.result(timeout=60)
+        assert [c.what for c in result.changes] == ["pause", "set", "resume", "stop"]
+        for rank in (0, 1):
+            assert result.metrics("lr", rank) == [LR] * step + [NEW_LR] * (stopped - step), f"rank {rank}"
+        assert ranks.eval("1 + 1") == [2, 2]  # the next command
+        run = started(ranks.run(train, wait=False, progress=False))
+        assert run.cancel()  # the ranks' Ctrl-C: they stay, ready for the next command
+        with pytest.raises(CancelledError):
+            run.result()
+        assert ranks.eval("2") == [2, 2]
+        run = ranks.run(train, wait=False, progress=False)
+    assert run.done()  # closing the ranks cancelled it first
+    with pytest.raises(CancelledError):
+        run.result()
 
 
 def train_alone(steps=1_000_000):
@@ -207,7 +240,7 @@ def test_a_checkpoint_at_the_agreed_step_loads_back(background, tmp_path):
     held = run.call(parameters)[0]
     run.checkpoint(tmp_path / "ckpt")
     run.stop()
-    assert [c.what for c in run.result(timeout=60).changes] == ["call", "checkpoint", "stop"]
+    assert [c.what for c in run.result(timeout=60).changes] == ["pause", "call", "checkpoint", "stop"]
     for loaded_step, loaded in nbtrain.launch(load, tmp_path / "ckpt", devices=2, accelerator="cpu", start="fork",
                                               progress=False).values:
         assert loaded_step == step and all(torch.equal(a, b) for a, b in zip(held, loaded))
@@ -244,14 +277,48 @@ def test_a_submitted_run_is_steered_from_its_run_object(tmp_path, no_leftovers):
         step = nbtrain.attach(run.dir).pause(timeout=120)  # from any kernel: a Run read back from the directory
         run.set(lr=NEW_LR)
         assert run.call(lambda step: step) == [step, step]
+        run.resume()
+        time.sleep(0.1)  # a few steps with the new lr
         stopped = run.stop()
         result = run.result(timeout=120)
     finally:
         if run.status not in ("finished", "failed", "cancelled"):
             run.cancel()
-    assert [(c.step, c.what) for c in result.changes] == [(step, "set"), (step, "call"), (stopped, "stop")]
+    assert [(c.step, c.what) for c in result.changes] == [(step, "pause"), (step, "set"), (step, "call"),
+                                                           (step, "resume"), (stopped, "stop")]
+    # The changes are run events in its log: a kernel that attaches later reads them (and marks the chart).
+    logged = [e for _, e in runlog.Tail(run.dir / runlog.EVENTS).read() if isinstance(e, protocol.Change)]
+    assert logged == result.changes
     for rank in (0, 1):
         assert result.metrics("lr", rank) == [LR] * step + [NEW_LR] * (stopped - step), f"rank {rank}"
+    # Its export makes the set and the stop again at their steps (and job.py lists every change).
+    job = run.export(tmp_path / "job")
+    assert f"#   step {step}: set lr={NEW_LR}\n" in (job / "job.py").read_text()
+    fn, args, kwargs, _ = exported_job._load(job, "train")  # as run.sh loads it
+    replayed = nbtrain.launch(fn, *args, devices=1, accelerator="cpu", progress=False, timeout=60, **kwargs)  # here
+    assert replayed.metrics("lr") == result.metrics("lr")
+
+
+@pytest.mark.slow
+def test_a_fork_waits_until_a_watching_thread_is_between_messages():
+    """A fork copies the locks its other threads hold, held for ever in the child: it waits for
+    a background run's watching thread to stop drawing (`WATCHING`)."""
+    holding, drawn = threading.Event(), []
+
+    def draw():
+        with WATCHING:
+            holding.set()
+            time.sleep(0.3)  # drawing: the kernel's stdout or the widgets' comm held
+            drawn.append(True)
+
+    watcher = threading.Thread(target=draw)
+    watcher.start()
+    holding.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if drawn else 1)  # the child's copy of the draw: finished
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "forked in the middle of a draw"
+    watcher.join(10)
 
 
 # -- without processes -------------------------------------------------------------------------
@@ -263,6 +330,8 @@ def test_bad_input_is_refused_before_anything_starts():
         nbtrain.launch(train, devices=1, accelerator="cpu", wait=False)
     with pytest.raises(ValueError, match="restarts are not offered"):
         nbtrain.launch(train, devices=2, accelerator="cpu", wait=False, max_restarts=1)
+    with pytest.raises(TypeError, match="give a steered run's changes"):
+        nbtrain.export(train, to="/nonexistent/nbtrain-job", changes=["set lr=0.01"])  # nothing written
     ctx = Context()
     with pytest.raises(ValueError, match="needs the objects"):
         ctx.steer()
@@ -304,6 +373,22 @@ def test_a_rank_holds_at_the_target_step_and_reports_each_step_it_holds_at():
     assert not main.is_alive() and steering.steps == 6 and steering.stopping
 
 
+def test_the_chart_and_the_summary_figure_mark_each_change_at_its_step():
+    history = [protocol.Metric(s, 0, "loss", 1.0 / (s + 1), False) for s in range(20)]
+    series = MetricSeries()
+    series.consume(history)
+    changes = [protocol.Change(8, "pause", "paused", 0.0), protocol.Change(8, "set", "set lr=0.01", 0.0),
+               protocol.Change(12, "stop", "stopped", 0.0)]
+    marks = re.findall(r'<g class="nbtrain-change"><title>([^<]*)</title><line x1="([\d.]+)"[^>]*/><text[^>]*>([^<]*)<',
+                       chart_html(series, changes))
+    x = [chart.LEFT + s / 19 * (chart.WIDTH - chart.LEFT - chart.RIGHT) for s in (8, 12)]  # steps 0..19 span the axis
+    assert [(said, round(float(at)), label) for said, at, label in marks] == [
+        ("step 8: paused; step 8: set lr=0.01", round(x[0]), "pause · set lr=0.01"), ("step 12: stopped", round(x[1]), "stop")]
+    ax = metrics_figure(history, changes=changes).axes[0]  # the PNG a notebook keeps
+    assert [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == "--"] == [8, 12]
+    assert [text.get_text() for text in ax.texts] == ["pause · set lr=0.01", "stop"]
+
+
 # -- from a real Jupyter kernel --------------------------------------------------------------------
 
 KERNEL_SETUP = '''
@@ -317,6 +402,7 @@ def train():
     for _ in ctx.progress(range(1_000_000)):
         loss = model(torch.randn(8, 4)).pow(2).mean()
         opt.zero_grad(); loss.backward(); opt.step()
+        ctx.log("loss", loss)
         time.sleep(0.005)
     return model
 '''
@@ -338,7 +424,13 @@ def test_a_background_run_frees_the_kernel_and_a_later_ctrl_c_does_not_reach_it(
         pass
     assert reply["content"]["ename"] == "KeyboardInterrupt"
     assert kernel.value("run.done()") is False
+    # A second launch forks the kernel while the first is watched (and drawn) from its thread.
+    assert kernel.value("nbtrain.launch(lambda: 7, devices=2, accelerator='cpu', start='fork').values") == [7, 7]
     step = kernel.value("run.pause()")
+    deadline = time.monotonic() + 30
+    while "nbtrain-change" not in kernel.value("run._display.snapshot()['chart']"):  # the live chart marks it
+        assert time.monotonic() < deadline, "no mark on the live chart"
+        time.sleep(0.2)
     assert kernel.value("run.call(lambda step: step)") == [step, step]
     assert kernel.value("run.stop()") >= step
     assert kernel.value("type(run.result(timeout=60).value).__name__, run.result().changes[-1].what") == \

@@ -617,15 +617,20 @@ class SteerDone(NamedTuple):
 @_kind("change")
 class Change(NamedTuple):
     """A run event: what was changed while the run trained (`what`: 'pause', 'call', 'set', 'checkpoint',
-    'stop', 'resume'), at which step (every rank's), in words, and when (the notebook's time.time())."""
+    'stop', 'resume'), at which step (every rank's), in words, and when (the notebook's time.time());
+    `args`, what it was made with as data, where an exported job can make it again (`rank/steer.Replay`):
+    a set's {'values': {...}, 'optimizer': name or None}, a checkpoint's {'path': ...}."""
     step: int
     what: str
     detail: str
     time: float
+    args: dict | None = None
 
 
 STEER_REPLIES = (SteerHeld, SteerDone)
 URGENT |= set(STEER_REPLIES)
+RUN_EVENTS += (Change,)  # type: ignore[assignment]  # in the run's own log: a kernel that attaches marks it on the chart too
+LOGGED[Change.kind] = Change  # type: ignore[assignment, attr-defined]  # kind: set by @_kind
 
 
 # -- the notebook's visual debugger on the ranks (notebook/run/debugger.py <-> rank/debugger.py) ------

@@ -8,6 +8,9 @@ keeps is the PNG drawn by `figure.py` at the end (untrusted notebooks strip inli
 `MetricSeries` reads `RunState.history` incrementally (only what is new since the last call)
 and keeps a bounded number of points per line, so drawing costs the same at step 100 and at
 step 100 000.
+
+A steered run's changes (`run.set`, `pause`, `resume`...: `RunState.changes`) are marked where
+they were made: a dashed vertical line at the step, labelled with what changed (`change_marks`).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ WIDTH, HEIGHT = 340, 150
 LEFT, RIGHT, TOP, BOTTOM = 46, 10, 20, 20  # margins around the plotting area, px
 MEAN = -1  # the "rank" of a synced metric's line: the mean over ranks
 MEAN_COLOUR = "#37474f"  # dark grey: not to be read as rank 0's blue in a shared legend
+MARK_COLOUR = "#757575"
 
 
 class _Line:
@@ -75,6 +79,16 @@ class MetricSeries:
         return sorted(self.lines, key=self._first.__getitem__)
 
 
+def change_marks(changes) -> list[tuple[int, str, str]]:
+    """(step, label, every change in words) for each step at which the run was changed
+    (`protocol.Change`): a set reads as what it set, the others by their kind (`pause`, `call`...)."""
+    at: dict[int, list] = {}
+    for change in changes:
+        at.setdefault(change.step, []).append(change)
+    return [(step, " · ".join(dict.fromkeys(c.detail if c.what == "set" else c.what for c in made)),
+             "; ".join(f"step {step}: {c.detail}" for c in made)) for step, made in sorted(at.items())]
+
+
 def line_label(key: int) -> str:
     return "mean over ranks" if key == MEAN else f"rank {key}"
 
@@ -120,6 +134,7 @@ class _Axes:
     """Maps data to pixels within a panel (y on a log scale when asked)."""
 
     def __init__(self, steps: list[int], values: list[float], log: bool):
+        # `steps`: the x positions to show (the lines' and the marks')
         self.log = log
         self.x0, self.x1 = min(steps), max(steps)
         lo, hi = min(values), max(values)
@@ -141,11 +156,13 @@ class _Axes:
         return TOP + (hi - v) / ((hi - lo) or 1) * (HEIGHT - TOP - BOTTOM)
 
 
-def panel_svg(name: str, lines: dict[int, _Line]) -> str:
-    """One metric: axes with round ticks, a line per rank (or the mean), its latest value."""
+def panel_svg(name: str, lines: dict[int, _Line], marks=()) -> str:
+    """One metric: axes with round ticks, a line per rank (or the mean), its latest value, and
+    the steps at which the run was changed (`change_marks`)."""
     drawn = {key: line.points() for key, line in sorted(lines.items())}
     finite = [v for _, values in drawn.values() for v in values if math.isfinite(v)]
     steps = [x for xs, _ in drawn.values() for x in xs]
+    steps += [step for step, _, _ in marks] if steps else []
     log = use_log_scale(name, finite)
     latest = lines[min(lines)].last if lines else None
     title = f"{name} {fmt(latest[1])}" if latest else name
@@ -170,6 +187,12 @@ def panel_svg(name: str, lines: dict[int, _Line]) -> str:
                               if math.isfinite(y) and (y > 0 or not log))
             parts.append(f'<polyline class="nbtrain-line" fill="none" stroke="{line_colour(key)}" stroke-width="1.5" '
                          f'points="{coords}"><title>{line_label(key)}</title></polyline>')
+        for step, label, said in marks:
+            x = axes.x(step)
+            parts.append(f'<g class="nbtrain-change"><title>{html.escape(said)}</title>'
+                         f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{bottom}" stroke="{MARK_COLOUR}" '
+                         f'stroke-dasharray="3,2"/><text x="{x + 2:.1f}" y="{TOP + 9}" font-size="9" '
+                         f'fill="{MARK_COLOUR}">{html.escape(label)}</text></g>')
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
             f'viewBox="0 0 {WIDTH} {HEIGHT}" style="margin:2px 12px 2px 0">{"".join(parts)}</svg>')
 
@@ -182,10 +205,12 @@ def legend_html(series: MetricSeries, names: list[str]) -> str:
     return f'<div style="font-size:11px">{items} <span style="color:#777">(x axis: step)</span></div>'
 
 
-def chart_html(series: MetricSeries) -> str:
-    """Every metric's plot side by side (up to MAX_CHARTS), with a legend for the lines."""
+def chart_html(series: MetricSeries, changes=()) -> str:
+    """Every metric's plot side by side (up to MAX_CHARTS), with a legend for the lines, and
+    `changes` (`protocol.Change`) marked on each."""
     names = series.names()[:MAX_CHARTS]
     if not names:
         return ""
-    charts = "".join(panel_svg(n, series.lines[n]) for n in names)
+    marks = change_marks(changes)
+    charts = "".join(panel_svg(n, series.lines[n], marks) for n in names)
     return f'<div class="nbtrain-chart" style="display:flex;flex-wrap:wrap">{charts}</div>{legend_html(series, names)}'

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import math
 
-from .chart import MEAN, line_colour, line_label, log_ticks, use_log_scale
+from .chart import MARK_COLOUR, MEAN, change_marks, line_colour, line_label, log_ticks, use_log_scale
 
 MISSING_MATPLOTLIB = ("plotting needs matplotlib, which is not installed: pip install 'nbtrain[plot]' "
                       "(or pip install matplotlib), then restart the kernel.")
@@ -48,8 +48,9 @@ def lines_by_metric(history, names=()) -> dict[str, dict[int, tuple[list[int], l
     return {n: found[n] for n in sorted(found, key=first.__getitem__)}  # as rank 0 logged them
 
 
-def metrics_figure(history, names=(), title: str = ""):
-    """A Figure with one panel per metric (all logged ones unless `names`), a line per rank or the mean."""
+def metrics_figure(history, names=(), title: str = "", changes=()):
+    """A Figure with one panel per metric (all logged ones unless `names`), a line per rank or the
+    mean, and a steered run's `changes` (`protocol.Change`) marked at their steps."""
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
@@ -71,6 +72,10 @@ def metrics_figure(history, names=(), title: str = ""):
         finite = [v for _, vs in lines.values() for v in vs if math.isfinite(v)]
         if use_log_scale(name, finite):
             _log_axis(ax, finite)
+        for step, label, _ in change_marks(changes):
+            ax.axvline(step, color=MARK_COLOUR, linestyle="--", linewidth=0.8)
+            ax.annotate(label, (step, 1), xycoords=("data", "axes fraction"), xytext=(2, -2),
+                        textcoords="offset points", fontsize=7, color=MARK_COLOUR, va="top")
         ax.set_title(name, fontsize=10, loc="left")
         ax.set_xlabel("step", fontsize=9)
         ax.tick_params(labelsize=8)

@@ -94,6 +94,8 @@ class RunRecorder:
         """A run event (`protocol`) into its rank's log: every change the ranks and the supervisor make."""
         if isinstance(event, protocol.Progress):
             self._progress(event)
+        elif isinstance(event, protocol.Change):  # the run's, not a rank's
+            self._write(None, event)
         elif isinstance(event, PLAIN):
             if not isinstance(event, (protocol.Stopped, protocol.Vital)):  # the bars' positions before it
                 self._flush(event.rank)

@@ -289,6 +289,7 @@ class WidgetDisplay(QuietDisplay):
         self._parts = parts = _Parts(w := load_ipywidgets())
         self.rows: dict[int, _RankRow] = {}
         self.series = MetricSeries()
+        self.changes: list = []  # a steered run's, marked on the chart
         self.header = parts.html()
         self.rows_box = parts.box(w.VBox)
         self.root = parts.box(w.VBox, [self.header, self.rows_box])
@@ -338,7 +339,7 @@ class WidgetDisplay(QuietDisplay):
         self._draw(state, time.monotonic(), force_chart=True)  # the widgets' last state, for snapshot()
         self.summary = summary_html(state, ok)
         table = {"text/html": self.summary, "text/plain": "\n".join(summary_lines(state, ok))}
-        plot = plot_bundle(state.history)
+        plot = plot_bundle(state.history, state.changes)
         self.plot_png = base64.b64decode(plot["image/png"]) if "image/png" in plot else None
         # Replace first, close after: a closed widget still on screen reads "model not found".
         replace(self._handles[0], table)
@@ -371,7 +372,8 @@ class WidgetDisplay(QuietDisplay):
         for rank, view in state.ranks.items():
             built |= self.rows[rank].draw(view, state, final, vitals.get(rank), rank == straggler)
         self._draw_header(state)
-        self._chart_stale |= self.series.consume(state.history)
+        self._chart_stale |= self.series.consume(state.history) | (len(state.changes) != len(self.changes))
+        self.changes = list(state.changes)
         if not built:  # creating widgets is a one-off: it must not slow the redraws after it
             cost = time.perf_counter() - started
             self._cost = cost if not self._cost else (self._cost + cost) / 2
@@ -380,7 +382,7 @@ class WidgetDisplay(QuietDisplay):
             self._draw_chart(now)
 
     def _draw_chart(self, now: float) -> None:
-        self.chart.value = chart_html(self.series)
+        self.chart.value = chart_html(self.series, self.changes)
         self.chart.layout.display = ""
         self._charted, self._drawn, self._chart_stale = now, now, False
 
@@ -426,7 +428,7 @@ def summary_html(state, ok: bool) -> str:
     return f'<div class="nbtrain-summary"><div>{head}</div><table>{"".join(rows)}</table>{doctor}</div>'
 
 
-def plot_bundle(history) -> dict:
+def plot_bundle(history, changes=()) -> dict:
     """The logged metrics as a PNG with a text twin; text only without metrics or matplotlib."""
     if not history:
         return {"text/plain": ""}
@@ -434,7 +436,7 @@ def plot_bundle(history) -> dict:
     if not have_matplotlib():
         return {"text/plain": f"{text}\n({MISSING_MATPLOTLIB})"}
     try:
-        picture = png(metrics_figure(history))
+        picture = png(metrics_figure(history, changes=changes))
     except Exception as exc:  # a picture must never hide how the run ended
         log.warning("could not draw the metrics: %s", exc)
         return {"text/plain": text}

@@ -11,6 +11,7 @@ from ..common import runlog
 from ..common.pickling import ship_bytes
 from ..common.private import private_dir
 from .context import Context, set_current
+from .steer import replaying
 
 ARGUMENTS = "arguments.pkl"  # the call's arguments, pickled at export
 VALUE = "value.pkl"  # rank 0's return value, in the run directory
@@ -24,7 +25,7 @@ def main(fn, here: str | Path) -> None:
     ctx = Context.from_environ(os.environ)
     set_current(ctx)
     try:
-        value = ctx.prepare_return(fn(*args, **kwargs))
+        value = ctx.prepare_return(replaying(fn, here)(*args, **kwargs))
     finally:
         ctx.close()
         set_current(None)

@@ -7,6 +7,9 @@ boundary and calls `at_boundary` only when it is set, so a boundary with nothing
 attribute check. The notebook (`notebook/run/steer.py`) agrees the step: it asks every rank to hold
 at its next boundary, hears where each stopped, and moves the target to the furthest, so those
 behind run on to it; what it sends then runs on the main thread, where the training's objects live.
+
+An exported job makes a steered run's changes again (`Replay`, from the job's changes.json): the
+sets and the stop at the steps they were made at, so the job trains as the steered run did.
 """
 from __future__ import annotations
 
@@ -14,12 +17,17 @@ import inspect
 import threading
 import traceback
 from collections import deque
+from pathlib import Path
 
 from ..common import protocol
+from ..common.private import read_own_json
 from ..common.transfer import pack_result
 from .doctor import progressed
 
 HOLD_BEAT = 1.0  # while held, how often the doctor hears that this rank is alive (no stall is said)
+CHANGES = "changes.json"  # in an exported job: the steered run's changes (`protocol.Change`, as dicts)
+# What an exported job makes again: a call's function is not kept, and a checkpoint would overwrite the run's own.
+REPLAYED = ("set", "stop")
 
 
 class Steering:
@@ -35,13 +43,21 @@ class Steering:
         self._holding = False
         self._target: int | None = None  # hold at the first boundary at or past it; None: the next one
         self._work: deque = deque()
+        self._replay: deque = deque()  # an exported job's changes still to make (`Replay`), by step
 
     def reset(self) -> None:
         """A new command: nothing registered, steps from 0. A hold asked for already stays (a
         `pause()` that came while the rank was still starting holds at the command's first boundary)."""
         with self._cond:
             self.stopping, self.steps, self.objects = False, 0, {}
+            self._replay.clear()
             self.pending = self._holding
+
+    def replay(self, changes: list[dict]) -> None:
+        """Make `changes` (`protocol.Change` as dicts: set and stop) again at their steps."""
+        with self._cond:
+            self._replay.extend(sorted(changes, key=lambda c: c["step"]))
+            self.pending = self.pending or bool(self._replay)
 
     # -- the listener thread -------------------------------------------------------------
     def on_message(self, message) -> None:
@@ -53,7 +69,7 @@ class Steering:
                 self.pending = True
             elif isinstance(message, protocol.SteerResume):
                 self._holding, self._target = False, None
-                self.pending = self.stopping
+                self.pending = self.stopping or bool(self._replay)
             else:
                 self._work.append(message)
             self._cond.notify_all()
@@ -63,6 +79,8 @@ class Steering:
         """A boundary with something pending (`counted`: a step boundary, not an outer loop's
         iteration); True when the loop must end here (`run.stop()`)."""
         if counted:
+            if self._replay:
+                self._replay_due()
             with self._cond:
                 reported = None
                 while self._holding and (self._target is None or self.steps >= self._target):
@@ -80,6 +98,23 @@ class Steering:
                         self._cond.wait(HOLD_BEAT)
                         progressed()  # held on purpose: not a stall
         return self.stopping
+
+    def _replay_due(self) -> None:
+        """The replayed changes whose step has come, made as the steered run made them there."""
+        while self._replay and self._replay[0]["step"] <= self.steps:
+            change = self._replay.popleft()
+            if change["what"] == "stop":
+                self.stopping = True
+                continue
+            args = change["args"]
+            values = {k: tuple(v) if isinstance(v, list) else v for k, v in args["values"].items()}  # JSON's lists
+            try:
+                self._set_values(values, args["optimizer"])
+            except ValueError as error:
+                raise ValueError(f"the exported job replays the steered run's change at step {change['step']} "
+                                 f"({change['detail']}), and cannot: {error}") from None
+        with self._cond:
+            self.pending = self._holding or self.stopping or bool(self._replay)
 
     def _apply(self, apply: protocol.SteerApply) -> None:
         try:
@@ -116,7 +151,9 @@ class Steering:
     def _set(self, payload: bytes):
         import pickle
 
-        values, name = pickle.loads(payload)
+        return self._set_values(*pickle.loads(payload))
+
+    def _set_values(self, values: dict, name: str | None) -> list[str]:
         optimizers = {n: o for n, o in self.objects.items() if hasattr(o, "param_groups")}
         if name is not None:
             optimizers = {n: o for n, o in optimizers.items() if n == name}
@@ -152,3 +189,28 @@ class Steering:
             self.stopping = self.pending = True
         return self.steps
 
+
+
+class Replay:
+    """`fn`, run with a steered run's changes made again at their steps: an exported job's
+    function when the job has changes.json (`replaying`)."""
+
+    def __init__(self, fn, changes: list[dict]):
+        self.fn, self.changes = fn, changes
+        self.__name__ = self.__qualname__ = getattr(fn, "__qualname__", type(fn).__name__)
+
+    def __call__(self, *args, **kwargs):
+        from .context import context
+
+        context()._steering.replay(self.changes)
+        return self.fn(*args, **kwargs)
+
+
+def replaying(fn, job_dir):
+    """`fn` as an exported job in `job_dir` runs it: with its changes.json's sets and stop made
+    again (`Replay`), or as it is."""
+    path = Path(job_dir) / CHANGES
+    if not path.exists():
+        return fn
+    changes = [c for c in read_own_json(path) if c["what"] in REPLAYED]
+    return Replay(fn, changes) if changes else fn

@@ -5,6 +5,8 @@ submitted run's supervisor: `exported_job.py`), `sbatch.sh` (SLURM) and `require
 The function, and the notebook's functions and classes it reads, are written as their source
 wherever the kernel still has it (IPython keeps each cell's); modules it reads become imports;
 anything else (data, objects without source) is pickled next to the script, as `launch` ships it.
+A steered run's changes (`changes=`) go with it as changes.json, which the job makes again at
+their steps (`rank/steer.Replay`), and job.py lists them for a reader.
 """
 from __future__ import annotations
 
@@ -23,18 +25,21 @@ from pathlib import Path
 
 import dill
 
+from ...common import protocol
 from ...common.devices import plan_devices
 from ...common.pickling import code_global_names, ship_bytes
 from ...common.runlog import make_private_dir, write_whole
 from ...rank.cell import CellJob
 from ...rank.exported import ARGUMENTS
+from ...rank.steer import CHANGES, REPLAYED
 
 NAMES = "names.pkl"  # what the code reads that has no source: pickled
 EXPORT = "export.json"  # for run.sh (`exported_job.py`): the function's name (None: a cell) and launch's settings
 ALWAYS = ("torch", "nbtrain", "dill")  # in requirements.txt whatever the code imports
 
 
-def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: int = 1, **kwargs) -> Path:
+def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: int = 1, changes=(),
+           **kwargs) -> Path:
     """Write ``fn(*args, **kwargs)`` as a job directory that runs with no notebook.
 
     ``bash run.sh`` there runs it under torchrun on this machine (as many ranks as ``devices``
@@ -57,6 +62,9 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
         As for `launch`.
     num_nodes : int, default 1
         Nodes, for ``sbatch.sh``.
+    changes : list of Change, default ()
+        A steered run's changes (``run.changes``, ``Result.changes``): the job makes its sets
+        and its stop again at their steps (``changes.json``), and ``job.py`` lists them all.
     **kwargs
         Keyword arguments for ``fn``.
 
@@ -68,7 +76,8 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
     Raises
     ------
     TypeError
-        ``fn`` is not a function defined with ``def``, or ``to`` is not a path.
+        ``fn`` is not a function defined with ``def``, ``to`` is not a path, or ``changes`` are
+        not a steered run's.
     ValueError
         What job.py cannot define (a lambda, a closure, a decorated function, source that cannot be
         read) or sbatch.sh cannot name (a path with whitespace or quotes); nothing is written.
@@ -80,18 +89,21 @@ def export(fn, *args, to, devices="auto", accelerator: str = "auto", num_nodes: 
     if not isinstance(fn, CellJob) and (not isinstance(fn, types.FunctionType)):
         raise TypeError(f"export(fn=...) needs a Python function defined with def, got {type(fn).__name__}.")
     where = _check_to(to)
+    changes = _check_changes(changes, fn)
     plan = plan_devices(devices, accelerator, None, num_nodes)
     if isinstance(fn, CellJob):  # a %%nbtrain cell: its source as it is, its names as they travel
         imports, script = {n: _import_line(n, m) for n, m in fn.imports}, _cell_script(fn, plan)
         pickled = fn.payload
     else:
         imports, sources, names = _gather(fn)
-        script = _script(fn, imports, sources, bool(names), plan)
+        script = _script(fn, imports, sources, bool(names), plan, changes)
         pickled = ship_bytes(names) if names else None
     make_private_dir(where, "to")
     if pickled:
         write_whole(where / NAMES, pickled)
     write_whole(where / ARGUMENTS, ship_bytes((args, kwargs)))
+    if changes:
+        write_whole(where / CHANGES, json.dumps([c._asdict() for c in changes], indent=1, default=repr).encode())
     launch = {"strategy": "ddp", "start": "torchrun", "devices": plan.nprocs, "accelerator": plan.accelerator,
               "num_nodes": 1,
               "backend": None, "timeout": None, "launcher_options": None}  # run.sh: torchrun on this machine
@@ -124,6 +136,16 @@ def _check_to(to) -> Path:
                          f"hold {', '.join(map(repr, odd))}; give a path without whitespace, control characters, "
                          "quotes, backslashes, '#' or '%'.")
     return where
+
+
+def _check_changes(changes, fn) -> list:
+    if isinstance(changes, (str, bytes)) or not all(isinstance(c, protocol.Change) for c in changes):
+        raise TypeError(f"export(changes={changes!r}): give a steered run's changes (run.changes, or "
+                        "Result.changes): a list of Change.")
+    if changes and isinstance(fn, CellJob):
+        raise ValueError("export(changes=...) of a %%nbtrain cell: a cell's job replays no changes; export the "
+                         "training function instead.")
+    return list(changes)
 
 
 def _check_function(fn, source: str | None) -> None:
@@ -208,10 +230,14 @@ def _source(obj) -> str | None:
         return None
 
 
-def _script(fn, imports: dict, sources: dict, has_names: bool, plan) -> str:
+def _script(fn, imports: dict, sources: dict, has_names: bool, plan, changes: list) -> str:
     lines = [f'"""{fn.__name__}, exported from a notebook by nbtrain: `bash run.sh` runs it with torchrun on '
              f'{plan.describe()},', '`sbatch sbatch.sh` on SLURM. Rank 0 prints its return value and writes it to '
              'run/value.pkl."""', "import os", "", *sorted(set(imports.values()))]
+    if changes:
+        lines += ["", f"# The run was steered while it trained ({CHANGES}); run.sh and sbatch.sh make its "
+                  f"{' and '.join(REPLAYED)} again at the same steps:"]
+        lines += [f"#   step {c.step}: {c.detail}{'' if c.what in REPLAYED else ' (not made again)'}" for c in changes]
     if has_names:
         lines += ["", "import dill", "from nbtrain.common.private import read_own", "",
                   f"# What the code reads that has no source in the notebook ({NAMES}), read only if it is yours.",

@@ -16,6 +16,7 @@ from ...common.private import private_dir, read_own, read_own_json
 from ...display import make_display
 from ...rank.cell import CellJob
 from ...rank.exported import ARGUMENTS, VALUE
+from ...rank.steer import replaying
 from . import supervise
 from .export import EXPORT, NAMES
 
@@ -53,6 +54,6 @@ def _load(here: Path, name: str | None) -> tuple:
         names = here / NAMES
         fn = CellJob(script["CELL"], script["IMPORTS"], read_own(names) if names.exists() else None)
     else:
-        fn = script[name]
+        fn = replaying(script[name], here)  # a steered run's sets and stop, made again at their steps
     args, kwargs = runlog.read_pickle(here / ARGUMENTS)
     return fn, args, kwargs, {"cluster": None, "trackers": None, "profile": None}

@@ -68,6 +68,8 @@ class Follower:
             self.restart = event.text
             self.state.title = f"{self.state.title.split(' · ')[0]} · {self.restart}"
             self.state.version += 1
+        elif isinstance(event, protocol.Change) and attempt == self.attempt and self.state is not None:
+            self.state.add_change(event)
         elif isinstance(event, protocol.AttemptEnded) and attempt == self.attempt and self.state is not None:
             self.state.ended = self.state.started + (event.time - self.t0)
 

@@ -512,8 +512,11 @@ class Run:
             raise ValueError(f"{str(job)!r} cannot be read back ({type(error).__name__}: {error}; "
                              f"{len(data):,} bytes)") from error
         options = self.spec["launch"]
+        logged = runlog.Tail(self.dir / runlog.EVENTS).read()
+        last = max((attempt for attempt, _ in logged), default=None)  # a restart's changes, not its first attempt's
+        changes = [e for a, e in logged if a == last and isinstance(e, protocol.Change)]
         return export(fn, *args, to=path, devices=options["devices"], accelerator=options["accelerator"],
-                      num_nodes=options["num_nodes"], **kwargs)
+                      num_nodes=options["num_nodes"], changes=changes, **kwargs)
 
     # -- the live view -------------------------------------------------------------------
     def watch(self, progress=None, output: bool = True) -> str:

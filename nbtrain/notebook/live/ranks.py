@@ -18,6 +18,7 @@ import itertools
 import keyword
 import os
 import sys
+import threading
 import time
 import types
 import weakref
@@ -34,6 +35,7 @@ from ...display.text import QuietDisplay
 from ...placements.base import Job
 from ...placements.clusters import ClusterJob, check_cluster
 from ..many.mapping import map_on_ranks
+from ..run.background import BackgroundRun, SteerablePool, run_in_background
 from ..run.choices import words
 from ..run.doctor import check_stall
 from ..run.insight import instrument
@@ -127,6 +129,7 @@ class Ranks:
         self.placement = ""
         self._pool: Pool | None = None
         self._last_failure: int | None = None
+        self._background: BackgroundRun | None = None  # `run(..., wait=False)`'s, while it runs
         self._start()
 
     # -- life ----------------------------------------------------------------------------
@@ -144,7 +147,7 @@ class Ranks:
         if note:
             display.note(note)
         started = time.monotonic()
-        pool = Pool(launcher, job, live=True)
+        pool = SteerablePool(launcher, job, live=True)  # `run(..., wait=False)` is steered through it
         try:
             pool.start(display)
         except BaseException:
@@ -178,6 +181,9 @@ class Ranks:
         self._close("closed by .close()")
 
     def _close(self, why: str) -> None:
+        run = getattr(self, "_background", None)  # None: never started (a bad argument), or nothing ran
+        if run is not None and threading.current_thread() is not run._thread:
+            run.cancel()  # `run(fn, wait=False)` still going: its watcher lets go of the ranks first
         pool, self._pool = self._pool, None
         _open.pop(getattr(self, "_key", -1), None)
         if pool is not None:
@@ -394,11 +400,12 @@ class Ranks:
         return [state.values.get(r) for r in sorted(state.ranks)]
 
     def run(self, fn, *args, progress=None, timeout: float | None = None, ranks: list[int] | None = None,
-            trackers=None, profile=None, run_dir=None, **kwargs):
+            trackers=None, profile=None, run_dir=None, wait: bool = True, **kwargs):
         """``fn(*args, **kwargs)`` on every rank, with the rank's namespace as its globals.
 
         So ``fn`` sees ``model``, ``opt``... defined on the ranks; names it reads that a rank lacks
-        come from the notebook. Shown with the live view, as a launch is.
+        come from the notebook. Shown with the live view, as a launch is. With ``wait=False`` it
+        runs in the background, steered as ``launch(..., wait=False)``'s run is (docs/steering.md).
 
         Parameters
         ----------
@@ -418,13 +425,18 @@ class Ranks:
             As for `launch`.
         run_dir : str or Path, optional
             As for `launch`.
+        wait : bool, default True
+            False: return at once a handle (``result()``, ``pause()``, ``set()``, ``stop()``...,
+            as ``launch(..., wait=False)`` returns) while ``fn`` runs on the ranks; until it ends
+            these ranks take no other command, and ``cancel()`` interrupts it as Ctrl-C would.
         **kwargs
             Keyword arguments for ``fn``.
 
         Returns
         -------
         Result
-            As `launch` returns it (``start`` reads 'live (fork)' and the like).
+            As `launch` returns it (``start`` reads 'live (fork)' and the like); with
+            ``wait=False``, the run's handle.
 
         Raises
         ------
@@ -444,7 +456,10 @@ class Ranks:
             raise TypeError(f"run(fn, ...) takes a Python function, got {type(fn).__name__}; "
                             "for other callables, push them and call them with exec().")
         refuse_foreign_keywords(fn, args, kwargs, "run", ("progress", "timeout", "ranks", "trackers", "profile",
-                                                          "run_dir"))
+                                                          "run_dir", "wait"))
+        if not isinstance(wait, bool):
+            raise TypeError(f"run(wait={wait!r}): give True (return the Result when fn ends) or False (return a "
+                            "handle at once, fn going on in the background).")
         wrapped = instrument(fn, args, kwargs, trackers=trackers, profile=profile, run_dir=run_dir, plan=self.plan,
                              strategy=f"live ({self.placement})")
         insight = None
@@ -462,9 +477,19 @@ class Ranks:
                         for f in explain_pickling(part, "dill", root)]
             raise UnpicklableError(f"the function `{fn.__qualname__}` and its arguments", findings, str(exc)) from exc
         display = make_display(self.progress if progress is None else progress)
-        state = self._command("call", payload, ranks=ranks, timeout=timeout, namespace=fn.__globals__,
-                              display=display, title=f"{fn.__qualname__} on live ranks")
-        return Result.from_state(state, self.strategy, self.plan.describe(), f"live ({self.placement})")
+
+        def call(shown) -> Result:
+            state = self._command("call", payload, ranks=ranks, timeout=timeout, namespace=fn.__globals__,
+                                  display=shown, title=f"{fn.__qualname__} on live ranks")
+            return Result.from_state(state, self.strategy, self.plan.describe(), f"live ({self.placement})")
+
+        if wait:
+            return call(display)
+        self._refuse_while_running()
+        targets = list(range(self.world_size)) if ranks is None else [ranks] if type(ranks) is int else list(ranks)
+        assert isinstance(self._pool, SteerablePool), "live ranks' pools are steerable"
+        self._background = run_in_background(self._pool, call, display, targets)
+        return self._background
 
     def map(self, fn, items, *, batch_size: int = 1, run_dir=None, progress=None, timeout: float | None = None) -> list:
         """``[fn(item) for item in items]`` on these ranks, results in input order.
@@ -554,9 +579,17 @@ class Ranks:
         self._command("debug", list(commands or []), ranks=[rank])
 
     # -- plumbing ------------------------------------------------------------------------
+    def _refuse_while_running(self) -> None:
+        run = self._background
+        if run is not None and not run.done() and threading.current_thread() is not run._thread:
+            raise RuntimeError("these live ranks run a function in the background (ranks.run(fn, wait=False)): they "
+                               "take the next command once it ends; wait with run.result(), or end it with run.stop() "
+                               "or run.cancel().")
+
     def _command(self, kind: str, *args, ranks=None, timeout=None, namespace=None, display=None, title=""):
         if self._pool is None:
             raise PoolBroken("these live ranks are closed: start new ones with nbtrain.Ranks(...), or .restart().")
+        self._refuse_while_running()
         if ranks is not None:
             ranks = [ranks] if type(ranks) is int else list(ranks)
             bad = [r for r in ranks if type(r) is not int or not 0 <= r < self.world_size]

@@ -93,7 +93,7 @@ class Result:
         return cls(values[0] if values else None, values, list(state.history), state.elapsed,
                    strategy, state.effective_batch_size, devices, list(state.vitals),
                    ProfileTable(state.profiles) if state.profiles else None, start=start,
-                   step_times=dict(state.step_times), straggler=state.straggler)
+                   step_times=dict(state.step_times), straggler=state.straggler, changes=list(state.changes))
 
     def metrics(self, name: str, rank: int | None = 0) -> list[float]:
         """The values logged under one name, in order.
@@ -131,7 +131,7 @@ class Result:
         ImportError
             matplotlib is not installed (``pip install 'nbtrain[plot]'``).
         """
-        fig = metrics_figure(self.history, names, title=f"{self.strategy} on {self.devices}")
+        fig = metrics_figure(self.history, names, title=f"{self.strategy} on {self.devices}", changes=self.changes)
         make_displayable()
         return fig
 

@@ -164,6 +164,7 @@ class RunState:
         self.ended: float | None = None
         self.interrupted: set[int] = set()  # ranks interrupted by nbtrain (live ranks), not by their own fault
         self.queued: str | None = None  # while an engine holds the ranks in its queue: where and why
+        self.changes: list[protocol.Change] = []  # a steered run's (`steer.py`), each with its step
 
     # -- observers -----------------------------------------------------------------------
     def subscribe(self, observer: Callable) -> None:
@@ -272,6 +273,11 @@ class RunState:
     def add_vital(self, vital: Vital) -> None:
         """A rank's vital signs, sampled by a display (`display/vitals.py`)."""
         self.handle(vital)
+
+    def add_change(self, change: protocol.Change) -> None:
+        """A steering change made on every rank (a run event: the recorder logs it)."""
+        self.changes.append(change)
+        self._changed(change)
 
     def set_stall(self, verdict: str) -> None:
         """The doctor found that no rank progresses: its verdict, in words."""

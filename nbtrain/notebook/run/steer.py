@@ -35,24 +35,41 @@ class Steerer:
     """Pause, act and resume a background run's ranks through its pool (`background.BackgroundPool`).
 
     `going()` raises when the run is over (its error, or a word that it ended); `step_time()` is
-    the run's recent step time in seconds, or None; `note(line)` tells the live view.
+    the run's recent step time in seconds, or None; `told(change)` hears each change made (the
+    run's model and live view).
     """
 
     def __init__(self, pool, going: Callable[[], None], step_time: Callable[[], float | None],
-                 note: Callable[[str], None]):
-        self._pool, self._going, self._step_time, self._note = pool, going, step_time, note
-        self.ranks = list(pool.ranks)
+                 told: Callable[[protocol.Change], None], ranks: list[int] | None = None):
+        self._pool, self._going, self._step_time, self._told = pool, going, step_time, told
+        self.ranks = list(pool.ranks if ranks is None else ranks)
         self.held_at: int | None = None  # the step every rank holds at, while paused
         self.changes: list[protocol.Change] = []
         self._seq = 0
 
     # -- pause and resume ------------------------------------------------------------------
     def pause(self, timeout: float = PAUSE_TIMEOUT) -> int:
+        """`run.pause()`: `hold`, remembered as a change."""
+        if self.held_at is not None:
+            self._going()
+            return self.held_at
+        step = self.hold(timeout)
+        self._record(step, "pause", "paused")
+        return step
+
+    def resume(self) -> None:
+        """`run.resume()`: `release`, remembered as a change when the ranks were held."""
+        step = self.held_at
+        self.release()
+        if step is not None:
+            self._record(step, "resume", "resumed")
+
+    def hold(self, timeout: float = PAUSE_TIMEOUT) -> int:
         """Hold every rank at one step boundary; the step (already held: that step)."""
         self._going()  # a run that ended while paused holds nothing
         if self.held_at is not None:
             return self.held_at
-        _drain(self._pool.replies)
+        drain_replies(self._pool.replies)
         deadline = time.monotonic() + timeout
         while not all(self._pool.connected(r) for r in self.ranks) and time.monotonic() < deadline:
             self._going()  # ranks still starting (a pause right after launch): a hold sent now would be lost
@@ -96,7 +113,7 @@ class Steerer:
         step = self._step_time()
         return min(max(2 * step, GRACE[0]), GRACE[1]) if step else GRACE[0]
 
-    def resume(self) -> None:
+    def release(self) -> None:
         """Let every rank go on from the boundary it holds at."""
         if self.held_at is None:
             return
@@ -104,21 +121,26 @@ class Steerer:
         self.held_at = None
 
     # -- acting at the boundary --------------------------------------------------------------
-    def apply(self, what: str, payload: bytes | None, detail: str, timeout: float | None) -> list:
+    def apply(self, what: str, payload: bytes | None, detail: str, timeout: float | None,
+              args: dict | None = None) -> list:
         """Do `what` on every rank at the agreed step (pausing first, and resuming after, when the
         run was not paused); every rank's answer, in rank order."""
         paused_here = self.held_at is None
-        step = self.pause()
+        step = self.hold()
         try:
             self._seq += 1
             self._send(protocol.SteerApply(self._seq, what, payload))
             answers = self._answers(self._seq, timeout)
         finally:
             if paused_here or what == "stop":  # a stopped run's ranks leave their loops at this boundary
-                self.resume()
-        self.changes.append(protocol.Change(step, what, detail, time.time()))
-        self._note(f"step {step}: {detail} on every rank")
+                self.release()
+        self._record(step, what, detail, args)
         return answers
+
+    def _record(self, step: int, what: str, detail: str, args: dict | None = None) -> None:
+        change = protocol.Change(step, what, detail, time.time(), args)
+        self.changes.append(change)
+        self._told(change)
 
     def _answers(self, seq: int, timeout: float | None) -> list:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -154,13 +176,15 @@ class Steerer:
             raise TypeError(f"run.set({', '.join(f'{k}={v!r}' for k, v in bad.items())}): a param group's value is a "
                             "number (or a tuple, such as Adam's betas).")
         words = ", ".join(f"{k}={v!r}" for k, v in values.items())
-        return self.apply("set", pickle.dumps((values, optimizer)), f"set {words}", timeout)
+        return self.apply("set", pickle.dumps((values, optimizer)), f"set {words}", timeout,
+                          {"values": values, "optimizer": optimizer})
 
     def checkpoint(self, path, timeout: float | None) -> None:
-        self.apply("checkpoint", pickle.dumps((str(path),)), f"checkpoint saved to {path}", timeout)
+        self.apply("checkpoint", pickle.dumps((str(path),)), f"checkpoint saved to {path}", timeout,
+                   {"path": str(path)})
 
     def stop(self, timeout: float) -> int:
-        step = self.pause(timeout)
+        step = self.hold(timeout)
         self.apply("stop", None, "stopped", None)
         return step
 
@@ -195,7 +219,7 @@ class Steerer:
             "that uses neither has no step boundary. Every rank goes on.")
 
 
-def _drain(replies: queue.Queue) -> None:
+def drain_replies(replies: queue.Queue) -> None:
     while True:
         try:
             replies.get_nowait()
