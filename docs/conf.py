@@ -61,7 +61,8 @@ suppress_warnings = ["misc.highlighting_failure"]
 
 # API reference: autosummary writes one page per public name (docs/api/generated/).
 autosummary_generate = True
-autodoc_default_options = {"members": True, "inherited-members": False}
+# Inherited members too (Run and BackgroundRun share their steering methods), not those of the builtins.
+autodoc_default_options = {"members": True, "inherited-members": "BaseException,list,dict,tuple,object"}
 autodoc_typehints = "none"          # the signatures and the Parameters sections say the types
 numpydoc_show_class_members = False  # autosummary lists them; numpydoc's own tables would repeat
 numpydoc_class_members_toctree = False

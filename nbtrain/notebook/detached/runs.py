@@ -24,6 +24,7 @@ from ...display import check_progress, in_jupyter, make_display
 from ...display.widgets import WidgetDisplay
 from ..run import steer_files
 from ..run.result import Result
+from ..run.steering import Steering
 from .follow import Follower
 
 POLL = 0.2  # seconds between looks at the run directory
@@ -62,7 +63,7 @@ def _check_timeout(timeout, call: str):
                          "to wait until the run ends.")
 
 
-class Run:
+class Run(Steering):
     """A run that outlives the kernel: returned by `submit`, found again by `attach`.
 
     Everything is read back from the run's directory, so a Run works from any later kernel.
@@ -265,107 +266,12 @@ class Run:
         raise RuntimeError(f"the run in {self.dir} failed: {self.reason}")
 
     # -- steering (a run of rank processes on this machine: `steer_files.py`) ------------------
-    def _steer(self, method: str, *args, timeout: float | None = None, **kwargs):
+    def _steered(self, method: str, timeout: float | None, *args, **kwargs):
+        """Steering through the run directory (`steer_files`), from any kernel: a RuntimeError when
+        the run cannot be steered (it ended, has not started its ranks, runs on a cluster or in one
+        process)."""
         return steer_files.ask(self.dir, lambda: self.status in runlog.ENDED, method, *args, timeout=timeout,
                                **kwargs)
-
-    def pause(self, timeout: float = 30.0) -> int:
-        """Hold every rank at the same step boundary, as ``launch(wait=False)``'s run does
-        (docs/steering.md); from any kernel.
-
-        Parameters
-        ----------
-        timeout : float, default 30
-            Seconds for every rank to reach the agreed boundary.
-
-        Returns
-        -------
-        int
-            The step every rank holds at.
-
-        Raises
-        ------
-        TimeoutError
-            A rank did not reach a step boundary in time (every rank goes on).
-        RuntimeError
-            The run cannot be steered: it has ended, has not started its ranks, or runs on a cluster
-            or in one process.
-        """
-        return self._steer("pause", timeout=timeout)
-
-    def resume(self) -> None:
-        """Let every rank go on from the step it holds at."""
-        self._steer("resume", timeout=None)
-
-    def call(self, fn, timeout: float | None = None) -> list:
-        """Run ``fn`` on every rank at the agreed step (pausing and resuming when not paused).
-
-        Parameters
-        ----------
-        fn : callable
-            It gets what the training registered with ``ctx.steer`` by its parameters' names
-            (and ``ctx``, ``step``).
-        timeout : float, optional
-            Seconds to wait for every rank's answer; None: as long as the run lives.
-
-        Returns
-        -------
-        list
-            Each rank's return value, in rank order.
-
-        Raises
-        ------
-        SteerError
-            ``fn`` raised on a rank; the ranks stay held.
-        """
-        return self._steer("call", fn, timeout=timeout)
-
-    def set(self, optimizer: str | None = None, timeout: float | None = None, **values) -> None:
-        """Set param-group values of the registered optimizers on every rank at the same step.
-
-        Parameters
-        ----------
-        optimizer : str, optional
-            The name it was registered under; None: every registered optimizer.
-        timeout : float, optional
-            Seconds to wait for every rank; None: as long as the run lives.
-        **values
-            The keys to set in every param group: ``lr=1e-3``.
-
-        Raises
-        ------
-        SteerError
-            No optimizer is registered (under that name), or a key is not in its param groups.
-        """
-        self._steer("set", optimizer=optimizer, timeout=timeout, **values)
-
-    def checkpoint(self, path, timeout: float | None = None) -> None:
-        """Save every registered object (and ``step``) at the agreed step, as ``ctx.save_checkpoint``.
-
-        Parameters
-        ----------
-        path : str or Path
-            The checkpoint's directory, as the ranks see it.
-        timeout : float, optional
-            Seconds to wait for every rank; None: as long as the run lives.
-        """
-        self._steer("checkpoint", str(path), timeout=timeout)
-
-    def stop(self, timeout: float = 30.0) -> int:
-        """End the training at the agreed step as if its loops had finished; `result` gives what
-        the function returned.
-
-        Parameters
-        ----------
-        timeout : float, default 30
-            Seconds for every rank to reach the agreed boundary.
-
-        Returns
-        -------
-        int
-            The step the training stopped at.
-        """
-        return self._steer("stop", timeout=timeout)
 
     def cancel(self) -> None:
         """Stop the run: its ranks stop as a Ctrl-C stops a launch, and nothing of its processes is left.

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 from ...common import protocol
 from .choices import IN_KERNEL
 from .pool import Pool
-from .steer import PAUSE_TIMEOUT, Steerer, drain_replies
+from .steer import Steerer, drain_replies
+from .steering import Steering
 
 if TYPE_CHECKING:
     from .result import Result
@@ -151,7 +152,7 @@ class BackgroundPool(SteerablePool):
         super()._watch(*self._watching)
 
 
-class BackgroundRun:
+class BackgroundRun(Steering):
     """A run started by ``launch(..., wait=False)`` or live ranks' ``run(..., wait=False)``: it
     trains while the kernel runs other cells.
 
@@ -255,101 +256,13 @@ class BackgroundRun:
         return 1.0 / min(rates) if rates else None
 
     # -- steering ----------------------------------------------------------------------------
-    def pause(self, timeout: float = PAUSE_TIMEOUT) -> int:
-        """Hold every rank at the same step boundary, and return that step.
-
-        Each rank stops at its next boundary (an iteration of the innermost ``ctx.progress``
-        loop, or ``ctx.step()``); ranks behind the furthest run on to it, so they all hold after
-        the same number of steps. Already paused: the step it holds at.
-
-        Parameters
-        ----------
-        timeout : float, default 30
-            Seconds to wait for every rank to reach the agreed boundary.
-
-        Returns
-        -------
-        int
-            The step every rank holds at (steps done in the training function so far).
-
-        Raises
-        ------
-        TimeoutError
-            A rank did not reach a step boundary in time (the message says where each is); every
-            rank goes on.
-        RuntimeError
-            The run has ended (or its error, if it failed).
-        """
-        return self._steer.pause(timeout)
-
-    def resume(self) -> None:
-        """Let every rank go on from the step it holds at (nothing happens when not paused)."""
-        self._steer.resume()
-
-    def call(self, fn, timeout: float | None = None) -> list:
-        """Run ``fn`` on every rank at the agreed step, and return each rank's answer.
-
-        ``fn`` gets, by its parameters' names, what the training registered with ``ctx.steer``
-        (``lambda model, optimizer: ...``), and ``ctx`` and ``step``; ``**kwargs`` takes them all.
-        A run that was not paused is paused for the call and resumed after it.
-
-        Parameters
-        ----------
-        fn : callable
-            Run on each rank's main thread, where the training's objects live.
-        timeout : float, optional
-            Seconds to wait for every rank's answer; None: as long as the run lives.
-
-        Returns
-        -------
-        list
-            Each rank's return value, in rank order.
-
-        Raises
-        ------
-        SteerError
-            ``fn`` raised on a rank (every failing rank's traceback is in the message); the ranks
-            stay held.
-        TypeError
-            ``fn`` is not callable.
-        """
-        return self._steer.call(fn, timeout)
-
-    def set(self, optimizer: str | None = None, timeout: float | None = None, **values) -> None:
-        """Set hyper-parameters of the registered optimizers in every param group, on every rank
-        at the same step: ``run.set(lr=1e-3)``.
-
-        Parameters
-        ----------
-        optimizer : str, optional
-            The name it was registered under (``ctx.steer(opt=...)``); None: every registered optimizer.
-        timeout : float, optional
-            Seconds to wait for every rank; None: as long as the run lives.
-        **values
-            The param group keys to set (``lr``, ``weight_decay``, ``momentum``...).
-
-        Raises
-        ------
-        SteerError
-            No optimizer is registered (under that name), or a key is not in its param groups.
-        """
-        self._steer.set(values, optimizer, timeout)
-
-    def checkpoint(self, path, timeout: float | None = None) -> None:
-        """Save every registered object (and ``step``) at the agreed step, as ``ctx.save_checkpoint``:
-        every rank writes its shard, and ``ctx.load_checkpoint`` reads it back."""
-        self._steer.checkpoint(path, timeout)
-
-    def stop(self, timeout: float = PAUSE_TIMEOUT) -> int:
-        """End the training at the agreed step, as if its loops had finished: every ``ctx.progress``
-        loop ends there, so the function returns what it returns (the model) to `result`.
-
-        Returns
-        -------
-        int
-            The step the training stopped at.
-        """
-        return self._steer.stop(timeout)
+    def _steered(self, method: str, timeout: float | None, *args, **kwargs):
+        if method == "resume":
+            return self._steer.resume()
+        if method == "set":
+            optimizer = kwargs.pop("optimizer")
+            return self._steer.set(kwargs, optimizer, timeout)
+        return getattr(self._steer, method)(*args, timeout)
 
     def metrics(self, name: str, rank: int | None = 0) -> list[float]:
         """The values logged under one name so far (as ``Result.metrics``), while the run trains.
