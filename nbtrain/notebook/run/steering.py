@@ -97,12 +97,25 @@ class Steering:
 
     def checkpoint(self, path, timeout: float | None = None) -> None:
         """Save every registered object (and ``step``) at the agreed step, as ``ctx.save_checkpoint``:
-        every rank writes its shard, and ``ctx.load_checkpoint`` reads it back."""
+        every rank writes its shard, and ``ctx.load_checkpoint`` reads it back.
+
+        Parameters
+        ----------
+        path : str or Path
+            The checkpoint's directory, as the ranks see it.
+        timeout : float, optional
+            Seconds to wait for every rank; None: as long as the run lives.
+        """
         self._steered("checkpoint", timeout, os.fspath(path))
 
     def stop(self, timeout: float = PAUSE_TIMEOUT) -> int:
         """End the training at the agreed step, as if its loops had finished: every ``ctx.progress``
         loop ends there, so the function returns what it returns (the model) to `result`.
+
+        Parameters
+        ----------
+        timeout : float, default 30
+            Seconds for every rank to reach the agreed boundary.
 
         Returns
         -------
