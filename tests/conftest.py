@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 
 import psutil
@@ -24,6 +25,23 @@ def no_leftovers():
     tracker_fd = not had_tracker and any(is_resource_tracker(c) for c in me.children())
     assert me.num_fds() <= fds_before + tracker_fd, f"file descriptors leaked: {fds_before} -> {me.num_fds()}"
     assert "MASTER_PORT" not in os.environ
+
+
+def timed_out_in_place(launch, function: str, timeouts: tuple[float, ...]):
+    """`launch(timeout)`'s WorkerError, and the timeout it was given, for a run whose ranks hang
+    in `function`: `timeout=` counts from the launch, the ranks' own start included (an interpreter
+    importing torch each: 2-3 s on a quiet 2-core machine, 20 s under a load of 12), so a short one
+    is tried first, and a longer one only if a rank's stack shows it had not reached `function` yet.
+    Stacks that never show it fail the test after the last timeout, as they would have after one."""
+    from nbtrain import WorkerError
+
+    for timeout in timeouts:
+        with pytest.raises(WorkerError) as caught:
+            launch(timeout)
+        stacks = re.split(r"--- rank \d+ stack.*---", caught.value.traceback)[1:]  # each rank's (and its native one)
+        if stacks and all(function in stack for stack in stacks):
+            break
+    return caught.value, timeout
 
 
 @pytest.fixture(scope="module")

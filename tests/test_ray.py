@@ -206,12 +206,12 @@ def test_a_cell_runs_on_ray_with_names_from_earlier_cells(rk):
 
 def test_a_timeout_shows_every_rank_stack_and_frees_the_cluster(rk):
     run(rk, """
-try:
-    nbtrain.launch(one_rank_stalls, cluster=nbtrain.Ray(num_workers=2), timeout=15, progress=False)
-except nbtrain.WorkerError as e:
-    stalled = str(e)
+from conftest import timed_out_in_place
+error, timeout = timed_out_in_place(lambda timeout: nbtrain.launch(
+    one_rank_stalls, cluster=nbtrain.Ray(num_workers=2), timeout=timeout, progress=False), "one_rank_stalls", (8, 15))
+stalled = str(error)
 """)
-    assert rk.value("stack_report_problems(stalled, 15)") == [], rk.value("stalled")
+    assert rk.value("stack_report_problems(stalled, timeout)") == [], rk.value("stalled")
     assert rk.value("settled(ray_is_empty)")
 
 

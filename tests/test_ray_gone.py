@@ -37,19 +37,27 @@ def wait_until(done, seconds):
         time.sleep(0.1)
     return done()
 
-def later(seconds, action):
-    threading.Timer(seconds, action).start()
-
-def sleeper(seconds):
+def sleeper(seconds, up=None):
     nbtrain.context().barrier()  # both ranks are up
+    if up:
+        open(os.path.join(up, str(nbtrain.context().rank)), "w").close()
     time.sleep(seconds)
 
-def lost_with_ray():
+def lost_with_ray(action):
+    """A run whose ranks sleep 2 minutes, and `action` (Ray's end) from another thread once both sleep."""
+    import shutil, tempfile
+    up = tempfile.mkdtemp()
+    def when_both_sleep():
+        wait_until(lambda: len(os.listdir(up)) == 2, 240)  # started, under the suite's load
+        action()
+    threading.Thread(target=when_both_sleep, daemon=True).start()
     started = time.monotonic()
     try:
-        nbtrain.launch(sleeper, 120, devices=2, cluster=nbtrain.Ray(), progress=False, timeout=200)
+        nbtrain.launch(sleeper, 120, up, devices=2, cluster=nbtrain.Ray(), progress=False, timeout=200)
     except nbtrain.WorkerError as error:
         return str(error), time.monotonic() - started
+    finally:
+        shutil.rmtree(up)
 '''
 
 
@@ -69,21 +77,21 @@ def gk():
 
 def test_ray_shut_down_under_a_run_fails_it_and_starts_no_new_ray(gk):
     _, _, error, _ = gk.run("old = {p.pid for p in ray_daemons()}\n"
-                            "later(8, ray.shutdown)\nmessage, took = lost_with_ray()", timeout=300)
+                            "message, took = lost_with_ray(ray.shutdown)", timeout=300)
     assert error is None, error
     message = gk.value("message")
     assert "Ray was shut down in this kernel (ray.shutdown())" in message, message
     assert gk.value("took") < 60  # not the 120 s the ranks sleep
     assert gk.value("ray.is_initialized()") is False  # before: a new local Ray, silently
     assert gk.value("[p.pid for p in ray_daemons() if p.pid not in old]") == [], "a new Ray was started"
-    # The old Ray's daemons end as ray.shutdown() (on its timer thread) finishes: on a loaded 2-core
+    # The old Ray's daemons end as ray.shutdown() (on its own thread) finishes: on a loaded 2-core
     # machine that took more than 30 s once.
     assert gk.value("wait_until(lambda: not ray_daemons(), 90)"), gk.value("[p.pid for p in ray_daemons()]")
 
 
 def test_ray_daemons_killed_under_a_run_fail_it_and_the_kernel_survives(gk):
     _, _, error, _ = gk.run("start_ray()\nkill_daemons = lambda: [p.kill() for p in ray_daemons()]\n"
-                            "later(8, kill_daemons)\nmessage, took = lost_with_ray()", timeout=600)
+                            "message, took = lost_with_ray(kill_daemons)", timeout=600)
     assert error is None, error
     message = gk.value("message")
     assert "Ray's cluster went away: its GCS at" in message, message

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import nbtrain
+from conftest import timed_out_in_place
 from nbtrain import WorkerError
 from nbtrain.common.errors import UnpicklableError
 from nbtrain.common.source import free_names
@@ -198,11 +199,12 @@ def stuck_in_barrier():
 
 @slow
 def test_timeout_shows_where_each_rank_is_stuck(no_leftovers):
-    with pytest.raises(WorkerError) as info:
-        nbtrain.launch(stuck_in_barrier, **{**CPU2, "timeout": 30})  # torchrun and two fresh torch imports first: 10 s was too few on a loaded machine
-    assert "timed out after 30 s; still running: ranks [0, 1]" in str(info.value)
-    rank1, rank0 = info.value.traceback.split("--- rank 0 stack (waiting) ---")  # the rank waited for comes first
-    assert info.value.rank == 1 and "barrier" in rank0 and "stuck_in_barrier" in rank0
+    # torchrun and two fresh torch imports first: 10 s was too few on a loaded machine
+    error, timeout = timed_out_in_place(lambda timeout: nbtrain.launch(stuck_in_barrier, **{**CPU2, "timeout": timeout}),
+                                        "stuck_in_barrier", timeouts=(15, 30))
+    assert f"timed out after {timeout} s; still running: ranks [0, 1]" in str(error)
+    rank1, rank0 = error.traceback.split("--- rank 0 stack (waiting) ---")  # the rank waited for comes first
+    assert error.rank == 1 and "barrier" in rank0 and "stuck_in_barrier" in rank0
     assert "slow_data_loading" in rank1
 
 

@@ -12,6 +12,7 @@ import pytest
 
 import nbtrain
 from cluster_helpers import Recorder, one_rank_stalls, stack_report_problems, wait_for_the_notebook
+from conftest import timed_out_in_place
 
 pytestmark = pytest.mark.slow
 
@@ -103,37 +104,53 @@ def test_the_live_view_sees_progress_metrics_and_output_while_the_job_runs(slurm
 
 
 def test_a_waiting_job_says_why_and_its_wait_is_not_a_stall(slurm, tmp_path):
-    held = []
+    def held_longer_than(timeout, hold):
+        """Launch a job held in the queue for `hold` s, longer than the run's `timeout`: the time in the
+        queue must not count. The job's value (or error), what the live view was told, and whether
+        the launch ended after the job's release."""
+        held, released = [], []
 
-    def release_when_held():
-        def is_held():
-            out = subprocess.run(["squeue", "--noheader", "--format", "%i %r"], capture_output=True, text=True)
-            held[:] = [line.split()[0] for line in out.stdout.splitlines() if line.endswith("JobHeldUser")]
-            return bool(held)
+        def release_when_held():
+            def is_held():
+                out = subprocess.run(["squeue", "--noheader", "--format", "%i %r"], capture_output=True, text=True)
+                held[:] = [line.split()[0] for line in out.stdout.splitlines() if line.endswith("JobHeldUser")]
+                return bool(held)
 
-        if wait_until(is_held, 60):
-            time.sleep(35)  # longer than the run's timeout below
-            subprocess.run(["scontrol", "release", held[0]], check=True)
+            if wait_until(is_held, 60):
+                time.sleep(hold)
+                subprocess.run(["scontrol", "release", held[0]], check=True)
+                released.append(time.monotonic())
 
-    releaser = threading.Thread(target=release_when_held)
-    releaser.start()
-    recorder = Recorder(tmp_path / "unused")
-    try:  # held longer than the run's timeout: the time in the queue must not count
-        # 30 s: the tasks' own start (each imports torch) counts, and took more than 10 s under load
-        result = nbtrain.launch(lambda: nbtrain.context().rank, devices=2, cluster=nbtrain.Slurm(hold=True),
-                                timeout=30, progress=recorder)
-    finally:
+        releaser = threading.Thread(target=release_when_held)
+        releaser.start()
+        recorder = Recorder(tmp_path / "unused")
+        try:
+            result = nbtrain.launch(lambda: nbtrain.context().rank, devices=2, cluster=nbtrain.Slurm(hold=True),
+                                    timeout=timeout, progress=recorder)
+        except nbtrain.WorkerError as error:
+            result = error
+        ended = time.monotonic()
         releaser.join()
+        return result, held, recorder.notes, bool(released) and ended > released[0]
+
+    # The tasks' own start (each imports torch) counts: a timeout of 15 s, and of 30 only if the tasks
+    # did not start within 15 s of their release (more than 10 s under load). One within the hold fails.
+    for timeout, hold in ((15, 18), (30, 35)):
+        result, held, notes, after_the_release = held_longer_than(timeout, hold)
+        if not (isinstance(result, nbtrain.WorkerError) and "timed out" in str(result) and after_the_release):
+            break
+    assert not isinstance(result, Exception), f"{result} (ended after the release: {after_the_release})"
     assert result.values == [0, 1]
-    assert f"SLURM job {held[0]} waits in the queue: PENDING (JobHeldUser)" in recorder.notes
+    assert f"SLURM job {held[0]} waits in the queue: PENDING (JobHeldUser)" in notes
 
 
 def test_a_timeout_shows_every_rank_stack_and_cancels_the_job(slurm, no_leftovers):
-    # 30 s: the timeout counts from the job's start, and each task imports torch first (on a loaded
+    # The timeout counts from the job's start, and each task imports torch first (on a loaded
     # 2-core machine that took more than 8 s: no rank had reached the notebook to send a stack)
-    with pytest.raises(nbtrain.WorkerError) as caught:
-        nbtrain.launch(one_rank_stalls, devices=2, cluster=nbtrain.Slurm(), timeout=30, progress=False)
-    assert stack_report_problems(str(caught.value), 30) == [], str(caught.value)
+    error, timeout = timed_out_in_place(
+        lambda timeout: nbtrain.launch(one_rank_stalls, devices=2, cluster=nbtrain.Slurm(), timeout=timeout,
+                                       progress=False), "one_rank_stalls", timeouts=(15, 30))
+    assert stack_report_problems(str(error), timeout) == [], str(error)
     assert wait_until(lambda: not slurm.jobs()), slurm.jobs()
 
 

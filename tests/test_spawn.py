@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 import nbtrain
+from conftest import timed_out_in_place
 from nbtrain.common.errors import UnpicklableError, WorkerError
 from test_launch import crash, stuck_in_barrier
 
@@ -112,8 +113,8 @@ def test_a_dying_spawned_rank_is_named_with_its_signal_and_its_last_words(capfd,
 
 @pytest.mark.slow
 def test_a_hanging_spawned_rank_shows_its_stack_at_the_timeout(no_leftovers):
-    # 60 s: spawned ranks import torch first (seconds, more on a loaded machine)
-    with pytest.raises(WorkerError) as info:
-        nbtrain.launch(stuck_in_barrier, devices=2, accelerator="cpu", start="spawn", timeout=60, progress=False)
-    assert "timed out after 60 s; still running: ranks [0, 1]" in str(info.value)
-    assert "--- rank 1 stack ---" in info.value.traceback and "slow_data_loading" in info.value.traceback
+    error, timeout = timed_out_in_place(  # spawned ranks import torch first (seconds, more on a loaded machine)
+        lambda timeout: nbtrain.launch(stuck_in_barrier, devices=2, accelerator="cpu", start="spawn",
+                                       timeout=timeout, progress=False), "stuck_in_barrier", timeouts=(20, 60))
+    assert f"timed out after {timeout} s; still running: ranks [0, 1]" in str(error)
+    assert "--- rank 1 stack ---" in error.traceback and "slow_data_loading" in error.traceback

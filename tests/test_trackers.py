@@ -217,6 +217,7 @@ def test_an_mlflow_server_that_does_not_answer_fails_the_run_naming_mlflow_and_t
     if server == "silent_port":
         given = "2"
         monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", given)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")  # the retries at once: nbtrain's 2 s apart are not what is said
     with pytest.raises(nbtrain.WorkerError) as caught:
         nbtrain.launch(train, STEPS, trackers=nbtrain.MLflow(tracking_uri=uri), run_dir=tmp_path, **BOUNDED)
     assert caught.value.rank == 0
@@ -252,8 +253,10 @@ def test_a_wandb_server_that_does_not_answer_fails_the_run_in_bounded_time(serve
     monkeypatch.setenv("WANDB_BASE_URL", url)
     # A bound of the user's own, shorter than nbtrain's 30 s (test_wandb_is_bounded_unless_the_user_says):
     # the run still fails saying why, and its W&B service still ends.
-    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "8")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "4")
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # any key: the server is never reached
+    # No look-up of the key's account before the run: W&B gives each of its two 5 s of its own.
+    monkeypatch.setenv("WANDB_X_DISABLE_VIEWER", "true")
     with pytest.raises(nbtrain.WorkerError) as caught:
         nbtrain.launch(train, STEPS, trackers=nbtrain.WandB(mode="online"), run_dir=tmp_path, **BOUNDED)
     assert f"TrackerError: W&B (online, {url}) in {tmp_path} could not start: {said}" in str(caught.value)
