@@ -208,6 +208,7 @@ def timed(marks: str, x: float, seconds: float = 0.4):
     """A trial that says when it ran, by files the test reads (a pruned trial leaves no end)."""
     number = f"{x:.6f}"
     mark(marks, f"{number}.start")
+    Path(marks, f"{number}.pid").write_text(str(os.getpid()))
     ctx = nbtrain.context()
     for step in range(4):
         time.sleep(seconds / 4)
@@ -243,6 +244,7 @@ def test_trials_never_outnumber_the_slots_and_the_best_result_comes_back(tmp_pat
     found = spans(marks)
     assert len(found) == 7 and all(e < float("inf") for _, e in found)
     assert most_at_once(found) <= 2
+    assert len({p.read_text() for p in marks.glob("*.pid")}) == 2  # a process per slot, warm from trial to trial
     trials = study.get_trials()
     assert {t.state.name for t in trials} == {"COMPLETE"} and len(trials) == 7
     assert {t.user_attrs["nbtrain_slot"] for t in trials} == {"CPU slot 0", "CPU slot 1"}
@@ -327,6 +329,7 @@ def test_the_sqlite_study_in_run_dir_resumes(tmp_path, no_leftovers):
     trials = again.study.get_trials()
     assert [(t.number, t.params) for t in trials][:3] == before and len(trials) == 5
     assert all(t.state.name == "COMPLETE" for t in trials)
+    assert all(list(t.intermediate_values) == [0] for t in trials)  # each trial's steps from 0, in a warm process too
     assert again.best_result is not None and again.best_result.value == again.best_value  # whichever sweep ran it
     with pytest.raises(ValueError, match="optimises 'loss'"):
         nbtrain.sweep(constant, SPACE, trials=5, metric="accuracy", devices=1, accelerator="cpu", run_dir=run_dir)

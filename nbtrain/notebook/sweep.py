@@ -8,11 +8,12 @@
 Optuna decides everything a sweep decides: which parameters a trial gets (its sampler, enqueued
 trials first), whether a trial is pruned (its pruner), where the study is kept (its storage: by
 default SQLite in a run directory named by the objective, so running the same cell again after
-an interruption resumes: `sweep_study.py`). nbtrain runs each trial as a launch on a free slot
-(`slots.py`) with the slot's share of the cores (`rank/trial.py`). An `objective(trial)` gets a
-trial whose every call the study here answers (`sweep_trials.py`); a `fn(**params)` has its
-`ctx.log(metric, ...)` reported to the trial, and a pruned trial's launch ends at once, freeing
-its slot for the next.
+an interruption resumes: `sweep_study.py`). nbtrain runs each trial on a free slot (`slots.py`)
+with the slot's share of the cores (`rank/trial.py`): a call on the slot's warm process where the
+trial has one device on this machine (`sweep_workers.py`), else a launch of its own. An
+`objective(trial)` gets a trial whose every call the study here answers (`sweep_trials.py`); a
+`fn(**params)` has its `ctx.log(metric, ...)` reported to the trial, and a pruned trial ends at
+once, freeing its slot for the next.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ from .sweep_study import (
     this_kernel,
 )
 from .sweep_trials import TrialServer
+from .sweep_workers import TrialWorkers
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +243,7 @@ class _Reporter:
         self.run, self.trial, self.row, self.reports = run, trial, row, reports
         self.read = 0
         self.reported: set[int] = set()
+        self.pruned: _Pruned | None = None  # the pruner stopped it (a warm worker's call: by an interrupt)
 
     def heard(self, method: str, args: tuple, value) -> None:
         """A fn(trial) trial's call, answered: its parameters and reports go to its row."""
@@ -293,6 +296,7 @@ class _SweepRun:
         self.said: dict[str, int] = {}  # a stderr line a trial wrote: the first trial that wrote it
         self.alike = 0  # stderr lines left out: an earlier trial wrote each of them
         self.runner: SlotRunner | None = None
+        self.workers: TrialWorkers | None = None  # each one-device slot's live rank, where trials run on this machine
         self.lock = threading.Lock()  # the study is told from the slots' threads and the trial server's
 
     def changed(self) -> None:
@@ -326,14 +330,46 @@ class _SweepRun:
             trial.set_user_attr(KERNEL, this_kernel())
             return trial
 
-    def _job(self, trial, slot: Slot):
+    def _spec(self, trial, slot: Slot, warm: bool) -> TrialSpec:
         """What the trial's ranks run: fn(trial) or fn(**params), on the slot's share of the cores."""
         if self.server is None:
             params, environ = dict(trial.params), {}
         else:
             params, environ = None, self.server.environ
-        return functools.partial(run_trial, TrialSpec(self.fn, trial.number, params, environ, slot.threads,
-                                                      slot.cores))
+        return TrialSpec(self.fn, trial.number, params, environ, slot.threads, slot.cores, warm)
+
+    def _run(self, trial, slot: Slot, reporter: _Reporter) -> Result:
+        """The trial as a call on the slot's warm worker (one device, on this machine), else as a
+        launch of its own (several devices, a cluster, start= other than the template)."""
+        assert self.runner is not None, "trials run after the slots started"
+        output, note = functools.partial(self._say, trial.number), functools.partial(self._note, trial.number)
+        if self.workers is None or slot.size != 1:
+            display = self.runner.display(on_update=reporter.update, on_output=output, on_note=note)
+            try:
+                return launch(functools.partial(run_trial, self._spec(trial, slot, False)),
+                              devices=slot.launch_devices, accelerator=slot.accelerator, strategy=self.strategy,
+                              start=self.start, cluster=self.cluster, progress=display)
+            finally:
+                display.release()
+
+        def update(state, final: bool) -> None:  # a live rank's call ends by an interrupt, its process kept
+            try:
+                reporter.update(state, final)
+            except _Pruned as pruned:
+                reporter.pruned = pruned
+                raise KeyboardInterrupt from None
+
+        # The start turn only for a slot whose process starts now (its first trial, or after a failure).
+        display = self.runner.display(on_update=update, on_output=output, on_note=note,
+                                      starts=not self.workers.started(slot))
+        try:
+            return self.workers.run(slot, self._spec(trial, slot, True), display)
+        except KeyboardInterrupt:
+            if reporter.pruned is not None and not self.runner.stopping.is_set():
+                raise reporter.pruned from None
+            raise
+        finally:
+            display.release()
 
     def work(self, slot: Slot) -> bool:
         trial = self._next()
@@ -344,16 +380,11 @@ class _SweepRun:
             trial.set_user_attr(SLOT, str(slot))
         row = TrialRow(trial.number, dict(trial.params), str(slot))
         self.state.add(row)
-        reporter, display = _Reporter(self, trial, row, reports=self.server is None), None
+        reporter = _Reporter(self, trial, row, reports=self.server is None)
         if self.server is not None:
             self.server.add(trial.number, trial, reporter.heard)
-        assert self.runner is not None, "trials run after the slots started"
         try:
-            display = self.runner.display(on_update=reporter.update,
-                                          on_output=functools.partial(self._say, trial.number),
-                                          on_note=functools.partial(self._note, trial.number))
-            result = launch(self._job(trial, slot), devices=slot.launch_devices, accelerator=slot.accelerator,
-                            strategy=self.strategy, start=self.start, cluster=self.cluster, progress=display)
+            result = self._run(trial, slot, reporter)
         except _Pruned as pruned:
             self._end(trial, row, "pruned", f"pruned at step {pruned.step}", TrialState.PRUNED)
             return True
@@ -375,8 +406,6 @@ class _SweepRun:
             self._end(trial, row, "failed", f"{type(error).__name__}: {error}".splitlines()[0], TrialState.FAIL)
             raise
         finally:
-            if display is not None:
-                display.release()
             if self.server is not None:
                 self.server.remove(trial.number)
         if result.value is PRUNED:
@@ -457,8 +486,8 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
     """Hyper-parameter trials of Optuna's ``objective(trial)``, or of ``fn(**params)``, packed onto
     the devices, run on Optuna.
 
-    Each trial is a launch on a free slot of ``devices_per_trial`` devices (one process on one
-    device, or a normal launch on several), with the slot's share of the cores. ``fn(trial)``
+    Each trial runs on a free slot of ``devices_per_trial`` devices (a call on the slot's one
+    warm process on one device, or a normal launch on several), with the slot's share of the cores. ``fn(trial)``
     gets a trial that the study in the notebook answers (``suggest_*``, ``report``,
     ``should_prune``, ``set_user_attr``, ``params``): its value is what it returns, and raising
     ``optuna.TrialPruned`` prunes it, as under ``study.optimize``. ``fn(**params)`` with a
@@ -586,10 +615,16 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
                         "Raise trials= to run more"
                         + (f", or give another run_dir for a new sweep ({run_dir})." if run_dir else "."))
         run.runner = SlotRunner(slots, run.work, warm=cluster is None, preload=("optuna",) if with_trial else ())
+        if cluster is None and start == "template":  # one-device trials are calls on a live rank per slot
+            run.workers = TrialWorkers(strategy)
         verdict = "finished"
         try:
-            if done < trials:
-                run.runner.run(run.tick)
+            try:
+                if done < trials:
+                    run.runner.run(run.tick)
+            finally:
+                if run.workers is not None:
+                    run.workers.close()
             verdict = run.verdict()
         except KeyboardInterrupt as interrupt:
             verdict = "interrupted"
