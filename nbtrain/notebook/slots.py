@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..common.devices import plan_devices
+from ..display.vitals import VitalsSampler
 from ..placements import template_process
 from ..placements.template_process import template, warm_up
 from .choices import words
@@ -214,6 +215,7 @@ class SlotDisplay:
         self.runner = runner
         self._on_update, self._on_output, self._on_note = on_update, on_output, on_note
         self.state = None
+        self.vitals = VitalsSampler()  # each run's memory, as a launch's own display samples it (Result.vitals)
         if starts:
             runner._turn.acquire()
         self._holding = starts
@@ -242,6 +244,7 @@ class SlotDisplay:
         self.release()  # the supervisor watches it: its processes are started
         if self.runner.stopping.is_set():
             raise KeyboardInterrupt
+        self.vitals.maybe_sample(state)
         if self._on_update is not None:
             self._on_update(state, False)
 

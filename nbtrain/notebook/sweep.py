@@ -39,6 +39,7 @@ from .result import Result
 from .slots import Slot, SlotRunner, check_count, plan_slots, slot_start
 from .sweep_study import (
     ERROR,
+    GPU_MEMORY,
     INTERRUPTED,
     KERNEL,
     SLOT,
@@ -425,13 +426,16 @@ class _SweepRun:
             self._fail(trial, row, f"its value is {value!r} ({'returned' if self.server else 'logged or returned'}), "
                        "which Optuna does not take")
             return True
+        memory = device_memory(result)
         with self.lock:
+            if memory is not None:  # trials that share a GPU (trials_per_device): what each one held
+                trial.set_user_attr(GPU_MEMORY, memory)
             told = self.study.tell(trial, value, skip_if_finished=True)
             row.value = value
             if told.state != TrialState.COMPLETE:  # Optuna refused the value: the trial failed
                 self._finish_row(row, "failed", f"its value, {value!r}, is not one Optuna accepts")
                 return True
-            self._finish_row(row, "complete", "")
+            self._finish_row(row, "complete", f"GPU memory {memory / 2**30:.2f} GiB" if memory is not None else "")
             best = self._best()
             if best is not None and best[0] == trial.number:
                 self.best = (trial.number, result)  # the model of the best trial so far; earlier ones are let go
@@ -655,6 +659,13 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
     if verdict.startswith("failed"):  # every trial failed: the first one's error, as the sweep's
         raise run.failures[0]
     return Sweep(study, state, run.best, run_dir, verdict)
+
+
+def device_memory(result: Result) -> int | None:
+    """The most GPU memory a trial's first rank held (bytes, NVML's figure for its process, sampled
+    about once a second: a trial shorter than that may have none), or None (a CPU trial)."""
+    held = [v.gpu_memory for v in result.vitals if v.gpu_memory is not None and v.rank == 0]
+    return max(held) if held else None
 
 
 def importances(optuna, study) -> dict[str, float] | None:
