@@ -26,6 +26,7 @@ import threading
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
 
 from ..common.errors import WorkerError
 from ..common.tracebacks import name_cells
@@ -595,6 +596,7 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
                         metric=metric, run_dir=run_dir)
     study, run_dir = opened.study, opened.run_dir
     server = None
+    stopped: Callable[[], None] = lambda: None  # noqa: E731
     try:
         kept_as = (run_dir if run_dir else given if isinstance(given, str) else id(given), study.study_name)
         done = resume(optuna, study)
@@ -628,7 +630,7 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
                     run.runner.run(run.tick)
             finally:
                 if run.workers is not None:
-                    run.workers.close()
+                    stopped = run.workers.closing()
             verdict = run.verdict()
         except KeyboardInterrupt as interrupt:
             verdict = "interrupted"
@@ -653,6 +655,7 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
             if run.best is not None:
                 _KEPT[kept_as] = run.best
     finally:
+        stopped()  # the warm processes, stopping while the summary was drawn: gone before the sweep returns
         if server is not None:
             server.close()
         opened.close()

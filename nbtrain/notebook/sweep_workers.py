@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import types
+from collections.abc import Callable
 
 from ..common.transfer import pack_job
 from ..rank.trial import TrialSpec, run_trial
@@ -76,13 +77,21 @@ class TrialWorkers:
             ranks.close()
 
     def close(self) -> None:
-        """Stop every slot's process (in parallel: each waits for its process to exit)."""
+        """Stop every slot's process and wait until they are gone (in parallel, each bounded)."""
+        self.closing()()
+
+    def closing(self) -> Callable[[], None]:
+        """Start stopping every slot's process; what to call to wait until they are gone. The
+        sweep draws its summary meanwhile (a process's exit takes 0.05-0.2 s)."""
         with self._lock:
             self._closed = True
             indices = list(self._ranks)
-        closing = [threading.Thread(target=self._retire, args=(i,), name="nbtrain-sweep-close", daemon=True)
+        threads = [threading.Thread(target=self._retire, args=(i,), name="nbtrain-sweep-close", daemon=True)
                    for i in indices]
-        for thread in closing:
+        for thread in threads:
             thread.start()
-        for thread in closing:
-            thread.join()
+
+        def wait() -> None:
+            for thread in threads:
+                thread.join()
+        return wait
