@@ -492,11 +492,11 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
     the devices, run on Optuna.
 
     Each trial runs on a free slot of ``devices_per_trial`` devices (a call on the slot's one
-    warm process on one device, or a normal launch on several), with the slot's share of the cores. ``fn(trial)``
-    gets a trial that the study in the notebook answers (``suggest_*``, ``report``,
-    ``should_prune``, ``set_user_attr``, ``params``): its value is what it returns, and raising
-    ``optuna.TrialPruned`` prunes it, as under ``study.optimize``. ``fn(**params)`` with a
-    ``space`` reports ``ctx.log(metric, value, step=)`` to the trial, and a trial Optuna's
+    warm process on one device, or a normal launch on several), with the slot's share of the
+    cores. ``fn(trial)`` gets a trial that the study in the notebook answers (``suggest_*``,
+    ``report``, ``should_prune``, ``set_user_attr``, ``params``): its value is what it returns,
+    and raising ``optuna.TrialPruned`` prunes it, as under ``study.optimize``. ``fn(**params)``
+    with a ``space`` reports ``ctx.log(metric, value, step=)`` to the trial, and a trial Optuna's
     pruner stops ends at once, freeing its slot; its value is the last ``metric`` it logged (or
     what ``fn`` returned, if a number). One live view shows a row per trial; Ctrl-C stops every
     trial, leaving nothing, and running the cell again resumes the study.
