@@ -3,15 +3,22 @@
 shapes: 28x28 inputs, 10 classes, 30 batches of 128 to train, 10 to validate; fewer epochs).
 
 - `nbtrain.sweep(objective, trials=8, devices=2, accelerator="cpu")`: the objective as Optuna
-  calls it (`objective(trial)`), each trial a launch on one of 2 CPU slots with the slot's share
-  of the cores (here: 1 thread each, on a core of its own);
+  calls it (`objective(trial)`), each trial a call on its slot's warm process (one per slot,
+  started by the sweep, stopped at its end) with the slot's share of the cores (here: 1 thread
+  each, on a core of its own);
 - `study.optimize(objective, n_trials=8)`: one after another, in this process;
 - `study.optimize(objective, n_trials=8, n_jobs=2)`: two threads of this process.
 
 The same 8 parameter sets are enqueued for all three (so all do the same work); no pruning.
-Rounds are interleaved; the median is reported. The template starts once, before the rounds.
+Rounds are interleaved; the median is reported, and each round's sweep against that round's
+`n_jobs=2` (paired: the shared machine's load changes from round to round). Sequential Optuna
+runs in the first `--sequential` rounds only (each trial on torch's threads in this process: the
+slowest by far). Then what a trial costs beyond its objective: sweeps of a no-op objective
+(one `suggest_float`) of 2 and of 2 + 2k trials on 2 slots, the difference over k (each slot's
+k more trials), beside Optuna's `n_jobs=2` the same way. The template starts once, before the
+rounds.
 
-    python benchmarks/sweep_objective.py [--rounds 3] [--epochs 3] [--note TEXT]
+    python benchmarks/sweep_objective.py [--rounds 7] [--sequential 2] [--epochs 3] [--note TEXT]
 """
 from __future__ import annotations
 
@@ -131,11 +138,45 @@ def run_optuna(sets: list[dict], jobs: int) -> float:
     return time.perf_counter() - started
 
 
+def noop(trial):
+    return trial.suggest_float("x", 0.0, 1.0)
+
+
+def per_trial_ms(run, extra: int, rounds: int) -> list[float]:
+    """What each slot's `extra` more trials cost, per trial: sweeps of 2 and of 2 + 2 * extra no-op trials."""
+    costs = []
+    for _ in range(rounds):
+        few, many = run(2), run(2 + 2 * extra)
+        costs.append((many - few) / extra * 1000)
+    return costs
+
+
+def sweep_noop(count: int) -> float:
+    import optuna
+
+    import nbtrain
+
+    started = time.perf_counter()
+    nbtrain.sweep(noop, trials=count, devices=2, accelerator="cpu", study=optuna.create_study(), progress=False)
+    return time.perf_counter() - started
+
+
+def optuna_noop(count: int) -> float:
+    import optuna
+
+    study = optuna.create_study()
+    started = time.perf_counter()
+    study.optimize(noop, n_trials=count, n_jobs=2)
+    return time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--sequential", type=int, default=2, help="rounds that also run sequential Optuna")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--noop", type=int, default=16, help="each slot's extra no-op trials, for the cost per trial")
     parser.add_argument("--note", default="")
     args = parser.parse_args()
     EPOCHS[0] = args.epochs
@@ -155,22 +196,34 @@ def main() -> None:
     warm = time.perf_counter() - warm
     names = ["nbtrain.sweep, 2 CPU slots", "optuna optimize (sequential)", "optuna optimize(n_jobs=2)"]
     times: dict[str, list[float]] = {name: [] for name in names}
+    paired: list[float] = []
     with tempfile.TemporaryDirectory() as storage:
-        for _ in range(args.rounds):
+        for number in range(args.rounds):
             times[names[0]].append(run_nbtrain(sets, storage))
-            times[names[1]].append(run_optuna(sets, 1))
+            if number < args.sequential:
+                times[names[1]].append(run_optuna(sets, 1))
             times[names[2]].append(run_optuna(sets, 2))
-            print({k: f"{v[-1]:.2f}" for k, v in times.items()}, flush=True)
+            paired.append(times[names[0]][-1] / times[names[2]][-1])
+            print({k: f"{v[-1]:.2f}" for k, v in times.items() if v}, f"sweep/n_jobs=2 {paired[-1]:.2f}", flush=True)
+    costs = {"nbtrain.sweep, 2 CPU slots": per_trial_ms(sweep_noop, args.noop, 3),
+             "optuna optimize(n_jobs=2)": per_trial_ms(optuna_noop, args.noop, 3)}
     base = median(times[names[1]])
     rows = [[name, f"{median(values):.2f}", f"{median(values) / base:.2f}x",
+             f"{median(paired):.2f}x" if name == names[0] else "1.00x" if name == names[2] else "",
              ", ".join(f"{v:.2f}" for v in values)] for name, values in times.items()]
-    body = table(["8 trials of Optuna's pytorch_simple objective", "wall s (median)", "vs sequential",
-                  "rounds (s)"], rows)
+    body = table([f"{args.trials} trials of Optuna's pytorch_simple objective", "wall s (median)", "vs sequential",
+                  "vs n_jobs=2 (paired, median)", "rounds (s)"], rows)
+    body += "\n\n" + table(["a no-op objective, 2 slots or 2 threads", "cost per trial ms (median)", "rounds (ms)"],
+                            [[name, f"{median(values):.1f}", ", ".join(f"{v:.1f}" for v in values)]
+                             for name, values in costs.items()])
     text = (f"{args.trials} trials of optuna-examples' pytorch_simple objective, unchanged (a synthetic set of "
             f"FashionMNIST's shapes, {args.epochs} epochs; {one:.2f} s alone with torch's {threads} threads), the "
-            f"same enqueued parameters for all three, no pruning; {args.rounds} interleaved rounds. nbtrain's warm "
-            f"template, Optuna preloaded as a sweep of objective(trial) leaves it: {warm:.2f} s once, not in the "
-            "table. The machine is shared with other jobs: rounds vary.")
+            f"same enqueued parameters for all three, no pruning; {args.rounds} interleaved rounds (sequential in "
+            f"the first {args.sequential}). Each sweep's time includes starting its 2 warm processes and stopping "
+            f"them. nbtrain's warm template, Optuna preloaded as a sweep of objective(trial) leaves it: {warm:.2f} s "
+            f"once, not in the table. Cost per trial: sweeps of 2 and {2 + 2 * args.noop} no-op trials, the "
+            f"difference over {args.noop} (each slot's share), 3 rounds. The machine is shared with other jobs: "
+            "rounds vary.")
     record("Sweep of Optuna's own objective(trial), CPU-bound (sweep_objective.py)",
            body + "\n\n" + text + (f"\n\n{args.note}" if args.note else ""))
 

@@ -12,7 +12,7 @@ import pytest
 
 import nbtrain
 from conftest import CHILDREN
-from nbtrain.notebook.many.work_queue import SavedResults
+from nbtrain.notebook.live.work_queue import SavedResults
 
 KEEP_THE_TEMPLATE = True  # the workers are the template's forks: one for the module (conftest.py)
 
@@ -54,7 +54,7 @@ def test_saved_results_are_private_and_a_cut_record_is_dropped(tmp_path):
 
 def test_items_are_drawn_from_the_iterable_only_as_workers_ask():
     from nbtrain.common import protocol
-    from nbtrain.notebook.many.work_queue import WorkQueue
+    from nbtrain.notebook.live.work_queue import WorkQueue
 
     drawn: list[int] = []
 
@@ -83,7 +83,7 @@ def test_a_result_that_cannot_be_saved_names_saving_not_the_item(tmp_path, small
     import dill
 
     from nbtrain.common import protocol
-    from nbtrain.notebook.many.work_queue import WorkQueue
+    from nbtrain.notebook.live.work_queue import WorkQueue
 
     disk = small_disk("64k")
     work = WorkQueue(range(2), 1, SavedResults(disk / "run", 2), {})
@@ -102,7 +102,9 @@ def test_a_result_that_cannot_be_saved_names_saving_not_the_item(tmp_path, small
 # -- real workers ---------------------------------------------------------------------------
 
 def square(x):
-    return x * x, os.getpid()
+    import torch
+
+    return x * x, os.getpid(), torch.get_num_threads(), tuple(sorted(os.sched_getaffinity(0)))
 
 
 @pytest.mark.slow
@@ -110,6 +112,14 @@ def test_results_come_back_in_input_order_from_several_workers(no_leftovers):
     results = nbtrain.map(square, range(30), devices=2, accelerator="cpu", progress=False)
     assert [r[0] for r in results] == [x * x for x in range(30)]
     assert os.getpid() not in {r[1] for r in results}
+    # Each worker has its slot's share of the cores, as a launch's ranks do: 2 workers never ask for more threads
+    # than there are cores, and each runs on cores of its own.
+    cpus = len(os.sched_getaffinity(0))
+    assert {r[2] for r in results} == {max(1, cpus // 2)}
+    cores = {r[1]: r[3] for r in results}
+    if cpus >= 2 and len(cores) == 2:
+        first, second = cores.values()
+        assert not set(first) & set(second), cores
 
 
 def wait_for_the_others(marks: str, total: int, x: int):

@@ -158,7 +158,7 @@ def modes(top, below) -> dict:
 
 def test_the_parents_nbtrain_makes_for_a_run_dir_are_private_whatever_the_umask(tmp_path, umask_000):
     from nbtrain.common import runlog
-    from nbtrain.notebook.many.work_queue import SavedResults
+    from nbtrain.notebook.live.work_queue import SavedResults
 
     SavedResults(tmp_path / "maps" / "of" / "embed", 3).close()  # map's run_dir (sweep's is made by the same helper)
     made = runlog.new_run_dir(tmp_path / "runs" / "here", "train")  # submit's default: nbtrain-runs/<time>-train

@@ -12,11 +12,22 @@ import pytest
 
 import nbtrain
 from conftest import CHILDREN
-from nbtrain.common.inventory import Gpu, StaticInventory, use_inventory
+from nbtrain.common.inventory import Gpu, NvmlInventory, StaticInventory, use_inventory
+from nbtrain.common.protocol import Vital
 from nbtrain.display.sweep_view import SweepState, TrialRow, summary_html, summary_text
 from nbtrain.notebook.many.slots import plan_slots
-from nbtrain.notebook.many.sweep import objective
-from nbtrain.notebook.many.sweep_study import INTERRUPTED, KERNEL, RETRY_OF, TRACEBACK, _start_time, resume, this_kernel
+from nbtrain.notebook.many.sweep import device_memory, objective
+from nbtrain.notebook.many.sweep_study import (
+    GPU_MEMORY,
+    INTERRUPTED,
+    KERNEL,
+    RETRY_OF,
+    TRACEBACK,
+    _start_time,
+    resume,
+    this_kernel,
+)
+from nbtrain.notebook.run.result import Result
 
 KEEP_THE_TEMPLATE = True  # trials launched from threads start on the template: one for the module (conftest.py)
 
@@ -153,6 +164,18 @@ def test_the_summarys_picture_has_a_slice_of_the_most_important_parameter():
     assert len(curves_figure(state).axes) == 1
 
 
+def test_a_trials_device_memory_is_the_most_its_first_rank_held():
+    def vital(rank, gpu_memory):
+        return Vital(0.0, rank, None, 1 << 20, gpu_memory, None if gpu_memory is None else 50, 0)
+
+    def result(*vitals):
+        return Result(None, [None], [], 1.0, vitals=list(vitals))
+
+    assert device_memory(result(vital(0, 3 << 30), vital(1, 9 << 30), vital(0, 5 << 30), vital(0, 4 << 30))) == 5 << 30
+    assert device_memory(result(vital(0, None), vital(0, None))) is None  # a CPU trial: RSS only
+    assert device_memory(result()) is None  # over before the first sample
+
+
 def test_the_summary_says_what_each_line_and_step_is():
     pytest.importorskip("matplotlib", reason="the summary's picture is drawn with matplotlib")
     from nbtrain.display.sweep_view import curves_figure
@@ -208,6 +231,7 @@ def timed(marks: str, x: float, seconds: float = 0.4):
     """A trial that says when it ran, by files the test reads (a pruned trial leaves no end)."""
     number = f"{x:.6f}"
     mark(marks, f"{number}.start")
+    Path(marks, f"{number}.pid").write_text(str(os.getpid()))
     ctx = nbtrain.context()
     for step in range(4):
         time.sleep(seconds / 4)
@@ -243,6 +267,7 @@ def test_trials_never_outnumber_the_slots_and_the_best_result_comes_back(tmp_pat
     found = spans(marks)
     assert len(found) == 7 and all(e < float("inf") for _, e in found)
     assert most_at_once(found) <= 2
+    assert len({p.read_text() for p in marks.glob("*.pid")}) == 2  # a process per slot, warm from trial to trial
     trials = study.get_trials()
     assert {t.state.name for t in trials} == {"COMPLETE"} and len(trials) == 7
     assert {t.user_attrs["nbtrain_slot"] for t in trials} == {"CPU slot 0", "CPU slot 1"}
@@ -327,6 +352,7 @@ def test_the_sqlite_study_in_run_dir_resumes(tmp_path, no_leftovers):
     trials = again.study.get_trials()
     assert [(t.number, t.params) for t in trials][:3] == before and len(trials) == 5
     assert all(t.state.name == "COMPLETE" for t in trials)
+    assert all(list(t.intermediate_values) == [0] for t in trials)  # each trial's steps from 0, in a warm process too
     assert again.best_result is not None and again.best_result.value == again.best_value  # whichever sweep ran it
     with pytest.raises(ValueError, match="optimises 'loss'"):
         nbtrain.sweep(constant, SPACE, trials=5, metric="accuracy", devices=1, accelerator="cpu", run_dir=run_dir)
@@ -428,6 +454,7 @@ def test_optunas_own_objective_runs_unchanged_define_by_run(no_leftovers):
     assert all(sorted(t.intermediate_values) == [0, 1, 2] for t in trials)  # trial.report, from the rank
     assert all(t.value == t.intermediate_values[2] for t in trials)  # the returned value is the trial's
     assert all(t.user_attrs["threads"] == max(1, (os.cpu_count() or 1) // 2) for t in trials)  # each slot's share
+    assert not any(GPU_MEMORY in t.user_attrs for t in trials)  # CPU trials: no GPU memory said
     cores = {t.user_attrs["nbtrain_slot"]: tuple(t.user_attrs["cores"]) for t in trials}
     if len(os.sched_getaffinity(0)) >= 2:  # a core (or more) of its own for each of the 2 slots
         assert len(set(cores.values())) == 2 and not set(cores["CPU slot 0"]) & set(cores["CPU slot 1"])
@@ -692,3 +719,25 @@ def test_in_jupyter_the_live_table_is_replaced_in_place_by_the_summary(kernel):
     assert '<div class="nbtrain-sweep">' in final["text/html"] and "(live;" not in final["text/plain"]
     assert "image/png" in [data for key, data in updates if key == curves][-1]
     assert kernel.value("children()") == []
+
+
+def holds_gpu_memory(trial):
+    import torch
+
+    held = torch.empty(768 << 20, dtype=torch.uint8, device="cuda")  # 768 MiB, for longer than a vitals interval
+    time.sleep(2.5)
+    del held
+    return trial.suggest_float("x", 0.0, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not NvmlInventory().physical_gpus(), reason="needs an NVIDIA GPU with its driver (NVML sees none)")
+def test_trials_that_share_a_gpu_each_report_the_memory_they_held(no_leftovers):
+    swept = nbtrain.sweep(holds_gpu_memory, trials=4, devices=[0], trials_per_device=2, accelerator="gpu",
+                          study=quiet_study(), progress=False)
+    trials = swept.study.get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 4
+    assert {t.user_attrs["nbtrain_slot"] for t in trials} == {"GPU 0 (slot 0)", "GPU 0 (slot 1)"}
+    assert all(t.user_attrs[GPU_MEMORY] >= 768 << 20 for t in trials)
+    assert all(row.detail.startswith("GPU memory ") for row in swept.state.rows.values())

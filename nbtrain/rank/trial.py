@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ class TrialSpec:
     environ: dict[str, str]  # the sweep's trial channel, as a rank's channel variables
     threads: int = 0  # torch threads per rank (0: as the launch set them)
     cores: tuple[int, ...] = ()  # the CPUs this trial's processes run on (): any
+    warm: bool = False  # a call on the slot's live rank, which ran trials before (`notebook/many/sweep_workers.py`)
 
 
 class _Pruned:
@@ -65,17 +67,39 @@ def take_share(threads: int, cores: tuple[int, ...]) -> None:
 def run_trial(spec: TrialSpec):
     """One trial on this rank: what `fn` returns (PRUNED when it raised optuna.TrialPruned)."""
     take_share(spec.threads, spec.cores)
-    if spec.params is not None:
-        return spec.fn(**spec.params)
-    trial = RemoteTrial(spec.number, spec.environ, context().rank)
+    if spec.warm:
+        fresh_run()
     try:
-        return spec.fn(trial)
-    except Exception as exc:
-        if type(exc).__name__ == "TrialPruned" and type(exc).__module__.startswith("optuna"):
-            return PRUNED
-        raise
+        if spec.params is not None:
+            return spec.fn(**spec.params)
+        trial = RemoteTrial(spec.number, spec.environ, context().rank)
+        try:
+            return spec.fn(trial)
+        except Exception as exc:
+            if type(exc).__name__ == "TrialPruned" and type(exc).__module__.startswith("optuna"):
+                return PRUNED
+            raise
+        finally:
+            trial.close()
     finally:
-        trial.close()
+        if spec.warm:
+            release_device_memory()
+
+
+def fresh_run() -> None:
+    """A trial on a live rank starts as a launch's rank would: its metrics' steps from 0 (a
+    pruner compares trials step by step), its batch size reported again."""
+    ctx = context()
+    ctx._steps.clear()
+    ctx._reported_batch = False
+
+
+def release_device_memory() -> None:
+    """The memory torch's allocator keeps cached after a trial, given back to the GPU: the
+    process stays for the next trial, and trials that share the GPU need what this one left."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 class RemoteTrial:

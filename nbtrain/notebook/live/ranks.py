@@ -34,7 +34,6 @@ from ...display.lazy import LazyDisplay
 from ...display.text import QuietDisplay
 from ...placements.base import Job
 from ...placements.clusters import ClusterJob, check_cluster
-from ..many.mapping import map_on_ranks
 from ..run.background import BackgroundRun, SteerablePool, run_in_background
 from ..run.choices import words
 from ..run.doctor import check_stall
@@ -44,6 +43,7 @@ from ..run.pool import Pool, PoolBroken
 from ..run.reloads import RELOAD_SOURCE, ModuleVersions
 from ..run.result import Result
 from ..run.starts import LIVE_STARTS, entry, live_launcher
+from .ranks_map import map_on_ranks
 
 START_METHODS = LIVE_STARTS  # the table's starts that can host live ranks (run/starts.py)
 WRAPPINGS = ("auto", "ddp", "fsdp")

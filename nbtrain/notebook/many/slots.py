@@ -8,7 +8,8 @@ slot's devices, so every run gets its own world (its own processes and rendezvou
 own CUDA_VISIBLE_DEVICES). The caller's thread, the kernel's main thread, keeps Ctrl-C: it draws,
 and on an interrupt stops every slot's launch through that launch's display (`SlotDisplay`),
 which the launch's supervisor takes as the notebook's own Ctrl-C, so each slot ends as a
-launch ends: its processes stopped, nothing left. `sweep` and `map` are the two front ends.
+launch ends: its processes stopped, nothing left. `sweep` and `map` are the two front ends (a
+sweep's one-device slots keep a live rank each and call it per trial: `sweep_workers.py`).
 
 Slot launches start their ranks from the warm template (a clean process that forks them), never
 by forking the kernel from a slot's thread: a fork while another thread holds a lock (an
@@ -24,9 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ...common.devices import plan_devices
+from ...display.vitals import VitalsSampler
 from ...placements import template_process
 from ...placements.template_process import template, warm_up
 from ..run.choices import words
+from ..run.options import check_count
 from ..run.starts import StartWords, entry
 
 log = logging.getLogger(__name__)
@@ -55,12 +58,6 @@ class Slot:
             return f"GPU{'s' if self.size > 1 else ''} {','.join(map(str, self.devices))}{shared}"
         kind = "CPU slot" if self.accelerator == "cpu" else "slot"
         return f"{kind} {self.index}" + (f" ({self.size} ranks)" if self.size > 1 else "")
-
-
-def check_count(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r}: give a whole number, 1 or more.")
-    return value
 
 
 def plan_slots(devices="auto", per_slot: int = 1, accelerator: str = "auto",
@@ -198,10 +195,11 @@ class SlotRunner:
         finally:
             self.changed.set()
 
-    def display(self, on_update=None, on_output=None, on_note=None) -> SlotDisplay:
+    def display(self, on_update=None, on_output=None, on_note=None, starts: bool = True) -> SlotDisplay:
         """A display for one launch in a slot (pass it as `progress=`), taking the start turn:
-        call it just before `launch`, and `.release()` it after (in a finally)."""
-        return SlotDisplay(self, on_update, on_output, on_note)
+        call it just before `launch`, and `.release()` it after (in a finally). `starts=False`:
+        a call on a slot's live rank, which starts no process and takes no turn."""
+        return SlotDisplay(self, on_update, on_output, on_note, starts)
 
 
 class SlotDisplay:
@@ -209,12 +207,14 @@ class SlotDisplay:
     (`on_update(state, final)` may raise to end the launch: a pruned trial), and the runner's stop
     becomes a KeyboardInterrupt in the launch's supervisor, handled as the notebook's Ctrl-C."""
 
-    def __init__(self, runner: SlotRunner, on_update, on_output, on_note):
+    def __init__(self, runner: SlotRunner, on_update, on_output, on_note, starts: bool = True):
         self.runner = runner
         self._on_update, self._on_output, self._on_note = on_update, on_output, on_note
         self.state = None
-        runner._turn.acquire()
-        self._holding = True
+        self.vitals = VitalsSampler()  # each run's memory, as a launch's own display samples it (Result.vitals)
+        if starts:
+            runner._turn.acquire()
+        self._holding = starts
         if runner.stopping.is_set():  # stopped while waiting for its turn: start nothing
             self.release()
             raise KeyboardInterrupt
@@ -240,6 +240,7 @@ class SlotDisplay:
         self.release()  # the supervisor watches it: its processes are started
         if self.runner.stopping.is_set():
             raise KeyboardInterrupt
+        self.vitals.maybe_sample(state)
         if self._on_update is not None:
             self._on_update(state, False)
 

@@ -8,11 +8,12 @@
 Optuna decides everything a sweep decides: which parameters a trial gets (its sampler, enqueued
 trials first), whether a trial is pruned (its pruner), where the study is kept (its storage: by
 default SQLite in a run directory named by the objective, so running the same cell again after
-an interruption resumes: `sweep_study.py`). nbtrain runs each trial as a launch on a free slot
-(`slots.py`) with the slot's share of the cores (`rank/trial.py`). An `objective(trial)` gets a
-trial whose every call the study here answers (`sweep_trials.py`); a `fn(**params)` has its
-`ctx.log(metric, ...)` reported to the trial, and a pruned trial's launch ends at once, freeing
-its slot for the next.
+an interruption resumes: `sweep_study.py`). nbtrain runs each trial on a free slot (`slots.py`)
+with the slot's share of the cores (`rank/trial.py`): a call on the slot's warm process where the
+trial has one device on this machine (`sweep_workers.py`), else a launch of its own. An
+`objective(trial)` gets a trial whose every call the study here answers (`sweep_trials.py`); a
+`fn(**params)` has its `ctx.log(metric, ...)` reported to the trial, and a pruned trial ends at
+once, freeing its slot for the next.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import threading
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
 
 from ...common.errors import WorkerError
 from ...common.tracebacks import name_cells
@@ -33,12 +35,13 @@ from ...rank.trial import PRUNED, TrialSpec, run_trial
 from ..run.choices import words
 from ..run.insight import function_name
 from ..run.launch import check_cluster_words, launch
-from ..run.options import check_timeout
+from ..run.options import check_count, check_timeout
 from ..run.restarts import why
 from ..run.result import Result
-from .slots import Slot, SlotRunner, check_count, plan_slots, slot_start
+from .slots import Slot, SlotRunner, plan_slots, slot_start
 from .sweep_study import (
     ERROR,
+    GPU_MEMORY,
     INTERRUPTED,
     KERNEL,
     SLOT,
@@ -50,6 +53,7 @@ from .sweep_study import (
     this_kernel,
 )
 from .sweep_trials import TrialServer
+from .sweep_workers import TrialWorkers
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +246,7 @@ class _Reporter:
         self.run, self.trial, self.row, self.reports = run, trial, row, reports
         self.read = 0
         self.reported: set[int] = set()
+        self.pruned: _Pruned | None = None  # the pruner stopped it (a warm worker's call: by an interrupt)
 
     def heard(self, method: str, args: tuple, value) -> None:
         """A fn(trial) trial's call, answered: its parameters and reports go to its row."""
@@ -294,6 +299,7 @@ class _SweepRun:
         self.said: dict[str, int] = {}  # a stderr line a trial wrote: the first trial that wrote it
         self.alike = 0  # stderr lines left out: an earlier trial wrote each of them
         self.runner: SlotRunner | None = None
+        self.workers: TrialWorkers | None = None  # each one-device slot's live rank, where trials run on this machine
         self.lock = threading.Lock()  # the study is told from the slots' threads and the trial server's
 
     def changed(self) -> None:
@@ -327,14 +333,46 @@ class _SweepRun:
             trial.set_user_attr(KERNEL, this_kernel())
             return trial
 
-    def _job(self, trial, slot: Slot):
+    def _spec(self, trial, slot: Slot, warm: bool) -> TrialSpec:
         """What the trial's ranks run: fn(trial) or fn(**params), on the slot's share of the cores."""
         if self.server is None:
             params, environ = dict(trial.params), {}
         else:
             params, environ = None, self.server.environ
-        return functools.partial(run_trial, TrialSpec(self.fn, trial.number, params, environ, slot.threads,
-                                                      slot.cores))
+        return TrialSpec(self.fn, trial.number, params, environ, slot.threads, slot.cores, warm)
+
+    def _run(self, trial, slot: Slot, reporter: _Reporter) -> Result:
+        """The trial as a call on the slot's warm worker (one device, on this machine), else as a
+        launch of its own (several devices, a cluster, start= other than the template)."""
+        assert self.runner is not None, "trials run after the slots started"
+        output, note = functools.partial(self._say, trial.number), functools.partial(self._note, trial.number)
+        if self.workers is None or slot.size != 1:
+            display = self.runner.display(on_update=reporter.update, on_output=output, on_note=note)
+            try:
+                return launch(functools.partial(run_trial, self._spec(trial, slot, False)),
+                              devices=slot.launch_devices, accelerator=slot.accelerator, strategy=self.strategy,
+                              start=self.start, cluster=self.cluster, progress=display)
+            finally:
+                display.release()
+
+        def update(state, final: bool) -> None:  # a live rank's call ends by an interrupt, its process kept
+            try:
+                reporter.update(state, final)
+            except _Pruned as pruned:
+                reporter.pruned = pruned
+                raise KeyboardInterrupt from None
+
+        # The start turn only for a slot whose process starts now (its first trial, or after a failure).
+        display = self.runner.display(on_update=update, on_output=output, on_note=note,
+                                      starts=not self.workers.started(slot))
+        try:
+            return self.workers.run(slot, self._spec(trial, slot, True), display)
+        except KeyboardInterrupt:
+            if reporter.pruned is not None and not self.runner.stopping.is_set():
+                raise reporter.pruned from None
+            raise
+        finally:
+            display.release()
 
     def work(self, slot: Slot) -> bool:
         trial = self._next()
@@ -345,16 +383,11 @@ class _SweepRun:
             trial.set_user_attr(SLOT, str(slot))
         row = TrialRow(trial.number, dict(trial.params), str(slot))
         self.state.add(row)
-        reporter, display = _Reporter(self, trial, row, reports=self.server is None), None
+        reporter = _Reporter(self, trial, row, reports=self.server is None)
         if self.server is not None:
             self.server.add(trial.number, trial, reporter.heard)
-        assert self.runner is not None, "trials run after the slots started"
         try:
-            display = self.runner.display(on_update=reporter.update,
-                                          on_output=functools.partial(self._say, trial.number),
-                                          on_note=functools.partial(self._note, trial.number))
-            result = launch(self._job(trial, slot), devices=slot.launch_devices, accelerator=slot.accelerator,
-                            strategy=self.strategy, start=self.start, cluster=self.cluster, progress=display)
+            result = self._run(trial, slot, reporter)
         except _Pruned as pruned:
             self._end(trial, row, "pruned", f"pruned at step {pruned.step}", TrialState.PRUNED)
             return True
@@ -376,8 +409,6 @@ class _SweepRun:
             self._end(trial, row, "failed", f"{type(error).__name__}: {error}".splitlines()[0], TrialState.FAIL)
             raise
         finally:
-            if display is not None:
-                display.release()
             if self.server is not None:
                 self.server.remove(trial.number)
         if result.value is PRUNED:
@@ -397,13 +428,16 @@ class _SweepRun:
             self._fail(trial, row, f"its value is {value!r} ({'returned' if self.server else 'logged or returned'}), "
                        "which Optuna does not take")
             return True
+        memory = device_memory(result)
         with self.lock:
+            if memory is not None:  # trials that share a GPU (trials_per_device): what each one held
+                trial.set_user_attr(GPU_MEMORY, memory)
             told = self.study.tell(trial, value, skip_if_finished=True)
             row.value = value
             if told.state != TrialState.COMPLETE:  # Optuna refused the value: the trial failed
                 self._finish_row(row, "failed", f"its value, {value!r}, is not one Optuna accepts")
                 return True
-            self._finish_row(row, "complete", "")
+            self._finish_row(row, "complete", f"GPU memory {memory / 2**30:.2f} GiB" if memory is not None else "")
             best = self._best()
             if best is not None and best[0] == trial.number:
                 self.best = (trial.number, result)  # the model of the best trial so far; earlier ones are let go
@@ -458,12 +492,12 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
     """Hyper-parameter trials of Optuna's ``objective(trial)``, or of ``fn(**params)``, packed onto
     the devices, run on Optuna.
 
-    Each trial is a launch on a free slot of ``devices_per_trial`` devices (one process on one
-    device, or a normal launch on several), with the slot's share of the cores. ``fn(trial)``
-    gets a trial that the study in the notebook answers (``suggest_*``, ``report``,
-    ``should_prune``, ``set_user_attr``, ``params``): its value is what it returns, and raising
-    ``optuna.TrialPruned`` prunes it, as under ``study.optimize``. ``fn(**params)`` with a
-    ``space`` reports ``ctx.log(metric, value, step=)`` to the trial, and a trial Optuna's
+    Each trial runs on a free slot of ``devices_per_trial`` devices (a call on the slot's one
+    warm process on one device, or a normal launch on several), with the slot's share of the
+    cores. ``fn(trial)`` gets a trial that the study in the notebook answers (``suggest_*``,
+    ``report``, ``should_prune``, ``set_user_attr``, ``params``): its value is what it returns,
+    and raising ``optuna.TrialPruned`` prunes it, as under ``study.optimize``. ``fn(**params)``
+    with a ``space`` reports ``ctx.log(metric, value, step=)`` to the trial, and a trial Optuna's
     pruner stops ends at once, freeing its slot; its value is the last ``metric`` it logged (or
     what ``fn`` returned, if a number). One live view shows a row per trial; Ctrl-C stops every
     trial, leaving nothing, and running the cell again resumes the study.
@@ -563,6 +597,7 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
                         metric=metric, run_dir=run_dir)
     study, run_dir = opened.study, opened.run_dir
     server = None
+    stopped: Callable[[], None] = lambda: None  # noqa: E731
     try:
         kept_as = (run_dir if run_dir else given if isinstance(given, str) else id(given), study.study_name)
         done = resume(optuna, study)
@@ -587,10 +622,16 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
                         "Raise trials= to run more"
                         + (f", or give another run_dir for a new sweep ({run_dir})." if run_dir else "."))
         run.runner = SlotRunner(slots, run.work, warm=cluster is None, preload=("optuna",) if with_trial else ())
+        if cluster is None and start == "template":  # one-device trials are calls on a live rank per slot
+            run.workers = TrialWorkers(strategy)
         verdict = "finished"
         try:
-            if done < trials:
-                run.runner.run(run.tick)
+            try:
+                if done < trials:
+                    run.runner.run(run.tick)
+            finally:
+                if run.workers is not None:
+                    stopped = run.workers.closing()
             verdict = run.verdict()
         except KeyboardInterrupt as interrupt:
             verdict = "interrupted"
@@ -615,12 +656,20 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
             if run.best is not None:
                 _KEPT[kept_as] = run.best
     finally:
+        stopped()  # the warm processes, stopping while the summary was drawn: gone before the sweep returns
         if server is not None:
             server.close()
         opened.close()
     if verdict.startswith("failed"):  # every trial failed: the first one's error, as the sweep's
         raise run.failures[0]
     return Sweep(study, state, run.best, run_dir, verdict)
+
+
+def device_memory(result: Result) -> int | None:
+    """The most GPU memory a trial's first rank held (bytes, NVML's figure for its process, sampled
+    about once a second: a trial shorter than that may have none), or None (a CPU trial)."""
+    held = [v.gpu_memory for v in result.vitals if v.gpu_memory is not None and v.rank == 0]
+    return max(held) if held else None
 
 
 def importances(optuna, study) -> dict[str, float] | None:

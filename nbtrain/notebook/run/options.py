@@ -23,6 +23,12 @@ RUN_OPTIONS = ("strategy", "start", "devices", "accelerator", "num_nodes", "back
                "progress", "launcher_options", "cluster", "trackers", "profile", "run_dir", "max_restarts", "wait")
 
 
+def check_count(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: give a whole number, 1 or more.")
+    return value
+
+
 def check_timeout(timeout):
     """`timeout` as given, once it is a positive number of seconds (or None: no limit)."""
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))

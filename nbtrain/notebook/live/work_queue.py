@@ -195,8 +195,10 @@ class WorkQueue:
     def finished(self) -> bool:
         return self.total is not None and len(self.results) >= self.total
 
-    def spec(self, fn, bind: bool, worker: int | None = None) -> WorkSpec:
-        return WorkSpec(self.hub.environ, fn, bind, self.batch_size, worker)
+    def spec(self, fn, bind: bool, worker: int | None = None, threads: int = 0,
+             cores: tuple[int, ...] = ()) -> WorkSpec:
+        """What a worker runs; `threads`, `cores`: its slot's share of the machine (`slots.py`)."""
+        return WorkSpec(self.hub.environ, fn, bind, self.batch_size, worker, threads, cores)
 
     def ordered(self) -> list:
         return [self.results[i] for i in range(self.total or 0)]
