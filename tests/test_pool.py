@@ -1,5 +1,5 @@
 """The pool keeps its state to itself: the supervisor asks it only through the interface it
-declares (`supervisor.Watched`), which the pool offers whole, and the pool has no public
+declares (`watched.Watched`), which the pool offers whole, and the pool has no public
 attribute anyone can change. (The pool at work: test_launch.py, test_ranks.py.)"""
 import ast
 import inspect

@@ -9,9 +9,11 @@ import pytest
 
 from nbtrain.common import protocol
 from nbtrain.common.errors import WorkerError
+from nbtrain.notebook.run import hang_checks
 from nbtrain.notebook.run import supervisor as supervising
 from nbtrain.notebook.run.runmodel import RunState
-from nbtrain.notebook.run.supervisor import Supervisor, Watched
+from nbtrain.notebook.run.supervisor import Supervisor
+from nbtrain.notebook.run.watched import Watched
 
 # A rank's main thread waiting in a collective, as faulthandler dumps it (stacks.blocked_on_peers reads it).
 WAITING = ('Thread 0x00007f (most recent call first):\n'
@@ -190,8 +192,8 @@ def test_a_peers_lost_connection_is_a_consequence_and_the_rank_that_died_the_cau
 
 
 def test_a_rank_that_ended_while_another_waits_in_a_collective_is_named(monkeypatch):
-    monkeypatch.setattr(supervising, "EARLY_EXIT_AFTER", 0.05)
-    monkeypatch.setattr(supervising, "PROBE_INTERVAL", 0.05)
+    monkeypatch.setattr(hang_checks, "EARLY_EXIT_AFTER", 0.05)
+    monkeypatch.setattr(hang_checks, "PROBE_INTERVAL", 0.05)
     pool = ScriptedPool()
     pool.stacks = {1: WAITING}
     pool.at(0.01, protocol.Finished(0, "train.py:9"))

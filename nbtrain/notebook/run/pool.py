@@ -8,7 +8,7 @@ exit; live `Ranks` keep theirs and send command after command. Each command is w
 The pool's state is its own: what it keeps of the ranks' messages (whose link closed, which
 command each began, whose output is complete, the stderr lines that explain a crash) is noted
 as each message is taken from the inbox, by whoever takes it. The supervisor asks for what it
-needs through the methods under "what the supervisor asks" (`supervisor.Watched`).
+needs through the methods under "what the supervisor asks" (`watched.Watched`).
 """
 from __future__ import annotations
 
@@ -433,7 +433,7 @@ class Pool:
                 self._held.append(message)
         return stacks.fatal_report(list(self._stderr[rank]))
 
-    # -- what the supervisor asks (`supervisor.Watched`) ---------------------------------------
+    # -- what the supervisor asks (`watched.Watched`) ---------------------------------------
     def receive(self, timeout: float):
         """The next message from the ranks within `timeout` s (noted by the pool); None if none came."""
         return self._take(max(timeout, 1e-6))
