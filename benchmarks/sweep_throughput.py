@@ -1,6 +1,6 @@
 """A sweep of N short trials, the same trials three ways, in one process, 2 CPU cores:
 
-- nbtrain.sweep on 2 CPU slots (each trial a launch of its own, ranks from the warm template);
+- nbtrain.sweep on 2 CPU slots (each trial a call on its slot's warm process);
 - Optuna's own `study.optimize(n_jobs=1)` (trials one after another in this process);
 - Ray Tune, 2 trials at once (1 CPU each), `tune.Tuner(...).fit()`.
 
