@@ -71,7 +71,8 @@ def refused(tmp_path, **given) -> str:
     ({"sampler": "tpe"}, "sampler='tpe': give an Optuna sampler"),
     ({"pruner": 3}, "pruner=3: give an Optuna pruner"),
     ({"study": 42}, "study=42: give an optuna.Study, a storage URL"),
-    ({"timeout": -1}, "timeout=-1"),
+    ({"stop_after": -1}, "stop_after=-1: give a positive number of seconds"),
+    ({"stop_after": 5, "timeout": 5}, "timeout= is the earlier name of stop_after=; give stop_after= alone."),
     ({"progress": "loud"}, "progress='loud'"),
     ({"strategy": "dp"}, "strategy='dp': runs in slots take 'auto'"),
     ({"fn": 3}, "sweep(fn=...) needs a callable"),
@@ -503,10 +504,11 @@ def test_an_objectives_pruning_failures_and_nan_are_the_trials_states(tmp_path, 
     failing.enqueue_trial({"x": 0.9})
     with pytest.raises(nbtrain.WorkerError, match="too big"):
         nbtrain.sweep(pruned_or_failing, trials=1, devices=1, accelerator="cpu", study=failing, progress=False)
-    # A timeout over before the first trial could start.
-    swept = nbtrain.sweep(pruned_or_failing, trials=2, devices=1, accelerator="cpu", study=quiet_study(),
-                          timeout=1e-9, progress=False)
-    assert swept.verdict == "ended with no complete trial (timeout passed before the first trial could start)"
+    # stop_after over before the first trial could start; `timeout=`, its earlier name, still works, saying so.
+    with pytest.warns(DeprecationWarning, match="sweep\\(timeout=...\\) is now stop_after="):
+        swept = nbtrain.sweep(pruned_or_failing, trials=2, devices=1, accelerator="cpu", study=quiet_study(),
+                              timeout=1e-9, progress=False)
+    assert swept.verdict == "ended with no complete trial (stop_after passed before the first trial could start)"
 
 
 @pytest.mark.slow

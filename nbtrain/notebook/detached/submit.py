@@ -27,7 +27,7 @@ from ...placements.template_process import template, warm_in_background
 from ...rank.profiling import Profile
 from ...rank.trackers import check_trackers
 from ..many.slots import plan_slots, slot_start
-from ..many.sweep import check_sweep, sweep
+from ..many.sweep import check_sweep, renamed_timeout, sweep
 from ..run.choices import choose
 from ..run.doctor import check_stall
 from ..run.launch import check_cluster_words
@@ -68,7 +68,8 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
         (``submit(nbtrain.sweep, train, space, trials=20, metric="loss", devices=2)``): the
         supervisor runs the sweep, its study SQLite in the run directory; ``result()`` is the
         `Sweep`, and the `Run` shows the study's trials. ``devices``, ``accelerator``,
-        ``strategy``, ``start``, ``timeout`` and ``cluster`` are the sweep's.
+        ``strategy``, ``start`` and ``cluster`` are the sweep's (its ``stop_after=`` goes with the
+        sweep's keywords; ``timeout=`` here is its earlier name).
     *args
         Positional arguments for ``fn``.
     strategy : {'auto', 'ddp', 'fsdp', 'dp', 'deepspeed'}, default 'auto'
@@ -136,13 +137,14 @@ def submit(fn: Callable, *args, strategy: str = "auto", start: str = "auto", dev
     if fn is sweep:
         check_timeout(timeout)
         check_stall(stall)
+        if timeout is not None:  # submit's own timeout= meant the sweep's stop_after= before it had that name
+            kwargs["stop_after"] = renamed_timeout(timeout, kwargs.get("stop_after"))
         unused = {"num_nodes": num_nodes != 1, "backend": backend is not None,
                   "launcher_options": bool(launcher_options), "trackers": trackers is not None,
                   "profile": profile is not None, "max_restarts": max_restarts != 0, "stall": stall is not None}
         name, kind = _sweep_name(args), "sweep"
         job, options = _sweep_job(args, kwargs, [key for key, set_ in unused.items() if set_], strategy=strategy,
-                                  start=start, devices=devices, accelerator=accelerator, timeout=timeout,
-                                  cluster=cluster)
+                                  start=start, devices=devices, accelerator=accelerator, cluster=cluster)
         objects = ship_bytes({"cluster": None, "trackers": None, "profile": None})
         spec_name = f"sweep of {name[len('sweep-'):]}"
     else:
@@ -205,7 +207,7 @@ def _sweep_job(args: tuple, kwargs: dict, unused: list[str], **settings) -> tupl
     """`submit(nbtrain.sweep, fn, space, trials=..., metric=...)`: the supervisor runs the sweep,
     its study SQLite in the run directory. The job is the sweep call, checked here as `sweep`
     checks it; submit's own settings that a sweep shares (devices, accelerator, strategy, start,
-    timeout, cluster) are the sweep's. (job, the launch options run.json shows)."""
+    cluster) are the sweep's. (job, the launch options run.json shows)."""
     if len(args) not in (1, 2):
         raise TypeError("submit(nbtrain.sweep, fn, space, trials=..., metric=...): give the trial function and its "
                         "space, or an Optuna objective(trial) alone, as to nbtrain.sweep (got "
@@ -217,13 +219,13 @@ def _sweep_job(args: tuple, kwargs: dict, unused: list[str], **settings) -> tupl
         kwargs.pop(key, None)
     fn, space = (*args, None)[:2]
     check_sweep(fn, space, kwargs.get("trials"), kwargs.get("metric"), kwargs.get("direction"), kwargs.get("sampler"),
-                kwargs.get("pruner"), settings["timeout"], kwargs.get("catch", (Exception,)))
+                kwargs.get("pruner"), kwargs.get("stop_after"), kwargs.get("catch", (Exception,)))
     if settings["cluster"] is None:
         plan_slots(settings["devices"], kwargs.get("devices_per_trial", 1), settings["accelerator"])
         slot_start(settings["strategy"], settings["start"])
     job = pack_job(sweep, args, {**kwargs, **settings})
     options = {"strategy": settings["strategy"], "start": settings["start"], "devices": settings["devices"],
-               "accelerator": settings["accelerator"], "num_nodes": 1, "backend": None, "timeout": settings["timeout"],
+               "accelerator": settings["accelerator"], "num_nodes": 1, "backend": None, "timeout": None,
                "launcher_options": None}
     return job, options
 

@@ -35,7 +35,7 @@ from ...rank.trial import PRUNED, TrialSpec, run_trial
 from ..run.choices import words
 from ..run.insight import function_name
 from ..run.launch import check_cluster_words, launch
-from ..run.options import check_count, check_timeout
+from ..run.options import check_count
 from ..run.restarts import why
 from ..run.result import Result
 from .slots import Slot, SlotRunner, plan_slots, slot_start
@@ -449,7 +449,8 @@ class _SweepRun:
             return "finished"
         rows = list(self.state.rows.values())
         if not rows:
-            why = ("timeout passed before the first trial could start" if self.remaining and self.deadline is not None
+            late = self.remaining and self.deadline is not None
+            why = ("stop_after passed before the first trial could start" if late
                    else "none of the study's trials is complete")
             return f"ended with no complete trial ({why})"
         if self.failures and len(self.failures) == len(rows):
@@ -486,9 +487,9 @@ class _SweepRun:
 
 def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = None, devices="auto",
           devices_per_trial: int = 1, trials_per_device: int = 1,
-          direction: str | None = None, sampler=None, pruner=None, study=None, timeout: float | None = None,
+          direction: str | None = None, sampler=None, pruner=None, study=None, stop_after: float | None = None,
           catch=(Exception,), run_dir=None, progress=True, accelerator: str = "auto", strategy: str = "auto",
-          start: str = "auto", cluster=None) -> Sweep:
+          start: str = "auto", cluster=None, timeout: float | None = None) -> Sweep:
     """Hyper-parameter trials of Optuna's ``objective(trial)``, or of ``fn(**params)``, packed onto
     the devices, run on Optuna.
 
@@ -533,8 +534,9 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
     study : optuna.Study or str, optional
         A study to continue (its enqueued trials first), or a storage URL; default a SQLite
         study in ``run_dir``.
-    timeout : float, optional
-        Seconds after which no new trial starts.
+    stop_after : float, optional
+        Seconds after which no new trial starts; the running ones finish (what Optuna's
+        ``study.optimize(timeout=)`` does).
     catch : exception class or tuple, default (Exception,)
         A trial raising one of these is recorded as failed (traceback in its user attributes)
         and the sweep goes on; ``()`` stops at the first failure.
@@ -577,7 +579,8 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
         Ctrl-C: every running trial was stopped; the finished ones are kept in the study.
     """
     optuna = _optuna()
-    space, catch, with_trial = check_sweep(fn, space, trials, metric, direction, sampler, pruner, timeout, catch)
+    stop_after = renamed_timeout(timeout, stop_after)
+    space, catch, with_trial = check_sweep(fn, space, trials, metric, direction, sampler, pruner, stop_after, catch)
     view = make_view(progress)
     if cluster is None:
         slots, idle = plan_slots(devices, devices_per_trial, accelerator, per_device=trials_per_device)
@@ -608,7 +611,8 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
         state = SweepState(f"sweep of {study_name(fn)}", metric or "value", study.direction.name.lower(), where,
                            trials, done)
         run = _SweepRun(optuna, study, fn, space, metric, catch, trials - done,
-                        None if timeout is None else time.monotonic() + timeout, strategy, start, cluster, state, view)
+                        None if stop_after is None else time.monotonic() + stop_after, strategy, start, cluster, state,
+                        view)
         server = run.server = TrialServer(run.lock) if with_trial else None
         run._best()
         run.best = _KEPT.get(kept_as)  # a best trial an earlier sweep of this study ran in this kernel
@@ -688,7 +692,20 @@ def importances(optuna, study) -> dict[str, float] | None:
     return dict(found) or None
 
 
-def check_sweep(fn, space, trials, metric, direction, sampler, pruner, timeout, catch) -> tuple[dict | None, tuple,
+def renamed_timeout(timeout, stop_after):
+    """`timeout=` is `stop_after=` in a sweep (until 0.3): a launch's `timeout=` stops a run, which
+    a sweep's never did."""
+    if timeout is None:
+        return stop_after
+    if stop_after is not None:
+        raise ValueError(f"sweep(timeout={timeout!r}, stop_after={stop_after!r}): timeout= is the earlier name of "
+                         "stop_after=; give stop_after= alone.")
+    warnings.warn("sweep(timeout=...) is now stop_after=... (seconds after which no new trial starts); timeout= "
+                  "still works until nbtrain 0.3.", DeprecationWarning, stacklevel=3)
+    return timeout
+
+
+def check_sweep(fn, space, trials, metric, direction, sampler, pruner, stop_after, catch) -> tuple[dict | None, tuple,
                                                                                                   bool]:
     """The sweep's settings checked, each refused in one line: (space, catch, whether fn takes a
     trial) as the sweep uses them. `submit(sweep, ...)` checks them too, before anything is written."""
@@ -710,7 +727,10 @@ def check_sweep(fn, space, trials, metric, direction, sampler, pruner, timeout, 
         raise ValueError(f"sampler={sampler!r}: give an Optuna sampler (optuna.samplers.TPESampler(), ...) or None.")
     if pruner is not None and not isinstance(pruner, optuna.pruners.BasePruner):
         raise ValueError(f"pruner={pruner!r}: give an Optuna pruner (optuna.pruners.MedianPruner(), ...) or None.")
-    check_timeout(timeout)
+    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, (int, float))
+                                   or not stop_after > 0):
+        raise ValueError(f"stop_after={stop_after!r}: give a positive number of seconds (no new trial starts after "
+                         "them), or None for no limit.")
     return space, check_catch(catch), with_trial
 
 
