@@ -72,10 +72,14 @@ def metrics_figure(history, names=(), title: str = "", changes=()):
         finite = [v for _, vs in lines.values() for v in vs if math.isfinite(v)]
         if use_log_scale(name, finite):
             _log_axis(ax, finite)
-        for step, label, _ in change_marks(changes):
+        low, high = ax.get_xlim()
+        for i, (step, label, _) in enumerate(change_marks(changes)):
             ax.axvline(step, color=MARK_COLOUR, linestyle="--", linewidth=0.8)
-            ax.annotate(label, (step, 1), xycoords=("data", "axes fraction"), xytext=(2, -2),
-                        textcoords="offset points", fontsize=7, color=MARK_COLOUR, va="top")
+            left = (step - low) > 0.7 * (high - low)  # near the right edge: the label reads leftward, uncut
+            down = -2 - 9 * (i % 2)  # neighbouring labels on two lines, so they do not run into each other
+            ax.annotate(label, (step, 1), xycoords=("data", "axes fraction"), xytext=(-2 if left else 2, down),
+                        textcoords="offset points", fontsize=7, color=MARK_COLOUR, va="top",
+                        ha="right" if left else "left")
         ax.set_title(name, fontsize=10, loc="left")
         ax.set_xlabel("step", fontsize=9)
         ax.tick_params(labelsize=8)
