@@ -187,11 +187,15 @@ def panel_svg(name: str, lines: dict[int, _Line], marks=()) -> str:
                               if math.isfinite(y) and (y > 0 or not log))
             parts.append(f'<polyline class="nbtrain-line" fill="none" stroke="{line_colour(key)}" stroke-width="1.5" '
                          f'points="{coords}"><title>{line_label(key)}</title></polyline>')
-        for step, label, said in marks:
+        for i, (step, label, said) in enumerate(marks):
             x = axes.x(step)
+            # As the summary figure: near the right edge the label reads leftward, neighbours on two lines.
+            left = x - LEFT > 0.7 * (right - LEFT)
+            at = (f'x="{x - 2:.1f}" text-anchor="end"' if left else f'x="{x + 2:.1f}"')
+            at += f' y="{TOP + 9 + 10 * (i % 2)}"'
             parts.append(f'<g class="nbtrain-change"><title>{html.escape(said)}</title>'
                          f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{bottom}" stroke="{MARK_COLOUR}" '
-                         f'stroke-dasharray="3,2"/><text x="{x + 2:.1f}" y="{TOP + 9}" font-size="9" '
+                         f'stroke-dasharray="3,2"/><text {at} font-size="9" '
                          f'fill="{MARK_COLOUR}">{html.escape(label)}</text></g>')
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
             f'viewBox="0 0 {WIDTH} {HEIGHT}" style="margin:2px 12px 2px 0">{"".join(parts)}</svg>')
