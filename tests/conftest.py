@@ -56,6 +56,23 @@ def one_template():
 
 
 @pytest.fixture(autouse=True)
+def sigint_as_it_was(request):
+    """Each test starts with this process's SIGINT handler as the one before left it: a library run in
+    this process may change it for good (Lightning ignores SIGINT after its own KeyboardInterrupt), and
+    a later test that interrupts a launch (test_two_nodes.py) then saw SIG_IGN. Said, so it can be found."""
+    import signal
+    import warnings
+
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before:
+        signal.signal(signal.SIGINT, before)
+        warnings.warn(f"{request.node.nodeid} left SIGINT's handler {after!r} (was {before!r}); restored",
+                      stacklevel=1)
+
+
+@pytest.fixture(autouse=True)
 def template_before_the_test(request):
     """For a test that launches from this process on the template (a [template] test, or any in a
     module that sets KEEP_THE_TEMPLATE: submitted runs' supervisors, sweep trials, map workers):

@@ -554,6 +554,8 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
         this kernel is refused: trials start from threads, where a fork can hang on a lock.
     cluster : Slurm or Ray, optional
         Each trial a job or actors there.
+    timeout : float, optional
+        The earlier name of ``stop_after`` (until nbtrain 0.3; a DeprecationWarning says so).
 
     Returns
     -------

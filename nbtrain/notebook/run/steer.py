@@ -20,8 +20,8 @@ from ...common import protocol
 from ...common.pickling import ship_bytes
 from ...common.transfer import unpack_result
 from .doctor import stall_verdict
+from .steering import PAUSE_TIMEOUT
 
-PAUSE_TIMEOUT = 30.0  # seconds `pause()` waits for every rank to reach the agreed boundary
 GRACE = (0.05, 2.0)  # silent ranks: the target moves on after 2 step times, within these bounds (s)
 WHERE_WAIT = 1.0  # for the silent ranks' whereabouts, once a pause timed out
 POLL = 0.05  # seconds between looks at whether the run is still going

@@ -1,11 +1,12 @@
 """What every steerable run offers: `launch(wait=False)`'s `BackgroundRun` (the kernel talks to
 its ranks) and a submitted `Run` (through its run directory, from any kernel). Each says how a
-request reaches the ranks (`_steered`); the requests and their words are here, once."""
+request reaches the ranks (`_steered`); the requests and their words are here, once. Nothing here
+imports torch: `nbtrain runs` reads `Run`s without it."""
 from __future__ import annotations
 
 import os
 
-from .steer import PAUSE_TIMEOUT
+PAUSE_TIMEOUT = 30.0  # seconds `pause()` waits for every rank to reach the agreed boundary
 
 
 class Steering:
