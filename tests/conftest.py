@@ -57,19 +57,23 @@ def one_template():
 
 @pytest.fixture(autouse=True)
 def sigint_as_it_was(request):
-    """Each test starts with this process's SIGINT handler as the one before left it: a library run in
-    this process may change it for good (Lightning ignores SIGINT after its own KeyboardInterrupt), and
-    a later test that interrupts a launch (test_two_nodes.py) then saw SIG_IGN. Said, so it can be found."""
+    """Each test runs with Ctrl-C raising KeyboardInterrupt, as in a kernel, and ends with SIGINT's
+    handler as it began. A suite started in the background by a shell without job control (`bash
+    .ci/run &`) inherits SIGINT ignored, and Python then installs no handler: the tests that interrupt
+    a launch in this process (test_two_nodes.py) saw SIG_IGN. A test (or a library it runs here:
+    Lightning ignores SIGINT after its own KeyboardInterrupt) that changes the handler is named."""
     import signal
     import warnings
 
     before = signal.getsignal(signal.SIGINT)
+    if before is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     after = signal.getsignal(signal.SIGINT)
-    if after is not before:
-        signal.signal(signal.SIGINT, before)
+    if after is not before and not (before is signal.SIG_IGN and after is signal.default_int_handler):
         warnings.warn(f"{request.node.nodeid} left SIGINT's handler {after!r} (was {before!r}); restored",
                       stacklevel=1)
+    signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture(autouse=True)
