@@ -100,3 +100,23 @@ def test_commands_are_named_by_kind_and_every_record_kind_is_one_of_a_kind():
         kinds = [r.kind for r in family]
         assert len(kinds) == len(set(kinds)), sorted(kinds)
     assert set(protocol.LOGGED.values()) <= set(records)
+
+
+def test_a_pickle_naming_a_module_the_notebook_side_moved_still_reads(tmp_path):
+    """A run directory written before the notebook side's wings (0.2) names its classes' modules as
+    they were (a submitted sweep's result.pkl holds nbtrain.notebook.sweep's Sweep)."""
+    import importlib
+    import pickle
+
+    from nbtrain.common import runlog
+    from nbtrain.notebook.run.choices import Choice
+
+    for new in protocol.MOVED_MODULES.values():
+        importlib.import_module(new)  # every target is a module of this nbtrain
+    data = pickle.dumps(Choice("ddp", "fork", {}), protocol=0)  # the module as text, no length before it
+    moved = data.replace(b"nbtrain.notebook.run.choices", b"nbtrain.notebook.choices")
+    assert moved != data
+    path = tmp_path / "result.pkl"
+    path.write_bytes(moved)
+    path.chmod(0o600)
+    assert runlog.read_pickle(path) == Choice("ddp", "fork", {})

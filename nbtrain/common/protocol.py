@@ -547,9 +547,45 @@ def read_spec(value: dict, path: str) -> dict:
 # Classes a pickle in an older run directory names where they were then (result.pkl's Result
 # holds Metric and Vital records).
 MOVED = {("nbtrain.display.runstate", "Metric"): Metric, ("nbtrain.display.runstate", "Vital"): Vital}
-# Modules of the notebook side that moved into its wings (0.2): a finished run's result.pkl names
-# the Result's module as it was when the run was written.
-MOVED_MODULES = {"nbtrain.notebook.result": "nbtrain.notebook.run.result"}
+# Modules of the notebook side that moved into its wings (0.2): a run directory's pickles (a launch's
+# Result, a submitted sweep's Sweep and its state) name their classes' modules as they were then.
+MOVED_MODULES = {
+    "nbtrain.notebook.background": "nbtrain.notebook.run.background",
+    "nbtrain.notebook.cell": "nbtrain.notebook.ipython.cell",
+    "nbtrain.notebook.chatter": "nbtrain.notebook.run.chatter",
+    "nbtrain.notebook.choices": "nbtrain.notebook.run.choices",
+    "nbtrain.notebook.debugger": "nbtrain.notebook.run.debugger",
+    "nbtrain.notebook.detached": "nbtrain.notebook.detached.supervise",
+    "nbtrain.notebook.doctor": "nbtrain.notebook.run.doctor",
+    "nbtrain.notebook.env": "nbtrain.notebook.ipython.env",
+    "nbtrain.notebook.export": "nbtrain.notebook.detached.export",
+    "nbtrain.notebook.exported_job": "nbtrain.notebook.detached.exported_job",
+    "nbtrain.notebook.inprocess": "nbtrain.notebook.run.inprocess",
+    "nbtrain.notebook.insight": "nbtrain.notebook.run.insight",
+    "nbtrain.notebook.launch": "nbtrain.notebook.run.launch",
+    "nbtrain.notebook.magic_options": "nbtrain.notebook.ipython.magic_options",
+    "nbtrain.notebook.magics": "nbtrain.notebook.ipython.magics",
+    "nbtrain.notebook.mapping": "nbtrain.notebook.many.mapping",
+    "nbtrain.notebook.options": "nbtrain.notebook.run.options",
+    "nbtrain.notebook.pool": "nbtrain.notebook.run.pool",
+    "nbtrain.notebook.ranks": "nbtrain.notebook.live.ranks",
+    "nbtrain.notebook.ranks_magics": "nbtrain.notebook.ipython.ranks_magics",
+    "nbtrain.notebook.reloads": "nbtrain.notebook.run.reloads",
+    "nbtrain.notebook.restarts": "nbtrain.notebook.run.restarts",
+    "nbtrain.notebook.result": "nbtrain.notebook.run.result",
+    "nbtrain.notebook.runmodel": "nbtrain.notebook.run.runmodel",
+    "nbtrain.notebook.runs": "nbtrain.notebook.detached.runs",
+    "nbtrain.notebook.slots": "nbtrain.notebook.many.slots",
+    "nbtrain.notebook.stacks": "nbtrain.notebook.run.stacks",
+    "nbtrain.notebook.steer": "nbtrain.notebook.run.steer",
+    "nbtrain.notebook.steer_files": "nbtrain.notebook.run.steer_files",
+    "nbtrain.notebook.submit": "nbtrain.notebook.detached.submit",
+    "nbtrain.notebook.supervisor": "nbtrain.notebook.run.supervisor",
+    "nbtrain.notebook.sweep": "nbtrain.notebook.many.sweep",
+    "nbtrain.notebook.sweep_study": "nbtrain.notebook.many.sweep_study",
+    "nbtrain.notebook.sweep_trials": "nbtrain.notebook.many.sweep_trials",
+    "nbtrain.notebook.work_queue": "nbtrain.notebook.live.work_queue",
+}
 
 
 # -- a sweep's trials: Optuna's trial, asked from a rank (`rank/trial.py`), on a channel of its own
