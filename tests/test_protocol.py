@@ -109,10 +109,13 @@ def test_a_pickle_naming_a_module_the_notebook_side_moved_still_reads(tmp_path):
     import pickle
 
     from nbtrain.common import runlog
+    from nbtrain.notebook.detached import exported_job
     from nbtrain.notebook.run.choices import Choice
 
     for new in protocol.MOVED_MODULES.values():
         importlib.import_module(new)  # every target is a module of this nbtrain
+    # An exported job's run.sh of then imports the entry by its old name.
+    assert importlib.import_module("nbtrain.notebook.exported_job").main is exported_job.main
     data = pickle.dumps(Choice("ddp", "fork", {}), protocol=0)  # the module as text, no length before it
     moved = data.replace(b"nbtrain.notebook.run.choices", b"nbtrain.notebook.choices")
     assert moved != data
