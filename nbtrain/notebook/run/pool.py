@@ -5,47 +5,41 @@ channel to them and their output. `launch` is a pool whose ranks run one `Run` c
 exit; live `Ranks` keep theirs and send command after command. Each command is watched by a
 `Supervisor` into a `RunState`, shown by a display, and fails with the same `WorkerError`.
 
-The pool's state is its own: what it keeps of the ranks' messages (whose link closed, which
-command each began, whose output is complete, the stderr lines that explain a crash) is noted
-as each message is taken from the inbox, by whoever takes it. The supervisor asks for what it
-needs through the methods under "what the supervisor asks" (`watched.Watched`).
+The pool's state is its own: what it keeps of the ranks' messages is noted as each message is
+taken from the inbox, by whoever takes it (`rank_notes.py`); what the ranks ask of the notebook
+is answered by `rank_asks.py`; its processes are ended by `rank_exits.py`. The supervisor asks
+for what it needs through the methods under "what the supervisor asks" (`watched.Watched`).
 """
 from __future__ import annotations
 
 import logging
 import os
 import queue
-import signal
 import threading
 import time
-from collections import defaultdict, deque
 
 from ...common import protocol
 from ...common.channel import Hub, SendInterrupted
 from ...common.errors import NbtrainError
 from ...common.limits import out_of_files
 from ...common.output_reader import OutputReader
-from ...common.pickling import explain_pickling, ship_bytes
-from ...common.process_tree import descendants
-from ...common.source import shippable
 from ...common.tensor_files import LaunchFiles
 from ...display.rank_output import KINDS as RANK_OUTPUT
 from ...display.rank_output import deliver
 from ...placements.base import describe_exit
 from ...rank.process import STACKS_SIGNAL
-from . import stacks
-from .chatter import Chatter
 from .debugger import DebugPort, breakpoints_environ
+from .rank_asks import RankAsks
+from .rank_exits import any_alive, stop_processes, wait_exits
+from .rank_notes import RankNotes
 from .runmodel import RunState
 from .supervisor import CONNECTION_CLOSED, NOT_SENT, Supervisor
 
 EXIT_WAIT = 5.0  # ranks that replied: how long they may take to exit on their own
 EXIT_NOTE_AFTER = 2.0  # seconds of that wait before the cell says it waits (the view would read "finished")
 EXIT_NOTE = "every rank has reported; waiting for their processes to exit"
-STOP_GRACE = 1.0  # between SIGTERM and SIGKILL
 IDLE_CHECK = 0.25  # live ranks between commands: seconds between looks at their processes and links
 EXIT_CODE_WAIT = 1.0  # a rank whose link closed: how long its exit code may take to be known
-STDERR_TAIL = 300  # lines of a rank's stderr kept to explain a crash
 
 log = logging.getLogger(__name__)
 
@@ -81,22 +75,14 @@ class Pool:
                 close()
             raise out_of_files(exc, step, len(job.ranks)) from exc
         self._processes: list = []
-        # What the pool notes of the ranks' messages (`_note`):
-        self._closed: set[int] = set()  # ranks whose channel closed
-        self._stderr: dict[int, deque] = defaultdict(lambda: deque(maxlen=STDERR_TAIL))
-        self._dying: set[int] = set()  # ranks that wrote faulthandler's fatal report
-        self._chatter = Chatter()  # third-party start-up lines: once per launch, or not at all
-        self._current: dict[int, int] = {}  # rank: the seq of the command it last began
-        self._marks: dict[tuple, int] = {}  # (rank, stream): the seq whose output is complete
+        self._notes = RankNotes()  # what the pool keeps of the ranks' messages (`_take`)
+        self._asks = RankAsks(lambda rank, message: self._hub.send(rank, message))
         self._pids: dict[int, int | None] = {}
         self._hosts: dict[int, str | None] = {}
         self._seq = 0
         self._broken: str | None = None  # why the pool refuses work
         self._restart_reason: str | None = None  # ranks stuck beyond an interrupt: the pool must restart
         self._ended_by: str | None = None  # "restarted by .restart()": who closed the pool, for a command it ends
-        self._namespace: dict = {}  # where the running command's missing names come from
-        self._answers: dict[tuple, bytes | None] = {}
-        self._sent: dict[int, dict[str, object]] = {}  # rank: the notebook objects it was sent, by name
         self._stopped = False
         self._state: RunState | None = None  # the first command's
         # Live ranks are watched between commands too: a rank that dies then is named at once.
@@ -192,8 +178,9 @@ class Pool:
                 for rank in self.ranks:
                     self._hub.send(rank, protocol.Stop())
             if ok or self._live:
-                self._wait_exits(EXIT_WAIT if ok else 1.0, exit_note if ok else None)
-            self._stop_processes()
+                wait_exits(self._processes, self.remote, EXIT_WAIT if ok else 1.0, exit_note if ok else None,
+                           EXIT_NOTE_AFTER, EXIT_NOTE)
+            stop_processes(self._processes, self.remote)
             self._reader.drain(timeout=1.0)
             self._drain_output(display)
         finally:
@@ -203,44 +190,8 @@ class Pool:
             if self._files is not None:
                 self._files.cleanup()
 
-    def _wait_exits(self, limit: float, note=None) -> None:
-        deadline = time.monotonic() + limit
-        if note is not None:  # said from here, not from a timer thread: a launch starts no thread for it
-            self._join_until(min(deadline, time.monotonic() + EXIT_NOTE_AFTER))
-            if self.any_alive():
-                note(EXIT_NOTE)
-        self._join_until(deadline)
-
-    def _join_until(self, deadline: float) -> None:
-        if not self.remote:  # each join wakes as its process ends, where a look every 2 ms came late
-            for p in self._processes:
-                p.join(max(deadline - time.monotonic(), 0.0))
-        while self.any_alive() and time.monotonic() < deadline:  # a remote rank, a launcher's log not read yet
-            time.sleep(0.002)
-
-    def _stop_processes(self, grace: float = STOP_GRACE) -> None:
-        alive = [p for p in self._processes if p.poll() is None]
-        # A rank ends what its code started when it exits; one stopped here may not, so its tree
-        # is found first: once the rank is gone, Linux hands the tree to init (ranks on this
-        # machine only).
-        trees = [] if self.remote else [descendants(p.pid) for p in alive]
-        for p in alive:
-            p.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for pid in (pid for tree in trees for pid in tree):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for p in self._processes:
-            p.signal(signal.SIGKILL)  # the group too: grandchildren such as DataLoader workers
-            p.join(1.0)
-            p.close()
-
     def any_alive(self) -> bool:
-        return any(p.poll() is None for p in self._processes)
+        return any_alive(self._processes)
 
     # -- the ranks' messages -------------------------------------------------------------
     def _take(self, timeout: float | None = None):
@@ -249,20 +200,8 @@ class Pool:
             message = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
         except queue.Empty:
             return None
-        self._note(message)
+        self._notes.note(message)
         return message
-
-    def _note(self, message) -> None:
-        """What the pool keeps of a message, whoever handles it."""
-        rank = message.rank
-        if isinstance(message, protocol.Closed):
-            self._closed.add(rank)
-        elif isinstance(message, protocol.OutputEnd):
-            self._marks[(rank, message.stream)] = message.seq
-        elif isinstance(message, protocol.Output) and message.stream == "stderr" and rank is not None:
-            self._stderr[rank].append(message.text)
-        elif isinstance(message, protocol.Begin):
-            self._current[rank] = message.seq
 
     def _queued(self):
         """The queued messages, oldest first: those the watcher held, then the inbox's."""
@@ -272,25 +211,26 @@ class Pool:
             yield message
 
     def shows(self, output: protocol.Output) -> bool:
-        """Whether a rank's output line goes to the cell. faulthandler's report of a fatal signal
-        (every thread's stack, the kernel's inherited frames, the extension modules: ~70 lines)
-        is kept for the error, which shows the part that matters, and not streamed. Third-party
-        start-up lines every rank writes alike are shown once (`chatter.py`)."""
-        if output.stream == "stderr" and output.rank is not None:
-            if output.text.startswith(stacks.FATAL):
-                self._dying.add(output.rank)
-            return output.rank not in self._dying and self._chatter.shows(output)
-        return self._chatter.shows(output)
+        """Whether a rank's output line goes to the cell (`RankNotes.shows`)."""
+        return self._notes.shows(output)
 
-    def _drain_output(self, display) -> None:
-        """Hand what is still queued (the ranks' last output lines) to the display."""
+    def _drain_output(self, display, keep: bool = False) -> None:
+        """Hand the queued output lines to the display (None: dropped). With `keep`, the other
+        messages (but a link's close or an end mark) are queued again: output a live rank wrote
+        between commands (a thread of its own, say) goes to the next cell, the rest belongs to
+        the command about to start."""
+        pending = []
         for message in self._queued():
-            if display is None:
-                continue
-            if isinstance(message, protocol.Output) and self.shows(message):
-                display.output(message.rank, message.stream, message.text)
+            if isinstance(message, protocol.Output):
+                if display is not None and self.shows(message):
+                    display.output(message.rank, message.stream, message.text)
             elif isinstance(message, RANK_OUTPUT):
-                deliver(display, message)
+                if display is not None:
+                    deliver(display, message)
+            elif keep and not isinstance(message, (protocol.Closed, protocol.OutputEnd)):
+                pending.append(message)
+        for message in pending:
+            self._inbox.put(message)
 
     # -- commands ------------------------------------------------------------------------
     def command(self, kind: str, *args, ranks: list[int] | None = None, display, timeout: float | None = None,
@@ -307,11 +247,11 @@ class Pool:
                              "state is lost) or .close().")
         targets = list(self.ranks if ranks is None else ranks)
         self._seq += 1
-        self._namespace, self._answers = namespace or {}, {}
+        self._asks.begin(namespace)
         state = RunState(title or f"{kind} on live ranks {targets}", targets)
         for rank in targets:
             state.handle(protocol.Hello(rank, self._pids.get(rank), self._hosts.get(rank)))
-        self._drain_idle_output(display)
+        self._drain_output(display, keep=True)
         display.start(state)
         ok = False
         try:
@@ -321,7 +261,7 @@ class Pool:
             ok = True
         finally:
             if self._broken:
-                self._stop_processes()
+                stop_processes(self._processes, self.remote)
             display.finish(state, ok)
         return state
 
@@ -365,20 +305,6 @@ class Pool:
             Supervisor(self, state, display, timeout, start_timeout, interrupt).run()
         finally:
             state.ended = time.monotonic()
-
-    def _drain_idle_output(self, display) -> None:
-        """Output a live rank wrote between commands (a thread of its own, say) goes to the next cell."""
-        pending = []
-        for message in self._queued():
-            if isinstance(message, protocol.Output):
-                if self.shows(message):
-                    display.output(message.rank, message.stream, message.text)
-            elif isinstance(message, RANK_OUTPUT):
-                deliver(display, message)
-            elif not isinstance(message, (protocol.Closed, protocol.OutputEnd)):
-                pending.append(message)
-        for message in pending:  # anything else belongs to the command about to start
-            self._inbox.put(message)
 
     # -- between commands ----------------------------------------------------------------
     def _watch_idle(self) -> None:
@@ -431,7 +357,7 @@ class Pool:
             self._reader.drain(timeout=0.2)  # its pipes' last lines
             while (message := self._take()) is not None:
                 self._held.append(message)
-        return stacks.fatal_report(list(self._stderr[rank]))
+        return self._notes.fatal_report(rank)
 
     # -- what the supervisor asks (`watched.Watched`) ---------------------------------------
     def receive(self, timeout: float):
@@ -448,33 +374,30 @@ class Pool:
 
     def closed(self, rank: int) -> bool:
         """`rank`'s link closed: nothing more comes from it."""
-        return rank in self._closed
+        return self._notes.closed(rank)
 
     def output_unread(self, rank: int) -> bool:
         """What `rank` wrote on pipes only it writes waits to be read (`OutputReader.unread`)."""
         return self._reader.unread(rank)
 
     def closed_ranks(self) -> list[int]:
-        return sorted(self._closed)
+        return self._notes.closed_ranks()
 
     def began(self, rank: int) -> bool:
         """`rank` began the latest command: what it says now is about that command."""
-        return self._current.get(rank) == self._seq
+        return self._notes.began(rank, self._seq)
 
     def output_done(self, rank: int) -> bool:
         """Everything `rank` printed during the latest command has arrived (both streams' end marks)."""
-        return all(self._marks.get((rank, stream)) == self._seq for stream in ("stdout", "stderr"))
+        return self._notes.output_done(rank, self._seq)
 
     def last_words(self, rank: int) -> str:
         """What a crashed rank said last (`stacks.last_words`)."""
-        return stacks.last_words(list(self._stderr[rank]))
+        return self._notes.last_words(rank)
 
     def answer(self, message, display) -> None:
         """A rank's `Need` (names its code reads) or `Prompt` (its debugger waits for a line)."""
-        if isinstance(message, protocol.Need):
-            self._answer_need(message.rank, message.seq, message.names, display)
-        else:
-            self._answer_prompt(message.rank, message.text)
+        self._asks.answer(message, display)
 
     def interrupt(self, ranks: list[int]) -> None:
         for rank in ranks:
@@ -522,41 +445,6 @@ class Pool:
         if self._live and self._broken:
             return f"{self._broken}; the live ranks take no more work until .restart()."
         return ""
-
-    def _answer_need(self, rank: int, seq: int, names: list[str], display) -> None:
-        """A rank lacks names its code reads, or asks again for ones it took from the notebook:
-        send those the notebook has, leaving out what this rank already has as it is here."""
-        sent = self._sent.setdefault(rank, {})
-        fresh = [n for n in names if not (n in sent and self._namespace.get(n, sent) is sent[n])]
-        key = tuple(fresh)
-        if key not in self._answers:
-            self._answers[key] = self._pack_names(fresh, display)
-        sent.update((n, self._namespace[n]) for n in fresh if n in self._namespace)
-        self._hub.send(rank, protocol.Names(seq, self._answers[key]))
-
-    def _pack_names(self, names: list[str], display) -> bytes | None:
-        found = {n: self._namespace[n] for n in names if n in self._namespace and shippable(n, ())}
-        if not found:
-            return None
-        try:
-            return ship_bytes(found)
-        except Exception:
-            bad = {n for n, v in found.items() if explain_pickling(v, "dill", n)}
-            for name in sorted(bad):
-                lines = [f"  {f.path}: {f.type} — {f.reason}" for f in explain_pickling(found[name], "dill", name)]
-                display.note(f"{name!r} cannot be sent to the ranks; define it there instead "
-                             f"(ranks.exec or %%ranks):\n" + "\n".join(lines))
-            rest = {n: v for n, v in found.items() if n not in bad}
-            return ship_bytes(rest) if rest else None
-
-    def _answer_prompt(self, rank: int, prompt: str) -> None:
-        """A rank's debugger waits for a line: ask the notebook's user."""
-        try:
-            line = input(prompt)
-        except (EOFError, RuntimeError, NotImplementedError) as exc:  # no stdin here (a script, nbconvert)
-            print(f"nbtrain: no input available for rank {rank}'s debugger ({type(exc).__name__}); quitting it.")
-            line = "q"
-        self._hub.send(rank, protocol.Stdin(line))
 
 
 def _indented(text: str) -> str:
