@@ -18,7 +18,7 @@ from pathlib import Path
 
 import nbtrain
 from nbtrain.common import protocol, runlog
-from nbtrain.notebook.detached.runs import Run
+from nbtrain.notebook.detached.run_logs import summary_from_logs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, record, table  # noqa: E402
@@ -54,7 +54,7 @@ def make_runs(base: Path, count: int, megabytes: float) -> None:
         for rank in (0, 1):
             (where / runlog.rank_events(rank)).write_bytes(log)
         # What the recorder writes at the run's end: the same values runs() would read from the logs.
-        runlog.write_json(where / runlog.SUMMARY, Run(where)._summary_from_logs())
+        runlog.write_json(where / runlog.SUMMARY, summary_from_logs(where))
 
 
 def with_summaries(base: Path, on: bool) -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from ...common import runlog
 from ...common.private import NotYours, check_own
+from .run_logs import summary as run_summary
+from .run_status import current_status
 from .runs import Run
 
 
@@ -98,7 +100,7 @@ def _row(entry: Path) -> dict | None:
         run = Run(entry)
         row.update(function=run.function,
                    started=datetime.fromtimestamp(run.spec["started"]).strftime("%Y-%m-%d %H:%M:%S"))
-        status, summary = run._status(), run._summary()
+        status, summary = current_status(run.dir), run_summary(run.dir)
     except NotYours as error:
         return {**row, "status": "refused", "reason": str(error)}
     except (ValueError, OSError) as error:
