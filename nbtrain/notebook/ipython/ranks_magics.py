@@ -20,7 +20,8 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ...placements.template_process import warm_up
-from ..live.ranks import START_METHODS, WRAPPINGS, Ranks
+from ..live.lifetime import START_METHODS, WRAPPINGS
+from ..live.ranks import Ranks
 from ..run import debugger
 from .magic_options import ACCELERATORS, CLUSTER_ARGUMENTS, DEFAULTS, make_cluster, parse_seconds, stall_seconds
 

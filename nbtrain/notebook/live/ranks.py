@@ -12,47 +12,29 @@ whose ranks serve commands until closed (see pool.py here and nbtrain/rank/loop.
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import itertools
-import keyword
 import os
 import sys
-import threading
-import time
 import types
-import weakref
 
-from ...common.devices import DevicePlan, plan_devices
-from ...common.errors import UnpicklableError, WorkerError
+from ...common.errors import UnpicklableError
 from ...common.pickling import explain_pickling
-from ...common.source import parse_cell
 from ...common.tensor_files import RankFiles
 from ...common.transfer import PUSH_FILES, pack_push
-from ...display import check_progress, make_display
-from ...display.lazy import LazyDisplay
-from ...display.text import QuietDisplay
-from ...placements.base import Job
-from ...placements.clusters import ClusterJob, check_cluster
-from ..run.background import BackgroundRun, SteerablePool, run_in_background
-from ..run.choices import words
-from ..run.doctor import check_stall
+from ...display import make_display
+from ..run.background import SteerablePool, run_in_background
 from ..run.insight import instrument
-from ..run.options import check_timeout, refuse_foreign_keywords
-from ..run.pool import Pool, PoolBroken
-from ..run.reloads import RELOAD_SOURCE, ModuleVersions
+from ..run.options import refuse_foreign_keywords
 from ..run.result import Result
-from ..run.starts import LIVE_STARTS, entry, live_launcher
+from .lifetime import RanksLifetime
+from .payloads import check_push_names, pack_call, syntax_error
 from .ranks_map import map_on_ranks
 
-START_METHODS = LIVE_STARTS  # the table's starts that can host live ranks (run/starts.py)
-WRAPPINGS = ("auto", "ddp", "fsdp")
-_open: weakref.WeakValueDictionary[int, Ranks] = weakref.WeakValueDictionary()
-_order = itertools.count()
 _exec_count = itertools.count(1)
 
 
-class Ranks:
+class Ranks(RanksLifetime):
     """Live ranks: started once, then code, objects and functions run on them, cell after cell.
 
     Each rank keeps its namespace (``ctx`` is its `Context`, the process group is ready) until
@@ -101,146 +83,12 @@ class Ranks:
         A rank failed to start.
     """
 
-    def __init__(self, devices="auto", accelerator: str = "auto", backend: str | None = None,
-                 timeout: float | None = None, strategy: str = "auto", start: str = "auto", progress=True,
-                 cluster=None, num_nodes: int = 1, stall: float | bool | None = None):
-        asked = words(strategy, start)
-        if asked.strategy not in WRAPPINGS:
-            raise ValueError(f"strategy={strategy!r}: live ranks wrap models with {', '.join(map(repr, WRAPPINGS))} "
-                             "('auto' is 'ddp').")
-        if asked.start not in LIVE_STARTS:
-            raise ValueError(f"start={asked.start!r}: live ranks start by {LIVE_STARTS!r}; {entry(asked.start).note}.")
-        strategy, start = "ddp" if asked.strategy == "auto" else asked.strategy, asked.start
-        asked.say()
-        self.timeout = check_timeout(timeout)
-        self.stall = check_stall(stall)
-        check_progress(progress)
-        if type(num_nodes) is not int or num_nodes < 1 or (num_nodes > 1 and cluster is None):
-            raise ValueError(f"num_nodes={num_nodes!r}: give an int >= 1; more than one node needs a cluster "
-                             "(cluster=nbtrain.Slurm(...) or nbtrain.Ray(...)).")
-        if cluster is not None:
-            if start != "auto":
-                raise ValueError(f"start={start!r} with cluster={cluster!r}: the cluster's engine starts the ranks.")
-            self.plan: DevicePlan = check_cluster(cluster).plan(devices, accelerator, backend, num_nodes)
-        else:
-            self.plan = plan_devices(devices, accelerator, backend)
-        self.cluster = cluster
-        self.strategy, self.start_method, self.progress = strategy, start, progress
-        self.placement = ""
-        self._pool: Pool | None = None
-        self._last_failure: int | None = None
-        self._background: BackgroundRun | None = None  # `run(..., wait=False)`'s, while it runs
-        self._start()
-
-    # -- life ----------------------------------------------------------------------------
-    def _start(self) -> None:
-        make_job: type[Job]
-        display = QuietDisplay()
-        if self.cluster is not None:
-            launcher, self.placement, note, make_job = self.cluster.placement(), self.cluster.engine, None, ClusterJob
-        else:
-            (launcher, note), make_job = live_launcher(self.start_method, display), Job
-            self.placement = launcher.start
-        # Live ranks: no fn, the commands come later.
-        job = make_job(None, (), {}, self.plan, self.strategy, stall=self.stall,  # type: ignore[arg-type]
-                       start_timeout=120.0, start=self.placement)
-        if note:
-            display.note(note)
-        started = time.monotonic()
-        pool = SteerablePool(launcher, job, live=True)  # `run(..., wait=False)` is steered through it
-        try:
-            pool.start(display)
-        except BaseException:
-            pool.close(False, display)
-            raise
-        self._pool = pool
-        self._modules = ModuleVersions()  # what the ranks' imports match; reloads in the notebook follow
-        self._key = next(_order)
-        _open[self._key] = self
-        if self.progress is not False and os.environ.get("NBTRAIN_PROGRESS", "").strip() != "0":  # quiet: not said
-            display.note(f"{self.world_size} live ranks ({self.placement}, {self.plan.describe()}) ready in "
-                         f"{time.monotonic() - started:.2f} s")
-
-    @property
-    def world_size(self) -> int:
-        """How many ranks."""
-        return self.plan.world_size
-
-    @property
-    def closed(self) -> bool:
-        """True once `close` was called."""
-        return self._pool is None
-
-    def close(self) -> None:
-        """Stop the ranks; their state is gone. Also done at kernel exit, and by ``with``.
-
-        Returns
-        -------
-        None
-        """
-        self._close("closed by .close()")
-
-    def _close(self, why: str) -> None:
-        run = getattr(self, "_background", None)  # None: never started (a bad argument), or nothing ran
-        if run is not None and threading.current_thread() is not run._thread:
-            run.cancel()  # `run(fn, wait=False)` still going: its watcher lets go of the ranks first
-        pool, self._pool = self._pool, None
-        _open.pop(getattr(self, "_key", -1), None)
-        if pool is not None:
-            pool.close(True, QuietDisplay(), why)
-
-    def restart(self) -> None:
-        """Fresh ranks in place of these, their state lost: after a crash, or to start over.
-
-        Returns
-        -------
-        None
-        """
-        self._close("restarted by .restart()")
-        self._start()
-
-    def __enter__(self) -> Ranks:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def __repr__(self) -> str:
-        broken = self._pool.broken if self._pool is not None else None
-        state = "closed" if self.closed else (f"broken: {broken}" if broken else "ready")
-        return f"Ranks(world_size={self.world_size}, {self.placement}, {self.plan.describe()}, {state})"
-
-    @classmethod
-    def current(cls) -> Ranks:
-        """The Ranks that ``%%ranks`` cells use: the last started and not closed.
-
-        Returns
-        -------
-        Ranks
-
-        Raises
-        ------
-        LookupError
-            No live ranks.
-        """
-        alive = [r for _, r in sorted(_open.items()) if not r.closed]
-        if not alive:
-            raise LookupError("no live ranks: start them with `ranks = nbtrain.Ranks(devices=2)` or `%nbtrain start`.")
-        return alive[-1]
 
     def __getitem__(self, rank: int) -> Rank:
         if type(rank) is not int or not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank!r}: these live ranks are 0 .. {self.world_size - 1}.")
         return Rank(self, rank)
 
-    def __len__(self) -> int:
-        return self.world_size
 
     # -- the calls -----------------------------------------------------------------------
     def exec(self, code: str, *, ranks: list[int] | None = None, timeout: float | None = None,
@@ -344,15 +192,7 @@ class Ranks:
         NbtrainError
             An object cannot be sent (also a TypeError); the message names the part.
         """
-        if not objects:
-            raise TypeError("push(name=value, ...) needs at least one object to send.")
-        for name in objects:
-            if not name.isidentifier() or keyword.iskeyword(name):
-                raise ValueError(f"push({name!r}=...): a pushed object becomes a variable on the ranks, so its "
-                                 "name must be a Python identifier, e.g. push(lr=0.1).")
-            if name in RESERVED:
-                raise ValueError(f"push({name}=...): `{name}` is {RESERVED[name]} on every rank and is not replaced; "
-                                 "push the object under another name.")
+        check_push_names(objects)
         files = self._push_files()
         try:
             try:
@@ -449,9 +289,6 @@ class Ranks:
         ValueError
             ``ranks`` with trackers or a profile (they need every rank).
         """
-        import dill
-
-
         if not isinstance(fn, types.FunctionType):
             raise TypeError(f"run(fn, ...) takes a Python function, got {type(fn).__name__}; "
                             "for other callables, push them and call them with exec().")
@@ -468,14 +305,7 @@ class Ranks:
                 raise ValueError(f"ranks={ranks!r} with trackers or a profile: they run on every rank together "
                                  "(rank 0's tracker run is shared), so leave ranks=None.")
             insight = dataclasses.replace(wrapped, fn=None)  # the settings; the rank has its own fn
-        bare = types.FunctionType(fn.__code__, {}, fn.__name__, fn.__defaults__, fn.__closure__)
-        bare.__kwdefaults__, bare.__qualname__ = fn.__kwdefaults__, fn.__qualname__
-        try:
-            payload = dill.dumps((bare, args, kwargs, insight), recurse=True)
-        except Exception as exc:
-            findings = [f for part, root in ((bare, fn.__name__), (args, "args"), (kwargs, "kwargs"))
-                        for f in explain_pickling(part, "dill", root)]
-            raise UnpicklableError(f"the function `{fn.__qualname__}` and its arguments", findings, str(exc)) from exc
+        payload = pack_call(fn, args, kwargs, insight)
         display = make_display(self.progress if progress is None else progress)
 
         def call(shown) -> Result:
@@ -548,84 +378,6 @@ class Ranks:
         """
         return self.run(fn, *args, profile=profile, **kwargs)
 
-    def debug(self, rank: int | None = None, commands: list[str] | None = None) -> None:
-        """pdb in a rank's last failure, from this notebook (``%debug`` after a WorkerError does it too).
-
-        Parameters
-        ----------
-        rank : int, optional
-            Default: the rank that failed last.
-        commands : list of str, optional
-            pdb commands typed for you first (``["p x.shape", "up", "q"]``); the prompt follows
-            unless they end the session, so a notebook run top to bottom does not stop at it.
-
-        Returns
-        -------
-        None
-
-        Raises
-        ------
-        RuntimeError
-            No rank has failed yet.
-        TypeError
-            ``commands`` is not a list of str.
-        """
-        rank = self._last_failure if rank is None else rank
-        if rank is None:
-            raise RuntimeError("no rank has failed yet: there is nothing to debug. (breakpoint() in code run on "
-                               "the ranks also opens pdb here.)")
-        if commands is not None and (isinstance(commands, str) or not all(isinstance(c, str) for c in commands)):
-            raise TypeError(f"debug(commands={commands!r}): give a list of pdb commands, e.g. ['p x.shape', 'q'].")
-        self._command("debug", list(commands or []), ranks=[rank])
-
-    # -- plumbing ------------------------------------------------------------------------
-    def _refuse_while_running(self) -> None:
-        run = self._background
-        if run is not None and not run.done() and threading.current_thread() is not run._thread:
-            raise RuntimeError("these live ranks run a function in the background (ranks.run(fn, wait=False)): they "
-                               "take the next command once it ends; wait with run.result(), or end it with run.stop() "
-                               "or run.cancel().")
-
-    def _command(self, kind: str, *args, ranks=None, timeout=None, namespace=None, display=None, title=""):
-        if self._pool is None:
-            raise PoolBroken("these live ranks are closed: start new ones with nbtrain.Ranks(...), or .restart().")
-        self._refuse_while_running()
-        if ranks is not None:
-            ranks = [ranks] if type(ranks) is int else list(ranks)
-            bad = [r for r in ranks if type(r) is not int or not 0 <= r < self.world_size]
-            if bad or not ranks:
-                raise ValueError(f"ranks={ranks!r}: name one or more of these live ranks, 0 .. {self.world_size - 1} "
-                                 "(or None for all of them).")
-            if len(set(ranks)) != len(ranks):
-                raise ValueError(f"ranks={ranks!r}: each rank once; the code would run twice on the same rank.")
-
-        timeout = check_timeout(timeout) if timeout is not None else self.timeout
-        display = display or LazyDisplay(self.progress)
-        pool = self._pool
-        try:
-            if kind in ("exec", "eval", "call"):
-                self._follow_reloads(pool, timeout)
-            return pool.command(kind, *args, ranks=ranks, display=display, timeout=timeout, namespace=namespace,
-                                title=title)
-        except WorkerError as error:
-            self._last_failure = error.rank
-            if not pool.restart_reason and not pool.broken:
-                error.debug = lambda rank=error.rank: self.debug(rank)  # type: ignore[attr-defined]  # `%debug` opens the rank's pdb
-            raise
-        finally:
-            if pool.restart_reason:
-                self.restart()
-
-    def _follow_reloads(self, pool: Pool, timeout) -> None:
-        """Modules the notebook reloaded (`importlib.reload`) are reloaded on every rank first, so
-        the command runs the code the notebook has, and said in one line."""
-        names = self._modules.reloaded()
-        if names:
-            display = QuietDisplay()
-            pool.command("exec", RELOAD_SOURCE.format(names=names), "<nbtrain reload>", False, display=display,
-                               timeout=timeout)
-            display.note(f"live ranks reloaded {', '.join(names)}, as the notebook did")
-
 
 class Rank:
     """One live rank: the same calls as `Ranks`, with single values."""
@@ -657,31 +409,3 @@ class Rank:
         return f"Rank({self.rank} of {self._ranks!r})"
 
 
-RESERVED = {"ctx": "the rank's Context (nbtrain.context())", "__builtins__": "Python's builtins"}
-
-
-def syntax_error(source: str, filename: str, mode: str) -> SyntaxError | None:
-    """The code's syntax error, if it has one, for the caller to raise: IPython then shows it as for
-    `exec()` in a cell (the line, the caret), not from inside a rank or the parser's frames."""
-    try:
-        if mode == "exec":
-            parse_cell(source, filename)  # its hint for %magics and !commands
-        compile(source, filename, mode, dont_inherit=True)
-    except SyntaxError as exc:
-        exc.__traceback__ = None
-        exc.debug = _nothing_to_debug  # type: ignore[attr-defined]  # `%debug` (nbtrain's) would otherwise open pdb in nbtrain's frames
-        return exc
-    return None
-
-
-def _nothing_to_debug() -> None:
-    print("nbtrain: a syntax error has no frames to debug: correct the line shown and run the cell again.")
-
-
-@atexit.register
-def _close_all() -> None:
-    for ranks in list(_open.values()):
-        try:
-            ranks.close()
-        except Exception:
-            pass
