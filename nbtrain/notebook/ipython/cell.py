@@ -23,10 +23,9 @@ from ...common.pickling import explain_pickling, ship_bytes
 from ...common.source import free_names, shippable
 from ...display import make_display
 from ...rank.cell import CellJob
-from ..run.choices import IN_KERNEL, choose, deepspeed_options, words
-from ..run.doctor import check_stall
+from ..run.choices import IN_KERNEL, choose, deepspeed_options
 from ..run.launch import launch, launch_chosen
-from ..run.restarts import check_restarts
+from ..run.options import RunOptions
 
 IN_PLACE = (IN_KERNEL, "fork")  # starts that run the cell in the kernel's namespace (or its fork)
 
@@ -84,8 +83,6 @@ def run_cell(source: str, namespace: Mapping[str, Any], *, strategy: str = "auto
     and the rest as for `launch`, with torchrun's settings (`node_rank`, `rdzv_endpoint`,
     `launcher`) as arguments of their own: given, start='auto' is torchrun. `max_restarts` is
     torchrun's under torchrun, launch's otherwise; `stall` is launch's."""
-    check_restarts(max_restarts)  # torchrun's restarts, here: the same bound as launch's own
-    check_stall(stall)
     insight = {"trackers": trackers, "profile": profile, "run_dir": run_dir}
     if cluster is not None:
         job = cell_job(source, namespace, hidden=hidden)
@@ -94,7 +91,9 @@ def run_cell(source: str, namespace: Mapping[str, Any], *, strategy: str = "auto
                       max_restarts=max_restarts, **insight)
     given = {k: v for k, v, default in (("launcher", launcher, "torchrun"), ("node_rank", node_rank, 0),
                                         ("rdzv_endpoint", rdzv_endpoint, None)) if v != default}
-    asked = words(strategy, start, given or None)
+    # Checked as launch's are; `max_restarts` is torchrun's under torchrun, with the same bound.
+    asked = RunOptions(strategy, start, devices, accelerator, num_nodes, None, timeout, stall, given or None,
+                       max_restarts).asked
     plan = plan_devices(devices, accelerator, None, num_nodes)
     choice = choose(asked, plan)  # before the job: whether the cell runs in place depends on it
     if choice.start == "torchrun":  # the cell's torchrun settings, beside what the choice resolved

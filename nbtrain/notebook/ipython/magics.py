@@ -32,8 +32,9 @@ from ..detached.export import export
 from ..detached.listing import runs
 from ..detached.runs import attach
 from ..detached.submit import submit
-from ..run.choices import choose, deepspeed_options, words
+from ..run.choices import choose, deepspeed_options
 from ..run.launch import check_cluster_words
+from ..run.options import RunOptions
 from .cell import cell_job, run_cell
 from .magic_options import (
     COMMANDS,
@@ -56,7 +57,9 @@ def check_options(options: dict) -> None:
     """Refuse, as UsageError, what cannot run, before anything starts."""
     try:
         check_trackers(options["trackers"])
-        asked = words(options["strategy"], options["start"], script_settings(options))
+        asked = RunOptions(options["strategy"], options["start"], options["devices"], options["accelerator"],
+                           options["nnodes"], None, options["timeout"], options["stall"], script_settings(options),
+                           options["max_restarts"]).asked
     except (ValueError, ImportError) as exc:
         raise UsageError(str(exc)) from None
     cluster = make_cluster(options)
