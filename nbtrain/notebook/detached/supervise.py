@@ -38,7 +38,7 @@ from ..run.background import BackgroundRun
 from ..run.choices import IN_KERNEL, choose
 from ..run.launch import launch
 from ..run.options import RunOptions
-from ..run.restarts import restarting, wait_to_restart, why
+from ..run.restarts import restart_loop, why
 
 
 class StatusLost(Exception):
@@ -193,17 +193,14 @@ def _supervise(run_dir: Path, load, echo) -> int:
             status.set("queued", reason=f"waiting for the ranks to start: {where}")
 
     summary = {"devices": "", "ranks": [], "metrics": {}}  # summary.json, kept across attempts
-    for attempt in range(spec["max_restarts"] + 1):
-        if attempt:
-            try:  # the back-off: status.json reads "restarting (2 of 5) in 2 s: ..." meanwhile
-                wait_to_restart(attempt - 1)
-            except KeyboardInterrupt:  # cancel() (or Ctrl-C) while waiting: no rank is running
-                status.set("cancelled", reason=_cancelled(signals))
-                return 1
+    recorder: RunRecorder | None = None  # the attempt's, until it is closed
+
+    def attempt(n: int):
+        nonlocal recorder
         # On a cluster the run is queued until its ranks run (a SLURM job may wait for hours).
-        status.set("running" if cluster is None else "queued", attempt=attempt,
+        status.set("running" if cluster is None else "queued", attempt=n,
                    reason="" if cluster is None else f"starting the ranks on {cluster.where()}")
-        recorder = RunRecorder(run_dir, attempt, queued=None if cluster is None else queued, echo=echo,
+        recorder = RunRecorder(run_dir, n, queued=None if cluster is None else queued, echo=echo,
                                summary=summary, stopped=None if status.value.get("events_stopped")
                                else status.events_stopped)
         if status.value.get("events_stopped"):  # stopped in an earlier attempt: the disk is still suspect
@@ -218,32 +215,40 @@ def _supervise(run_dir: Path, load, echo) -> int:
             assert options is not None  # not a sweep
             ran = launch(fn, *args, progress=recorder, run_dir=str(run_dir), **objects, **options.keywords(),
                          wait=not steerable, **kwargs)
-            result = steer_files.serve(ran, run_dir) if isinstance(ran, BackgroundRun) else ran
+            return steer_files.serve(ran, run_dir) if isinstance(ran, BackgroundRun) else ran
         except KeyboardInterrupt:
             recorder.note("cancelled")
-            status.set("cancelled", reason=_cancelled(signals))
-            return 1
-        except Exception as error:  # a WorkerError; in the supervisor itself (single, dp), the code's own
-            reason = why(error)
-            # On a cluster only the ranks' failures restart (as in launch): a job SLURM refuses would only repeat.
-            if attempt == spec["max_restarts"] or cluster is not None and not isinstance(error, WorkerError):
-                return _failed(run_dir, status, error, reason)
-            said = restarting(attempt, spec["max_restarts"], reason)
-            recorder.note(said)
-            status.set("restarting", reason=said, restarts=[*status.value["restarts"], reason])
-            continue
+            raise
         finally:
             sys.stdout, sys.stderr = streams
+
+    def between(said: str, reason: str) -> None:  # status.json reads "restarting (2 of 5) in 2 s: ..." meanwhile
+        nonlocal recorder
+        assert recorder is not None, "an attempt failed"
+        recorder.note(said)
+        status.set("restarting", reason=said, restarts=[*status.value["restarts"], reason])
+        recorder.close()
+        recorder = None
+
+    def restartable(error: Exception) -> bool:
+        # On a cluster only the ranks' failures restart (as in launch): a job SLURM refuses would only repeat.
+        # A status that cannot be written ends the run (`main`).
+        return not isinstance(error, StatusLost) and (cluster is None or isinstance(error, WorkerError))
+
+    try:
+        result, _ = restart_loop(attempt, spec["max_restarts"], between, restartable)
+    except StatusLost:
+        raise
+    except KeyboardInterrupt:  # cancel() (or Ctrl-C), while an attempt ran or while waiting to restart
+        status.set("cancelled", reason=_cancelled(signals))
+        return 1
+    except Exception as error:  # a WorkerError; in the supervisor itself (single, dp), the code's own
+        return _failed(run_dir, status, error, why(error))
+    finally:
+        if recorder is not None:
             recorder.close()
-        result.restarts = list(status.value["restarts"])
-        try:
-            runlog.write_whole(run_dir / runlog.RESULT, ship_bytes(result))
-        except Exception as error:  # a full disk, a file-size limit: the result is lost, and the run says how
-            reason = str(error) if isinstance(error, runlog.IncompleteWrite) else f"{runlog.RESULT}: {error}"
-            return _failed(run_dir, status, None, reason)
-        status.set("finished", reason="")
-        return 0
-    return 1  # not reached: the last attempt returns
+    result.restarts = list(status.value["restarts"])
+    return _finished(run_dir, status, result)
 
 
 def _sweep(run_dir: Path, status: Status, signals: list[int], run) -> int:
@@ -260,6 +265,12 @@ def _sweep(run_dir: Path, status: Status, signals: list[int], run) -> int:
         return _failed(run_dir, status, error, why(error))
     finally:
         sys.stdout.flush()
+    return _finished(run_dir, status, result)
+
+
+def _finished(run_dir: Path, status: Status, result) -> int:
+    """The run's result to result.pkl, whole (a full disk, a file-size limit: the result is lost,
+    and the run fails saying how), then 'finished'."""
     try:
         runlog.write_whole(run_dir / runlog.RESULT, ship_bytes(result))
     except Exception as error:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from ...common.errors import WorkerError
 from .result import Result
@@ -22,6 +23,7 @@ BACK_OFF_CAP = 60.0  # ... doubling each time, to at most this
 # With the waits capped at a minute, 100 restarts are more than an hour and a half of them: a run
 # that fails this often fails for a reason of its own, which the restarts' reasons say.
 MAX_RESTARTS = 100
+T = TypeVar("T")
 
 
 def check_restarts(max_restarts) -> int:
@@ -39,9 +41,16 @@ def back_off(attempt: int) -> float:
     return min(BACK_OFF_CAP, BACK_OFF_FIRST * 2.0 ** min(attempt, 64))
 
 
-def wait_to_restart(attempt: int) -> None:
-    """The back-off after attempt `attempt` failed, in this thread (Ctrl-C or SIGTERM end it)."""
-    time.sleep(back_off(attempt))
+def wait_to_restart(attempt: int, max_restarts: int) -> None:
+    """The back-off after attempt `attempt` failed, in this thread (Ctrl-C or SIGTERM end it: the
+    KeyboardInterrupt shows as one line, not the sleep's frame)."""
+    try:
+        time.sleep(back_off(attempt))
+    except KeyboardInterrupt as interrupt:
+        said = (f"KeyboardInterrupt: interrupted while waiting to restart ({attempt + 1} of {max_restarts}); "
+                "no rank was running.")
+        interrupt._render_traceback_ = lambda said=said: [said]  # type: ignore[attr-defined]  # what IPython shows
+        raise
 
 
 def why(error: BaseException) -> str:
@@ -59,26 +68,31 @@ def restarting(attempt: int, max_restarts: int, reason: str) -> str:
     return f"restarting ({attempt + 1} of {max_restarts}) in {back_off(attempt):g} s: {reason}"
 
 
-def with_restarts(run: Callable[[], Result], max_restarts: int, display, only=Exception) -> Result:
-    """`run()` until it returns, at most 1 + `max_restarts` times; the Result says why each restart.
-    Errors that are not `only` end it at once (a cluster job that can never start)."""
+def restart_loop(attempt: Callable[[int], T], max_restarts: int, between: Callable[[str, str], object],
+                 restartable: Callable[[Exception], bool] = lambda error: True) -> tuple[T, list[str]]:
+    """The one restart loop, `launch`'s and a submitted run's supervisor's: `attempt(n)` for n = 0, 1, ...
+    until one returns, at most 1 + `max_restarts` times. After a failure that restarts, `between(note,
+    reason)` is told ("restarting (2 of 5) in 2 s: rank 1 failed: ...", and the reason alone), then the
+    back-off is waited. The last attempt's error, one that is not `restartable` (a cluster job that can
+    never start), and a Ctrl-C are raised. Returns the value and why each restart happened."""
     reasons: list[str] = []
-    for attempt in range(max_restarts + 1):
+    for n in range(max_restarts + 1):
+        if n:
+            wait_to_restart(n - 1, max_restarts)
         try:
-            result = run()
+            return attempt(n), reasons
         except Exception as error:  # a WorkerError; the code's own exception where it ran in this process
-            if attempt == max_restarts or not isinstance(error, only):
+            if n == max_restarts or not restartable(error):
                 raise
             reasons.append(why(error))
-        else:
-            result.restarts = reasons
-            return result
-        display.note(restarting(attempt, max_restarts, reasons[-1]))
-        try:
-            wait_to_restart(attempt)
-        except KeyboardInterrupt as interrupt:
-            said = (f"KeyboardInterrupt: interrupted while waiting to restart ({attempt + 1} of {max_restarts}); "
-                    "no rank was running.")
-            interrupt._render_traceback_ = lambda said=said: [said]  # type: ignore[attr-defined]  # what IPython shows, not the sleep's frame
-            raise
+        between(restarting(n, max_restarts, reasons[-1]), reasons[-1])
     raise AssertionError("not reached: the last attempt returns or raises")
+
+
+def with_restarts(run: Callable[[], Result], max_restarts: int, display, only=Exception) -> Result:
+    """`run()` until it returns, at most 1 + `max_restarts` times, each restart said on `display`;
+    the Result says why each restart happened. Errors that are not `only` end it at once."""
+    result, reasons = restart_loop(lambda n: run(), max_restarts, lambda note, reason: display.note(note),
+                                   lambda error: isinstance(error, only))
+    result.restarts = reasons
+    return result
