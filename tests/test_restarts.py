@@ -10,7 +10,8 @@ import torch
 import nbtrain
 from conftest import CHILDREN
 from nbtrain.notebook.ipython.cell import run_cell
-from nbtrain.notebook.run.restarts import back_off, restarting
+from nbtrain.notebook.run import restarts
+from nbtrain.notebook.run.restarts import back_off, restart_loop, restarting
 
 
 def resumable(steps, where, die_at=None):
@@ -93,6 +94,29 @@ def test_restarts_back_off_from_a_second_doubling_to_a_minute():
     assert back_off(99) == 60
     assert restarting(1, 5, "rank 1 failed: exited with code 1") == \
         "restarting (2 of 5) in 2 s: rank 1 failed: exited with code 1"
+
+
+
+def test_the_one_restart_loop_tells_each_restart_between_attempts_and_raises_what_cannot_restart(monkeypatch):
+    """launch's loop and a submitted run's supervisor's are this one: attempts in order, each failure
+    that restarts told (note, reason) before the next attempt, the last error or a non-restartable one raised."""
+    monkeypatch.setattr(restarts, "BACK_OFF_FIRST", 0.0)  # the waits' length is the test above's
+    told = []
+
+    def attempt(n):
+        told.append(("attempt", n))
+        if n < 2:
+            raise OSError(f"disk {n}")
+        return "done"
+
+    value, reasons = restart_loop(attempt, 3, lambda note, reason: told.append((note, reason)))
+    assert value == "done" and reasons == ["OSError: disk 0", "OSError: disk 1"]
+    assert told == [("attempt", 0), ("restarting (1 of 3) in 0 s: OSError: disk 0", "OSError: disk 0"),
+                    ("attempt", 1), ("restarting (2 of 3) in 0 s: OSError: disk 1", "OSError: disk 1"), ("attempt", 2)]
+    with pytest.raises(OSError, match="disk 1"):  # the last attempt's error
+        restart_loop(attempt, 1, lambda note, reason: None)
+    with pytest.raises(OSError, match="disk 0"):  # not restartable: at once
+        restart_loop(attempt, 3, lambda note, reason: pytest.fail("told"), lambda error: False)
 
 
 FAILS = """

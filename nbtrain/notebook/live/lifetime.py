@@ -38,7 +38,6 @@ R = TypeVar("R", bound="RanksLifetime")
 class RanksLifetime:
     """What every call on live ranks stands on (`Ranks` is the public class, documented there)."""
 
-
     def __init__(self, devices="auto", accelerator: str = "auto", backend: str | None = None,
                  timeout: float | None = None, strategy: str = "auto", start: str = "auto", progress=True,
                  cluster=None, num_nodes: int = 1, stall: float | bool | None = None):

@@ -8,7 +8,9 @@
     ranks.close()                                     # or restart(), or `with nbtrain.Ranks(...) as ranks:`
 
 Built on the same pool, channel, Context, display and errors as `launch`: a live pool is one
-whose ranks serve commands until closed (see pool.py here and nbtrain/rank/loop.py).
+whose ranks serve commands until closed (see run/pool.py and nbtrain/rank/loop.py). Their
+lifetime, and the path each command takes, is `lifetime.py`'s; what a call sends is checked by
+`payloads.py` before any rank sees it.
 """
 from __future__ import annotations
 
