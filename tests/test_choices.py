@@ -102,3 +102,27 @@ def test_an_alias_is_said_once_per_kernel(monkeypatch, capsys):
     assert capsys.readouterr().out == ("nbtrain: strategy='spawn' is strategy='ddp', start='template' (the earlier "
                                        "name still works)\n")
     assert Words("ddp", "fork", None).aliases == ()  # the new words are said by nobody
+
+
+@pytest.mark.parametrize("use, strategy, start, resolved", [
+    ("live", "auto", "spawn", ("ddp", "spawn")), ("live", "fsdp", "template", ("fsdp", "template")),
+    ("slot", "auto", "auto", ("ddp", "template")), ("slot", "fsdp", "auto", ("fsdp", "torchrun")),
+    ("slot", "ddp", "spawn", ("ddp", "spawn")),
+])
+def test_one_resolver_answers_for_live_ranks_and_slots(use, strategy, start, resolved):
+    choice = choose(words(strategy, start), None, use)
+    assert (choice.strategy, choice.start) == resolved
+
+
+@pytest.mark.parametrize("use, strategy, start, refusal", [
+    ("live", "auto", "torchrun", "start='torchrun': live ranks start by 'auto', 'fork', 'template', 'spawn'; "
+                                 "torchrun runs a script to its end"),
+    ("live", "dp", "auto", "strategy='dp': live ranks wrap models with 'auto', 'ddp', 'fsdp'"),
+    ("slot", "auto", "fork", "start='fork' with strategy='auto': runs in slots start from threads, and a fork of "
+                             "this kernel from a thread can hang"),
+    ("slot", "deepspeed", "auto", "strategy='deepspeed': runs in slots take 'auto' or 'ddp'"),
+    ("elsewhere", "auto", "auto", "use='elsewhere'"),
+])
+def test_one_resolver_refuses_what_a_use_cannot_take(use, strategy, start, refusal):
+    with pytest.raises(ValueError, match=refusal.replace("(", r"\(").replace(")", r"\)")):
+        choose(words(strategy, start), None, use)

@@ -22,14 +22,15 @@ from ...display.text import QuietDisplay
 from ...placements.base import Job
 from ...placements.clusters import ClusterJob, check_cluster
 from ..run.background import BackgroundRun, SteerablePool
+from ..run.choices import LIVE_WRAPPINGS, choose, words
 from ..run.options import RunOptions, check_timeout
 from ..run.pool import Pool, PoolBroken
 from ..run.reloads import RELOAD_SOURCE, ModuleVersions
-from ..run.starts import LIVE_STARTS, entry, live_launcher
+from ..run.starts import LIVE_STARTS, launcher_for
 from .payloads import check_targets
 
 START_METHODS = LIVE_STARTS  # the table's starts that can host live ranks (run/starts.py)
-WRAPPINGS = ("auto", "ddp", "fsdp")
+WRAPPINGS = LIVE_WRAPPINGS
 _open: weakref.WeakValueDictionary[int, RanksLifetime] = weakref.WeakValueDictionary()
 _order = itertools.count()
 R = TypeVar("R", bound="RanksLifetime")
@@ -47,12 +48,7 @@ class RanksLifetime:
         # What a launch takes too, checked as a launch checks it; then what live ranks take of it.
         self.options = RunOptions(strategy, start, devices, accelerator, num_nodes, backend, timeout, stall)
         asked = self.options.asked
-        if asked.strategy not in WRAPPINGS:
-            raise ValueError(f"strategy={strategy!r}: live ranks wrap models with {', '.join(map(repr, WRAPPINGS))} "
-                             "('auto' is 'ddp').")
-        if asked.start not in LIVE_STARTS:
-            raise ValueError(f"start={asked.start!r}: live ranks start by {LIVE_STARTS!r}; {entry(asked.start).note}.")
-        strategy, start = "ddp" if asked.strategy == "auto" else asked.strategy, asked.start
+        strategy, start = choose(asked, None, "live").strategy, asked.start  # checked; the start is chosen at _start
         asked.say()
         check_progress(progress)
         if cluster is not None:
@@ -86,7 +82,8 @@ class RanksLifetime:
         if self.cluster is not None:
             launcher, self.placement, note, make_job = self.cluster.placement(), self.cluster.engine, None, ClusterJob
         else:
-            (launcher, note), make_job = live_launcher(self.start_method, display), Job
+            choice = choose(words(self.strategy, self.start_method), None, "live")
+            launcher, note, make_job = launcher_for(choice.start, display), choice.note, Job
             self.placement = launcher.start
         # Live ranks: no fn, the commands come later.
         job = make_job(None, (), {}, self.plan, self.strategy, stall=self.stall,  # type: ignore[arg-type]

@@ -28,9 +28,8 @@ from ...common.devices import plan_devices
 from ...display.vitals import VitalsSampler
 from ...placements import template_process
 from ...placements.template_process import template, warm_up
-from ..run.choices import words
+from ..run.choices import choose, words
 from ..run.options import check_count
-from ..run.starts import StartWords, entry
 
 log = logging.getLogger(__name__)
 
@@ -112,21 +111,12 @@ def share_cores(count: int, per_slot: int) -> tuple[int, list[tuple[int, ...]]]:
 
 
 def slot_start(strategy: str = "auto", start: str = "auto") -> tuple[str, str]:
-    """(strategy, start) for a launch in a slot: ranks from the template (see the module docstring),
-    'fsdp' under torchrun by default (it starts its ranks by exec); never a fork of this kernel."""
+    """(strategy, start) for a launch in a slot (`choices.choose`'s "slot"): ranks from the template,
+    'fsdp' under torchrun by default; never a fork of this kernel."""
     asked = words(strategy, start)
-    if asked.strategy not in ("auto", "ddp", "fsdp"):
-        raise ValueError(f"strategy={strategy!r}: runs in slots take 'auto' or 'ddp' (DDP when a slot has several "
-                         "devices) or 'fsdp'.")
-    if asked.start != "auto" and not entry(asked.start).from_threads:
-        threaded = StartWords(lambda start: start.from_threads)
-        raise ValueError(f"start={start!r} with strategy={strategy!r}: runs in slots start from threads, and "
-                         f"{entry(asked.start).note}; give start={threaded!r}.")
+    choice = choose(asked, None, "slot")
     asked.say()
-    wrap = "ddp" if asked.strategy == "auto" else asked.strategy
-    if asked.start == "auto":
-        return wrap, "torchrun" if wrap == "fsdp" else "template"
-    return wrap, asked.start
+    return choice.strategy, choice.start
 
 
 class SlotRunner:

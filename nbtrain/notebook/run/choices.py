@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...common.devices import DevicePlan
-from ...common.preflight import fork_blocker
-from .starts import IN_KERNEL, STARTS
+from ...common.preflight import check_fork, fork_blocker
+from .starts import IN_KERNEL, LIVE_STARTS, STARTS, StartWords, entry
 
 STRATEGIES = ("auto", "ddp", "fsdp", "dp", "deepspeed")
 # The combined names of earlier releases: (strategy, start). `launcher_options={"template": ...}`
@@ -107,8 +107,65 @@ def words(strategy="auto", start="auto", launcher_options: dict | None = None) -
     return Words(strategy, start, options, tuple(aliases), said)
 
 
-def choose(asked: Words, plan: DevicePlan) -> Choice:
-    """The (strategy, start) a run on `plan` resolves to, with a note on what 'auto' chose.
+USES = ("launch", "live", "slot")  # where a run's ranks are asked for: a launch (or a cell), live ranks, a slot
+LIVE_WRAPPINGS = ("auto", "ddp", "fsdp")  # what live ranks wrap models with ('auto' is 'ddp')
+
+
+def choose(asked: Words, plan: DevicePlan | None, use: str = "launch") -> Choice:
+    """The (strategy, start) a request resolves to where it is used, with a note on what 'auto' chose.
+
+    The one resolver of every front end: `use` is "launch" (`launch`, `submit`, `%%nbtrain`),
+    "live" (`Ranks`, `%%ranks`) or "slot" (a sweep's or a map's runs, started from threads; `plan`
+    may be None, each slot plans its own). The start it returns is a word of `starts.py`'s table
+    (or 'kernel'); `starts.launcher_for` makes its launcher. Refusals are ValueErrors naming the
+    arguments and what is accepted.
+    """
+    if use == "live":
+        return _live(asked)
+    if use == "slot":
+        return _slot(asked)
+    if use != "launch" or plan is None:
+        raise ValueError(f"use={use!r} (plan {plan!r}): give one of {USES} and, for a launch, the device plan.")
+    return _launch(asked, plan)
+
+
+def _live(asked: Words) -> Choice:
+    """Live ranks: a wrapping of theirs, a start that can host them; 'auto' is a fork when that is
+    safe, else the warm template (whose note says why)."""
+    if asked.strategy not in LIVE_WRAPPINGS:
+        raise ValueError(f"strategy={asked.strategy!r}: live ranks wrap models with "
+                         f"{', '.join(map(repr, LIVE_WRAPPINGS))} ('auto' is 'ddp').")
+    if asked.start not in LIVE_STARTS:
+        raise ValueError(f"start={asked.start!r}: live ranks start by {LIVE_STARTS!r}; {entry(asked.start).note}.")
+    strategy = "ddp" if asked.strategy == "auto" else asked.strategy
+    if asked.start == "fork":
+        check_fork()  # refused at once, naming what initialised CUDA
+    if asked.start != "auto":
+        return Choice(strategy, asked.start, {})
+    blocker = fork_blocker()
+    if blocker is None:
+        return Choice(strategy, "fork", {})
+    return Choice(strategy, "template", {}, f"live ranks are forks of the warm template, not of this kernel: {blocker}")
+
+
+def _slot(asked: Words) -> Choice:
+    """A run in a sweep's or a map's slot: ranks from the template, 'fsdp' under torchrun by default
+    (it starts its ranks by exec); never a fork of this kernel (slots start from threads)."""
+    if asked.strategy not in ("auto", "ddp", "fsdp"):
+        raise ValueError(f"strategy={asked.strategy!r}: runs in slots take 'auto' or 'ddp' (DDP when a slot has "
+                         "several devices) or 'fsdp'.")
+    if asked.start != "auto" and not entry(asked.start).from_threads:
+        threaded = StartWords(lambda start: start.from_threads)
+        raise ValueError(f"start={asked.start!r} with strategy={asked.strategy!r}: runs in slots start from threads, "
+                         f"and {entry(asked.start).note}; give start={threaded!r}.")
+    wrap = "ddp" if asked.strategy == "auto" else asked.strategy
+    if asked.start == "auto":
+        return Choice(wrap, "torchrun" if wrap == "fsdp" else "template", {})
+    return Choice(wrap, asked.start, {})
+
+
+def _launch(asked: Words, plan: DevicePlan) -> Choice:
+    """A launch on `plan`.
 
     start='auto' is torchrun when the launcher's settings are given or the run spans machines,
     else a fork of this kernel when that is safe, else a fork of the warm template. strategy='auto'

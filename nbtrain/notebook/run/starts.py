@@ -1,8 +1,8 @@
 """The one table of `start=` words: each word, the placement that starts its ranks, and where it may be used.
 
-Every front end resolves its start here: `launch` and the cell magic (`launcher_for`), live ranks
-(`live_launcher`), a sweep's or a map's slots (`slot_start` checks `from_threads`), and the words
-the magics and error messages accept (`STARTS`, `LIVE_STARTS`, read from the table when asked).
+Every front end resolves its request with `choices.choose` (launch, live ranks, a slot: it reads
+`from_threads` and `live` here) and makes the start's launcher with `launcher_for`; the words the
+magics and error messages accept are `STARTS` and `LIVE_STARTS`, read from the table when asked.
 Adding a placement is a `ProcessLauncher` subclass and one `register(Start(...))`.
 """
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ...common.preflight import check_fork, fork_blocker
 from ...placements.base import Job, ProcessLauncher
 from ...placements.processes import ForkLauncher, SpawnLauncher
 from ...placements.script import ScriptLauncher
@@ -84,16 +83,3 @@ def launcher_for(word: str, display, job: Job | None = None):
     if word == IN_KERNEL:
         return InProcessLauncher()
     return _TABLE[word].launcher(display, job)
-
-
-def live_launcher(word: str, display) -> tuple[ProcessLauncher, str | None]:
-    """(launcher, a note saying why) for live ranks: 'auto' is a fork when that is safe, else the
-    warm template (plain spawn when it cannot start)."""
-    if word == "fork":
-        check_fork()  # refused at once, naming what initialised CUDA
-    if word != "auto":
-        return _TABLE[word].launcher(display, None), None
-    blocker = fork_blocker()
-    if blocker is None:
-        return ForkLauncher(), None
-    return start_ranks_cleanly(display), f"live ranks are forks of the warm template, not of this kernel: {blocker}"
