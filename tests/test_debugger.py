@@ -336,3 +336,35 @@ def test_a_launch_stuck_past_its_timeout_is_kept_for_debug_until_a_cell_that_doe
     # A cell that does not debug them (this one): they are stopped as it ends, and the panel told.
     assert panel.value("[pid for pid in pids if os.path.exists(f'/proc/{pid}')], debugger._kept") == ([], {})
     assert stopped["threadId"] not in panel.ok("debugInfo")["stoppedThreads"]
+
+
+LOOPING = '''%%ranks
+import time
+print("looping", flush=True)
+i = 0
+while i < 2000:
+    time.sleep(0.05)
+    i += 1
+'''
+
+
+def test_a_breakpoint_set_while_a_cell_runs_stops_its_ranks(panel):
+    """The ranks run untraced (no breakpoint when the cell began); the one set now reaches them:
+    each rank's main thread arms its tracer where it is, and stops at the line."""
+    path = panel.ok("dumpCell", code=LOOPING)["sourcePath"]
+    seen, said = len(panel.events), len(panel.output)
+    cell = panel.client.execute(LOOPING)
+    panel.read_iopub(lambda: "".join(panel.output[said:]).count("looping") == 2)
+    panel.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 7}], sourceModified=False)
+    stops = lambda: {e["body"]["threadId"] for e in panel.events[seen:] if e.get("event") == "stopped"}  # noqa: E731
+    panel.read_iopub(lambda: len(stops()) == 2)
+    for thread in stops():
+        frame = panel.ok("stackTrace", threadId=thread)["stackFrames"][0]
+        assert (frame["source"]["path"], frame["line"]) == (path, 7)
+        assert int(panel.local(thread, "i")) < 2000  # stopped in the loop, as it ran
+        panel.ok("evaluate", expression="i = 2000", frameId=frame["id"], context="repl")  # the loop's end
+    panel.ok("setBreakpoints", source={"path": path}, breakpoints=[], sourceModified=False)
+    panel.ok("continue", threadId=1)
+    while (reply := panel.client.get_shell_msg(timeout=120))["parent_header"].get("msg_id") != cell:
+        pass
+    assert reply["content"]["status"] == "ok", reply["content"]

@@ -47,13 +47,14 @@ class RankDebugger(bdb.Bdb):
         self._refs: dict[int, object] = {}  # variablesReference -> what it expands
         self._last_failure = lambda: None  # the traceback of the rank's last failed command
         self._busy = lambda: False  # the main thread runs (or is stuck in) the user's code
+        self._wake = lambda: None  # has the main thread call `arm_running` (its signal handler)
         self._post_mortem = False  # its frames are open in the panel (answered on the receiving thread)
 
-    def attach(self, link, last_failure=lambda: None, busy=lambda: False) -> None:
+    def attach(self, link, last_failure=lambda: None, busy=lambda: False, wake=lambda: None) -> None:
         """This process is a rank that `link` serves. A rank forked from a kernel that debugpy
         traces inherits its tracer, whose threads and socket stayed in the kernel: a breakpoint
         would wait for them forever. Off, here: the rank's own debugger is this one."""
-        self.link, self._last_failure, self._busy = link, last_failure, busy
+        self.link, self._last_failure, self._busy, self._wake = link, last_failure, busy, wake
         for args in json.loads(os.environ.pop(BREAKPOINTS_VAR, "[]")):  # before the rank's first command runs
             self.set_breakpoints(args["source"]["path"], args["breakpoints"], args.get("content"))
         tracing = sys.modules.get("pydevd_tracing")
@@ -75,6 +76,21 @@ class RankDebugger(bdb.Bdb):
         self.set_continue()
         self._stepping = False
         self.armed = True
+        sys.settrace(self.trace_dispatch)
+
+    def arm_running(self, frame) -> None:
+        """Breakpoints set while the user's code already runs untraced: from the main thread's
+        signal handler (`frame`: where it was), trace on from here, in the frames of the user's
+        code on the stack and in those they call."""
+        if self.armed or not self.breaks or self.link is None or not self._busy():
+            return
+        self.reset()
+        self.botframe = sys._getframe()  # the handler's: never runs again (see `arm`)
+        self.set_continue()
+        self._stepping = False
+        self.armed = True
+        for running in _user_stack(frame):
+            running.f_trace = self.trace_dispatch
         sys.settrace(self.trace_dispatch)
 
     def disarm(self) -> None:
@@ -119,7 +135,10 @@ class RankDebugger(bdb.Bdb):
                 self.set_continue()
             self._reply(request, True, {"allThreadsContinued": False} if command == "continue" else {})
             return True
-        handler = getattr(self, f"_{command}", None) if command != "pause" else lambda args: {}  # paused already
+        if command == "pause":  # paused already
+            self._reply(request, True, {})
+            return False
+        handler = getattr(self, f"_{command}", None)
         if handler is None:
             self._reply(request, False, {}, f"{command!r} is not something a rank's debugger answers")
             return False
@@ -191,6 +210,8 @@ class RankDebugger(bdb.Bdb):
             args = request.arguments
             self._reply(request, True, {"breakpoints": self.set_breakpoints(
                 args["source"]["path"], args.get("breakpoints", []), args.get("content"))})
+            if self.breaks and not self.armed and self._busy():  # the running code is traced from now on
+                self._wake()
             return
         if request.command == "disconnect":
             self.clear_all_breaks()

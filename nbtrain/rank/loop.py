@@ -69,12 +69,20 @@ class RankLoop:
         signal.signal(signal.SIGINT, self._on_sigint)
         if live:
             sys.breakpointhook = self._breakpoint
-        DEBUGGER.attach(link, lambda: self.last_traceback, self.busy)  # the notebook's visual debugger (`debugger.py`)
+        self._arming = False
+        DEBUGGER.attach(link, lambda: self.last_traceback, self.busy, self._arm)  # the notebook's visual debugger
 
     def busy(self) -> bool:
         """The main thread runs user code (or waits in it: a collective, a stalled launch)."""
         with self._lock:
             return self._running is not None
+
+    def _arm(self) -> None:
+        """Breakpoints set while user code runs: its main thread arms the debugger, in `_on_sigint`."""
+        with self._lock:
+            if self._running is not None and self._main is not None:
+                self._arming = True
+                signal.pthread_kill(self._main, signal.SIGINT)
 
     # -- the receiving thread ------------------------------------------------------------
     def on_message(self, message) -> None:
@@ -104,6 +112,9 @@ class RankLoop:
     def _on_sigint(self, signum, frame) -> None:
         # Only an interrupt asked for the running command counts: a late one, arriving after
         # the user's code returned, must not break the reply or the next command.
+        if self._arming:
+            self._arming = False
+            DEBUGGER.arm_running(frame)
         if self._interrupting:
             self._interrupting = False
             raise KeyboardInterrupt
