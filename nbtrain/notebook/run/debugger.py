@@ -410,10 +410,11 @@ _kept: dict[int, StalledRanks] = {}  # id(pool): its kept ranks
 
 def keep_stalled(pool, ranks: list[int]) -> StalledRanks | None:
     """Keep the stuck ranks of a launch that timed out, for `%debug`: in a notebook (IPython) only,
-    from its main thread (a launch in the background has no cell after it to end them)."""
+    from its main thread (a launch in the background has no cell after it to end them), on this
+    machine (a cluster's allocation is not held for it)."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
-    if pool.live or not ranks or shell is None or threading.current_thread() is not threading.main_thread():
+    if pool.live or pool.remote or not ranks or shell is None or threading.current_thread() is not threading.main_thread():
         return None
     kept = _kept[id(pool)] = StalledRanks(pool, ranks, shell)
     return kept
