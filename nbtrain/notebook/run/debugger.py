@@ -414,7 +414,9 @@ def keep_stalled(pool, ranks: list[int]) -> StalledRanks | None:
     machine (a cluster's allocation is not held for it)."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
-    if pool.live or pool.remote or not ranks or shell is None or threading.current_thread() is not threading.main_thread():
+    if pool.live or pool.remote or not ranks or shell is None:
+        return None
+    if threading.current_thread() is not threading.main_thread():
         return None
     kept = _kept[id(pool)] = StalledRanks(pool, ranks, shell)
     return kept
