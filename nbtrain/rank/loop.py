@@ -78,9 +78,11 @@ class RankLoop:
             return self._running is not None
 
     def _arm(self) -> None:
-        """Breakpoints set while user code runs: its main thread arms the debugger, in `_on_sigint`."""
+        """Breakpoints set while user code runs: its main thread arms the debugger, in `_on_sigint`
+        (only while that handler is SIGINT's: another's would take the signal for a Ctrl-C)."""
+        ours = signal.getsignal(signal.SIGINT) == self._on_sigint
         with self._lock:
-            if self._running is not None and self._main is not None:
+            if ours and self._running is not None and self._main is not None:
                 self._arming = True
                 signal.pthread_kill(self._main, signal.SIGINT)
 
