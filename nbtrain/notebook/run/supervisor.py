@@ -102,7 +102,7 @@ class Supervisor(HangChecks):
             unsent = [r for r, v in self.state.ranks.items() if v.reason.startswith(NOT_SENT)]
             if unsent and serving:
                 report.insert(1, f"(Ctrl-C came while the command was being sent: ranks {unsent} never had it.)")
-            kept = keep_stalled(self.pool, self.state.unfinished()) if self._stall_said else None
+            kept = self._keep_after_stall() if self._stall_said else None
             if kept is not None:  # a launch that stalled, interrupted: its ranks stay for %debug, as at a timeout
                 report = [f"KeyboardInterrupt: interrupted after the stall said above. {kept.how()}"]
                 interrupt.debug = kept.debug  # type: ignore[attr-defined]
@@ -293,6 +293,16 @@ class Supervisor(HangChecks):
             else:
                 self.state.fail(r, why)
         self.pool.stuck(running, summary)
+
+    def _keep_after_stall(self):
+        """A launch's ranks still stuck when Ctrl-C came after the stall note, kept for %debug (the
+        one the others wait for first), or None where they are not kept (`debugger.keep_stalled`)."""
+        running = self.state.unfinished()
+        if self.pool.live or not running:
+            return None
+        verdict = self._diagnose(running)
+        culprits = [r for r in verdict.culprits if r in running] if verdict else []
+        return keep_stalled(self.pool, culprits + [r for r in running if r not in culprits])
 
     # -- the doctor ----------------------------------------------------------------------
     def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
