@@ -3,6 +3,7 @@ JupyterLab sends (`debug_request` on the control channel) and the events it read
 on IOPub), with a real kernel, 2 CPU ranks (gloo) and debugpy in the kernel, as in the browser."""
 import itertools
 import queue
+import re
 import time
 
 import pytest
@@ -161,15 +162,16 @@ FUNCTION = '''def train(scale):
 '''
 
 
-def test_a_breakpoint_in_a_launched_function_stops_its_ranks(panel):
-    """Ranks of the warm template read the breakpoints from their environment before their first
-    command, as forked, spawned and a cluster's ranks do (forked ones also inherit them; the live
-    ranks here are forked)."""
+@pytest.mark.parametrize("start", ["template", "torchrun"])
+def test_a_breakpoint_in_a_launched_function_stops_its_ranks(panel, start):
+    """Ranks of the warm template and torchrun's read the breakpoints from their environment
+    before their first command, as spawned and a cluster's ranks do (forked ones inherit them;
+    the live ranks here are forked)."""
     path = panel.ok("dumpCell", code=FUNCTION)["sourcePath"]
     assert panel.run(FUNCTION)["status"] == "ok"
     panel.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 3}], sourceModified=False)
     seen = len(panel.events)
-    cell = panel.client.execute('result = nbtrain.launch(train, 5, devices=2, accelerator="cpu", start="template")')
+    cell = panel.client.execute(f'result = nbtrain.launch(train, 5, devices=2, accelerator="cpu", start="{start}")')
 
     def stops():
         return {e["body"]["threadId"] for e in panel.events[seen:] if e.get("event") == "stopped"}
@@ -278,3 +280,102 @@ def test_percent_debug_opens_a_failed_ranks_frame_in_the_panel(panel):
     panel.ok("continue", threadId=1)  # as JupyterLab's panel sends it: closes the post-mortem
     panel.read_iopub(lambda: any(e.get("event") == "continued" for e in panel.events[seen:]))
     assert panel.run("%%ranks\nctx.rank")["status"] == "ok"  # the ranks serve on
+
+
+STALLS = '''import time
+import torch
+import torch.distributed as dist
+
+def stalls(nap):
+    ctx = nbtrain.context()
+    ctx.barrier()
+    t = torch.ones(3) * (ctx.rank + 1)
+    if ctx.rank == 1:
+        time.sleep(nap)  # the stuck rank: rank 0 waits for it in all_reduce
+    dist.all_reduce(t)
+'''
+
+
+def test_a_launch_stuck_past_its_timeout_is_kept_for_debug_until_a_cell_that_does_not_debug_it(panel):
+    """#56's post-mortem on the stalled rank itself: text pdb at rank 0's frames while it still
+    waits in gloo's all_reduce, the panel at rank 1's (asleep); a later cell ends them."""
+    assert panel.run(STALLS)["status"] == "ok"
+    before = {t["id"] for t in panel.ok("threads")["threads"]}
+    cell = panel.client.execute(
+        'nbtrain.launch(stalls, 600, devices=2, accelerator="cpu", start="fork", progress=False, timeout=5, stall=False)')
+    deadline = time.monotonic() + 60
+    while True:  # pause the launch's rank 0 (stuck, in gloo's all_reduce) until it is there: its frames as they are
+        assert time.monotonic() < deadline, panel.output
+        rank_0 = next((t["id"] for t in panel.ok("threads")["threads"] if t["name"] == "rank 0" and t["id"] not in before),
+                      None)
+        seen = len(panel.events)
+        if rank_0 is None or not panel.ask("pause", threadId=rank_0).get("success"):
+            time.sleep(0.1)  # not started yet
+            continue
+        panel.read_iopub(lambda seen=seen: any(e.get("event") == "stopped" for e in panel.events[seen:]))
+        frame = panel.ok("stackTrace", threadId=rank_0)["stackFrames"][0]
+        if (frame["name"], frame["line"]) == ("stalls", 11):  # in all_reduce, from the user's line
+            break
+        panel.ok("continue", threadId=rank_0)
+        time.sleep(0.1)
+    assert panel.local(rank_0, "t") == "tensor(shape=(3,), dtype=torch.float32, device=cpu)"
+    panel.ok("continue", threadId=rank_0)
+    while (reply := panel.client.get_shell_msg(timeout=120))["parent_header"].get("msg_id") != cell:
+        pass
+    error = reply["content"]
+    assert error["ename"] == "WorkerError", error
+    assert "Ranks [1, 0] are kept where they wait until a cell that does not debug them ends: %debug opens rank " \
+           "1's frames" in "\n".join(error["traceback"]), error
+    out, err, error, _ = panel.kernel.run(
+        "import sys, os\n"
+        "from nbtrain.notebook.run import debugger\n"
+        "pids = [p.pid for kept in debugger._kept.values() for p in kept.pool.processes]\n"
+        "sys.last_value.debug(0, commands=['where', 'p t', 'next', 'q'])")
+    assert error is None, (out, err, error)
+    out = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    assert out.startswith("> Cell In[") and re.search(r"-> (11 +)?dist\.all_reduce\(t\)", out), out
+    assert "tensor([1., 1., 1.])" in out, out
+    assert "rank 0's code is stuck here: nothing can run in these frames" in out, out
+    seen = len(panel.events)
+    assert panel.run("%debug")["status"] == "ok"  # the panel is on: rank 1, the one blamed, opens there
+    panel.read_iopub(lambda: any(e.get("event") == "stopped" for e in panel.events[seen:]))
+    stopped = next(e for e in panel.events[seen:] if e.get("event") == "stopped")["body"]
+    assert (stopped["reason"], stopped["description"]) == ("pause", "rank 1")
+    frame = panel.ok("stackTrace", threadId=stopped["threadId"])["stackFrames"][0]
+    assert (frame["name"], frame["line"]) == ("stalls", 10)
+    assert panel.local(stopped["threadId"], "nap") == "600"
+    # A cell that does not debug them (this one): they are stopped as it ends, and the panel told.
+    assert panel.value("[pid for pid in pids if os.path.exists(f'/proc/{pid}')], debugger._kept") == ([], {})
+    assert stopped["threadId"] not in panel.ok("debugInfo")["stoppedThreads"]
+
+
+LOOPING = '''%%ranks
+import time
+print("looping", flush=True)
+i = 0
+while i < 2000:
+    time.sleep(0.05)
+    i += 1
+'''
+
+
+def test_a_breakpoint_set_while_a_cell_runs_stops_its_ranks(panel):
+    """The ranks run untraced (no breakpoint when the cell began); the one set now reaches them:
+    each rank's main thread arms its tracer where it is, and stops at the line."""
+    path = panel.ok("dumpCell", code=LOOPING)["sourcePath"]
+    seen, said = len(panel.events), len(panel.output)
+    cell = panel.client.execute(LOOPING)
+    panel.read_iopub(lambda: "".join(panel.output[said:]).count("looping") == 2)
+    panel.ok("setBreakpoints", source={"path": path}, breakpoints=[{"line": 7}], sourceModified=False)
+    stops = lambda: {e["body"]["threadId"] for e in panel.events[seen:] if e.get("event") == "stopped"}  # noqa: E731
+    panel.read_iopub(lambda: len(stops()) == 2)
+    for thread in stops():
+        frame = panel.ok("stackTrace", threadId=thread)["stackFrames"][0]
+        assert (frame["source"]["path"], frame["line"]) == (path, 7)
+        assert int(panel.local(thread, "i")) < 2000  # stopped in the loop, as it ran
+        panel.ok("evaluate", expression="i = 2000", frameId=frame["id"], context="repl")  # the loop's end
+    panel.ok("setBreakpoints", source={"path": path}, breakpoints=[], sourceModified=False)
+    panel.ok("continue", threadId=1)
+    while (reply := panel.client.get_shell_msg(timeout=120))["parent_header"].get("msg_id") != cell:
+        pass
+    assert reply["content"]["status"] == "ok", reply["content"]

@@ -19,8 +19,10 @@ import queue
 import reprlib
 import sys
 import threading
+import traceback
 
 from ..common import protocol
+from ..common.tracebacks import package_path
 
 STEPS = ("continue", "next", "stepIn", "stepOut")
 BREAKPOINTS_VAR = "NBTRAIN_BREAKPOINTS"  # the panel's breakpoints, for a rank not forked from the kernel
@@ -44,13 +46,15 @@ class RankDebugger(bdb.Bdb):
         self._frames: list = []  # the paused stack, innermost first: frame id - 1 is its index
         self._refs: dict[int, object] = {}  # variablesReference -> what it expands
         self._last_failure = lambda: None  # the traceback of the rank's last failed command
+        self._busy = lambda: False  # the main thread runs (or is stuck in) the user's code
+        self._wake = lambda: None  # has the main thread call `arm_running` (its signal handler)
         self._post_mortem = False  # its frames are open in the panel (answered on the receiving thread)
 
-    def attach(self, link, last_failure=lambda: None) -> None:
+    def attach(self, link, last_failure=lambda: None, busy=lambda: False, wake=lambda: None) -> None:
         """This process is a rank that `link` serves. A rank forked from a kernel that debugpy
         traces inherits its tracer, whose threads and socket stayed in the kernel: a breakpoint
         would wait for them forever. Off, here: the rank's own debugger is this one."""
-        self.link, self._last_failure = link, last_failure
+        self.link, self._last_failure, self._busy, self._wake = link, last_failure, busy, wake
         for args in json.loads(os.environ.pop(BREAKPOINTS_VAR, "[]")):  # before the rank's first command runs
             self.set_breakpoints(args["source"]["path"], args["breakpoints"], args.get("content"))
         tracing = sys.modules.get("pydevd_tracing")
@@ -72,6 +76,21 @@ class RankDebugger(bdb.Bdb):
         self.set_continue()
         self._stepping = False
         self.armed = True
+        sys.settrace(self.trace_dispatch)
+
+    def arm_running(self, frame) -> None:
+        """Breakpoints set while the user's code already runs untraced: from the main thread's
+        signal handler (`frame`: where it was), trace on from here, in the frames of the user's
+        code on the stack and in those they call."""
+        if self.armed or not self.breaks or self.link is None or not self._busy():
+            return
+        self.reset()
+        self.botframe = sys._getframe()  # the handler's: never runs again (see `arm`)
+        self.set_continue()
+        self._stepping = False
+        self.armed = True
+        for running in _user_stack(frame):
+            running.f_trace = self.trace_dispatch
         sys.settrace(self.trace_dispatch)
 
     def disarm(self) -> None:
@@ -116,6 +135,9 @@ class RankDebugger(bdb.Bdb):
                 self.set_continue()
             self._reply(request, True, {"allThreadsContinued": False} if command == "continue" else {})
             return True
+        if command == "pause":  # paused already
+            self._reply(request, True, {})
+            return False
         handler = getattr(self, f"_{command}", None)
         if handler is None:
             self._reply(request, False, {}, f"{command!r} is not something a rank's debugger answers")
@@ -188,9 +210,18 @@ class RankDebugger(bdb.Bdb):
             args = request.arguments
             self._reply(request, True, {"breakpoints": self.set_breakpoints(
                 args["source"]["path"], args.get("breakpoints", []), args.get("content"))})
+            if self.breaks and not self.armed and self._busy():  # the running code is traced from now on
+                self._wake()
             return
         if request.command == "disconnect":
             self.clear_all_breaks()
+        if request.command == "pause" and not self._paused:  # a stalled rank, looked at where it is
+            if self._post_mortem or not self._busy():
+                self._reply(request, self._post_mortem, {}, "" if self._post_mortem else
+                            f"rank {self.link.rank} runs no code: there is nothing to pause")
+            else:
+                self._answer_post_mortem(request._replace(command="postMortem"))
+            return
         if request.command == "postMortem" or self._post_mortem:
             self._answer_post_mortem(request)
             return
@@ -205,17 +236,23 @@ class RankDebugger(bdb.Bdb):
 
     def _answer_post_mortem(self, request) -> None:
         """The last failure's frames, opened in the panel: nothing runs there, so the receiving
-        thread answers, and the main thread stays free for commands."""
+        thread answers, and the main thread stays free for commands. A rank whose code is stuck
+        (a stalled launch, kept for this) opens where its main thread waits, from its own frame."""
         if request.command == "postMortem":
-            tb = self._last_failure()
-            if tb is None:
+            tb = None if self._busy() else self._last_failure()
+            stuck = sys._current_frames().get(threading.main_thread().ident or 0) if self._busy() else None
+            if tb is None and stuck is None:
                 self._reply(request, False, {}, f"rank {self.link.rank} has no failure to debug")
                 return
-            while tb.tb_next is not None:
+            while tb is not None and tb.tb_next is not None:
                 tb = tb.tb_next
-            self._frames, self._refs, self._post_mortem = _user_stack(tb.tb_frame), {}, True
+            frames = _user_stack(tb.tb_frame if tb is not None else stuck)
+            if stuck is not None:  # from the user's line that waits: torch's frames below it are C's callers
+                while len(frames) > 1 and package_path(frames[0].f_code.co_filename) is not None:
+                    frames.pop(0)
+            self._frames, self._refs, self._post_mortem = frames, {}, True
             self._reply(request, True, {})
-            self._emit(protocol.DebugEvent(self.link.rank, "stopped", {"reason": "exception"}))
+            self._emit(protocol.DebugEvent(self.link.rank, "stopped", {"reason": "exception" if tb else "pause"}))
         elif request.command in STEPS or request.command == "disconnect":
             self._frames, self._refs, self._post_mortem = [], {}, False
             self._reply(request, True, {"allThreadsContinued": False} if request.command == "continue" else {})
@@ -245,6 +282,36 @@ class RankDebugger(bdb.Bdb):
     def _emit(self, message) -> None:
         if self.link is not None:
             self.link.emit(message)
+
+
+def look_while_stuck(link, command: protocol.Debug, make_pdb, main: int | None, busy) -> None:
+    """`%debug` on a rank whose main thread is stuck in the user's code (a stalled launch kept for
+    it): text pdb at the frames where it waits, on a thread of its own (the receiving thread
+    brings the typed lines). Nothing runs in those frames: pdb looks, never steps. Answered as
+    a command is, from `Begin` to its reply."""
+
+    def look() -> None:
+        from ..common.transfer import pack_exception, pack_result
+
+        link.emit(protocol.Begin(link.rank, command.seq))
+        reply: protocol.Returned | protocol.Raised
+        try:
+            frame = sys._current_frames().get(main) if main is not None else None
+            if frame is None or not busy():
+                raise RuntimeError(f"rank {link.rank}'s code is no longer running: there is nothing to look at.")
+            debugger = make_pdb()
+            debugger.cmdqueue.extend(command.commands)  # typed before the prompt, as if by the user
+            debugger.typed = list(command.commands)
+            debugger.reset()
+            debugger.botframe = _user_stack(frame)[-1]  # `where` stops at the user's outermost frame
+            debugger.interaction(frame, None)
+            reply = protocol.Returned(link.rank, pack_result(None, link.rank), "")
+        except Exception as exc:
+            reply = protocol.Raised(link.rank, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                                    pack_exception(exc))
+        link.emit(reply)
+
+    threading.Thread(target=look, name="nbtrain-stuck-pdb", daemon=True).start()
 
 
 def _user_stack(frame) -> list:

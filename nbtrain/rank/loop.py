@@ -39,7 +39,7 @@ from ..common.tracebacks import package_path
 from ..common.transfer import pack_exception, pack_result, unpack_job, unpack_push
 from .compat import become_torchrun_worker, destroy_asked_group
 from .context import Context, set_current
-from .debugger import DEBUGGER
+from .debugger import DEBUGGER, look_while_stuck
 from .doctor import TALLY, count_collectives, whereabouts
 from .output import show_in_notebook
 from .process import enable_stacks, end_output, limit_threads, watched_from_here
@@ -69,7 +69,22 @@ class RankLoop:
         signal.signal(signal.SIGINT, self._on_sigint)
         if live:
             sys.breakpointhook = self._breakpoint
-        DEBUGGER.attach(link, lambda: self.last_traceback)  # the notebook's visual debugger (`debugger.py`)
+        self._arming = False
+        DEBUGGER.attach(link, lambda: self.last_traceback, self.busy, self._arm)  # the notebook's visual debugger
+
+    def busy(self) -> bool:
+        """The main thread runs user code (or waits in it: a collective, a stalled launch)."""
+        with self._lock:
+            return self._running is not None
+
+    def _arm(self) -> None:
+        """Breakpoints set while user code runs: its main thread arms the debugger, in `_on_sigint`
+        (only while that handler is SIGINT's: another's would take the signal for a Ctrl-C)."""
+        ours = signal.getsignal(signal.SIGINT) == self._on_sigint
+        with self._lock:
+            if ours and self._running is not None and self._main is not None:
+                self._arming = True
+                signal.pthread_kill(self._main, signal.SIGINT)
 
     # -- the receiving thread ------------------------------------------------------------
     def on_message(self, message) -> None:
@@ -91,12 +106,17 @@ class RankLoop:
             self.ctx._steering.on_message(message)
         elif isinstance(message, protocol.DebugRequest):  # the notebook's visual debugger
             DEBUGGER.on_request(message)
+        elif isinstance(message, protocol.Debug) and self.busy():  # stuck (a stalled launch): its frames as they are
+            look_while_stuck(self.link, message, lambda: RemoteDebugger(self, stuck=True), self._main, self.busy)
         else:
             self.commands.put(message)
 
     def _on_sigint(self, signum, frame) -> None:
         # Only an interrupt asked for the running command counts: a late one, arriving after
         # the user's code returned, must not break the reply or the next command.
+        if self._arming:
+            self._arming = False
+            DEBUGGER.arm_running(frame)
         if self._interrupting:
             self._interrupting = False
             raise KeyboardInterrupt
@@ -293,10 +313,19 @@ class RankLoop:
 class RemoteDebugger:
     """pdb whose prompt and input travel through the notebook (the rank has no terminal)."""
 
-    def __new__(cls, loop: RankLoop):
+    def __new__(cls, loop: RankLoop, stuck: bool = False):
         import pdb
 
+        def cannot_run(self, arg):
+            self.message(f"*** rank {loop.ctx.rank}'s code is stuck here: nothing can run in these frames. Look "
+                         "with where, up, down, p, pp, ll; q ends.")
+            return 0
+
         class _Debugger(pdb.Pdb):
+            if stuck:  # continue and step would return to frames blocked in C: say so, stay at the prompt
+                do_c = do_cont = do_continue = do_n = do_next = do_s = do_step = cannot_run
+                do_r = do_return = do_unt = do_until = do_j = do_jump = cannot_run
+
             def __init__(self):
                 io = _DebugIO(loop)
                 super().__init__(stdin=io, stdout=io, nosigint=True)

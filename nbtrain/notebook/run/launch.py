@@ -12,6 +12,7 @@ from ...placements.clusters import STRATEGIES as CLUSTER_STRATEGIES
 from ...placements.clusters import ClusterJob, check_cluster
 from .background import BackgroundRun, check_background, start_in_background
 from .choices import Choice, choose
+from .debugger import held, release_stalled
 from .inprocess import InProcessLauncher
 from .insight import instrument
 from .options import RunOptions, refuse_foreign_keywords
@@ -212,6 +213,7 @@ def run_once(launcher, job: Job, display) -> Result:
 def run_to_end(pool: Pool, job: Job, display, watch: Callable[[], object]) -> Result:
     """`watch()` the run (its start too, unless started already), then stop the ranks: a `Result`."""
     ok = False
+    release_stalled()  # ranks an earlier launch left stuck for %debug: their devices are this one's
     try:
         watch()
         ok = True
@@ -219,7 +221,8 @@ def run_to_end(pool: Pool, job: Job, display, watch: Callable[[], object]) -> Re
         # Every rank may have reported while their processes still take seconds to end (a
         # library's teardown, torchrun, a SLURM job): the view would read "finished" while the
         # cell still runs, so the close says what it waits for.
-        pool.close(ok, display, exit_note=display.note)
+        if not held(pool):  # stuck past timeout=, kept for %debug (debugger.StalledRanks ends them)
+            pool.close(ok, display, exit_note=display.note)
         if pool.state is not None:  # None: it failed in its checks, before anything was shown
             display.finish(pool.state, ok)
     assert pool.state is not None, "a pool that ran has its state"

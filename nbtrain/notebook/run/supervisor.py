@@ -21,6 +21,7 @@ from ...common.tracebacks import name_cells_in_pdb
 from ...common.transfer import unpack_exception
 from ...display.rank_output import KINDS as RANK_OUTPUT
 from ...display.rank_output import deliver
+from .debugger import keep_stalled
 from .hang_checks import HangChecks
 from .runmodel import RunState
 from .stacks import native_note, tidy_stacks
@@ -71,6 +72,7 @@ class Supervisor(HangChecks):
         self._stall_probe = 0.0  # when the doctor may next ask where the ranks are
         self._stall_said = False
         self._stacks: dict[int, str] = {}  # every rank's full stacks, once read for a failure (`error.stacks`)
+        self._stuck: list[int] = []  # a launch's ranks still running at its timeout, the one to blame first
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -100,6 +102,10 @@ class Supervisor(HangChecks):
             unsent = [r for r, v in self.state.ranks.items() if v.reason.startswith(NOT_SENT)]
             if unsent and serving:
                 report.insert(1, f"(Ctrl-C came while the command was being sent: ranks {unsent} never had it.)")
+            kept = self._keep_after_stall() if self._stall_said else None
+            if kept is not None:  # a launch that stalled, interrupted: its ranks stay for %debug, as at a timeout
+                report = [f"KeyboardInterrupt: interrupted after the stall said above. {kept.how()}"]
+                interrupt.debug = kept.debug  # type: ignore[attr-defined]
             interrupt._render_traceback_ = lambda: report  # type: ignore[attr-defined]  # IPython's hook
             raise
         finally:
@@ -279,6 +285,7 @@ class Supervisor(HangChecks):
             python = stacks.get(r) or _no_stack(self.state.ranks[r].status)
             shown.append(f"--- rank {r} stack{role} ---\n{python}{folded}")
             self._stacks[r] = f"{python}{whole}"
+        self._stuck = order if only is None else []
         self.state.fail(order[0], summary, "\n\n".join(shown))
         for r in order[1:]:
             if r in waiting and culprits:
@@ -286,6 +293,16 @@ class Supervisor(HangChecks):
             else:
                 self.state.fail(r, why)
         self.pool.stuck(running, summary)
+
+    def _keep_after_stall(self):
+        """A launch's ranks still stuck when Ctrl-C came after the stall note, kept for %debug (the
+        one the others wait for first), or None where they are not kept (`debugger.keep_stalled`)."""
+        running = self.state.unfinished()
+        if self.pool.live or not running:
+            return None
+        verdict = self._diagnose(running)
+        culprits = [r for r in verdict.culprits if r in running] if verdict else []
+        return keep_stalled(self.pool, culprits + [r for r in running if r not in culprits])
 
     # -- the doctor ----------------------------------------------------------------------
     def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
@@ -365,8 +382,14 @@ class Supervisor(HangChecks):
         if disagree:  # what the ranks' errors ("Connection closed by peer") do not say
             summary = f"{disagree}\n{summary}"
         node = self.state.ranks[cause.rank].host if self.pool.remote else None  # named where ranks are elsewhere
-        return WorkerError.from_failure(cause.rank, summary, cause.traceback, others,
-                                        original=unpack_exception(cause.exception), node=node, stacks=self._stacks)
+        kept = keep_stalled(self.pool, self._stuck) if self._stuck else None
+        if kept is not None:
+            summary += f"\n{kept.how()}"
+        error = WorkerError.from_failure(cause.rank, summary, cause.traceback, others,
+                                         original=unpack_exception(cause.exception), node=node, stacks=self._stacks)
+        if kept is not None:
+            error.debug = kept.debug  # type: ignore[attr-defined]  # `%debug` opens the stuck rank's frames
+        return error
 
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
