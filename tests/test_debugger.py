@@ -328,8 +328,8 @@ def test_a_launch_stuck_past_its_timeout_is_kept_for_debug_until_a_cell_that_doe
            "1's frames" in "\n".join(error["traceback"]), error
     out, err, error, _ = panel.kernel.run(
         "import sys, os\n"
-        "from nbtrain.notebook.run import debugger\n"
-        "pids = [p.pid for kept in debugger._kept.values() for p in kept.pool.processes]\n"
+        "from nbtrain.notebook.run import stalled\n"
+        "pids = [p.pid for kept in stalled._kept.values() for p in kept.pool.processes]\n"
         "sys.last_value.debug(0, commands=['where', 'p t', 'next', 'q'])")
     assert error is None, (out, err, error)
     out = re.sub(r"\x1b\[[0-9;]*m", "", out)
@@ -345,7 +345,7 @@ def test_a_launch_stuck_past_its_timeout_is_kept_for_debug_until_a_cell_that_doe
     assert (frame["name"], frame["line"]) == ("stalls", 10)
     assert panel.local(stopped["threadId"], "nap") == "600"
     # A cell that does not debug them (this one): they are stopped as it ends, and the panel told.
-    assert panel.value("[pid for pid in pids if os.path.exists(f'/proc/{pid}')], debugger._kept") == ([], {})
+    assert panel.value("[pid for pid in pids if os.path.exists(f'/proc/{pid}')], stalled._kept") == ([], {})
     assert stopped["threadId"] not in panel.ok("debugInfo")["stoppedThreads"]
 
 

@@ -12,7 +12,6 @@ from ...placements.clusters import STRATEGIES as CLUSTER_STRATEGIES
 from ...placements.clusters import ClusterJob, check_cluster
 from .background import BackgroundRun, check_background, start_in_background
 from .choices import Choice, choose
-from .debugger import held, release_stalled
 from .inprocess import InProcessLauncher
 from .insight import instrument
 from .options import RunOptions, refuse_foreign_keywords
@@ -20,6 +19,7 @@ from .pool import Pool
 from .reloads import edited_since_loaded
 from .restarts import with_restarts
 from .result import Result
+from .stalled import held, release_stalled
 from .starts import launcher_for
 
 
@@ -221,7 +221,7 @@ def run_to_end(pool: Pool, job: Job, display, watch: Callable[[], object]) -> Re
         # Every rank may have reported while their processes still take seconds to end (a
         # library's teardown, torchrun, a SLURM job): the view would read "finished" while the
         # cell still runs, so the close says what it waits for.
-        if not held(pool):  # stuck past timeout=, kept for %debug (debugger.StalledRanks ends them)
+        if not held(pool):  # stuck past timeout=, kept for %debug (stalled.StalledRanks ends them)
             pool.close(ok, display, exit_note=display.note)
         if pool.state is not None:  # None: it failed in its checks, before anything was shown
             display.finish(pool.state, ok)

@@ -21,10 +21,10 @@ from ...common.tracebacks import name_cells_in_pdb
 from ...common.transfer import unpack_exception
 from ...display.rank_output import KINDS as RANK_OUTPUT
 from ...display.rank_output import deliver
-from .debugger import keep_stalled
 from .hang_checks import HangChecks
 from .runmodel import RunState
 from .stacks import native_note, tidy_stacks
+from .stalled import keep_stalled
 from .watched import Watched
 
 log = logging.getLogger(__name__)
@@ -296,7 +296,7 @@ class Supervisor(HangChecks):
 
     def _keep_after_stall(self):
         """A launch's ranks still stuck when Ctrl-C came after the stall note, kept for %debug (the
-        one the others wait for first), or None where they are not kept (`debugger.keep_stalled`)."""
+        one the others wait for first), or None where they are not kept (`stalled.keep_stalled`)."""
         running = self.state.unfinished()
         if self.pool.live or not running:
             return None
