@@ -260,3 +260,12 @@ def test_ranks_that_made_the_same_mistake_are_said_together():
     verdict = stall_verdict({0: waits, **skipped})
     assert "; ranks 1, 2 skipped backward() after 1 of their 11 forwards (10 all-reduced), now at train.py:8" \
         in verdict.text and verdict.text.count("run backward() after every training forward") == 1, verdict.text
+
+
+def test_a_collective_a_line_does_not_name_is_said_with_the_line():
+    # A DTensor's redistribution (funcol's all_gather_single) or an FSDP model's forward: the line
+    # says what the user wrote, the call what waits.
+    gather = (4, "all_gather_single", (4, 3), "float32", "/home/me/train.py", 29)
+    verdict = stall_verdict({0: where(0, gather, line=29, code="d.full_tensor().sum()"), 1: where(1)})
+    assert verdict.text.startswith("rank 0 waits in all_gather_single #4 (float32[4, 3]) at train.py:29 "
+                                   "(d.full_tensor().sum()); rank 1 is not in a collective"), verdict.text

@@ -29,8 +29,11 @@ backward() followed, a forward under no_sync() the others did not make, and a ba
 parameter without a gradient (find_unused_parameters=False: DDP then never all-reduces it; torch
 raises at the next forward, and its error is given the parameters' names and the fix first).
 
-Not counted: functional collectives (`torch.distributed._functional_collectives`, DTensor's) and
-compiled code's, which reach the process group from C++. torch 2.13's Flight Recorder does record
+Functional collectives (`torch.distributed._functional_collectives`, DTensor's redistribution) issue
+torch's C++ ops (`torch.ops._c10d_functional.*`) and return a result waited for at its first use
+(`wait_tensor`): they are counted where their Python passes, at the wrapping of that result and at
+its wait (`count_functional`), about a microsecond each. Not counted: compiled code's collectives,
+whose graph calls those ops itself (nothing Python runs around them). torch 2.13's Flight Recorder does record
 them on gloo (TORCH_FR_BUFFER_SIZE) for about a microsecond each, but gloo never marks an entry
 started or completed (every one stays "scheduled"), so it cannot tell where a rank waits, and a dump
 takes about 0.4 s per 1,000 entries here (5 s with their stacks); its completion hook is NCCL's only.
@@ -154,7 +157,7 @@ def _counted(op: str, collective):
     from torch import Tensor  # a rank has torch already (its Context needs it)
     from torch.distributed import is_initialized
 
-    tally, clock, frame = TALLY, time.perf_counter, sys._getframe
+    tally, clock, frame, library = TALLY, time.perf_counter, sys._getframe, _library
 
     def counted(*args, **kwargs):
         # Shapes and dtypes are kept as torch gives them (put in words only when asked: `_described`), and
@@ -164,6 +167,8 @@ def _counted(op: str, collective):
         if not is_initialized():
             _make_group()
         caller = frame(1)
+        if library(caller.f_code.co_filename):  # FSDP2's, DTensor's, nbtrain's: the user's line that led there
+            caller = _user_frame(caller)
         tally.seq += 1
         first = args[0] if args else None
         tensor = (first.shape, first.dtype) if type(first) is Tensor else _tensor(args)
@@ -199,7 +204,68 @@ def count_collectives() -> None:
     c10d = sys.modules["torch.distributed.distributed_c10d"]
     c10d.rendezvous = _noted_rendezvous(c10d.rendezvous)  # type: ignore[attr-defined]  # looked up there at each call
     count_ddp()
+    count_functional()
     dist._nbtrain_counted = True  # type: ignore[attr-defined]
+
+
+def count_functional() -> None:
+    """Count torch's functional collectives (`torch.distributed._functional_collectives`: a user's
+    `funcol.all_reduce(t, "sum", group)`, DTensor's redistribution) as they run eagerly, at the two
+    Python points every one passes: its result wrapped for a later wait (`_maybe_wrap_tensor`:
+    counted, as the collective its caller is named after) and that wait (`wait_tensor`: where the
+    rank waits in it, timed). Both are looked up in the module at each call. Compiled code calls
+    the C++ ops themselves, reaching neither: its collectives are not counted."""
+    import torch.distributed._functional_collectives as funcol
+
+    if not getattr(funcol, "_nbtrain_counted", False):
+        funcol._maybe_wrap_tensor, funcol.wait_tensor = _functional_counters(
+            funcol._maybe_wrap_tensor, funcol.wait_tensor, funcol.AsyncCollectiveTensor)
+        funcol._nbtrain_counted = True  # type: ignore[attr-defined]
+
+
+def _functional_counters(wrap, wait, wrapper) -> tuple:
+    """torch's `_maybe_wrap_tensor` and `wait_tensor`, counting: a result wrapped as a `wrapper`
+    (not while traced: then it is waited at once, by the graph) is a collective issued, kept by its
+    data pointer (as torch pairs a result with its work) until its wait."""
+    from torch import Tensor
+
+    tally, clock, frame = TALLY, time.perf_counter, sys._getframe
+    issued: dict[int, tuple] = {}
+
+    @functools.wraps(wrap)
+    def _maybe_wrap_tensor(tensor):
+        result = wrap(tensor)
+        if type(result) is not wrapper:
+            return result
+        caller = frame(1)
+        user = _user_frame(caller)
+        tally.seq += 1
+        call = (tally.seq, caller.f_code.co_name, (tensor.shape, tensor.dtype), user.f_code.co_filename,
+                user.f_lineno)
+        tally.recent.append(call)
+        issued[tensor.data_ptr()] = call
+        if len(issued) > PENDING:  # results never waited for (dropped unread)
+            del issued[next(iter(issued))]
+        tally.progressed = clock()
+        return result
+
+    @functools.wraps(wait)
+    def wait_tensor(tensor):
+        if not issued or type(tensor) is not Tensor or tally.current is not None:  # a traced one is fake
+            return wait(tensor)
+        call = issued.pop(tensor.data_ptr(), None)
+        if call is None:
+            return wait(tensor)
+        tally.current = call
+        began = clock()
+        try:
+            return wait(tensor)
+        finally:
+            tally.progressed = ended = clock()
+            tally.collective_s += ended - began
+            tally.current = None
+
+    return _maybe_wrap_tensor, wait_tensor
 
 
 def _noted_rendezvous(rendezvous):

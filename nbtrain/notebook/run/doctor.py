@@ -100,8 +100,11 @@ def _grouped(ranks, clause) -> list[str]:
 
 def _at(where) -> str:
     place = f"{place_name(where.file)}:{where.line}" if where.file else "an unknown place"
-    code = where.code if len(where.code) <= CODE_WIDTH else where.code[:CODE_WIDTH - 3] + "..."
-    return f"{place} ({code})" if code else place
+    return f"{place} ({_code(where)})" if where.code else place
+
+
+def _code(where) -> str:
+    return where.code if len(where.code) <= CODE_WIDTH else where.code[:CODE_WIDTH - 3] + "..."
 
 
 @dataclass
@@ -236,9 +239,14 @@ def _host(url: str, rank: int) -> str:
 
 
 def _in_collective(where) -> str:
+    """The collective a rank waits in, and its line when the call is not on it (DDP's, an async one's
+    wait), or the line does not name it (a DTensor's `full_tensor()`, an FSDP model's forward)."""
     file, line = where.current[4:6]
-    return call_words(where.current) if where.file == file and where.line == line \
-        else f"{call_words(where.current)} (from {_at(where)})"
+    if where.file != file or where.line != line:
+        return f"{call_words(where.current)} (from {_at(where)})"
+    if backward_of(where.current) or not where.code or where.current[1] in where.code:
+        return call_words(where.current)
+    return f"{call_words(where.current)} ({_code(where)})"
 
 
 def _current_mismatch(calls: dict) -> str | None:
