@@ -407,7 +407,8 @@ def test_one_stalled_rank_among_eight_is_said_in_one_merged_line(no_leftovers):
     assert len(said) == 1, notes.notes
     quiet = int(re.match(r"No rank has progressed for (\d+) s", said[0])[1])
     print(f"8 ranks: stall={stall} said after {quiet} s quiet, the run took {time.monotonic() - started:.1f} s")
-    gather = r"all_gather_single #\d+ \(float32\[8, 2\]\) at test_doctor.py:\d+"
+    # #2: distribute_tensor's scatter (a torch.distributed collective DTensor imported by name) was #1.
+    gather = r"all_gather_single #2 \(float32\[8, 2\]\) at test_doctor.py:\d+"
     assert re.search(rf": ranks 0-4, 6, 7 wait in {gather} \(return sharded.full_tensor\(\).sum\(\).item\(\)\); "
                      r"rank 5 is not in a collective: at test_doctor.py:\d+ \(time.sleep\(nap\)\)\. The others wait "
                      r"for rank 5\. The run goes on", said[0]), said[0]

@@ -1,12 +1,13 @@
 """What a rank tells the doctor: its collectives counted, its step time split, where it is now.
 
 Always on, and cheap enough to be (benchmarks/doctor_overhead.py): each torch.distributed
-collective the user's code calls goes through a thin wrapper that counts it (its sequence number,
-op, first tensor's shape and dtype, the calling line) and adds its wall time to the rank's
-collective wait; `ctx.loader`'s iterator adds the time spent waiting for a batch to the data wait.
-Nothing is traced: where a rank is right now is read from its main thread's frame only when the
-notebook asks (`whereabouts`, on the channel's receiving thread, which runs while the main
-thread waits in a collective or a sleep: both release the GIL).
+collective the user's code calls, or a library does (FSDP2's, DTensor's `scatter`), goes through a
+thin wrapper that counts it (its sequence number, op, first tensor's shape and dtype, the user's
+line that led to it) and adds its wall time to the rank's collective wait; `ctx.loader`'s
+iterator adds the time spent waiting for a batch to the data wait. Nothing is traced: where a
+rank is right now is read from its main thread's frame only when the notebook asks
+(`whereabouts`, on the channel's receiving thread, which runs while the main thread waits in a
+collective or a sleep: both release the GIL).
 
 DDP's gradient all-reduce, which its C++ reducer issues inside `backward()`, is counted through a
 communication hook (`count_ddp`): every DistributedDataParallel built in a rank process, nbtrain's
@@ -162,7 +163,7 @@ def _counted(op: str, collective):
     def counted(*args, **kwargs):
         # Shapes and dtypes are kept as torch gives them (put in words only when asked: `_described`), and
         # never the tensors themselves, which would outlive the call.
-        if tally.in_hook:
+        if tally.in_hook or tally.current is not None:  # a DDP hook's, or one torch calls inside another
             return collective(*args, **kwargs)
         if not is_initialized():
             _make_group()
@@ -197,10 +198,16 @@ def count_collectives() -> None:
 
     if not dist.is_available() or getattr(dist, "_nbtrain_counted", False):
         return
-    for op in COLLECTIVES:
-        collective = getattr(dist, op, None)
-        if collective is not None:
-            setattr(dist, op, _counted(op, collective))
+    counted = {id(collective): _counted(op, collective) for op in COLLECTIVES
+               if (collective := getattr(dist, op, None)) is not None}
+    # Every name torch.distributed's modules hold them by: `dist.all_reduce`, distributed_c10d's own
+    # (where a module imported later takes them from: DTensor's `scatter`, `broadcast`), and those
+    # already imported by name. A collective torch calls inside another is counted as that one.
+    for name, module in list(sys.modules.items()):
+        if name == "torch.distributed" or name.startswith("torch.distributed."):
+            for attr, value in list(vars(module).items()):
+                if (wrapper := counted.get(id(value))) is not None and wrapper.__wrapped__ is value:
+                    setattr(module, attr, wrapper)
     c10d = sys.modules["torch.distributed.distributed_c10d"]
     c10d.rendezvous = _noted_rendezvous(c10d.rendezvous)  # type: ignore[attr-defined]  # looked up there at each call
     count_ddp()
