@@ -136,6 +136,15 @@ def test_ranks_waiting_at_different_rendezvous_addresses_are_named():
     assert "The ranks wait at different addresses: give every rank the same init_method" in verdict.text
 
 
+def test_eight_ranks_at_a_rendezvous_are_said_by_place():
+    waiting = {r: where(r, code="ctx.barrier()")._replace(rendezvous="tcp://10.0.0.1:29400") for r in (0, 1, 2, 4, 5, 7)}
+    verdict = stall_verdict({**waiting, 3: where(3), 6: where(6)})
+    assert verdict.text == ("rank 0 waits to join the process group at tcp://10.0.0.1:29400 (hosting it), at train.py:8 "
+                            "(ctx.barrier()); ranks 1, 2, 4, 5, 7 wait to join the process group at tcp://10.0.0.1:29400 "
+                            "(rank 0 should host it), at train.py:8 (ctx.barrier()); ranks 3, 6 are not joining: at "
+                            "train.py:8 (time.sleep(30)). The others wait for ranks 3, 6 to join.")
+
+
 def test_a_rendezvous_waits_for_the_rank_that_never_joins():
     verdict = stall_verdict({0: where(0, code="ctx.barrier()")._replace(rendezvous="env://"), 1: where(1)})
     assert verdict.text == ("rank 0 waits to join the process group at env:// (the launch's private store), at "

@@ -214,11 +214,12 @@ def ended_verdict(culprit: int, ended: str, waits: dict, ran: int | None, own: t
 
 def _rendezvous_verdict(where: dict, meeting: dict, silent) -> Verdict:
     """Ranks whose init_process_group has not completed: where each waits, and who should host it."""
-    parts = [f"rank {r} waits to join the process group at {url} ({_host(url, r)}), at {_at(where[r])}"
-             for r, url in sorted(meeting.items())]
     joined = sorted(r for r in where if r not in meeting)
-    parts += [f"rank {r} is not joining: at {_at(where[r])}" for r in joined]
-    parts += [f"rank {r} did not say where it is" for r in sorted(silent)]
+    parts = _grouped(meeting, lambda r, many: f"{'wait' if many else 'waits'} to join the process group at "
+                     f"{meeting[r]} ({_host(meeting[r], r)}), at {_at(where[r])}")
+    parts += _grouped(joined, lambda r, many: f"{'are' if many else 'is'} not joining: at {_at(where[r])}")
+    if silent:
+        parts.append(f"{ranks_words(silent)} did not say where {'they are' if len(silent) > 1 else 'it is'}")
     text = "; ".join(parts)
     if joined or silent:  # the ones that never came to the rendezvous are the ones waited for
         who = sorted(joined) + sorted(silent)
