@@ -56,6 +56,13 @@ def test_mismatches_name_each_ranks_call(other, words):
     assert said.startswith("Collective #2 does not match across ranks") and words in said
 
 
+def test_a_mismatch_among_eight_ranks_says_each_call_once():
+    other = (2, "all_reduce", (4,), "float32", "/x/train.py", 5)
+    said = mismatch({r: [other if r == 5 else REDUCE] for r in range(8)})
+    assert said == ("Collective #2 does not match across ranks (different shapes): ranks 0-4, 6, 7: all_reduce #2 "
+                    "(float32[3]) at train.py:5; rank 5: all_reduce #2 (float32[4]) at train.py:5.")
+
+
 def test_matching_collectives_are_no_mismatch():
     assert mismatch({0: [REDUCE], 1: [REDUCE], 2: []}) is None
 

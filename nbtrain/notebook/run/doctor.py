@@ -273,9 +273,17 @@ def mismatch(recent: dict) -> str | None:
             continue
         ops = {c[1] for c in calls.values()}
         what = ("ops" if len(ops) > 1 else "shapes" if len({c[2] for c in calls.values()}) > 1 else "dtypes")
-        each = "; ".join(f"rank {r}: {call_words(c)}" for r, c in sorted(calls.items()))
-        return f"Collective #{seq} does not match across ranks (different {what}): {each}."
+        return f"Collective #{seq} does not match across ranks (different {what}): {each_call(calls)}."
     return None
+
+
+def each_call(calls: dict) -> str:
+    """'ranks 0-6: all_reduce #2 (float32[3]) at train.py:5; rank 7: ...': ranks whose calls read the
+    same said together."""
+    words: dict[str, list[int]] = {}
+    for rank, call in sorted(calls.items()):
+        words.setdefault(call_words(call), []).append(rank)
+    return "; ".join(f"{ranks_words(ranks)}: {said}" for said, ranks in words.items())
 
 
 def straggler(times: dict) -> str | None:
