@@ -33,11 +33,12 @@ raises at the next forward, and its error is given the parameters' names and the
 Functional collectives (`torch.distributed._functional_collectives`, DTensor's redistribution) issue
 torch's C++ ops (`torch.ops._c10d_functional.*`) and return a result waited for at its first use
 (`wait_tensor`): they are counted where their Python passes, at the wrapping of that result and at
-its wait (`count_functional`), about a microsecond each. Not counted: compiled code's collectives,
-whose graph calls those ops itself (nothing Python runs around them). torch 2.13's Flight Recorder does record
-them on gloo (TORCH_FR_BUFFER_SIZE) for about a microsecond each, but gloo never marks an entry
-started or completed (every one stays "scheduled"), so it cannot tell where a rank waits, and a dump
-takes about 0.4 s per 1,000 entries here (5 s with their stacks); its completion hook is NCCL's only.
+its wait (`count_functional`), a few microseconds each. Not counted: compiled code's collectives,
+whose graph calls those ops itself (nothing Python runs around them). torch 2.13's Flight Recorder
+does record them on gloo (TORCH_FR_BUFFER_SIZE) for about a microsecond each, but gloo never marks
+an entry started or completed (every one stays "scheduled"), so it cannot tell where a rank waits,
+and a dump takes about 0.4 s per 1,000 entries here (5 s with their stacks); its completion hook is
+NCCL's only.
 
 A collective called before any process group exists creates the rank's group first (as
 `ctx.setup` and ctx's own collectives do): the docs promise the group is made on first need.
