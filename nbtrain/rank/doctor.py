@@ -206,7 +206,7 @@ def count_collectives() -> None:
     # already imported by name. A collective torch calls inside another is counted as that one.
     for name, module in list(sys.modules.items()):
         if name == "torch.distributed" or name.startswith("torch.distributed."):
-            for attr, value in list(vars(module).items()):
+            for attr, value in list(getattr(module, "__dict__", {}).items()):  # (an entry may be None)
                 if (wrapper := counted.get(id(value))) is not None and wrapper.__wrapped__ is value:
                     setattr(module, attr, wrapper)
     c10d = sys.modules["torch.distributed.distributed_c10d"]
