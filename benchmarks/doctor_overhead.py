@@ -16,6 +16,10 @@ the thread's CPU time (time.thread_time: other jobs on a shared machine do not c
               doctor's counting hook (rank/doctor.py's count_ddp: torch's allreduce_hook, each bucket noted);
               and the counting alone, per bucket: the hook around a hook that returns a done future, on
               a stand-in for DDP's GradBucket (index, buffer, parameters), less that hook called bare
+  functional  funcol.all_reduce of 4 floats and its wait (torch's functional collectives, which DTensor
+              uses), torch's functions vs counted (rank/doctor.py's count_functional: the result's
+              wrapping and its wait noted), and the counting alone: both wrappers around stand-ins
+              that return at once, less the stand-ins called bare
 
     python benchmarks/doctor_overhead.py [--repeats 7] [--no-save]
 """
@@ -143,6 +147,47 @@ def forward_backward_counting(model, n: int) -> tuple[float, float]:
     return costs[0], costs[1]
 
 
+def functional_counting(n: int) -> float:
+    """Seconds the counting adds to one functional collective: its two wrappers around stand-ins
+    for torch's `_maybe_wrap_tensor` (returning a made result) and `wait_tensor` (returning its argument)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    t = torch.zeros(4)
+    made = AsyncCollectiveTensor(t)
+    wrap, wait = (lambda tensor: made), (lambda tensor: tensor)
+    counted_wrap, counted_wait = doctor._functional_counters(wrap, wait, AsyncCollectiveTensor)
+    started = CLOCK()
+    for _ in range(n):
+        counted_wait(counted_wrap(t))
+    counted = CLOCK() - started
+    started = CLOCK()
+    for _ in range(n):
+        wait(wrap(t))
+    return (counted - (CLOCK() - started)) / n
+
+
+def functional_all_reduce(t) -> None:
+    import torch.distributed._functional_collectives as funcol
+
+    funcol.all_reduce(t, "sum", dist.group.WORLD).wait()
+
+
+def functional_pairs() -> dict:
+    """torch's `_maybe_wrap_tensor` and `wait_tensor` as torch has them ("plain") and counted."""
+    import torch.distributed._functional_collectives as funcol
+
+    doctor.count_functional()
+    counted = (funcol._maybe_wrap_tensor, funcol.wait_tensor)
+    return {"funcol plain": tuple(f.__wrapped__ for f in counted), "funcol counted": counted}
+
+
+def functional_steps(pair, t, n: int) -> float:
+    import torch.distributed._functional_collectives as funcol
+
+    funcol._maybe_wrap_tensor, funcol.wait_tensor = pair
+    return per_call(functional_all_reduce, t, n)
+
+
 def ddp_models():
     """The MLP in DDP three ways: no hook (torch's C++ all-reduce), torch's Python allreduce_hook, counted."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -174,6 +219,7 @@ def main() -> None:
     wrapped_nop = doctor._counted("all_reduce", nop)
     t = torch.zeros(4)
     models = ddp_models()
+    pairs = functional_pairs()
     names = ("plain", "counted", "nop", "wrapped", "step plain", "step measured", *models)
     rows: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(args.repeats):
@@ -183,6 +229,9 @@ def main() -> None:
         forward, backward = forward_backward_counting(models["ddp counted"], 20000)
         rows.setdefault("forward", []).append(forward)
         rows.setdefault("backward", []).append(backward)
+        for kind, pair in pairs.items():
+            rows.setdefault(kind, []).append(functional_steps(pair, t, 5000))
+        rows.setdefault("funcol counting", []).append(functional_counting(100000))
         rows["plain"].append(per_call(plain, t, 20000))
         rows["counted"].append(per_call(counted, t, 20000))
         rows["nop"].append(per_call(nop, t, 200000))
@@ -208,6 +257,7 @@ def main() -> None:
     dist.destroy_process_group()
     m = {k: median(v) for k, v in rows.items()}
     wrapper = m["wrapped"] - m["nop"]
+    funcol_cost = m["funcol counted"] - m["funcol plain"]
     step_cost = (m["step measured"] - m["step plain"]) / m["step plain"]
     body = "\n".join([
         "| what | plain | measured | cost |", "|---|---|---|---|",
@@ -234,12 +284,20 @@ def main() -> None:
         f"| a DDP forward's and a backward() call's counting (a skipped backward(), no_sync()) | | | "
         f"{m['forward'] * 1e6:+.2f} µs + {m['backward'] * 1e6:+.2f} µs = "
         f"{(m['forward'] + m['backward']) / m['step plain']:.3%} of step_overhead's step |",
+        f"| funcol.all_reduce (4 floats, world 1) and its wait: torch's vs counted | "
+        f"{m['funcol plain'] * 1e6:.2f} µs | {m['funcol counted'] * 1e6:.2f} µs | "
+        f"{funcol_cost * 1e6:+.2f} µs = {funcol_cost / m['funcol plain']:.1%} of the call, "
+        f"{funcol_cost / m['step plain']:.2%} of step_overhead's step per functional collective |",
+        f"| the functional counting alone (both wrappers, around stand-ins that return at once) | | | "
+        f"{m['funcol counting'] * 1e6:+.3f} µs per collective |",
         "", f"Medians of {args.repeats} interleaved repeats, the calling thread's CPU time. Whole steps differ by "
         "several percent from run to run either way on a shared machine (the same code twice does too), so the "
         "per-step cost is read from its parts. Stall checks ask the ranks nothing until no progress message came "
         "for `stall` seconds; then one `Where` per rank when the stall would be due (the quietest rank's idle time "
         "subtracted), at most every 0.25 s. DDP rows: the process's CPU time (gloo's threads count), world 1: whole "
         "DDP steps move by more than the hook's cost from run to run, so the counting is read from its parts. "
+        "Functional collectives: the whole call's difference is the one to read (the wrappers run between torch's "
+        "own Python, several times slower than in a loop of their own, as the all_reduce rows show too). "
         f"Commit {_commit()}."])
     if args.no_save:
         print(body)

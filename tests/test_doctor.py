@@ -7,6 +7,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import nbtrain
 from nbtrain import WorkerError
@@ -353,20 +355,67 @@ def test_a_wait_on_an_async_collective_is_said_as_a_wait_in_it(no_leftovers):
                      r"\(time.sleep\(6\)\)\. The others wait for rank 1\.", said[0]), said[0]
 
 
-def fsdp_step():
+def fsdp_stall():
     from nbtrain.rank.doctor import TALLY
 
     ctx = nbtrain.context()
     model = ctx.setup(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)), min_params=1)
     model(torch.ones(2, 8)).sum().backward()
-    return sorted({call[1] for call in TALLY.recent})
+    ops = sorted({call[1] for call in TALLY.recent})
+    if ctx.rank == 1:
+        time.sleep(4)  # rank 1 is elsewhere while rank 0's forward waits in FSDP2's all-gather
+    model(torch.ones(2, 8)).sum().backward()
+    return ops
 
 
-def test_fsdp_s_all_gathers_and_reduce_scatters_are_counted(no_leftovers):
-    result = nbtrain.launch(fsdp_step, devices=2, accelerator="cpu", start="fork", strategy="fsdp", progress=False,
-                            timeout=120)
+def test_fsdp_s_collectives_are_counted_and_a_wait_in_them_named(no_leftovers):
+    notes = Notes()
+    result = nbtrain.launch(fsdp_stall, devices=2, accelerator="cpu", start="fork", strategy="fsdp", progress=notes,
+                            stall=1.5, timeout=120)
     for ops in result.values:
         assert "all_gather_single" in ops and "reduce_scatter_single" in ops, ops
+    said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+    assert len(said) == 1, notes.notes
+    assert re.search(r"rank 0 waits in all_gather_single #\d+ \(float32\[\d+\]\) at test_doctor.py:\d+ "
+                     r"\(model\(torch.ones\(2, 8\)\).sum\(\).backward\(\)\); rank 1 is not in a collective: at "
+                     r"test_doctor.py:\d+ \(time.sleep\(4\)\)\. The others wait for rank 1\.", said[0]), said[0]
+
+
+def one_of_eight_stalls(nap):
+    """Rank 5 naps, then returns, while the others wait in the all-gather of a DTensor's full_tensor()."""
+    ctx = nbtrain.context()
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    sharded = distribute_tensor(torch.ones(ctx.world_size, 2), mesh, [Shard(0)])
+    if ctx.rank == 5:
+        time.sleep(nap)
+        return None
+    return sharded.full_tensor().sum().item()
+
+
+def test_one_stalled_rank_among_eight_is_said_in_one_merged_line(no_leftovers):
+    # Eight ranks, one clause per place: the seven waiting said together, in the collective DTensor
+    # issues from torch's C++ ops (counted as a Python one is), the one they wait for named; then it
+    # returns, and the failure says the same, merged.
+    import torch._dynamo  # noqa: F401  # DTensor's first call imports it: here, once, not in 8 ranks at once (a stall)
+
+    notes, stall = Notes(), 2
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(one_of_eight_stalls, 5, devices=8, accelerator="cpu", start="fork", progress=notes,
+                       stall=stall, timeout=120)
+    said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+    assert len(said) == 1, notes.notes
+    quiet = int(re.match(r"No rank has progressed for (\d+) s", said[0])[1])
+    print(f"8 ranks: stall={stall} said after {quiet} s quiet, the run took {time.monotonic() - started:.1f} s")
+    # #2: distribute_tensor's scatter (a torch.distributed collective DTensor imported by name) was #1.
+    gather = r"all_gather_single #2 \(float32\[8, 2\]\) at test_doctor.py:\d+"
+    assert re.search(rf": ranks 0-4, 6, 7 wait in {gather} \(return sharded.full_tensor\(\).sum\(\).item\(\)\); "
+                     r"rank 5 is not in a collective: at test_doctor.py:\d+ \(time.sleep\(nap\)\)\. The others wait "
+                     r"for rank 5\. The run goes on", said[0]), said[0]
+    assert info.value.rank == 5
+    assert re.fullmatch(rf"rank 5 ended \(returned from one_of_eight_stalls\(\)\) while the others still needed it: "
+                        rf"ranks 0-4, 6, 7 wait for it in {gather}\. That wait can never complete\.",
+                        info.value.summary), info.value.summary
 
 
 def test_live_ranks_name_a_rank_that_ran_out_of_batches(no_leftovers):
@@ -512,3 +561,28 @@ def test_a_parameter_unused_on_one_rank_is_named_when_torch_raises(no_leftovers)
     assert re.search(r"rank 0: stopped after rank 1 failed \(waiting for rank 1 in DDP's gradient all-reduce of its "
                      r"backward\(\) #2 at test_doctor.py:\d+ \(bucket 0: a.weight, a.bias, b.weight, b.bias\)\)", said), said
     assert "Connection" not in said, said
+
+
+def compiled_all_reduce():
+    import torch.distributed._functional_collectives as funcol
+
+    from nbtrain.rank.doctor import TALLY
+
+    dist.all_reduce(torch.zeros(1))  # a bare collective makes the group
+    funcol.all_reduce(torch.zeros(1), "sum", dist.group.WORLD)  # its result never read: still counted as issued
+    counted = TALLY.seq
+
+    def double_and_reduce(x):
+        return funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1
+
+    compiled = torch.compile(double_and_reduce, backend="eager", fullgraph=True)
+    return compiled(torch.ones(3)).tolist(), TALLY.seq - counted, double_and_reduce(torch.ones(3)).tolist(), \
+        TALLY.seq - counted
+
+
+def test_compiled_functional_collectives_pass_the_counting_untouched(no_leftovers):
+    # The wrappers step aside while dynamo traces (fullgraph: no graph break); the compiled graph
+    # calls torch's C++ ops, which the doctor does not see (docs/troubleshooting.md says so).
+    result = nbtrain.launch(compiled_all_reduce, devices=1, accelerator="cpu", start="fork", progress=False,
+                            timeout=120)
+    assert result.value == ([3.0] * 3, 0, [3.0] * 3, 1)

@@ -56,6 +56,13 @@ def test_mismatches_name_each_ranks_call(other, words):
     assert said.startswith("Collective #2 does not match across ranks") and words in said
 
 
+def test_a_mismatch_among_eight_ranks_says_each_call_once():
+    other = (2, "all_reduce", (4,), "float32", "/x/train.py", 5)
+    said = mismatch({r: [other if r == 5 else REDUCE] for r in range(8)})
+    assert said == ("Collective #2 does not match across ranks (different shapes): ranks 0-4, 6, 7: all_reduce #2 "
+                    "(float32[3]) at train.py:5; rank 5: all_reduce #2 (float32[4]) at train.py:5.")
+
+
 def test_matching_collectives_are_no_mismatch():
     assert mismatch({0: [REDUCE], 1: [REDUCE], 2: []}) is None
 
@@ -134,6 +141,15 @@ def test_ranks_waiting_at_different_rendezvous_addresses_are_named():
                                    "train.py:8 (dist.init_process_group(...)); rank 1 waits to join the process group "
                                    "at tcp://127.0.0.1:29412 (rank 0 should host it)")
     assert "The ranks wait at different addresses: give every rank the same init_method" in verdict.text
+
+
+def test_eight_ranks_at_a_rendezvous_are_said_by_place():
+    waiting = {r: where(r, code="ctx.barrier()")._replace(rendezvous="tcp://10.0.0.1:29400") for r in (0, 1, 2, 4, 5, 7)}
+    verdict = stall_verdict({**waiting, 3: where(3), 6: where(6)})
+    assert verdict.text == ("rank 0 waits to join the process group at tcp://10.0.0.1:29400 (hosting it), at train.py:8 "
+                            "(ctx.barrier()); ranks 1, 2, 4, 5, 7 wait to join the process group at tcp://10.0.0.1:29400 "
+                            "(rank 0 should host it), at train.py:8 (ctx.barrier()); ranks 3, 6 are not joining: at "
+                            "train.py:8 (time.sleep(30)). The others wait for ranks 3, 6 to join.")
 
 
 def test_a_rendezvous_waits_for_the_rank_that_never_joins():
@@ -260,3 +276,12 @@ def test_ranks_that_made_the_same_mistake_are_said_together():
     verdict = stall_verdict({0: waits, **skipped})
     assert "; ranks 1, 2 skipped backward() after 1 of their 11 forwards (10 all-reduced), now at train.py:8" \
         in verdict.text and verdict.text.count("run backward() after every training forward") == 1, verdict.text
+
+
+def test_a_collective_a_line_does_not_name_is_said_with_the_line():
+    # A DTensor's redistribution (funcol's all_gather_single) or an FSDP model's forward: the line
+    # says what the user wrote, the call what waits.
+    gather = (4, "all_gather_single", (4, 3), "float32", "/home/me/train.py", 29)
+    verdict = stall_verdict({0: where(0, gather, line=29, code="d.full_tensor().sum()"), 1: where(1)})
+    assert verdict.text.startswith("rank 0 waits in all_gather_single #4 (float32[4, 3]) at train.py:29 "
+                                   "(d.full_tensor().sum()); rank 1 is not in a collective"), verdict.text

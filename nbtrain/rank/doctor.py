@@ -1,12 +1,13 @@
 """What a rank tells the doctor: its collectives counted, its step time split, where it is now.
 
 Always on, and cheap enough to be (benchmarks/doctor_overhead.py): each torch.distributed
-collective the user's code calls goes through a thin wrapper that counts it (its sequence number,
-op, first tensor's shape and dtype, the calling line) and adds its wall time to the rank's
-collective wait; `ctx.loader`'s iterator adds the time spent waiting for a batch to the data wait.
-Nothing is traced: where a rank is right now is read from its main thread's frame only when the
-notebook asks (`whereabouts`, on the channel's receiving thread, which runs while the main
-thread waits in a collective or a sleep: both release the GIL).
+collective the user's code calls, or a library does (FSDP2's, DTensor's `scatter`), goes through a
+thin wrapper that counts it (its sequence number, op, first tensor's shape and dtype, the user's
+line that led to it) and adds its wall time to the rank's collective wait; `ctx.loader`'s
+iterator adds the time spent waiting for a batch to the data wait. Nothing is traced: where a
+rank is right now is read from its main thread's frame only when the notebook asks
+(`whereabouts`, on the channel's receiving thread, which runs while the main thread waits in a
+collective or a sleep: both release the GIL).
 
 DDP's gradient all-reduce, which its C++ reducer issues inside `backward()`, is counted through a
 communication hook (`count_ddp`): every DistributedDataParallel built in a rank process, nbtrain's
@@ -29,11 +30,15 @@ backward() followed, a forward under no_sync() the others did not make, and a ba
 parameter without a gradient (find_unused_parameters=False: DDP then never all-reduces it; torch
 raises at the next forward, and its error is given the parameters' names and the fix first).
 
-Not counted: functional collectives (`torch.distributed._functional_collectives`, DTensor's) and
-compiled code's, which reach the process group from C++. torch 2.13's Flight Recorder does record
-them on gloo (TORCH_FR_BUFFER_SIZE) for about a microsecond each, but gloo never marks an entry
-started or completed (every one stays "scheduled"), so it cannot tell where a rank waits, and a dump
-takes about 0.4 s per 1,000 entries here (5 s with their stacks); its completion hook is NCCL's only.
+Functional collectives (`torch.distributed._functional_collectives`, DTensor's redistribution) issue
+torch's C++ ops (`torch.ops._c10d_functional.*`) and return a result waited for at its first use
+(`wait_tensor`): they are counted where their Python passes, at the wrapping of that result and at
+its wait (`count_functional`), a few microseconds each. Not counted: compiled code's collectives,
+whose graph calls those ops itself (nothing Python runs around them). torch 2.13's Flight Recorder
+does record them on gloo (TORCH_FR_BUFFER_SIZE) for about a microsecond each, but gloo never marks
+an entry started or completed (every one stays "scheduled"), so it cannot tell where a rank waits,
+and a dump takes about 0.4 s per 1,000 entries here (5 s with their stacks); its completion hook is
+NCCL's only.
 
 A collective called before any process group exists creates the rank's group first (as
 `ctx.setup` and ctx's own collectives do): the docs promise the group is made on first need.
@@ -154,16 +159,18 @@ def _counted(op: str, collective):
     from torch import Tensor  # a rank has torch already (its Context needs it)
     from torch.distributed import is_initialized
 
-    tally, clock, frame = TALLY, time.perf_counter, sys._getframe
+    tally, clock, frame, library = TALLY, time.perf_counter, sys._getframe, _library
 
     def counted(*args, **kwargs):
         # Shapes and dtypes are kept as torch gives them (put in words only when asked: `_described`), and
         # never the tensors themselves, which would outlive the call.
-        if tally.in_hook:
+        if tally.in_hook or tally.current is not None:  # a DDP hook's, or one torch calls inside another
             return collective(*args, **kwargs)
         if not is_initialized():
             _make_group()
         caller = frame(1)
+        if library(caller.f_code.co_filename):  # FSDP2's, DTensor's, nbtrain's: the user's line that led there
+            caller = _user_frame(caller)
         tally.seq += 1
         first = args[0] if args else None
         tensor = (first.shape, first.dtype) if type(first) is Tensor else _tensor(args)
@@ -192,14 +199,81 @@ def count_collectives() -> None:
 
     if not dist.is_available() or getattr(dist, "_nbtrain_counted", False):
         return
-    for op in COLLECTIVES:
-        collective = getattr(dist, op, None)
-        if collective is not None:
-            setattr(dist, op, _counted(op, collective))
+    counted = {id(collective): _counted(op, collective) for op in COLLECTIVES
+               if (collective := getattr(dist, op, None)) is not None}
+    # Every name torch.distributed's modules hold them by: `dist.all_reduce`, distributed_c10d's own
+    # (where a module imported later takes them from: DTensor's `scatter`, `broadcast`), and those
+    # already imported by name. A collective torch calls inside another is counted as that one.
+    for name, module in list(sys.modules.items()):
+        if name == "torch.distributed" or name.startswith("torch.distributed."):
+            for attr, value in list(getattr(module, "__dict__", {}).items()):  # (an entry may be None)
+                if (wrapper := counted.get(id(value))) is not None and wrapper.__wrapped__ is value:
+                    setattr(module, attr, wrapper)
     c10d = sys.modules["torch.distributed.distributed_c10d"]
     c10d.rendezvous = _noted_rendezvous(c10d.rendezvous)  # type: ignore[attr-defined]  # looked up there at each call
     count_ddp()
+    count_functional()
     dist._nbtrain_counted = True  # type: ignore[attr-defined]
+
+
+def count_functional() -> None:
+    """Count torch's functional collectives (`torch.distributed._functional_collectives`: a user's
+    `funcol.all_reduce(t, "sum", group)`, DTensor's redistribution) as they run eagerly, at the two
+    Python points every one passes: its result wrapped for a later wait (`_maybe_wrap_tensor`:
+    counted, as the collective its caller is named after) and that wait (`wait_tensor`: where the
+    rank waits in it, timed). Both are looked up in the module at each call. Compiled code calls
+    the C++ ops themselves, reaching neither: its collectives are not counted."""
+    import torch.distributed._functional_collectives as funcol
+
+    if not getattr(funcol, "_nbtrain_counted", False):
+        funcol._maybe_wrap_tensor, funcol.wait_tensor = _functional_counters(
+            funcol._maybe_wrap_tensor, funcol.wait_tensor, funcol.AsyncCollectiveTensor)
+        funcol._nbtrain_counted = True  # type: ignore[attr-defined]
+
+
+def _functional_counters(wrap, wait, wrapper) -> tuple:
+    """torch's `_maybe_wrap_tensor` and `wait_tensor`, counting: a result wrapped as a `wrapper`
+    (not while traced: then it is waited at once, by the graph) is a collective issued, kept by its
+    data pointer (as torch pairs a result with its work) until its wait."""
+    from torch import Tensor
+
+    tally, clock, frame = TALLY, time.perf_counter, sys._getframe
+    issued: dict[int, tuple] = {}
+
+    @functools.wraps(wrap)
+    def _maybe_wrap_tensor(tensor):
+        result = wrap(tensor)
+        if type(result) is not wrapper:
+            return result
+        caller = frame(1)
+        user = _user_frame(caller)
+        tally.seq += 1
+        call = (tally.seq, caller.f_code.co_name, (tensor.shape, tensor.dtype), user.f_code.co_filename,
+                user.f_lineno)
+        tally.recent.append(call)
+        issued[tensor.data_ptr()] = call
+        if len(issued) > PENDING:  # results never waited for (dropped unread)
+            del issued[next(iter(issued))]
+        tally.progressed = clock()
+        return result
+
+    @functools.wraps(wait)
+    def wait_tensor(tensor):
+        if not issued or type(tensor) is not Tensor or tally.current is not None:  # a traced one is fake
+            return wait(tensor)
+        call = issued.pop(tensor.data_ptr(), None)
+        if call is None:
+            return wait(tensor)
+        tally.current = call
+        began = clock()
+        try:
+            return wait(tensor)
+        finally:
+            tally.progressed = ended = clock()
+            tally.collective_s += ended - began
+            tally.current = None
+
+    return _maybe_wrap_tensor, wait_tensor
 
 
 def _noted_rendezvous(rendezvous):

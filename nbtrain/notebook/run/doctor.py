@@ -100,8 +100,11 @@ def _grouped(ranks, clause) -> list[str]:
 
 def _at(where) -> str:
     place = f"{place_name(where.file)}:{where.line}" if where.file else "an unknown place"
-    code = where.code if len(where.code) <= CODE_WIDTH else where.code[:CODE_WIDTH - 3] + "..."
-    return f"{place} ({code})" if code else place
+    return f"{place} ({_code(where)})" if where.code else place
+
+
+def _code(where) -> str:
+    return where.code if len(where.code) <= CODE_WIDTH else where.code[:CODE_WIDTH - 3] + "..."
 
 
 @dataclass
@@ -211,11 +214,12 @@ def ended_verdict(culprit: int, ended: str, waits: dict, ran: int | None, own: t
 
 def _rendezvous_verdict(where: dict, meeting: dict, silent) -> Verdict:
     """Ranks whose init_process_group has not completed: where each waits, and who should host it."""
-    parts = [f"rank {r} waits to join the process group at {url} ({_host(url, r)}), at {_at(where[r])}"
-             for r, url in sorted(meeting.items())]
     joined = sorted(r for r in where if r not in meeting)
-    parts += [f"rank {r} is not joining: at {_at(where[r])}" for r in joined]
-    parts += [f"rank {r} did not say where it is" for r in sorted(silent)]
+    parts = _grouped(meeting, lambda r, many: f"{'wait' if many else 'waits'} to join the process group at "
+                     f"{meeting[r]} ({_host(meeting[r], r)}), at {_at(where[r])}")
+    parts += _grouped(joined, lambda r, many: f"{'are' if many else 'is'} not joining: at {_at(where[r])}")
+    if silent:
+        parts.append(f"{ranks_words(silent)} did not say where {'they are' if len(silent) > 1 else 'it is'}")
     text = "; ".join(parts)
     if joined or silent:  # the ones that never came to the rendezvous are the ones waited for
         who = sorted(joined) + sorted(silent)
@@ -236,9 +240,14 @@ def _host(url: str, rank: int) -> str:
 
 
 def _in_collective(where) -> str:
+    """The collective a rank waits in, and its line when the call is not on it (DDP's, an async one's
+    wait), or the line does not name it (a DTensor's `full_tensor()`, an FSDP model's forward)."""
     file, line = where.current[4:6]
-    return call_words(where.current) if where.file == file and where.line == line \
-        else f"{call_words(where.current)} (from {_at(where)})"
+    if where.file != file or where.line != line:
+        return f"{call_words(where.current)} (from {_at(where)})"
+    if backward_of(where.current) or not where.code or where.current[1] in where.code:
+        return call_words(where.current)
+    return f"{call_words(where.current)} ({_code(where)})"
 
 
 def _current_mismatch(calls: dict) -> str | None:
@@ -264,9 +273,17 @@ def mismatch(recent: dict) -> str | None:
             continue
         ops = {c[1] for c in calls.values()}
         what = ("ops" if len(ops) > 1 else "shapes" if len({c[2] for c in calls.values()}) > 1 else "dtypes")
-        each = "; ".join(f"rank {r}: {call_words(c)}" for r, c in sorted(calls.items()))
-        return f"Collective #{seq} does not match across ranks (different {what}): {each}."
+        return f"Collective #{seq} does not match across ranks (different {what}): {each_call(calls)}."
     return None
+
+
+def each_call(calls: dict) -> str:
+    """'ranks 0-6: all_reduce #2 (float32[3]) at train.py:5; rank 7: ...': ranks whose calls read the
+    same said together."""
+    words: dict[str, list[int]] = {}
+    for rank, call in sorted(calls.items()):
+        words.setdefault(call_words(call), []).append(rank)
+    return "; ".join(f"{ranks_words(ranks)}: {said}" for said, ranks in words.items())
 
 
 def straggler(times: dict) -> str | None:

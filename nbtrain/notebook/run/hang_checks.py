@@ -10,7 +10,17 @@ import time
 from typing import Any
 
 from ...common import protocol
-from .doctor import Verdict, backward_of, call_words, ended_verdict, facts, mismatch, stall_after, stall_verdict
+from .doctor import (
+    Verdict,
+    backward_of,
+    call_words,
+    each_call,
+    ended_verdict,
+    facts,
+    mismatch,
+    stall_after,
+    stall_verdict,
+)
 from .runmodel import RunState
 from .stacks import blocked_on_peers, exception_message
 from .watched import Watched
@@ -189,7 +199,7 @@ class HangChecks:
         # A rank killed by the backend inside a collective (gloo aborts on a size mismatch); the
         # others' record of the call may not have come (they were stopped first on a busy machine).
         # Without its stack (a terminate handler that silenced faulthandler), the backend's words say it.
-        calls = "; ".join(f"rank {r}: {call_words(c[-1])}" for r, c in sorted(recent.items()) if c)
+        calls = each_call({r: c[-1] for r, c in recent.items() if c})
         reported = f"; the last collectives the ranks reported: {calls}" if calls else ""
         how = f"died inside {died_in}" if died_in else f'was ended by the backend inside a collective ("{said}")'
         return (f"rank {cause.rank} {how}{reported}. A collective whose tensors differ across "
