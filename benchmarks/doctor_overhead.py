@@ -13,7 +13,7 @@ the thread's CPU time (time.thread_time: other jobs on a shared machine do not c
   DDP step    the same step with the MLP in DistributedDataParallel (DDP's default buckets),
               timed by the process's CPU time (gloo's threads and the hooks' callbacks count): torch's
               built-in C++ all-reduce (no hook) vs torch's own Python allreduce_hook registered vs the
-              doctor's counting hook (rank/doctor.py's count_ddp: torch's allreduce_hook, each bucket noted);
+              doctor's counting hook (rank/ddp_counting.py's count_ddp: torch's allreduce_hook, each bucket noted);
               and the counting alone, per bucket: the hook around a hook that returns a done future, on
               a stand-in for DDP's GradBucket (index, buffer, parameters), less that hook called bare
   functional  funcol.all_reduce of 4 floats and its wait (torch's functional collectives, which DTensor
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import median, record  # noqa: E402
-from nbtrain.rank import doctor  # noqa: E402
+from nbtrain.rank import ddp_counting, doctor, tally  # noqa: E402
 
 
 def _mlp():
@@ -115,11 +115,11 @@ def counting_alone(n: int) -> float:
     module.module = _mlp()
     done = torch.futures.Future()
     done.set_result(torch.zeros(4))
-    slot = doctor._Slot(module, lambda state, bucket: done, None)
+    slot = ddp_counting.Slot(module, lambda state, bucket: done, None)
     bucket = _Bucket(0, list(module.module.parameters()))
     started = CLOCK()
     for _ in range(n):
-        doctor._bucket_reduced(slot, bucket)
+        ddp_counting.bucket_reduced(slot, bucket)
     counted = CLOCK() - started
     started = CLOCK()
     for _ in range(n):
@@ -155,7 +155,7 @@ def functional_counting(n: int) -> float:
     t = torch.zeros(4)
     made = AsyncCollectiveTensor(t)
     wrap, wait = (lambda tensor: made), (lambda tensor: tensor)
-    counted_wrap, counted_wait = doctor._functional_counters(wrap, wait, AsyncCollectiveTensor)
+    counted_wrap, counted_wait = doctor.functional_counters(wrap, wait, AsyncCollectiveTensor)
     started = CLOCK()
     for _ in range(n):
         counted_wait(counted_wrap(t))
@@ -193,7 +193,7 @@ def ddp_models():
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    doctor.count_ddp()
+    ddp_counting.count_ddp()
     models = {}
     for kind in ("ddp builtin", "ddp torch hook"):
         model = DDP.__new__(DDP)
@@ -214,9 +214,9 @@ def main() -> None:
     torch.set_num_threads(1)  # a rank of 2 on a 2-core machine, as step_overhead.py runs them
     dist.init_process_group("gloo", rank=0, world_size=1)
     plain = dist.all_reduce
-    counted = doctor._counted("all_reduce", plain)
+    counted = doctor.counted_collective("all_reduce", plain)
     nop = lambda t: None  # noqa: E731
-    wrapped_nop = doctor._counted("all_reduce", nop)
+    wrapped_nop = doctor.counted_collective("all_reduce", nop)
     t = torch.zeros(4)
     models = ddp_models()
     pairs = functional_pairs()
@@ -237,7 +237,7 @@ def main() -> None:
         rows["nop"].append(per_call(nop, t, 200000))
         rows["wrapped"].append(per_call(wrapped_nop, t, 200000))
         rows["step plain"].append(steps(plain, lambda it: it, 200))
-        rows["step measured"].append(steps(counted, doctor.timed_batches, 200))
+        rows["step measured"].append(steps(counted, tally.timed_batches, 200))
     from nbtrain.notebook.run.doctor import stall_after
 
     check = per_call(lambda _: stall_after(None, 0.01), None, 200000)
@@ -248,7 +248,7 @@ def main() -> None:
         pass
     bare = (CLOCK() - started) / n
     started = CLOCK()
-    for _ in doctor.timed_batches(iter(items)):
+    for _ in tally.timed_batches(iter(items)):
         pass
     timed = (CLOCK() - started) / n - bare
     where = per_call(doctor.whereabouts, 0, 20000)

@@ -26,7 +26,7 @@ import nbtrain  # noqa: E402
 from _common import median, record  # noqa: E402
 from nbtrain.common import protocol  # noqa: E402
 from nbtrain.rank.context import Context  # noqa: E402
-from nbtrain.rank.doctor import progressed  # noqa: E402
+from nbtrain.rank.tally import progressed  # noqa: E402
 
 CLOCK = time.thread_time
 ITEMS = 200_000

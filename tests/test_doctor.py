@@ -317,7 +317,7 @@ def first_collective_bare(hook):
     with torch.no_grad():
         model.module.weight.fill_(1.0)
     model(torch.full((1, 2), float(nbtrain.context().rank))).sum().backward()
-    from nbtrain.rank.doctor import TALLY
+    from nbtrain.rank.tally import TALLY
 
     return t.tolist(), model.module.weight.grad.tolist(), TALLY.backwards, TALLY.recent[-1][1], \
         twice if hook == "own" else None
@@ -356,7 +356,7 @@ def test_a_wait_on_an_async_collective_is_said_as_a_wait_in_it(no_leftovers):
 
 
 def fsdp_stall():
-    from nbtrain.rank.doctor import TALLY
+    from nbtrain.rank.tally import TALLY
 
     ctx = nbtrain.context()
     model = ctx.setup(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)), min_params=1)
@@ -566,7 +566,7 @@ def test_a_parameter_unused_on_one_rank_is_named_when_torch_raises(no_leftovers)
 def compiled_all_reduce():
     import torch.distributed._functional_collectives as funcol
 
-    from nbtrain.rank.doctor import TALLY
+    from nbtrain.rank.tally import TALLY
 
     dist.all_reduce(torch.zeros(1))  # a bare collective makes the group
     funcol.all_reduce(torch.zeros(1), "sum", dist.group.WORLD)  # its result never read: still counted as issued

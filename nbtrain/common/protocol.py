@@ -140,7 +140,7 @@ class Profile(NamedTuple):
 
 @_kind("step_times")
 class StepTimes(NamedTuple):
-    """A rank's time in its last command, split (`rank/doctor.py`): `batches` taken from ctx.loader,
+    """A rank's time in its last command, split (`rank/tally.py`): `batches` taken from ctx.loader,
     `total` seconds, of which `data` waiting for them and `collective` inside collectives; the rest
     is compute. `recent`: its last collectives, (seq, op, shape, dtype, file, line) each; `ddp`: its
     DDP forwards, as Whereabouts.ddp."""

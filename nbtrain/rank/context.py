@@ -22,9 +22,9 @@ from ..common import protocol
 from . import strategies
 from .checkpoint import load, save
 from .compat import destroy_group_now
-from .doctor import progressed, timed_batches
 from .steer import Steering
 from .strategies import DDP_STRATEGIES, DEFAULT_MIN_PARAMS, SHARDED_STRATEGIES
+from .tally import progressed, timed_batches
 
 PROGRESS_INTERVAL = 0.1  # seconds between progress events of one bar
 

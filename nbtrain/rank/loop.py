@@ -40,12 +40,13 @@ from ..common.transfer import pack_exception, pack_result, unpack_job, unpack_pu
 from .compat import become_torchrun_worker, destroy_asked_group
 from .context import Context, set_current
 from .debugger import DEBUGGER, look_while_stuck
-from .doctor import TALLY, count_collectives, whereabouts
+from .doctor import count_collectives, whereabouts
 from .output import show_in_notebook
 from .process import enable_stacks, end_output, limit_threads, watched_from_here
 from .process import forward_output as forward
 from .rendezvous import use_private_store
 from .strategies import contains_sharded
+from .tally import TALLY
 
 NOTHING = object()  # an exec whose code ends without an expression
 STEERING = (protocol.SteerHold, protocol.SteerApply, protocol.SteerResume)  # `rank/steer.py`'s

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..common import protocol
 from ..common.private import read_own_json
 from ..common.transfer import pack_result
-from .doctor import progressed
+from .tally import progressed
 
 HOLD_BEAT = 1.0  # while held, how often the doctor hears that this rank is alive (no stall is said)
 CHANGES = "changes.json"  # in an exported job: the steered run's changes (`protocol.Change`, as dicts)

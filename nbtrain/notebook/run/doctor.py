@@ -25,7 +25,7 @@ DATA_HEAVY = 0.3  # ...and its step is "waiting for data" when that is this much
 # waiting for it (a 0.3 s run of 16 balanced batches differs by 1.3x from run to run on a busy machine).
 STRAGGLER_STEPS = 8
 STRAGGLER_SECONDS = 1.0
-DDP_OP = "DDP's gradient all-reduce"  # rank/doctor.py's op for a DDP bucket's all-reduce
+DDP_OP = "DDP's gradient all-reduce"  # rank/ddp_counting.py's op for a DDP bucket's all-reduce
 UNEVEN_FIX = ("the ranks had different numbers of batches — use DistributedSampler(drop_last=True) or "
               "torch.distributed.algorithms.Join")
 SKIPPED_FIX = ("a forward without its backward() leaves the others in that backward()'s all-reduce — run backward() "

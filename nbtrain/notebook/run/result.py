@@ -66,7 +66,7 @@ class Result:
     profile: ProfileTable | None = None  # launch(..., profile=...): a row per rank, the slowest named
     restarts: list[str] = field(default_factory=list)  # why each restart of a submitted run's ranks happened
     start: str = ""  # a class attribute too: a Result pickled by an earlier release reads ""
-    step_times: dict = field(default_factory=dict)  # rank: protocol.StepTimes (rank/doctor.py)
+    step_times: dict = field(default_factory=dict)  # rank: protocol.StepTimes (rank/tally.py)
     straggler: str | None = None  # the doctor's word on a rank that held the others back
     changes: list[Change] = field(default_factory=list)  # steered while it trained: `protocol.Change`
 
