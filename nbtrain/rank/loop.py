@@ -41,6 +41,8 @@ from .compat import become_torchrun_worker, destroy_asked_group
 from .context import Context, set_current
 from .debugger import DEBUGGER, look_while_stuck
 from .doctor import TALLY, count_collectives, whereabouts
+from .flight_recorder import summary as nccl_summary
+from .flight_recorder import turn_on as turn_on_flight_recorder
 from .output import show_in_notebook
 from .process import enable_stacks, end_output, limit_threads, watched_from_here
 from .process import forward_output as forward
@@ -97,7 +99,7 @@ class RankLoop:
             # remote ranks; local ones are asked by signal (works even when the GIL is held)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         elif isinstance(message, protocol.Where):  # answered here: the main thread may be stuck
-            self.link.emit(whereabouts(self.link.rank))
+            self.link.emit(whereabouts(self.link.rank)._replace(nccl=nccl_summary()))  # () but on nccl
         elif isinstance(message, protocol.Stdin):
             self.stdin.put(message.line)
         elif isinstance(message, protocol.Names):
@@ -482,6 +484,7 @@ def serve(first=None, once: bool = False, live: bool = False, forward_output: bo
     become_torchrun_worker()
     use_private_store()
     count_collectives()
+    turn_on_flight_recorder()  # on nccl, before the process group is made
     show_in_notebook(link, rank)
     ctx = Context.from_environ(os.environ, link)
     set_current(ctx)
