@@ -9,8 +9,8 @@ its op (`profiling_name`, "nccl:all_reduce"), its tensors' sizes and dtypes, and
 completed says how far that rank got, even inside backward() or a compiled graph: the rank whose
 last one is behind the others' is the one they wait for.
 
-Only on nccl (NBTRAIN_BACKEND): on gloo torch 2.13 wires the recorder for torchcomms only, and its
-entries stay "scheduled" (`doctor.py`); nothing here runs there. The recorder is on by default in
+Only on nccl (NBTRAIN_BACKEND): on gloo, torch 2.13's recorder never marks an entry started or
+completed (every one stays "scheduled": `doctor.py`), so nothing here runs there. The recorder is on by default in
 recent torch (2,000 entries); `turn_on` sets that size where the user set none, for a torch whose
 default was 0. Reading it (`summary`) dumps it as JSON without stacks, only the entries not
 completed unless none is, in a thread of its own waited for `DUMP_WAIT` at most: a rank that

@@ -4,7 +4,7 @@ One loop serves `launch` (one `run` command, then the rank exits) and live `Rank
 until `stop`), whatever started the rank. Commands run on the main thread, so an interrupt
 (SIGINT, raised only while user code runs) lands in the user's code as KeyboardInterrupt; the
 channel's second thread receives commands, interrupts, stack requests, the doctor's `Where`
-(answered from there: `doctor.py`) and debugger input.
+(answered from there: `doctor.py`, and on nccl `flight_recorder.py`) and debugger input.
 
 The messages both ways are `common/protocol.py`'s records. A command (`Run`, `Call`, `Exec`,
 `Eval`, `Push`, `Pull`, `Start`, `Debug`) carries its `seq` and `everyone` (sent to every rank, so
