@@ -176,3 +176,128 @@ with nbtrain.Ranks(devices=1, progress=False) as ranks:
     assert "sweep 2 ('cuda:0', '0') True" in out, out
     assert "map [('cuda:0', 3.0), ('cuda:0', 5.0)]" in out, out
     assert "ranks.map [('cuda:0', 8.0), ('cuda:0', 4.0)]" in out, out
+
+
+NOTES = """
+import re, statistics, time, torch, nbtrain
+import torch.distributed as dist
+import torch.nn.functional as F
+from nbtrain.display.text import QuietDisplay
+from nbtrain.rank import flight_recorder
+
+class Notes(QuietDisplay):   # keeps what the run said (the doctor's note among it)
+    def __init__(self):
+        super().__init__()
+        self.notes = []
+    def note(self, text):
+        self.notes.append(text)
+"""
+
+
+def test_nccls_flight_recorder_is_read_back_and_said_in_a_stall():
+    """The doctor's reading of NCCL's Flight Recorder (rank/flight_recorder.py) on one GPU: after DDP
+    steps it holds DDP's bucket all-reduces (issued by DDP's C++ reducer) and names the last
+    collective, completed, by its sequence number; and a DDP all-reduce queued behind a long GPU
+    kernel (issued, not completed, as a collective waiting for a late peer is) is said in the verdict."""
+    out = run_fresh(NOTES + """
+STEPS = 5
+
+def readback():
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Linear(32, 4))                     # one bucket: 132 floats
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(STEPS):
+        loss = F.mse_loss(model(torch.randn(64, 32, device=ctx.device)), torch.zeros(64, 4, device=ctx.device))
+        opt.zero_grad(); loss.backward(); opt.step()
+    torch.cuda.synchronize()
+    after_ddp = flight_recorder.summary()
+    dist.all_reduce(torch.ones(7, 3, device=ctx.device))
+    torch.cuda.synchronize()
+    last = flight_recorder.summary()
+    entries = flight_recorder._read(flight_recorder._dump_function(), False).get("entries", [])
+    buckets = sum(e["profiling_name"].endswith("all_reduce") and e["input_sizes"] == [[132]] for e in entries)
+    return after_ddp, last, buckets
+
+after_ddp, last, buckets = nbtrain.launch(readback, devices=1, accelerator="gpu", start="fork", progress=False).value
+print("after DDP", after_ddp); print("last", last); print("bucket all-reduces", buckets)
+assert after_ddp[:6] == ("all_reduce", after_ddp[1], ((132,),), ("Float",), "default_pg", "completed"), after_ddp
+assert last == ("all_reduce", after_ddp[1] + 1, ((7, 3),), ("Float",), "default_pg", "completed", 0), last
+assert buckets >= STEPS, buckets
+
+def queued_behind_a_kernel():
+    ctx = nbtrain.context()
+    model = ctx.setup(torch.nn.Linear(32, 4))
+    x = torch.randn(64, 32, device=ctx.device)
+    for _ in range(3):
+        model(x).sum().backward()
+    loss = model(x).sum()
+    torch.cuda._sleep(50_000_000_000)   # ~25 s of GPU cycles (at 2 GHz): what follows on the GPU waits
+    loss.backward()                     # DDP's all-reduce issued, queued behind the sleeping kernel
+    done = torch.cuda.Event(); done.record()
+    while not done.query():
+        time.sleep(0.05)
+    return "done"
+
+notes = Notes()   # stall=8: well past CUDA's and NCCL's start, which make no progress either
+value = nbtrain.launch(queued_behind_a_kernel, devices=1, accelerator="gpu", start="fork", progress=notes, stall=8,
+                       timeout=150).value
+said = [n for n in notes.notes if n.startswith("No rank has progressed")]
+print("verdict", said)
+assert value == "done" and len(said) == 1, notes.notes
+assert re.search(r"NCCL's flight recorder: rank 0 (issued|started) all_reduce #[0-9]+ [(]Float[[]132[]], default_pg[)], "
+                 r"not completed", said[0]), said[0]
+print("OK")
+""")
+    print(out)
+    assert "\nOK" in "\n" + out
+
+
+def test_the_doctors_costs_on_a_real_ddp_step_are_printed():
+    """What the doctor costs on a real DDP step on the GPU, printed (measured, not asserted): the
+    counting communication hook against torch's built-in all-reduce on the same model, interleaved;
+    and reading NCCL's Flight Recorder on a stall (`summary`) with hundreds of entries in it."""
+    out = run_fresh(NOTES + """
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def costs():
+    ctx = nbtrain.context(); ctx.start_group()
+    def model(builtin):
+        torch.manual_seed(0)
+        ddp = DDP(torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).to(ctx.device),
+                  device_ids=[ctx.device])
+        if builtin:   # torch's own C++ all-reduce, before the first forward: nbtrain leaves it uncounted
+            ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+        return ddp
+    models = {"counted": model(False), "builtin": model(True)}
+    x = torch.randn(256, 2048, device=ctx.device)
+    def steps(m, n=5):
+        torch.cuda.synchronize(); began = time.perf_counter()
+        for _ in range(n):
+            m(x).square().mean().backward()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - began) / n
+    for m in models.values():
+        steps(m)
+    times = {k: [] for k in models}
+    for _ in range(30):
+        for k, m in models.items():
+            times[k].append(steps(m))
+    reads = []
+    for _ in range(5):
+        began = time.perf_counter(); said = flight_recorder.summary(); reads.append(time.perf_counter() - began)
+    full = time.perf_counter()
+    entries = len(flight_recorder._read(flight_recorder._dump_function(), False).get("entries", []))
+    full = time.perf_counter() - full
+    return {k: statistics.median(v) for k, v in times.items()}, statistics.median(reads), full, entries, said
+
+step, read, full, entries, said = nbtrain.launch(costs, devices=1, accelerator="gpu", start="fork",
+                                                 progress=False).value
+extra = step["counted"] - step["builtin"]
+print(f"DDP step (8x Linear(2048), batch 256, one H200): counting hook {step['counted'] * 1e3:.3f} ms, "
+      f"torch's built-in {step['builtin'] * 1e3:.3f} ms: {extra * 1e6:+.0f} us ({extra / step['builtin']:+.1%})")
+print(f"flight recorder: summary {read * 1e3:.2f} ms, full dump of {entries} entries {full * 1e3:.2f} ms; {said}")
+assert said and entries > 0
+print("OK")
+""")
+    print(out)
+    assert "\nOK" in "\n" + out

@@ -162,7 +162,8 @@ class Whereabouts(NamedTuple):
     backward() calls whose gradients DDP all-reduced, and what it is doing in the doctor's words
     ("loading data", "in the loop" or "left the loop" that calls backward(), or ""); `ddp`: its
     DDP models' training forwards (forwards, under no_sync(), not followed by backward(), and the
-    parameters without a gradient), or () before any."""
+    parameters without a gradient), or () before any; `nccl`: on nccl, NCCL's Flight Recorder's
+    last collective not completed, else its last (`rank/flight_recorder.summarise`), or ()."""
     rank: int
     collectives: int
     current: tuple | None
@@ -174,6 +175,7 @@ class Whereabouts(NamedTuple):
     backwards: int = 0
     doing: str = ""
     ddp: tuple = ()
+    nccl: tuple = ()
 
 
 @_kind("display")

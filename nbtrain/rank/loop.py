@@ -4,7 +4,7 @@ One loop serves `launch` (one `run` command, then the rank exits) and live `Rank
 until `stop`), whatever started the rank. Commands run on the main thread, so an interrupt
 (SIGINT, raised only while user code runs) lands in the user's code as KeyboardInterrupt; the
 channel's second thread receives commands, interrupts, stack requests, the doctor's `Where`
-(answered from there: `doctor.py`) and debugger input.
+(answered from there: `doctor.py`, and on nccl `flight_recorder.py`) and debugger input.
 
 The messages both ways are `common/protocol.py`'s records. A command (`Run`, `Call`, `Exec`,
 `Eval`, `Push`, `Pull`, `Start`, `Debug`) carries its `seq` and `everyone` (sent to every rank, so
@@ -41,6 +41,8 @@ from .compat import become_torchrun_worker, destroy_asked_group
 from .context import Context, set_current
 from .debugger import DEBUGGER, look_while_stuck
 from .doctor import count_collectives, whereabouts
+from .flight_recorder import summary as nccl_summary
+from .flight_recorder import turn_on as turn_on_flight_recorder
 from .output import show_in_notebook
 from .process import enable_stacks, end_output, limit_threads, watched_from_here
 from .process import forward_output as forward
@@ -98,7 +100,7 @@ class RankLoop:
             # remote ranks; local ones are asked by signal (works even when the GIL is held)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         elif isinstance(message, protocol.Where):  # answered here: the main thread may be stuck
-            self.link.emit(whereabouts(self.link.rank))
+            self.link.emit(whereabouts(self.link.rank)._replace(nccl=nccl_summary()))  # () but on nccl
         elif isinstance(message, protocol.Stdin):
             self.stdin.put(message.line)
         elif isinstance(message, protocol.Names):
@@ -483,6 +485,7 @@ def serve(first=None, once: bool = False, live: bool = False, forward_output: bo
     become_torchrun_worker()
     use_private_store()
     count_collectives()
+    turn_on_flight_recorder()  # on nccl, before the process group is made
     show_in_notebook(link, rank)
     ctx = Context.from_environ(os.environ, link)
     set_current(ctx)

@@ -7,7 +7,9 @@ same place are said once ("ranks 0-4, 6, 7 wait in all_reduce #12 at train.py:30
 many ranks stays one line per place. The classic hangs are named with their cause and their fix:
 a rank that ran out of batches while the others wait in DDP's gradient all-reduce (different numbers
 of batches), or, by its DDP forwards, skipped a backward(), ran one under no_sync() the others did not,
-or left a parameter unused (find_unused_parameters); a rank stuck loading its next batch.
+or left a parameter unused (find_unused_parameters); a rank stuck loading its next batch. On nccl,
+what NCCL's Flight Recorder saw each rank issue last is said too (`recorder_words`): it sees the
+collectives Python does not (DDP's, compiled code's), so a rank behind the others shows there.
 """
 from __future__ import annotations
 
@@ -146,7 +148,7 @@ def stall_verdict(where: dict, silent: list[int] | tuple[int, ...] = ()) -> Verd
     if silent:
         parts.append(f"{ranks_words(silent)} did not say where {'they are' if len(silent) > 1 else 'it is'} "
                      "(busy in C code that holds the GIL)")
-    text = "; ".join(parts)
+    text = "; ".join(parts) + recorder_words(where)
     mismatch = _current_mismatch({r: where[r].current for r in waiting})
     if mismatch:
         return Verdict(f"{text}. {mismatch}", [], waiting)
@@ -161,6 +163,26 @@ def stall_verdict(where: dict, silent: list[int] | tuple[int, ...] = ()) -> Verd
         return Verdict(f"{text}. Every rank is in the same collective and none returns: the backend is stuck "
                        "(a lost connection, a device that hangs).", [], waiting)
     return Verdict(f"{text}. No rank is in a collective.", culprits, [])
+
+
+def recorder_words(where: dict) -> str:
+    """' (NCCL's flight recorder: rank 0 started all_reduce #57 (Float[1024], default_pg), not completed;
+    rank 1 last completed all_reduce #56 (...))' from the ranks' `Whereabouts.nccl`
+    (`rank/flight_recorder.summarise`); "" when no rank sent one (not nccl)."""
+    said = {r: w.nccl for r, w in where.items() if w.nccl}
+    if not said:
+        return ""
+
+    def clause(r, many):
+        op, seq, sizes, dtypes, group, state, pending = said[r]
+        tensor = f"{dtypes[0] if dtypes else ''}[{', '.join(map(str, sizes[0]))}], " if sizes else ""
+        call = f"{op} #{seq} ({tensor}{group})"
+        if state == "completed":
+            return f"last completed {call}"
+        more = f", the last of {pending} not completed" if pending > 1 else ", not completed"
+        return f"{'started' if state == 'started' else 'issued'} {call}{more}"
+
+    return f" (NCCL's flight recorder: {'; '.join(_grouped(said, clause))})"
 
 
 def facts(said) -> tuple:
