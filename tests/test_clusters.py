@@ -242,7 +242,7 @@ def test_queue_timeout_takes_seconds():
 
 
 def test_pending_reasons_that_waiting_cannot_clear_are_told_apart():
-    from nbtrain.placements.clusters.slurm import never_runs
+    from nbtrain.placements.clusters.slurm_words import never_runs
 
     def anything_exists(name):
         return True

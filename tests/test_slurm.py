@@ -226,12 +226,12 @@ def test_a_job_that_can_never_start_fails_at_once_saying_why(slurm, asks, reason
 
 
 def test_nodes_that_do_not_exist_can_never_be_waited_for(slurm):
-    from nbtrain.placements.clusters.slurm import _node_exists, never_runs
+    from nbtrain.placements.clusters.slurm_words import never_runs, node_exists
 
-    assert never_runs("ReqNodeNotAvail, UnavailableNodes:nosuch[1-2]", _node_exists) == \
+    assert never_runs("ReqNodeNotAvail, UnavailableNodes:nosuch[1-2]", node_exists) == \
         "the nodes it asks for do not exist in this cluster: nosuch1, nosuch2"
     here = socket.gethostname().split(".")[0]  # the test cluster's one node: it exists, and may come back
-    assert never_runs(f"ReqNodeNotAvail, UnavailableNodes:{here}", _node_exists) is None
+    assert never_runs(f"ReqNodeNotAvail, UnavailableNodes:{here}", node_exists) is None
 
 
 def test_live_ranks_that_can_never_start_fail_at_once(slurm):

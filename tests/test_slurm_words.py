@@ -2,7 +2,7 @@
 (`slurm_says`): srun's task reports and slurmstepd's cancellation notes, as SLURM writes them."""
 import pytest
 
-from nbtrain.placements.clusters.slurm import _srun_words, _task_numbers, slurm_says
+from nbtrain.placements.clusters.slurm_words import _srun_words, _task_numbers, slurm_says
 
 
 @pytest.mark.parametrize("spec, numbers", [

@@ -266,7 +266,7 @@ def test_a_wandb_server_that_does_not_answer_fails_the_run_in_bounded_time(serve
 
 
 def test_wandb_is_bounded_unless_the_user_says():
-    from nbtrain.rank.trackers import wandb_timeouts
+    from nbtrain.rank.tracker_writers import wandb_timeouts
 
     assert wandb_timeouts({}) == {"init_timeout": 30.0, "finish_timeout": 120.0}  # W&B's own: 90 s, and no end
     assert wandb_timeouts({"WANDB_INIT_TIMEOUT": "8"}) == {"finish_timeout": 120.0}  # the user's own wins

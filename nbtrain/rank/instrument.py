@@ -13,7 +13,7 @@ from ..common import protocol
 from ..common.private import new_private_dir
 from .context import context
 from .profiling import Profile, Recorder
-from .trackers import RunInfo, Trackers
+from .tracking import RunInfo, Trackers
 
 
 @dataclass

@@ -1,45 +1,26 @@
-"""Experiment trackers fed by `ctx.log`: TensorBoard, MLflow and Weights & Biases, written by the ranks.
+"""Experiment trackers fed by `ctx.log`, as the notebook names them: TensorBoard, MLflow and Weights & Biases.
 
 The settings objects (`TensorBoard`, `MLflow`, `WandB`) are plain data made in the notebook; each
-rank opens its writer from them, so the trackers work wherever the ranks run. Values logged with
-`sync_dist=True` are the same on every rank: rank 0 alone writes them under their name. Other
-values are each rank's own, written as `name/rank{N}` by that rank. Each tracker's own client
-writes its files; nothing here knows their formats.
-
-Every wait on a tracker is bounded, and a tracker that fails is named with where it writes: a
-server that does not answer fails the run within a minute (MLflow: each request given 10 s and 2
-retries; W&B: its init and finish timeouts), a full disk is said as such. Values are written on a
-thread of their own, so a slow tracker slows no training step; what queued up meanwhile goes in
-one batch.
+rank opens its writer from them (`tracker_writers.py`), driven by its `Trackers` (`tracking.py`), so
+the trackers work wherever the ranks run. `check_trackers` turns `trackers=` into them, each one's
+package checked as installed before any rank starts.
 """
 from __future__ import annotations
 
-import contextlib
-import importlib
 import importlib.util
 import os
-import queue
-import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..common.errors import NbtrainError
-from ..common.private import new_private_dir, new_private_file, private_files
+from .tracker_writers import MLflowWriter, TensorBoardWriter, WandBWriter, Writer
 
-FLUSH_SECONDS = 1.0  # MLflow: metrics are sent in batches at most this often (one store write each)
-BATCH = 10_000  # values taken off the queue at once: what queued up while the last batch was written
 # MLflow's own HTTP settings, for the run (ranks; restored after an in-process run), unless the
 # user set them: each request given 10 s and tried 3 times, 2 s apart, so a tracking server that
 # does not answer fails the run in about 30 s. MLflow's defaults (120 s, 7 retries, back-off
 # factor 2) gave about 250 s of silence for a closed port and some 20 minutes for a silent one.
 MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
                "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}
-# W&B's settings where the user set none (WANDB_INIT_TIMEOUT, WANDB_FINISH_TIMEOUT): its
-# default waits 90 s to start and, at the end, until every upload is done, however long.
-WANDB_TIMEOUTS = {"init_timeout": 30.0, "finish_timeout": 120.0}
-REFUSED, SILENT = "connection refused", "no answer in time"  # a server's two ways of not answering
 
 
 class TrackerError(NbtrainError, RuntimeError):
@@ -71,7 +52,7 @@ class Tracker:
     shared = False  # the ranks write into rank 0's run, whose id is handed round at the start
     environment: dict[str, str] = {}  # set in the rank for the run, where the user set none
 
-    def opened(self, run) -> _Writer:
+    def opened(self, run) -> Writer:
         """This rank's writer for the run (a rank calls it).
 
         Parameters
@@ -131,8 +112,8 @@ class TensorBoard(Tracker):
             raise ValueError(f"TensorBoard(log_dir={self.log_dir!r}): give a directory path (a str or "
                              "pathlib.Path), or None for the run directory's tensorboard/.")
 
-    def opened(self, run) -> _TensorBoardWriter:
-        return _TensorBoardWriter(self, run)
+    def opened(self, run) -> TensorBoardWriter:
+        return TensorBoardWriter(self, run)
 
     def where(self, run) -> str:
         return f"TensorBoard in {os.fspath(self.log_dir or f'{run.dir}/tensorboard')}"
@@ -183,8 +164,8 @@ class MLflow(Tracker):
             raise ValueError(f"MLflow(run_name={self.run_name!r}): give a non-empty str, or None for the run "
                              "directory's name.")
 
-    def opened(self, run) -> _MLflowWriter:
-        return _MLflowWriter(self, run)
+    def opened(self, run) -> MLflowWriter:
+        return MLflowWriter(self, run)
 
     def uri(self, run) -> str:
         """The tracking URI the run writes to.
@@ -251,8 +232,8 @@ class WandB(Tracker):
             raise ValueError(f"WandB(dir={self.dir!r}): give a directory path (a str or pathlib.Path), or None for "
                              "the run directory.")
 
-    def opened(self, run) -> _WandBWriter:
-        return _WandBWriter(self, run)
+    def opened(self, run) -> WandBWriter:
+        return WandBWriter(self, run)
 
     def where(self, run) -> str:
         mode = self.mode or os.environ.get("WANDB_MODE") or "online"
@@ -290,300 +271,3 @@ def check_trackers(trackers) -> tuple:
     if len(set(names)) != len(names):
         raise ValueError(f"trackers={names!r} names a tracker twice; give each once (settings in its object).")
     return tuple(found)
-
-
-class _Writer:
-    """One rank's writer of one tracker. `key` is the name the value is written under."""
-
-    def log(self, key: str, value: float, step: int) -> None:
-        raise NotImplementedError
-
-    def written(self) -> None:
-        """A batch of values was logged: a writer that sends in batches may send now."""
-
-    def close(self, failed: bool = False) -> None:
-        pass
-
-    def abandon(self) -> None:
-        """This writer failed: release what it holds, asking nothing more of its store or server."""
-        with contextlib.suppress(Exception):
-            self.close(failed=True)
-
-
-class _TensorBoardWriter(_Writer):
-    def __init__(self, settings: TensorBoard, run):
-        from torch.utils.tensorboard import SummaryWriter
-        from torch.utils.tensorboard.summary import hparams
-
-        # Private: the event file records the run's arguments.
-        base = new_private_dir(os.fspath(settings.log_dir or f"{run.dir}/tensorboard"))
-        self.writer = SummaryWriter(str(base if run.rank == 0 else new_private_dir(base / f"rank{run.rank}")))
-        private_files(self.writer.log_dir)
-        if run.rank == 0:
-            # What add_hparams writes, into this writer's own file: add_hparams opens a second
-            # writer (a second run in TensorBoard) for them.
-            for summary in hparams(_plain(run.settings), {}):
-                self.writer.file_writer.add_summary(summary)  # type: ignore[attr-defined]  # open until close()
-
-    def log(self, key: str, value: float, step: int) -> None:
-        self.writer.add_scalar(key, value, step)
-
-    def close(self, failed: bool = False) -> None:
-        self.writer.close()
-
-
-class _MLflowWriter(_Writer):
-    def __init__(self, settings: MLflow, run):
-        from mlflow import MlflowClient
-
-        if settings.tracking_uri is None:  # private: the store records the run's arguments
-            new_private_file(f"{run.dir}/mlflow.db")
-        self.client = MlflowClient(tracking_uri=settings.uri(run))
-        self.run_id = None
-        self.owner = run.rank == 0  # the rank that created the run ends it
-        self.pending: list = []
-        self.sent = time.monotonic()
-        if run.rank == 0:
-            experiment = self.client.get_experiment_by_name(settings.experiment)
-            experiment_id = (experiment.experiment_id if experiment is not None
-                             else self.client.create_experiment(settings.experiment))
-            created = self.client.create_run(experiment_id, run_name=settings.run_name or run.name,
-                                             tags={"nbtrain.world_size": str(run.world_size)})
-            self.run_id = created.info.run_id
-            self.client.log_batch(self.run_id, params=[_param(k, v) for k, v in run.settings.items()])
-
-    def join(self, run_id: str) -> None:
-        self.run_id = run_id
-
-    def log(self, key: str, value: float, step: int) -> None:
-        from mlflow.entities import Metric
-
-        self.pending.append(Metric(key, value, int(time.time() * 1000), step))
-
-    def written(self) -> None:
-        if len(self.pending) >= 500 or time.monotonic() - self.sent >= FLUSH_SECONDS:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self.pending:
-            assert self.run_id is not None  # set by start(), before any metric
-            self.client.log_batch(self.run_id, metrics=self.pending)  # MLflow splits it into requests of 1,000
-        self.pending, self.sent = [], time.monotonic()
-
-    def close(self, failed: bool = False) -> None:
-        self._flush()
-        if self.run_id and self.owner:
-            self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
-
-    def abandon(self) -> None:
-        self.pending = []  # a store that failed once is not asked again: each try could wait its timeout
-
-
-def wandb_timeouts(environ) -> dict[str, float]:
-    """nbtrain's bounds on W&B's start and finish, less those the user set in `environ`."""
-    return {k: v for k, v in WANDB_TIMEOUTS.items() if f"WANDB_{k.upper()}" not in environ}
-
-
-class _WandBWriter(_Writer):
-    def __init__(self, settings: WandB, run):
-        import wandb
-
-        name = run.name if run.rank == 0 else f"{run.name}-rank{run.rank}"
-        bounded = wandb_timeouts(os.environ)
-        new_private_dir(Path(os.fspath(settings.dir or run.dir), "wandb"))  # W&B's own folder there: private
-        try:
-            self.run = wandb.init(project=settings.project, entity=settings.entity,
-                                  mode=settings.mode,  # type: ignore[arg-type]  # checked by W&B's settings
-                                  dir=os.fspath(settings.dir or run.dir), name=name, group=run.name,
-                                  job_type=f"rank{run.rank}",
-                                  config=run.settings if run.rank == 0 else {"rank": run.rank},
-                                  reinit="create_new", settings=wandb.Settings(finish_timeout_raises=True,
-                                                                          **bounded))  # type: ignore[arg-type]
-        except BaseException:
-            _end_wandb()
-            raise
-        # Each name keeps its own step (ctx.log counts per name): W&B's own step would tie them together.
-        self.run.define_metric("*", step_metric="step")
-
-    def log(self, key: str, value: float, step: int) -> None:
-        self.run.log({key: value, "step": step})
-
-    def close(self, failed: bool = False) -> None:
-        try:
-            self.run.finish(exit_code=1 if failed else 0)
-        finally:
-            _end_wandb()
-
-
-def _end_wandb() -> None:
-    """End this rank's wandb-core now, not some time after the rank, and remove the socket of any
-    system monitor it started that did not remove its own: wandb-core ends its monitor
-    (wandb-symon) as the run finishes, and a monitor ended before it unlinks
-    `wandb_symon-<core pid>-<monitor pid>-<ms>.sock` leaves that file in the temporary folder."""
-    import tempfile
-
-    import psutil
-    import wandb
-
-    cores = []  # this process's W&B service
-    for child in psutil.Process().children():
-        with contextlib.suppress(psutil.Error):  # a child that ended meanwhile
-            if child.name() == "wandb-core":
-                cores.append(child.pid)
-    wandb.teardown()
-    for core in cores:
-        for sock in Path(tempfile.gettempdir()).glob(f"wandb_symon-{core}-*.sock"):
-            with contextlib.suppress(OSError):
-                if sock.lstat().st_uid == os.geteuid():  # a stranger's file is not ours to remove
-                    sock.unlink()
-
-
-def _plain(settings: dict) -> dict:
-    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in settings.items()}
-
-
-def _param(key, value):
-    from mlflow.entities import Param
-
-    return Param(key, str(value)[:6000])
-
-
-@dataclass
-class RunInfo:
-    """What a rank's writers need to know of the run."""
-    name: str
-    dir: str
-    rank: int
-    world_size: int
-    settings: dict
-
-
-class Trackers:
-    """This rank's writers, opened from the settings: rank 0's at the start (they carry the
-    hyper-parameters), another rank's when it first logs a value of its own. Values are written
-    on a thread of their own: building a tracker's records costs the training loop nothing but a
-    queue put, and the writing overlaps the loop's torch operators (which release the GIL). A
-    tracker that fails is written to no more; close() raises its error, naming it."""
-
-    def __init__(self, settings: tuple, run: RunInfo):
-        self.settings, self.run = settings, run
-        self.writers: dict[str, _Writer] = {}
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.error: TrackerError | None = None  # the first a writer raised: raised again by close()
-        self.failed: str | None = None  # the name of the tracker that raised it
-        self.thread = threading.Thread(target=self._write, name="nbtrain-trackers", daemon=True)
-        self.added: list[str] = []  # what start() set in os.environ, for the run
-
-    def start(self, share) -> None:
-        """Open rank 0's writers; `share(value)` hands rank 0's value to every rank (a collective)."""
-        for tracker in self.settings:
-            # Before any thread of ours runs (os.environ is not safe to change beside one), for
-            # the run only: close() restores it, as a run in the kernel's own process needs.
-            for key, value in tracker.environment.items():
-                if key not in os.environ:
-                    self.added.append(key)
-                    os.environ[key] = value
-        for tracker in self.settings:
-            # Imported now on every rank (about a second for some): not in the middle of training,
-            # when a rank's first value of its own opens its writer.
-            importlib.import_module(tracker.client)
-        if self.run.rank == 0:
-            for tracker in self.settings:
-                self._writer(tracker)
-        for tracker in self.settings:
-            if tracker.shared:
-                run_id = share(self.writers[tracker.name].run_id if self.run.rank == 0 else None)  # type: ignore[attr-defined]
-                if self.run.rank != 0:
-                    self._writer(tracker).join(run_id)  # type: ignore[attr-defined]  # shared: MLflow's writer
-        self.thread.start()
-
-    def _writer(self, tracker) -> _Writer:
-        writer = self.writers.get(tracker.name)
-        if writer is None:
-            with self._said(tracker, "could not start"):
-                writer = self.writers[tracker.name] = tracker.opened(self.run)
-        return writer
-
-    @contextlib.contextmanager
-    def _said(self, tracker, doing: str):
-        """A tracker's error as one line: what failed, where it writes, and why."""
-        try:
-            yield
-        except TrackerError:
-            raise
-        except Exception as exc:
-            reason = _reason(exc)
-            if isinstance(tracker, MLflow) and reason in (REFUSED, SILENT):
-                setting = {k: os.environ.get(k, v) for k, v in MLFLOW_HTTP.items()}
-                reason += (f" (each request given {setting['MLFLOW_HTTP_REQUEST_TIMEOUT']} s, "
-                           f"{setting['MLFLOW_HTTP_REQUEST_MAX_RETRIES']} retries: MLFLOW_HTTP_REQUEST_TIMEOUT, "
-                           "MLFLOW_HTTP_REQUEST_MAX_RETRIES)")
-            raise TrackerError(f"{tracker.where(self.run)} {doing}: {reason}") from exc
-
-    def log(self, name: str, value: float, step: int, synced: bool) -> None:
-        if synced and self.run.rank != 0:
-            return  # the same value on every rank: rank 0 writes it once
-        self.queue.put((name if synced else f"{name}/rank{self.run.rank}", value, step))
-
-    def _write(self) -> None:
-        done = False
-        while not done:
-            items = [self.queue.get()]
-            while len(items) < BATCH and items[-1] is not None:
-                try:
-                    items.append(self.queue.get_nowait())
-                except queue.Empty:
-                    break
-            done = items[-1] is None  # close() puts None last
-            values = items[:-1] if done else items
-            if self.error is not None or not values:
-                continue  # a writer failed: the rest is dropped, close() says why
-            for tracker in self.settings:
-                try:
-                    with self._said(tracker, "could not write"):
-                        writer = self._writer(tracker)
-                        for item in values:
-                            writer.log(*item)
-                        writer.written()
-                except TrackerError as exc:
-                    self.error, self.failed = exc, tracker.name
-                    break
-
-    def close(self, failed: bool = False) -> None:
-        try:
-            if self.thread.is_alive():
-                self.queue.put(None)
-                self.thread.join()  # bounded: each tracker's calls are
-            for tracker in self.settings:
-                writer = self.writers.pop(tracker.name, None)
-                if writer is None:
-                    continue
-                if tracker.name == self.failed:
-                    writer.abandon()
-                    continue
-                try:
-                    with self._said(tracker, "could not finish"):
-                        writer.close(failed)
-                except TrackerError as exc:
-                    self.error = self.error or exc
-        finally:
-            for key in self.added:
-                os.environ.pop(key, None)
-            self.added.clear()
-        if self.error is not None and not failed:
-            raise self.error
-
-
-def _reason(exc: BaseException) -> str:
-    """Why, in a few words: the system's own (no space left on device) where it gave them; for a
-    server, whether it refused or did not answer; else the error's type and first line."""
-    if isinstance(exc, OSError) and exc.strerror:
-        said = exc.strerror[:1].lower() + exc.strerror[1:]
-        return f"{said} ({exc.filename})" if exc.filename else said
-    text = (str(exc).strip().splitlines() or [""])[0]
-    lowered = text.lower()
-    if "connection refused" in lowered:
-        return REFUSED
-    if "timed out" in lowered or "deadline exceeded" in lowered:
-        return SILENT
-    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
