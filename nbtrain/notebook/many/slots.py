@@ -28,8 +28,7 @@ from ...common.devices import plan_devices
 from ...display.vitals import VitalsSampler
 from ...placements import template_process
 from ...placements.template_process import template, warm_up
-from ..run.choices import words
-from ..run.options import check_count
+from ..run.options import RunOptions, check_count
 from ..run.starts import StartWords, entry
 
 log = logging.getLogger(__name__)
@@ -111,10 +110,11 @@ def share_cores(count: int, per_slot: int) -> tuple[int, list[tuple[int, ...]]]:
     return threads, [tuple(cpus[i * width:(i + 1) * width]) for i in range(count)]
 
 
-def slot_start(strategy: str = "auto", start: str = "auto") -> tuple[str, str]:
-    """(strategy, start) for a launch in a slot: ranks from the template (see the module docstring),
-    'fsdp' under torchrun by default (it starts its ranks by exec); never a fork of this kernel."""
-    asked = words(strategy, start)
+def slot_start(options: RunOptions) -> tuple[str, str]:
+    """(strategy, start) for a launch in a slot, from the run options the front end built (their
+    words checked there): ranks from the template (see the module docstring), 'fsdp' under torchrun
+    by default (it starts its ranks by exec); never a fork of this kernel."""
+    asked, strategy, start = options.asked, options.strategy, options.start
     if asked.strategy not in ("auto", "ddp", "fsdp"):
         raise ValueError(f"strategy={strategy!r}: runs in slots take 'auto' or 'ddp' (DDP when a slot has several "
                          "devices) or 'fsdp'.")
