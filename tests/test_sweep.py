@@ -12,7 +12,7 @@ import pytest
 
 import nbtrain
 from conftest import CHILDREN
-from nbtrain.common.inventory import Gpu, NvmlInventory, StaticInventory, use_inventory
+from nbtrain.common.inventory import Gpu, StaticInventory, use_inventory
 from nbtrain.common.protocol import Vital
 from nbtrain.display.sweep_view import SweepState, TrialRow, summary_html, summary_text
 from nbtrain.notebook.many.slots import plan_slots
@@ -111,6 +111,9 @@ def test_slots_pack_onto_the_gpus_given():
     assert [s.devices for s in twos] == [(0, 1), (2, 3), (4, 5), (6, 7)] and str(twos[1]) == "GPUs 2,3"
     assert [s.devices for s in odd] == [(1, 2)] and note.startswith("GPU [5] left idle")
     assert [s.devices for s in shared] == [(0,)] * 3 + [(1,)] * 3 and str(shared[4]) == "GPU 1 (slot 4)"
+    # Each shared slot a one-GPU launch (or warm process, keyed by its index) of its own, on its GPU.
+    assert [s.launch_devices for s in shared] == [[0]] * 3 + [[1]] * 3 and [s.index for s in shared] == list(range(6))
+    assert {(s.size, s.sharing) for s in shared} == {(1, 3)} and {s.sharing for s in ones} == {1}
     assert {s.threads for s in shared} == {max(1, len(os.sched_getaffinity(0)) // 6)}
 
 
@@ -456,9 +459,8 @@ def test_optunas_own_objective_runs_unchanged_define_by_run(no_leftovers):
     assert all(t.value == t.intermediate_values[2] for t in trials)  # the returned value is the trial's
     assert all(t.user_attrs["threads"] == max(1, (os.cpu_count() or 1) // 2) for t in trials)  # each slot's share
     assert not any(GPU_MEMORY in t.user_attrs for t in trials)  # CPU trials: no GPU memory said
-    cores = {t.user_attrs["nbtrain_slot"]: tuple(t.user_attrs["cores"]) for t in trials}
-    if len(os.sched_getaffinity(0)) >= 2:  # a core (or more) of its own for each of the 2 slots
-        assert len(set(cores.values())) == 2 and not set(cores["CPU slot 0"]) & set(cores["CPU slot 1"])
+    # Not pinned: each trial may run on any core, the scheduler's choice (a pinned slot waited on its busy core).
+    assert all(t.user_attrs["cores"] == sorted(os.sched_getaffinity(0)) for t in trials)
     assert swept.best_params == swept.best_trial.params and set(swept.best_params) == used(swept.best_params)
     assert swept.best_value == max(t.value for t in trials) and swept.metric == "value"
     assert swept.best_result.value == swept.best_value
@@ -721,25 +723,3 @@ def test_in_jupyter_the_live_table_is_replaced_in_place_by_the_summary(kernel):
     assert '<div class="nbtrain-sweep">' in final["text/html"] and "(live;" not in final["text/plain"]
     assert "image/png" in [data for key, data in updates if key == curves][-1]
     assert kernel.value("children()") == []
-
-
-def holds_gpu_memory(trial):
-    import torch
-
-    held = torch.empty(768 << 20, dtype=torch.uint8, device="cuda")  # 768 MiB, for longer than a vitals interval
-    time.sleep(2.5)
-    del held
-    return trial.suggest_float("x", 0.0, 1.0)
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.skipif(not NvmlInventory().physical_gpus(), reason="needs an NVIDIA GPU with its driver (NVML sees none)")
-def test_trials_that_share_a_gpu_each_report_the_memory_they_held(no_leftovers):
-    swept = nbtrain.sweep(holds_gpu_memory, trials=4, devices=[0], trials_per_device=2, accelerator="gpu",
-                          study=quiet_study(), progress=False)
-    trials = swept.study.get_trials()
-    assert [t.state.name for t in trials] == ["COMPLETE"] * 4
-    assert {t.user_attrs["nbtrain_slot"] for t in trials} == {"GPU 0 (slot 0)", "GPU 0 (slot 1)"}
-    assert all(t.user_attrs[GPU_MEMORY] >= 768 << 20 for t in trials)
-    assert all(row.detail.startswith("GPU memory ") for row in swept.state.rows.values())
