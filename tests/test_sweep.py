@@ -168,6 +168,17 @@ def test_the_summarys_picture_has_a_slice_of_the_most_important_parameter():
     assert len(curves_figure(state).axes) == 1
 
 
+def test_a_warm_trial_reads_only_builtins_so_its_rank_asks_the_notebook_for_nothing():
+    """A name the trial's code reads that the live rank lacks is asked of the notebook, a round trip
+    at every trial (an attribute, `.unpack_job`, counts as such a name)."""
+    import builtins
+
+    from nbtrain.common.pickling import code_global_names
+    from nbtrain.notebook.many.sweep_workers import TRIAL
+
+    assert code_global_names(TRIAL.__code__) <= set(dir(builtins)), code_global_names(TRIAL.__code__)
+
+
 def test_a_trials_device_memory_is_the_most_its_first_rank_held():
     def vital(rank, gpu_memory):
         return Vital(0.0, rank, None, 1 << 20, gpu_memory, None if gpu_memory is None else 50, 0)

@@ -24,10 +24,13 @@ from .slots import Slot
 log = logging.getLogger(__name__)
 
 # What the live rank runs: builtins only, so its globals (the rank's namespace) need nothing from
-# the notebook. Its argument is the trial (`rank/trial.py`, the user's objective in it) packed as a
-# launch packs its job: a notebook's function, its cell's lines for tracebacks, its classes.
+# the notebook; no attribute either (`.unpack_job`), which the rank would take for a global it lacks
+# and ask the notebook for at every trial. Its argument is the trial (`rank/trial.py`, the user's
+# objective in it) packed as a launch packs its job: a notebook's function, its cell's lines for
+# tracebacks, its classes.
 _SOURCE = ('def _nbtrain_trial(job):\n'
-           '    fn, args, kwargs = __import__("nbtrain.common.transfer", None, None, ["unpack_job"]).unpack_job(job)\n'
+           '    unpack = getattr(__import__("nbtrain.common.transfer", None, None, ["unpack_job"]), "unpack_job")\n'
+           '    fn, args, kwargs = unpack(job)\n'
            '    return fn(*args, **kwargs)\n')
 _namespace: dict = {}
 exec(compile(_SOURCE, "<nbtrain trial>", "exec"), _namespace)
