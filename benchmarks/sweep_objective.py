@@ -5,7 +5,7 @@ shapes: 28x28 inputs, 10 classes, 30 batches of 128 to train, 10 to validate; fe
 - `nbtrain.sweep(objective, trials=8, devices=2, accelerator="cpu")`: the objective as Optuna
   calls it (`objective(trial)`), each trial a call on its slot's warm process (one per slot,
   started by the sweep, stopped at its end) with the slot's share of the cores (here: 1 thread
-  each);
+  each, on a core of its own);
 - `study.optimize(objective, n_trials=8)`: one after another, in this process;
 - `study.optimize(objective, n_trials=8, n_jobs=2)`: two threads of this process.
 

@@ -4,8 +4,9 @@
 - Optuna's own `study.optimize(n_jobs=1)` (trials one after another in this process) and
   `study.optimize(n_jobs=2)` (two threads of this process; torch releases the GIL);
 - with `--ray`, Ray Tune, 2 trials at once (1 CPU each), `tune.Tuner(...).fit()`;
-- with `--pinned`, nbtrain.sweep with each slot's warm process pinned to a core of its own, as
-  slots pinned theirs before 2026-11-28 (the trial function pins its process at its first trial).
+- with `--unpinned`, nbtrain.sweep with each trial free to run on any core (the trial function
+  sets its process's affinity back to every core this process has), against the slots' own
+  share: 1 thread and a core of its own each.
 
 Each trial trains a small MLP for a fixed number of steps on one thread (torch.set_num_threads(1)
 in the trial, the same code for all) and reports its loss every 10 steps. With `--wait S`,
@@ -16,7 +17,7 @@ so all do the same work. Rounds are interleaved; the median round is reported, a
 sweep against that round's `n_jobs=2` (paired: the shared machine's load changes from round to
 round). Start-up that happens once per session (nbtrain's template, `ray.init`) is measured apart.
 
-    python benchmarks/sweep_throughput.py [--trials 16] [--steps 1500] [--rounds 3] [--pinned] [--ray]
+    python benchmarks/sweep_throughput.py [--trials 16] [--steps 1500] [--rounds 3] [--unpinned] [--ray]
 """
 from __future__ import annotations
 
@@ -62,22 +63,13 @@ def nbtrain_trial(steps: int, lr: float) -> float:
     return train(lr, steps, lambda step, value: ctx.log("loss", value, step=step))
 
 
-def nbtrain_pinned_trial(steps: int, claims: str, lr: float) -> float:
-    """`nbtrain_trial`, its process pinned to a core of its own as slots pinned theirs before:
-    each slot's warm process claims the first core no other has claimed (a file per core)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) > 1:
-        for cpu in cpus:
-            try:
-                os.close(os.open(os.path.join(claims, str(cpu)), os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                continue
-            os.sched_setaffinity(0, {cpu})
-            break
+def nbtrain_unpinned_trial(steps: int, cpus: tuple, lr: float) -> float:
+    """`nbtrain_trial` on any of `cpus`, not on its slot's own core."""
+    os.sched_setaffinity(0, cpus)
     return nbtrain_trial(steps, lr)
 
 
-def run_nbtrain(lrs: list[float], steps: int, pinned: bool = False) -> float:
+def run_nbtrain(lrs: list[float], steps: int, unpinned: bool = False) -> float:
     import functools
 
     import optuna
@@ -87,13 +79,13 @@ def run_nbtrain(lrs: list[float], steps: int, pinned: bool = False) -> float:
     study = optuna.create_study()
     for lr in lrs:
         study.enqueue_trial({"lr": lr})
-    with tempfile.TemporaryDirectory() as claims:
-        fn = functools.partial(nbtrain_pinned_trial, steps, claims) if pinned else functools.partial(nbtrain_trial,
-                                                                                                      steps)
-        started = time.perf_counter()
-        nbtrain.sweep(fn, {"lr": optuna.distributions.FloatDistribution(1e-4, 1.0)}, trials=len(lrs), metric="loss",
-                      devices=2, accelerator="cpu", study=study, progress=False)
-        return time.perf_counter() - started
+    fn = functools.partial(nbtrain_trial, steps)
+    if unpinned:
+        fn = functools.partial(nbtrain_unpinned_trial, steps, tuple(sorted(os.sched_getaffinity(0))))
+    started = time.perf_counter()
+    nbtrain.sweep(fn, {"lr": optuna.distributions.FloatDistribution(1e-4, 1.0)}, trials=len(lrs), metric="loss",
+                  devices=2, accelerator="cpu", study=study, progress=False)
+    return time.perf_counter() - started
 
 
 def run_optuna(lrs: list[float], steps: int, jobs: int = 1) -> float:
@@ -134,7 +126,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--wait", type=float, default=0.0, help="seconds each step waits (0: CPU-bound)")
     parser.add_argument("--ray", action="store_true", help="Ray Tune too (about 20 s a round here)")
-    parser.add_argument("--pinned", action="store_true", help="the sweep with each slot pinned to a core, as before")
+    parser.add_argument("--unpinned", action="store_true", help="the sweep again, its trials on any core")
     parser.add_argument("--note", default="")
     args = parser.parse_args()
     WAIT[0] = args.wait
@@ -160,12 +152,12 @@ def main() -> None:
         ray_start = time.perf_counter()
         ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         ray_start = time.perf_counter() - ray_start
-    sweep, pinned, jobs1, jobs2, tune = ("nbtrain.sweep, 2 CPU slots", "nbtrain.sweep, 2 CPU slots pinned (before)",
+    sweep, unpinned, jobs1, jobs2, tune = ("nbtrain.sweep, 2 CPU slots", "nbtrain.sweep, trials not pinned",
                                          "optuna optimize(n_jobs=1)", "optuna optimize(n_jobs=2)",
                                          "Ray Tune, 2 at once")
     runs = {sweep: lambda: run_nbtrain(lrs, args.steps)}
-    if args.pinned:
-        runs[pinned] = lambda: run_nbtrain(lrs, args.steps, pinned=True)
+    if args.unpinned:
+        runs[unpinned] = lambda: run_nbtrain(lrs, args.steps, unpinned=True)
     runs[jobs1] = lambda: run_optuna(lrs, args.steps, 1)
     runs[jobs2] = lambda: run_optuna(lrs, args.steps, 2)
     times: dict[str, list[float]] = {name: [] for name in runs}

@@ -1,13 +1,13 @@
 """The rank side of a sweep's trial: its share of the cores, and Optuna's trial object.
 
 A trial runs as a launch of `run_trial(spec)`. It first takes the slot's share of the machine
-(torch's threads), so that trials side by side never ask for more threads than there are cores.
-Then it calls the user's function: `fn(**params)`, or `fn(trial)` with a `RemoteTrial`, which
-looks like the `optuna.trial.Trial` it stands for: each `suggest_*`, `report`, `should_prune`,
-`set_user_attr`, `params` is asked of the study in the notebook over the sweep's own channel
-(`common/channel.py`; the notebook's side is `notebook/many/sweep_trials.py`), so define-by-run
-spaces, conditional parameters and pruning work as Optuna's own `study.optimize` runs them. A
-trial that raises `optuna.TrialPruned` returns `PRUNED`.
+(torch's threads, and the slot's cores where the slots do not outnumber them), so that trials
+side by side do not fight over the cores. Then it calls the user's function: `fn(**params)`, or
+`fn(trial)` with a `RemoteTrial`, which looks like the `optuna.trial.Trial` it stands for: each
+`suggest_*`, `report`, `should_prune`, `set_user_attr`, `params` is asked of the study in the
+notebook over the sweep's own channel (`common/channel.py`; the notebook's side is
+`notebook/many/sweep_trials.py`), so define-by-run spaces, conditional parameters and pruning work as
+Optuna's own `study.optimize` runs them. A trial that raises `optuna.TrialPruned` returns `PRUNED`.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ class TrialSpec:
     params: dict | None  # fn(**params); None: fn(trial), the trial asked of `environ`'s channel
     environ: dict[str, str]  # the sweep's trial channel, as a rank's channel variables
     threads: int = 0  # torch threads per rank (0: as the launch set them)
+    cores: tuple[int, ...] = ()  # the CPUs this trial's processes run on (): any
     warm: bool = False  # a call on the slot's live rank, which ran trials before (`notebook/many/sweep_workers.py`)
 
 
@@ -49,10 +50,9 @@ class _Pruned:
 PRUNED = _Pruned()
 
 
-def take_share(threads: int, cores: tuple[int, ...] = ()) -> None:
-    """This process's share of the machine: `cores` first, where given (the threads torch starts
-    later run there; slots give none, `notebook/many/slots.py` says why), then torch's intra-op
-    threads, unless the user set OMP_NUM_THREADS."""
+def take_share(threads: int, cores: tuple[int, ...]) -> None:
+    """This process's share of the machine: its cores first (the threads torch starts later run
+    there), then torch's intra-op threads, unless the user set OMP_NUM_THREADS."""
     if cores and hasattr(os, "sched_setaffinity"):
         try:
             os.sched_setaffinity(0, cores)
@@ -66,7 +66,7 @@ def take_share(threads: int, cores: tuple[int, ...] = ()) -> None:
 
 def run_trial(spec: TrialSpec):
     """One trial on this rank: what `fn` returns (PRUNED when it raised optuna.TrialPruned)."""
-    take_share(spec.threads)
+    take_share(spec.threads, spec.cores)
     if spec.warm:
         fresh_run()
     try:

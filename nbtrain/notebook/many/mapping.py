@@ -98,7 +98,7 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
         try:
             display = runner.display(on_output=lambda rank, stream, text: lines.append((f"[{slot}] {text}", stream)),
                                      on_note=lambda text: lines.append((f"nbtrain: {slot}: {text}", "stdout")))
-            spec = work.spec(fn, bind=False, worker=slot.index, threads=slot.threads)  # its share
+            spec = work.spec(fn, bind=False, worker=slot.index, threads=slot.threads, cores=slot.cores)  # its share
             launch(functools.partial(serve_items, spec),
                    devices=slot.launch_devices, accelerator=slot.accelerator, strategy=strategy, start=start,
                    progress=display)

@@ -43,6 +43,7 @@ class Slot:
     devices: tuple[int, ...]  # GPU indices as the kernel sees them; () on CPU and on a cluster
     size: int  # how many devices (ranks) a run in this slot has
     threads: int = 0  # torch threads for each of its ranks: its share of the cores (0: as a launch sets them)
+    cores: tuple[int, ...] = ()  # the CPUs its processes run on, where slots do not outnumber them; (): any
     sharing: int = 1  # slots on its one GPU (trials_per_device)
 
     @property
@@ -77,15 +78,15 @@ def plan_slots(devices="auto", per_slot: int = 1, accelerator: str = "auto",
         kind = "GPUs" if plan.accelerator == "gpu" else "CPU processes"
         raise ValueError(f"{per_slot_name}={per_slot}: more than the {plan.nprocs} {kind} that devices={devices!r} "
                          f"gives; give {per_slot_name} <= {plan.nprocs}, or more devices.")
-    threads = share_threads(count * per_device, per_slot)
+    threads, cores = share_cores(count * per_device, per_slot)
     if per_device > 1:
-        slots = [Slot(i, "gpu", (plan.indices[i // per_device],), 1, threads, per_device)
+        slots = [Slot(i, "gpu", (plan.indices[i // per_device],), 1, threads, cores[i], per_device)
                  for i in range(count * per_device)]
     elif plan.accelerator == "gpu":
-        slots = [Slot(i, "gpu", tuple(plan.indices[i * per_slot:(i + 1) * per_slot]), per_slot, threads)
+        slots = [Slot(i, "gpu", tuple(plan.indices[i * per_slot:(i + 1) * per_slot]), per_slot, threads, cores[i])
                  for i in range(count)]
     else:
-        slots = [Slot(i, "cpu", (), per_slot, threads) for i in range(count)]
+        slots = [Slot(i, "cpu", (), per_slot, threads, cores[i]) for i in range(count)]
     idle = list(plan.indices[count * per_slot:])
     note = None
     if idle:
@@ -96,16 +97,17 @@ def plan_slots(devices="auto", per_slot: int = 1, accelerator: str = "auto",
     return slots, note
 
 
-def share_threads(count: int, per_slot: int) -> int:
-    """Torch threads for each rank of `count` slots side by side: their share of this process's
-    CPUs, as a launch gives each of its ranks its share, so that slots never ask for more threads
-    than there are cores (2 trials of 2 threads on 2 cores took 6-10x as long as trials of 1).
-    Which cores they run on is the scheduler's choice, as for a launch's ranks: a slot pinned to a
-    core of its own waits on it while another program uses it and the other core is free (a toy
-    sweep on a shared 2-core machine, 11 paired rounds: as fast pinned at the median, up to 1.7x
-    slower; RESULTS.md)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cpus // (count * per_slot))
+def share_cores(count: int, per_slot: int) -> tuple[int, list[tuple[int, ...]]]:
+    """Each of `count` slots' share of this process's CPUs, as a launch gives each of its ranks its
+    share: (threads per rank, each slot's CPUs). Slots that run side by side then never ask for
+    more threads than there are cores (2 trials of 2 threads on 2 cores took 6-10x as long as
+    trials of 1). A slot gets CPUs of its own only where there are at least as many as slots."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    threads = max(1, len(cpus) // (count * per_slot))
+    if count > len(cpus) or count == 1:
+        return threads, [()] * count
+    width = len(cpus) // count
+    return threads, [tuple(cpus[i * width:(i + 1) * width]) for i in range(count)]
 
 
 def slot_start(options: RunOptions) -> tuple[str, str]:

@@ -157,12 +157,12 @@ class SweepRun:
             return trial
 
     def _spec(self, trial, slot: Slot, warm: bool) -> TrialSpec:
-        """What the trial's ranks run: fn(trial) or fn(**params), with the slot's share of the cores."""
+        """What the trial's ranks run: fn(trial) or fn(**params), on the slot's share of the cores."""
         if self.server is None:
             params, environ = dict(trial.params), {}
         else:
             params, environ = None, self.server.environ
-        return TrialSpec(self.fn, trial.number, params, environ, slot.threads, warm)
+        return TrialSpec(self.fn, trial.number, params, environ, slot.threads, slot.cores, warm)
 
     def _run(self, trial, slot: Slot, reporter: Reporter) -> Result:
         """The trial as a call on the slot's warm worker (one device, on this machine), else as a
