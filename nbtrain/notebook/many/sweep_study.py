@@ -56,8 +56,8 @@ def _start_time(pid: int) -> float | None:
 
 
 def this_kernel() -> str:
-    """This process as a trial's owner, "host:pid:start" (read once per process: psutil's look at
-    /proc took 2 ms, paid by every trial)."""
+    """This process as a trial's owner, "host:pid:start" (read once per process, not at every
+    trial: its start time is a look at /proc)."""
     return _kernel(os.getpid())
 
 
