@@ -179,6 +179,46 @@ def test_a_warm_trial_reads_only_builtins_so_its_rank_asks_the_notebook_for_noth
     assert code_global_names(TRIAL.__code__) <= set(dir(builtins)), code_global_names(TRIAL.__code__)
 
 
+class ArrivesInRanks:
+    """What an objective carries (a dataset): each unpickling, in a rank, leaves a file."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def __reduce__(self):
+        return arrived, (self.directory,)
+
+
+def arrived(directory: str) -> ArrivesInRanks:
+    Path(directory, f"{os.getpid()}-{time.monotonic_ns()}").touch()
+    return ArrivesInRanks(directory)
+
+
+def reads_its_data(data: ArrivesInRanks, trial):
+    return trial.suggest_float("x", 0.0, 1.0) + len(data.directory) * 0
+
+
+@pytest.mark.slow
+def test_the_objective_and_what_it_carries_reach_each_warm_process_once(tmp_path, no_leftovers):
+    swept = nbtrain.sweep(functools.partial(reads_its_data, ArrivesInRanks(str(tmp_path))), trials=6, devices=2,
+                          accelerator="cpu", study=quiet_study(), progress=False)
+    assert [t.state.name for t in swept.study.get_trials()] == ["COMPLETE"] * 6
+    arrivals = [name.split("-")[0] for name in os.listdir(tmp_path)]
+    assert len(arrivals) == len(set(arrivals)) == 2, arrivals  # once per slot's process, not once per trial
+
+
+def test_a_warm_rank_keeps_its_sweeps_function_and_asks_for_it_when_it_has_none():
+    import dill
+
+    from nbtrain.rank.trial import FUNCTION_WANTED, TrialSpec, run_trial
+
+    assert run_trial(TrialSpec(None, 0, {"x": 1}, {}, sweep="never-sent-here")) is FUNCTION_WANTED  # a fresh process
+    assert run_trial(TrialSpec(lambda x: x * 2, 1, {"x": 1}, {}, sweep="this-sweep")) == 2  # kept...
+    assert run_trial(TrialSpec(None, 2, {"x": 3}, {}, sweep="this-sweep")) == 6  # ... for the next trials
+    assert run_trial(TrialSpec(None, 3, {"x": 3}, {}, sweep="an-earlier-sweep")) is FUNCTION_WANTED
+    assert dill.loads(dill.dumps(FUNCTION_WANTED)) is FUNCTION_WANTED  # one object, in the rank and the notebook
+
+
 def test_a_trials_device_memory_is_the_most_its_first_rank_held():
     def vital(rank, gpu_memory):
         return Vital(0.0, rank, None, 1 << 20, gpu_memory, None if gpu_memory is None else 50, 0)
