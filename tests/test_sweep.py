@@ -219,6 +219,32 @@ def test_a_warm_rank_keeps_its_sweeps_function_and_asks_for_it_when_it_has_none(
     assert dill.loads(dill.dumps(FUNCTION_WANTED)) is FUNCTION_WANTED  # one object, in the rank and the notebook
 
 
+def deaf_when_pruned(marks: str, x: float):
+    """Reports x; pruned (x > 0.5), it goes on for 3 s, deaf to the interrupt: its process is replaced."""
+    Path(marks, f"{x}-{os.getpid()}").touch()
+    nbtrain.context().log("loss", x, step=0)
+    if x > 0.5:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            try:
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                pass
+    return x
+
+
+@pytest.mark.slow
+def test_a_slot_whose_process_was_replaced_sends_it_the_objective_again(tmp_path, no_leftovers):
+    study = quiet_study(pruner=optuna.pruners.ThresholdPruner(upper=0.5))
+    for x in (0.2, 0.9, 0.1):  # the first leaves its process the objective; the second, pruned, outlives it
+        study.enqueue_trial({"x": x})
+    swept = nbtrain.sweep(functools.partial(deaf_when_pruned, str(tmp_path)), SPACE, trials=3, metric="loss",
+                          devices=1, accelerator="cpu", study=study, progress=False)
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE", "PRUNED", "COMPLETE"] and swept.best_value == 0.1
+    pids = {float(x): pid for x, pid in (name.split("-") for name in os.listdir(tmp_path))}
+    assert pids[0.2] == pids[0.9] != pids[0.1]  # the third trial, in a fresh process that asked for the objective
+
+
 def test_a_trials_device_memory_is_the_most_its_first_rank_held():
     def vital(rank, gpu_memory):
         return Vital(0.0, rank, None, 1 << 20, gpu_memory, None if gpu_memory is None else 50, 0)
