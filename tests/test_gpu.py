@@ -301,3 +301,46 @@ print("OK")
 """)
     print(out)
     assert "\nOK" in "\n" + out
+
+
+def test_trials_that_share_a_gpu_run_on_it_together_and_each_reports_the_memory_it_held():
+    """`trials_per_device=2` on one GPU: two slots, each its own warm process on cuda:0 (the GPU
+    narrowed to it), trials of the two slots running at the same time; each trial's own GPU
+    memory (NVML's figure for its process) in the study, its row and the summary."""
+    out = run_fresh("""
+import json, optuna, nbtrain
+from nbtrain.notebook.many.sweep_study import GPU_MEMORY
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+def holds_memory(trial):
+    import os, time, torch
+    started = time.time()
+    held = torch.empty(768 << 20, dtype=torch.uint8, device="cuda")  # 768 MiB, past a vitals interval
+    time.sleep(2.5)
+    trial.set_user_attr("ran", [started, time.time(), os.getpid(), str(held.device),
+                                os.environ.get("CUDA_VISIBLE_DEVICES")])
+    del held
+    return trial.suggest_float("x", 0.0, 1.0)
+
+swept = nbtrain.sweep(holds_memory, trials=4, devices=[0], trials_per_device=2, accelerator="gpu",
+                      study=optuna.create_study(), progress=False)
+trials = [[t.state.name, t.user_attrs.get("nbtrain_slot"), t.user_attrs.get(GPU_MEMORY), t.user_attrs.get("ran")]
+          for t in swept.study.get_trials()]
+print("RESULT", json.dumps({"trials": trials, "details": [r.detail for r in swept.state.rows.values()],
+                            "summary": repr(swept)}))
+""")
+    import json
+
+    found = json.loads(out.split("RESULT ", 1)[1])
+    trials = found["trials"]
+    assert [state for state, *_ in trials] == ["COMPLETE"] * 4, out
+    assert {slot for _, slot, *_ in trials} == {"GPU 0 (slot 0)", "GPU 0 (slot 1)"}, out
+    assert all(ran[3:] == ["cuda:0", "0"] for *_, ran in trials), out  # on the GPU given, narrowed to it
+    assert len({ran[2] for *_, ran in trials}) == 2, out  # one warm process per slot, both on GPU 0
+    together = [(a, b) for a in trials for b in trials
+                if a[1] != b[1] and a[3][0] < b[3][1] and b[3][0] < a[3][1]]
+    assert together, out  # trials of the two slots held the GPU at the same time
+    assert all(memory >= 768 << 20 for _, _, memory, _ in trials), out  # each trial's own, not the GPU's total
+    held = [float(detail.split()[2]) for detail in found["details"] if detail.startswith("GPU memory ")]
+    assert len(held) == 4 and all(g >= 0.75 for g in held), found["details"]
+    assert found["summary"].count("GPU memory") >= 4, found["summary"]  # the summary's rows say it too

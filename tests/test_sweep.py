@@ -12,7 +12,7 @@ import pytest
 
 import nbtrain
 from conftest import CHILDREN
-from nbtrain.common.inventory import Gpu, NvmlInventory, StaticInventory, use_inventory
+from nbtrain.common.inventory import Gpu, StaticInventory, use_inventory
 from nbtrain.common.protocol import Vital
 from nbtrain.display.sweep_view import SweepState, TrialRow, summary_html, summary_text
 from nbtrain.notebook.many.slots import plan_slots
@@ -111,6 +111,9 @@ def test_slots_pack_onto_the_gpus_given():
     assert [s.devices for s in twos] == [(0, 1), (2, 3), (4, 5), (6, 7)] and str(twos[1]) == "GPUs 2,3"
     assert [s.devices for s in odd] == [(1, 2)] and note.startswith("GPU [5] left idle")
     assert [s.devices for s in shared] == [(0,)] * 3 + [(1,)] * 3 and str(shared[4]) == "GPU 1 (slot 4)"
+    # Each shared slot a one-GPU launch (or warm process, keyed by its index) of its own, on its GPU.
+    assert [s.launch_devices for s in shared] == [[0]] * 3 + [[1]] * 3 and [s.index for s in shared] == list(range(6))
+    assert {(s.size, s.sharing) for s in shared} == {(1, 3)} and {s.sharing for s in ones} == {1}
     assert {s.threads for s in shared} == {max(1, len(os.sched_getaffinity(0)) // 6)}
 
 
@@ -163,6 +166,83 @@ def test_the_summarys_picture_has_a_slice_of_the_most_important_parameter():
     assert "image/png" in curves_bundle(state)
     state.importances = None
     assert len(curves_figure(state).axes) == 1
+
+
+def test_a_warm_trial_reads_only_builtins_so_its_rank_asks_the_notebook_for_nothing():
+    """A name the trial's code reads that the live rank lacks is asked of the notebook, a round trip
+    at every trial (an attribute, `.unpack_job`, counts as such a name)."""
+    import builtins
+
+    from nbtrain.common.pickling import code_global_names
+    from nbtrain.notebook.many.sweep_workers import TRIAL
+
+    assert code_global_names(TRIAL.__code__) <= set(dir(builtins)), code_global_names(TRIAL.__code__)
+
+
+class ArrivesInRanks:
+    """What an objective carries (a dataset): each unpickling, in a rank, leaves a file."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def __reduce__(self):
+        return arrived, (self.directory,)
+
+
+def arrived(directory: str) -> ArrivesInRanks:
+    Path(directory, f"{os.getpid()}-{time.monotonic_ns()}").touch()
+    return ArrivesInRanks(directory)
+
+
+def reads_its_data(data: ArrivesInRanks, trial):
+    return trial.suggest_float("x", 0.0, 1.0) + len(data.directory) * 0
+
+
+@pytest.mark.slow
+def test_the_objective_and_what_it_carries_reach_each_warm_process_once(tmp_path, no_leftovers):
+    swept = nbtrain.sweep(functools.partial(reads_its_data, ArrivesInRanks(str(tmp_path))), trials=6, devices=2,
+                          accelerator="cpu", study=quiet_study(), progress=False)
+    assert [t.state.name for t in swept.study.get_trials()] == ["COMPLETE"] * 6
+    arrivals = [name.split("-")[0] for name in os.listdir(tmp_path)]
+    assert len(arrivals) == len(set(arrivals)) == 2, arrivals  # once per slot's process, not once per trial
+
+
+def test_a_warm_rank_keeps_its_sweeps_function_and_asks_for_it_when_it_has_none():
+    import dill
+
+    from nbtrain.rank.trial import FUNCTION_WANTED, TrialSpec, run_trial
+
+    assert run_trial(TrialSpec(None, 0, {"x": 1}, {}, sweep="never-sent-here")) is FUNCTION_WANTED  # a fresh process
+    assert run_trial(TrialSpec(lambda x: x * 2, 1, {"x": 1}, {}, sweep="this-sweep")) == 2  # kept...
+    assert run_trial(TrialSpec(None, 2, {"x": 3}, {}, sweep="this-sweep")) == 6  # ... for the next trials
+    assert run_trial(TrialSpec(None, 3, {"x": 3}, {}, sweep="an-earlier-sweep")) is FUNCTION_WANTED
+    assert dill.loads(dill.dumps(FUNCTION_WANTED)) is FUNCTION_WANTED  # one object, in the rank and the notebook
+
+
+def deaf_when_pruned(marks: str, x: float):
+    """Reports x; pruned (x > 0.5), it goes on for 3 s, deaf to the interrupt: its process is replaced."""
+    Path(marks, f"{x}-{os.getpid()}").touch()
+    nbtrain.context().log("loss", x, step=0)
+    if x > 0.5:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            try:
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                pass
+    return x
+
+
+@pytest.mark.slow
+def test_a_slot_whose_process_was_replaced_sends_it_the_objective_again(tmp_path, no_leftovers):
+    study = quiet_study(pruner=optuna.pruners.ThresholdPruner(upper=0.5))
+    for x in (0.2, 0.9, 0.1):  # the first leaves its process the objective; the second, pruned, outlives it
+        study.enqueue_trial({"x": x})
+    swept = nbtrain.sweep(functools.partial(deaf_when_pruned, str(tmp_path)), SPACE, trials=3, metric="loss",
+                          devices=1, accelerator="cpu", study=study, progress=False)
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE", "PRUNED", "COMPLETE"] and swept.best_value == 0.1
+    pids = {float(x): pid for x, pid in (name.split("-") for name in os.listdir(tmp_path))}
+    assert pids[0.2] == pids[0.9] != pids[0.1]  # the third trial, in a fresh process that asked for the objective
 
 
 def test_a_trials_device_memory_is_the_most_its_first_rank_held():
@@ -721,25 +801,3 @@ def test_in_jupyter_the_live_table_is_replaced_in_place_by_the_summary(kernel):
     assert '<div class="nbtrain-sweep">' in final["text/html"] and "(live;" not in final["text/plain"]
     assert "image/png" in [data for key, data in updates if key == curves][-1]
     assert kernel.value("children()") == []
-
-
-def holds_gpu_memory(trial):
-    import torch
-
-    held = torch.empty(768 << 20, dtype=torch.uint8, device="cuda")  # 768 MiB, for longer than a vitals interval
-    time.sleep(2.5)
-    del held
-    return trial.suggest_float("x", 0.0, 1.0)
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.skipif(not NvmlInventory().physical_gpus(), reason="needs an NVIDIA GPU with its driver (NVML sees none)")
-def test_trials_that_share_a_gpu_each_report_the_memory_they_held(no_leftovers):
-    swept = nbtrain.sweep(holds_gpu_memory, trials=4, devices=[0], trials_per_device=2, accelerator="gpu",
-                          study=quiet_study(), progress=False)
-    trials = swept.study.get_trials()
-    assert [t.state.name for t in trials] == ["COMPLETE"] * 4
-    assert {t.user_attrs["nbtrain_slot"] for t in trials} == {"GPU 0 (slot 0)", "GPU 0 (slot 1)"}
-    assert all(t.user_attrs[GPU_MEMORY] >= 768 << 20 for t in trials)
-    assert all(row.detail.startswith("GPU memory ") for row in swept.state.rows.values())

@@ -28,13 +28,17 @@ NAME_STRIDE = 1 << 16  # a rank's name on the sweep's channel: its trial's numbe
 
 @dataclass
 class TrialSpec:
-    fn: Callable
+    fn: Callable | None  # None: the function this process kept under `sweep` (sent with its first trial)
     number: int  # the trial's number in its study
     params: dict | None  # fn(**params); None: fn(trial), the trial asked of `environ`'s channel
     environ: dict[str, str]  # the sweep's trial channel, as a rank's channel variables
     threads: int = 0  # torch threads per rank (0: as the launch set them)
     cores: tuple[int, ...] = ()  # the CPUs this trial's processes run on (): any
     warm: bool = False  # a call on the slot's live rank, which ran trials before (`notebook/many/sweep_workers.py`)
+    sweep: str = ""  # a warm rank's sweep: its function is kept here after the first trial brought it
+
+
+_KEPT: dict[str, Callable] = {}  # a warm rank's sweep's function, unpickled once (its globals, a dataset, with it)
 
 
 class _Pruned:
@@ -48,6 +52,20 @@ class _Pruned:
 
 
 PRUNED = _Pruned()
+
+
+class _Unknown:
+    """What a warm rank returns for a trial sent without its function when it keeps none (a fresh
+    process after a restart): the notebook sends the trial again, with it."""
+
+    def __repr__(self) -> str:
+        return "FUNCTION_WANTED"
+
+    def __reduce__(self):
+        return "FUNCTION_WANTED"
+
+
+FUNCTION_WANTED = _Unknown()
 
 
 def take_share(threads: int, cores: tuple[int, ...]) -> None:
@@ -66,15 +84,18 @@ def take_share(threads: int, cores: tuple[int, ...]) -> None:
 
 def run_trial(spec: TrialSpec):
     """One trial on this rank: what `fn` returns (PRUNED when it raised optuna.TrialPruned)."""
+    fn = kept_function(spec)
+    if fn is None:
+        return FUNCTION_WANTED
     take_share(spec.threads, spec.cores)
     if spec.warm:
         fresh_run()
     try:
         if spec.params is not None:
-            return spec.fn(**spec.params)
+            return fn(**spec.params)
         trial = RemoteTrial(spec.number, spec.environ, context().rank)
         try:
-            return spec.fn(trial)
+            return fn(trial)
         except Exception as exc:
             if type(exc).__name__ == "TrialPruned" and type(exc).__module__.startswith("optuna"):
                 return PRUNED
@@ -84,6 +105,16 @@ def run_trial(spec: TrialSpec):
     finally:
         if spec.warm:
             release_device_memory()
+
+
+def kept_function(spec: TrialSpec) -> Callable | None:
+    """The trial's function: as sent, and kept for the sweep's next trials on this warm rank (they
+    are sent without it: a notebook function's globals, a dataset it reads, were pickled, sent and
+    unpickled at every trial); when sent without, the one this rank kept (None: it keeps none)."""
+    if spec.fn is not None and spec.sweep:
+        _KEPT.clear()  # one sweep's at a time
+        _KEPT[spec.sweep] = spec.fn
+    return spec.fn if spec.fn is not None else _KEPT.get(spec.sweep)
 
 
 def fresh_run() -> None:

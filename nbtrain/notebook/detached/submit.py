@@ -222,7 +222,7 @@ def _sweep_job(args: tuple, kwargs: dict, unused: list[str], **settings) -> tupl
                 kwargs.get("pruner"), kwargs.get("stop_after"), kwargs.get("catch", (Exception,)))
     if settings["cluster"] is None:
         plan_slots(settings["devices"], kwargs.get("devices_per_trial", 1), settings["accelerator"])
-        slot_start(settings["strategy"], settings["start"])
+        slot_start(RunOptions(strategy=settings["strategy"], start=settings["start"]))
     job = pack_job(sweep, args, {**kwargs, **settings})
     options = {"strategy": settings["strategy"], "start": settings["start"], "devices": settings["devices"],
                "accelerator": settings["accelerator"], "num_nodes": 1, "backend": None, "timeout": None,

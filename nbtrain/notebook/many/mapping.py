@@ -24,7 +24,7 @@ from ...rank.work import serve_items
 from ..live.ranks_map import outcome, said_interrupted
 from ..live.work_queue import MapError, SavedResults, WorkQueue, item_count
 from ..run.launch import launch
-from ..run.options import check_count
+from ..run.options import RunOptions, check_count
 from ..run.restarts import why
 from .slots import SlotRunner, plan_slots, slot_start
 
@@ -79,8 +79,9 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
     total = item_count(items)
     check_count(batch_size, "batch_size")
     view = make_map_view(progress)
-    slots, idle = plan_slots(devices, 1, accelerator, per_slot_name="devices")
-    strategy, start = slot_start()
+    options = RunOptions(devices=devices, accelerator=accelerator)  # the options a map shares with launch
+    slots, idle = plan_slots(options.devices, 1, options.accelerator, per_slot_name="devices")
+    strategy, start = slot_start(options)
     saved = SavedResults(run_dir, total) if run_dir is not None else None
     work = WorkQueue(items, batch_size, saved, {})
     kind = "GPU" if slots[0].accelerator == "gpu" else "CPU"

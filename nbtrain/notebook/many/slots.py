@@ -28,8 +28,8 @@ from ...common.devices import plan_devices
 from ...display.vitals import VitalsSampler
 from ...placements import template_process
 from ...placements.template_process import template, warm_up
-from ..run.choices import choose, words
-from ..run.options import check_count
+from ..run.choices import choose
+from ..run.options import RunOptions, check_count
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +110,11 @@ def share_cores(count: int, per_slot: int) -> tuple[int, list[tuple[int, ...]]]:
     return threads, [tuple(cpus[i * width:(i + 1) * width]) for i in range(count)]
 
 
-def slot_start(strategy: str = "auto", start: str = "auto") -> tuple[str, str]:
-    """(strategy, start) for a launch in a slot (`choices.choose`'s "slot"): ranks from the template,
-    'fsdp' under torchrun by default; never a fork of this kernel."""
-    asked = words(strategy, start)
+def slot_start(options: RunOptions) -> tuple[str, str]:
+    """(strategy, start) for a launch in a slot, from the run options the front end built (their
+    words checked there), as `choices.choose`'s "slot" resolves them: ranks from the template,
+    'fsdp' under torchrun by default (it starts its ranks by exec); never a fork of this kernel."""
+    asked = options.asked
     choice = choose(asked, None, "slot")
     asked.say()
     return choice.strategy, choice.start

@@ -17,69 +17,28 @@ once, freeing its slot for the next.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
-import math
-import numbers
-import threading
 import time
-import warnings
-from collections import deque
 from collections.abc import Callable
 
-from ...common.errors import WorkerError
-from ...common.tracebacks import name_cells
-from ...display.sweep_view import SweepState, TrialRow, make_view, summary_html, summary_text
-from ...rank.trial import PRUNED, TrialSpec, run_trial
-from ..run.choices import words
-from ..run.insight import function_name
-from ..run.launch import check_cluster_words, launch
-from ..run.options import check_count
-from ..run.restarts import why
+from ...display.sweep_view import SweepState, make_view, summary_html, summary_text
+from ..run.launch import check_cluster_words
+from ..run.options import RunOptions
 from ..run.result import Result
-from .slots import Slot, SlotRunner, plan_slots, slot_start
-from .sweep_study import (
-    ERROR,
-    GPU_MEMORY,
-    INTERRUPTED,
-    KERNEL,
-    SLOT,
-    TRACEBACK,
-    TRACEBACK_CHARS,
-    open_study,
-    resume,
-    study_name,
-    this_kernel,
-)
+from .slots import SlotRunner, plan_slots, slot_start
+from .sweep_run import SweepRun, device_memory, importances, objective
+from .sweep_settings import check_sweep, cluster_slots, renamed_timeout, require_optuna
+from .sweep_study import open_study, resume, study_name
 from .sweep_trials import TrialServer
 from .sweep_workers import TrialWorkers
 
+__all__ = ["Sweep", "check_sweep", "device_memory", "objective", "renamed_timeout", "sweep"]
+
 log = logging.getLogger(__name__)
 
-OPTUNA_MISSING = "nbtrain.sweep runs on Optuna, which is not installed: pip install 'nbtrain[sweep]' (or optuna)."
-DIRECTIONS = ("minimize", "maximize")
-IMPORTANCE_TRIALS = 2000  # beyond this, the evaluator's seconds are not spent on a summary
-SAID_LINES = 10_000  # stderr lines remembered, to show a library's banner once per sweep rather than per trial
 # Each study's best trial's Result (its model) once it ran in this kernel: a sweep run again to
 # resume or to add trials still has it when that trial stays the best. One per study.
 _KEPT: dict[tuple, tuple[int, Result]] = {}
-
-
-def _optuna():
-    try:
-        import optuna
-    except ImportError as exc:
-        raise ImportError(OPTUNA_MISSING) from exc
-    return optuna
-
-
-class _Pruned(Exception):
-    """Raised in a trial's display when Optuna's pruner says stop: its launch ends at once."""
-
-    def __init__(self, step: int):
-        super().__init__(step)
-        self.step = step
 
 
 class Sweep:
@@ -167,322 +126,9 @@ class Sweep:
         return summary_text(self.state, self.verdict)
 
 
+
 def _complete():
-    return _optuna().trial.TrialState.COMPLETE
-
-
-def check_space(space, optuna) -> dict | None:
-    example = "e.g. {'lr': optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)}"
-    if space is None:
-        return None
-    if not isinstance(space, dict) or not space:
-        raise ValueError(f"space={space!r}: give a dict mapping parameter names to Optuna distributions, {example}, "
-                         "or none when fn takes Optuna's trial (fn(trial) calls trial.suggest_*).")
-    for name, distribution in space.items():
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"space key {name!r}: a parameter name is passed as fn's keyword, "
-                             "so it must be an identifier.")
-        if not isinstance(distribution, optuna.distributions.BaseDistribution):
-            raise ValueError(f"space[{name!r}]={distribution!r}: give an Optuna distribution (FloatDistribution, "
-                             f"IntDistribution, CategoricalDistribution), {example}.")
-    return dict(space)
-
-
-def takes_trial(fn, space) -> bool:
-    """Whether `fn` is called as Optuna calls an objective, `fn(trial)`: always without a space;
-    with one, when its first parameter is named `trial` or annotated as Optuna's trial."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin: called with the space's keywords, or refused below
-        return space is None
-    if space is None:
-        try:
-            signature.bind(None)
-        except TypeError:
-            raise ValueError(f"sweep({study_name(fn)}{signature}): with no space=, fn is called as Optuna calls an "
-                             "objective, fn(trial), and asks trial.suggest_*() for its parameters; give a space= "
-                             "of Optuna distributions to call it as fn(**params) instead.") from None
-        return True
-    positional = [p for p in signature.parameters.values()
-                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    if not positional:
-        return False
-    first = positional[0]
-    hint = first.annotation if isinstance(first.annotation, str) else getattr(first.annotation, "__qualname__", "")
-    return first.name == "trial" or hint.rsplit(".", 1)[-1] in ("Trial", "BaseTrial", "FrozenTrial")
-
-
-def check_catch(catch) -> tuple:
-    given, catch = catch, catch if isinstance(catch, tuple) else (catch,)
-    if not all(isinstance(c, type) and issubclass(c, BaseException) for c in catch):
-        raise ValueError(f"catch={given!r}: give an exception class or a tuple of them (a trial raising one is "
-                         "recorded as failed and the sweep goes on), or () to stop at the first failure.")
-    return catch
-
-
-def objective(result: Result, metric: str | None, returned_first: bool = False) -> float | None:
-    """The trial's value: the last `metric` rank 0 logged, else what fn returned if it is a number;
-    `returned_first` (fn(trial), as Optuna's objectives): what fn returned, else the metric."""
-    value = result.value
-    if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
-        value = value.item()
-    returned = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
-    logged = result.metrics(metric, rank=0) if metric else []
-    if returned_first and returned is not None:
-        return returned
-    return logged[-1] if logged else returned
-
-
-def bar_text(view) -> str:
-    levels = sorted(view.bars.items())
-    return " ".join(f"{b.desc} {b.n}/{b.total}" if b.total is not None else f"{b.desc} {b.n}" for _, b in levels)
-
-
-class _Reporter:
-    """One trial's progress, as its launch reports it: to the row, and (fn(**params) trials) its
-    `metric` to Optuna, whose pruner is asked. A fn(trial) trial reports itself (`heard`)."""
-
-    def __init__(self, run: _SweepRun, trial, row: TrialRow, reports: bool):
-        self.run, self.trial, self.row, self.reports = run, trial, row, reports
-        self.read = 0
-        self.reported: set[int] = set()
-        self.pruned: _Pruned | None = None  # the pruner stopped it (a warm worker's call: by an interrupt)
-
-    def heard(self, method: str, args: tuple, value) -> None:
-        """A fn(trial) trial's call, answered: its parameters and reports go to its row."""
-        if method.startswith("suggest_"):
-            self.row.params = {**self.row.params, args[0]: value}
-        elif method == "report" and len(args) == 2:
-            self.row.curve.add(args[1], args[0])
-            self.row.value, self.row.step = args[0], args[1]
-        else:
-            return
-        self.run.changed()
-
-    def update(self, state, final: bool) -> None:
-        new, self.read = state.history[self.read:], len(state.history)
-        first = min(state.ranks)
-        fresh = [m for m in new if m.name == self.run.metric and m.rank == first] if self.reports else []
-        for m in fresh:
-            self.row.curve.add(m.step, m.value)
-            self.row.value, self.row.step = m.value, m.step
-        view = state.ranks.get(first)
-        progress = bar_text(view) if view is not None else ""
-        if fresh or progress != self.row.progress:
-            self.row.progress = progress
-            self.run.changed()
-        for m in fresh:
-            if m.step not in self.reported:
-                self.reported.add(m.step)
-                with self.run.lock:
-                    self.trial.report(m.value, m.step)
-        if fresh and not final:
-            with self.run.lock:
-                prune = self.trial.should_prune()
-            if prune:
-                raise _Pruned(fresh[-1].step)
-
-
-class _SweepRun:
-    """One call of `sweep`: the study, the slots' work, the state the view draws."""
-
-    def __init__(self, optuna, study, fn, space, metric, catch, remaining: int, deadline, strategy, start,
-                 cluster, state: SweepState, view, server: TrialServer | None = None):
-        self.optuna, self.study, self.fn, self.space, self.metric = optuna, study, fn, space, metric
-        self.catch, self.remaining, self.deadline = catch, remaining, deadline
-        self.strategy, self.start, self.cluster = strategy, start, cluster
-        self.state, self.view, self.server = state, view, server
-        self.started = 0
-        self.best: tuple[int, Result] | None = None
-        self.failures: list[BaseException] = []  # the trials' errors that `catch` let the sweep go on after
-        self.lines: deque[tuple[str, str]] = deque()  # (text, stream): the trials' output, for the main thread
-        self.said: dict[str, int] = {}  # a stderr line a trial wrote: the first trial that wrote it
-        self.alike = 0  # stderr lines left out: an earlier trial wrote each of them
-        self.runner: SlotRunner | None = None
-        self.workers: TrialWorkers | None = None  # each one-device slot's live rank, where trials run on this machine
-        self.lock = threading.Lock()  # the study is told from the slots' threads and the trial server's
-
-    def changed(self) -> None:
-        self.state.version += 1
-
-    def tick(self) -> None:
-        """On the main thread: what the trials printed, then the view (drawn from here only)."""
-        while self.lines:
-            self.view.output(*self.lines.popleft())
-        self.view.update(self.state)
-
-    def _say(self, number: int, rank, stream: str, text: str) -> None:
-        if stream == "stderr":  # a library's banner or warning, alike in every trial: shown for the first only
-            said = self.said.get(text)
-            if said is not None and said != number:
-                self.alike += 1
-                return
-            if len(self.said) < SAID_LINES:
-                self.said[text] = number
-        self.lines.append((f"[trial {number}] {text}" if not rank else f"[trial {number} rank {rank}] {text}", stream))
-
-    def _note(self, number: int, text: str) -> None:
-        self.lines.append((f"nbtrain: trial {number}: {text}", "stdout"))
-
-    def _next(self):
-        with self.lock:
-            if self.started >= self.remaining or (self.deadline is not None and time.monotonic() > self.deadline):
-                return None
-            self.started += 1
-            trial = self.study.ask(self.space)
-            trial.set_user_attr(KERNEL, this_kernel())
-            return trial
-
-    def _spec(self, trial, slot: Slot, warm: bool) -> TrialSpec:
-        """What the trial's ranks run: fn(trial) or fn(**params), on the slot's share of the cores."""
-        if self.server is None:
-            params, environ = dict(trial.params), {}
-        else:
-            params, environ = None, self.server.environ
-        return TrialSpec(self.fn, trial.number, params, environ, slot.threads, slot.cores, warm)
-
-    def _run(self, trial, slot: Slot, reporter: _Reporter) -> Result:
-        """The trial as a call on the slot's warm worker (one device, on this machine), else as a
-        launch of its own (several devices, a cluster, start= other than the template)."""
-        assert self.runner is not None, "trials run after the slots started"
-        output, note = functools.partial(self._say, trial.number), functools.partial(self._note, trial.number)
-        if self.workers is None or slot.size != 1:
-            display = self.runner.display(on_update=reporter.update, on_output=output, on_note=note)
-            try:
-                return launch(functools.partial(run_trial, self._spec(trial, slot, False)),
-                              devices=slot.launch_devices, accelerator=slot.accelerator, strategy=self.strategy,
-                              start=self.start, cluster=self.cluster, progress=display)
-            finally:
-                display.release()
-
-        def update(state, final: bool) -> None:  # a live rank's call ends by an interrupt, its process kept
-            try:
-                reporter.update(state, final)
-            except _Pruned as pruned:
-                reporter.pruned = pruned
-                raise KeyboardInterrupt from None
-
-        # The start turn only for a slot whose process starts now (its first trial, or after a failure).
-        display = self.runner.display(on_update=update, on_output=output, on_note=note,
-                                      starts=not self.workers.started(slot))
-        try:
-            return self.workers.run(slot, self._spec(trial, slot, True), display)
-        except KeyboardInterrupt:
-            if reporter.pruned is not None and not self.runner.stopping.is_set():
-                raise reporter.pruned from None
-            raise
-        finally:
-            display.release()
-
-    def work(self, slot: Slot) -> bool:
-        trial = self._next()
-        if trial is None:
-            return False
-        TrialState = self.optuna.trial.TrialState
-        with self.lock:
-            trial.set_user_attr(SLOT, str(slot))
-        row = TrialRow(trial.number, dict(trial.params), str(slot))
-        self.state.add(row)
-        reporter = _Reporter(self, trial, row, reports=self.server is None)
-        if self.server is not None:
-            self.server.add(trial.number, trial, reporter.heard)
-        try:
-            result = self._run(trial, slot, reporter)
-        except _Pruned as pruned:
-            self._end(trial, row, "pruned", f"pruned at step {pruned.step}", TrialState.PRUNED)
-            return True
-        except KeyboardInterrupt:
-            with self.lock:
-                trial.set_user_attr(INTERRUPTED, True)
-            self._end(trial, row, "interrupted", "stopped by Ctrl-C (resumed: run again)", TrialState.FAIL)
-            raise
-        except WorkerError as error:
-            with self.lock:
-                trial.set_user_attr(ERROR, why(error))
-                trial.set_user_attr(TRACEBACK, name_cells(error.traceback)[-TRACEBACK_CHARS:])  # In[3], not a temp file
-            self._end(trial, row, "failed", why(error), TrialState.FAIL)
-            if not isinstance(error, self.catch):
-                raise
-            self.failures.append(error)
-            return True
-        except BaseException as error:  # refused in the notebook (cannot be sent, bad settings): so would the rest be
-            self._end(trial, row, "failed", f"{type(error).__name__}: {error}".splitlines()[0], TrialState.FAIL)
-            raise
-        finally:
-            if self.server is not None:
-                self.server.remove(trial.number)
-        if result.value is PRUNED:
-            self._end(trial, row, "pruned", f"pruned at step {row.step}" if row.step is not None else "pruned",
-                      TrialState.PRUNED)
-            return True
-        value = objective(result, self.metric, returned_first=self.server is not None)
-        if value is None:
-            if self.server is None:
-                self._end(trial, row, "failed", f"logged no {self.metric!r}", TrialState.FAIL)
-                raise ValueError(f"trial {trial.number} logged no {self.metric!r} (ctx.log({self.metric!r}, value)) "
-                                 "and returned no number: the sweep needs one of them as the trial's value.")
-            reason = f"returned {type(result.value).__name__}, not a number (an objective returns its value)"
-            self._fail(trial, row, reason)
-            return True
-        if math.isnan(value):
-            self._fail(trial, row, f"its value is {value!r} ({'returned' if self.server else 'logged or returned'}), "
-                       "which Optuna does not take")
-            return True
-        memory = device_memory(result)
-        with self.lock:
-            if memory is not None:  # trials that share a GPU (trials_per_device): what each one held
-                trial.set_user_attr(GPU_MEMORY, memory)
-            told = self.study.tell(trial, value, skip_if_finished=True)
-            row.value = value
-            if told.state != TrialState.COMPLETE:  # Optuna refused the value: the trial failed
-                self._finish_row(row, "failed", f"its value, {value!r}, is not one Optuna accepts")
-                return True
-            self._finish_row(row, "complete", f"GPU memory {memory / 2**30:.2f} GiB" if memory is not None else "")
-            best = self._best()
-            if best is not None and best[0] == trial.number:
-                self.best = (trial.number, result)  # the model of the best trial so far; earlier ones are let go
-        return True
-
-    def verdict(self) -> str:
-        """How the sweep ended: 'finished', or why the study holds no complete trial."""
-        if self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,)):
-            return "finished"
-        rows = list(self.state.rows.values())
-        if not rows:
-            late = self.remaining and self.deadline is not None
-            why = ("stop_after passed before the first trial could start" if late
-                   else "none of the study's trials is complete")
-            return f"ended with no complete trial ({why})"
-        if self.failures and len(self.failures) == len(rows):
-            return f"failed: every trial failed ({len(rows)})"
-        states = ", ".join(f"{n} {state}" for state, n in sorted(self.state.counts().items()))
-        first = next((r.detail for r in sorted(rows, key=lambda r: r.number) if r.state == "failed"), "")
-        return f"ended with no complete trial ({states}{': ' + first if first else ''})"
-
-    def _fail(self, trial, row: TrialRow, reason: str) -> None:
-        """A trial that ran but gave no value Optuna takes: failed, its reason kept in the study."""
-        with self.lock:
-            trial.set_user_attr(ERROR, reason)
-            self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL, skip_if_finished=True)
-            self._finish_row(row, "failed", reason)
-
-    def _end(self, trial, row: TrialRow, state: str, detail: str, optuna_state) -> None:
-        with self.lock:
-            self.study.tell(trial, state=optuna_state, skip_if_finished=True)
-            self._finish_row(row, state, detail)
-
-    def _finish_row(self, row: TrialRow, state: str, detail: str) -> None:
-        self._best()  # first: a view that sees the row ended sees the best with it
-        row.state, row.detail, row.ended = state, detail, time.monotonic()
-        self.changed()
-
-    def _best(self):
-        try:
-            best = self.study.best_trial
-        except ValueError:  # no trial complete yet
-            return None
-        self.state.best = (best.number, best.value, dict(best.params))
-        return self.state.best
+    return require_optuna().trial.TrialState.COMPLETE
 
 
 def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = None, devices="auto",
@@ -580,15 +226,16 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
     KeyboardInterrupt
         Ctrl-C: every running trial was stopped; the finished ones are kept in the study.
     """
-    optuna = _optuna()
+    optuna = require_optuna()
     stop_after = renamed_timeout(timeout, stop_after)
     space, catch, with_trial = check_sweep(fn, space, trials, metric, direction, sampler, pruner, stop_after, catch)
     view = make_view(progress)
+    options = RunOptions(strategy=strategy, start=start, devices=devices, accelerator=accelerator)  # checked once
     if cluster is None:
-        slots, idle = plan_slots(devices, devices_per_trial, accelerator, per_device=trials_per_device)
-        strategy, start = slot_start(strategy, start)
+        slots, idle = plan_slots(options.devices, devices_per_trial, options.accelerator, per_device=trials_per_device)
+        strategy, start = slot_start(options)
     else:
-        check_cluster_words(words(strategy, start), cluster)  # refused here, not by every trial
+        check_cluster_words(options.asked, cluster)  # refused here, not by every trial
         if trials_per_device != 1:
             raise ValueError(f"trials_per_device={trials_per_device!r} with cluster=: the cluster places each trial; "
                              "give devices= (how many devices the sweep holds at once) instead.")
@@ -596,7 +243,7 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
             raise ValueError(f"sweep({study_name(fn)}) with cluster=: a trial on a cluster cannot yet ask the study "
                              "in this notebook; give space= (Optuna distributions) and a fn(**params) that reports "
                              "with ctx.log, or run the objective on this machine's devices.")
-        slots, idle = cluster_slots(devices, devices_per_trial, accelerator), None
+        slots, idle = cluster_slots(options.devices, devices_per_trial, options.accelerator), None
     given = study
     opened = open_study(optuna, study, fn, space=space, direction=direction, sampler=sampler, pruner=pruner,
                         metric=metric, run_dir=run_dir)
@@ -612,11 +259,11 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
             f", {trials_per_device} per GPU" if trials_per_device > 1 else "")
         state = SweepState(f"sweep of {study_name(fn)}", metric or "value", study.direction.name.lower(), where,
                            trials, done)
-        run = _SweepRun(optuna, study, fn, space, metric, catch, trials - done,
+        run = SweepRun(optuna, study, fn, space, metric, catch, trials - done,
                         None if stop_after is None else time.monotonic() + stop_after, strategy, start, cluster, state,
                         view)
         server = run.server = TrialServer(run.lock) if with_trial else None
-        run._best()
+        run.note_best()
         run.best = _KEPT.get(kept_as)  # a best trial an earlier sweep of this study ran in this kernel
         if opened.said:
             view.output(opened.said)
@@ -670,76 +317,3 @@ def sweep(fn, space: dict | None = None, *, trials: int, metric: str | None = No
         raise run.failures[0]
     return Sweep(study, state, run.best, run_dir, verdict)
 
-
-def device_memory(result: Result) -> int | None:
-    """The most GPU memory a trial's first rank held (bytes, NVML's figure for its process, sampled
-    about once a second: a trial shorter than that may have none), or None (a CPU trial)."""
-    held = [v.gpu_memory for v in result.vitals if v.gpu_memory is not None and v.rank == 0]
-    return max(held) if held else None
-
-
-def importances(optuna, study) -> dict[str, float] | None:
-    """Optuna's parameter importances (its default evaluator), for the summary: where two complete trials or more
-    varied a parameter, and the study is small enough to take a moment."""
-    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    if not 2 <= len(complete) <= IMPORTANCE_TRIALS:
-        return None
-    try:
-        with warnings.catch_warnings():  # "fewer than 2 trials in a regime": the summary is no place for it
-            warnings.simplefilter("ignore")
-            found = optuna.importance.get_param_importances(study)
-    except Exception as exc:  # a parameter that never varied, a single-valued space: no importances, nothing wrong
-        log.debug("no parameter importances: %s", exc)
-        return None
-    return dict(found) or None
-
-
-def renamed_timeout(timeout, stop_after):
-    """`timeout=` is `stop_after=` in a sweep (until 0.3): a launch's `timeout=` stops a run, which
-    a sweep's never did."""
-    if timeout is None:
-        return stop_after
-    if stop_after is not None:
-        raise ValueError(f"sweep(timeout={timeout!r}, stop_after={stop_after!r}): timeout= is the earlier name of "
-                         "stop_after=; give stop_after= alone.")
-    warnings.warn("sweep(timeout=...) is now stop_after=... (seconds after which no new trial starts); timeout= "
-                  "still works until nbtrain 0.3.", DeprecationWarning, stacklevel=3)
-    return timeout
-
-
-def check_sweep(fn, space, trials, metric, direction, sampler, pruner, stop_after, catch) -> tuple[dict | None, tuple,
-                                                                                                  bool]:
-    """The sweep's settings checked, each refused in one line: (space, catch, whether fn takes a
-    trial) as the sweep uses them. `submit(sweep, ...)` checks them too, before anything is written."""
-    optuna = _optuna()
-    if not callable(fn):
-        raise TypeError(f"sweep(fn=...) needs a callable trial function, got {type(fn).__name__}.")
-    space = check_space(space, optuna)
-    with_trial = takes_trial(fn, space)
-    check_count(trials, "trials")
-    if metric is None and not with_trial:
-        raise ValueError(f"metric=None: sweep({function_name(fn)}, space, ...) needs the name fn logs with "
-                         "ctx.log(name, value), e.g. metric='loss' (or write fn as Optuna's objective(trial), which "
-                         "returns its value).")
-    if metric is not None and (not isinstance(metric, str) or not metric):
-        raise ValueError(f"metric={metric!r}: give the name fn logs with ctx.log(name, value), e.g. metric='loss'.")
-    if direction is not None and direction not in DIRECTIONS:
-        raise ValueError(f"direction={direction!r}: give 'minimize' or 'maximize'.")
-    if sampler is not None and not isinstance(sampler, optuna.samplers.BaseSampler):
-        raise ValueError(f"sampler={sampler!r}: give an Optuna sampler (optuna.samplers.TPESampler(), ...) or None.")
-    if pruner is not None and not isinstance(pruner, optuna.pruners.BasePruner):
-        raise ValueError(f"pruner={pruner!r}: give an Optuna pruner (optuna.pruners.MedianPruner(), ...) or None.")
-    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, (int, float))
-                                   or not stop_after > 0):
-        raise ValueError(f"stop_after={stop_after!r}: give a positive number of seconds (no new trial starts after "
-                         "them), or None for no limit.")
-    return space, check_catch(catch), with_trial
-
-
-def cluster_slots(devices, per_slot: int, accelerator: str) -> list[Slot]:
-    """On a cluster, `devices` is how many devices the sweep may hold at once: slots of `per_slot`."""
-    check_count(per_slot, "devices_per_trial")
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < per_slot:
-        raise ValueError(f"devices={devices!r} with cluster=: give how many devices the sweep may hold at once on the "
-                         f"cluster, an int >= devices_per_trial ({per_slot}).")
-    return [Slot(i, accelerator, (), per_slot) for i in range(devices // per_slot)]

@@ -56,7 +56,14 @@ def _start_time(pid: int) -> float | None:
 
 
 def this_kernel() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{_start_time(os.getpid())}"
+    """This process as a trial's owner, "host:pid:start" (read once per process, not at every
+    trial: its start time is a look at /proc)."""
+    return _kernel(os.getpid())
+
+
+@functools.cache
+def _kernel(pid: int) -> str:
+    return f"{socket.gethostname()}:{pid}:{_start_time(pid)}"
 
 
 def study_name(fn) -> str:

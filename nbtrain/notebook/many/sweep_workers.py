@@ -7,16 +7,21 @@ own: its output, metrics, progress, Result and failure are that call's (the live
 keep them apart), and an interrupt stops the call, not the process (a pruned trial frees its
 slot at once, its process stays warm). A trial that failed leaves the next a fresh process: what
 broke it (a CUDA error, a corrupt state, a process that died) does not fail the trials after it.
+The trials' function, with what it carries (a notebook function's globals, a dataset it reads),
+goes to a slot's process with its first trial and is kept there, as Optuna's own threads share
+it: the slot's later trials carry only their parameters.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import types
+import uuid
 from collections.abc import Callable
 
 from ...common.transfer import pack_job
-from ...rank.trial import TrialSpec, run_trial
+from ...rank.trial import FUNCTION_WANTED, TrialSpec, run_trial
 from ..live.ranks import Ranks
 from ..run.result import Result
 from .slots import Slot
@@ -24,10 +29,13 @@ from .slots import Slot
 log = logging.getLogger(__name__)
 
 # What the live rank runs: builtins only, so its globals (the rank's namespace) need nothing from
-# the notebook. Its argument is the trial (`rank/trial.py`, the user's objective in it) packed as a
-# launch packs its job: a notebook's function, its cell's lines for tracebacks, its classes.
+# the notebook; no attribute either (`.unpack_job`), which the rank would take for a global it lacks
+# and ask the notebook for at every trial. Its argument is the trial (`rank/trial.py`, the user's
+# objective in it) packed as a launch packs its job: a notebook's function, its cell's lines for
+# tracebacks, its classes.
 _SOURCE = ('def _nbtrain_trial(job):\n'
-           '    fn, args, kwargs = __import__("nbtrain.common.transfer", None, None, ["unpack_job"]).unpack_job(job)\n'
+           '    unpack = getattr(__import__("nbtrain.common.transfer", None, None, ["unpack_job"]), "unpack_job")\n'
+           '    fn, args, kwargs = unpack(job)\n'
            '    return fn(*args, **kwargs)\n')
 _namespace: dict = {}
 exec(compile(_SOURCE, "<nbtrain trial>", "exec"), _namespace)
@@ -39,7 +47,9 @@ class TrialWorkers:
 
     def __init__(self, strategy: str):
         self.strategy = strategy
+        self.sweep = uuid.uuid4().hex  # the key its ranks keep the trials' function under
         self._ranks: dict[int, Ranks] = {}
+        self._holding: set[int] = set()  # slots whose process holds the function (sent with an earlier trial)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -62,8 +72,18 @@ class TrialWorkers:
                     ranks.close()
                     raise KeyboardInterrupt
                 self._ranks[slot.index] = ranks
+                self._holding.discard(slot.index)
         try:
-            return ranks.run(TRIAL, pack_job(run_trial, (spec,), {}), progress=display)
+            if slot.index in self._holding:  # its process has the function: the trial goes without it
+                result = ranks.run(TRIAL, pack_job(run_trial, (dataclasses.replace(spec, fn=None, sweep=self.sweep),),
+                                                   {}), progress=display)
+                if result.value is not FUNCTION_WANTED:
+                    return result
+                self._holding.discard(slot.index)  # a fresh process (restarted): send it again
+            result = ranks.run(TRIAL, pack_job(run_trial, (dataclasses.replace(spec, sweep=self.sweep),), {}),
+                               progress=display)
+            self._holding.add(slot.index)
+            return result
         except KeyboardInterrupt:
             raise  # the call was interrupted; the process keeps going (or the sweep closes it)
         except BaseException:
@@ -73,6 +93,7 @@ class TrialWorkers:
     def _retire(self, index: int) -> None:
         with self._lock:
             ranks = self._ranks.pop(index, None)
+            self._holding.discard(index)
         if ranks is not None:
             ranks.close()
 
