@@ -25,7 +25,8 @@ from _common import median, record, table  # noqa: E402
 
 def timings(silent: str, runs: int) -> dict[str, list[float]]:
     """Seconds to a connected, authenticated channel, each path `runs` times."""
-    from nbtrain.common.channel import ADDRESS_VAR, AUTHKEY_VAR, Hub, addresses, dial
+    from nbtrain.common.channel import Hub
+    from nbtrain.common.channel_dial import ADDRESS_VAR, AUTHKEY_VAR, addresses, dial
     from nbtrain.placements.clusters.base import check_reachable
 
     hub = Hub(queue.Queue())

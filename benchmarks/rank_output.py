@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, record, table  # noqa: E402
-from nbtrain.common.channel import Hub, Link  # noqa: E402
+from nbtrain.common.channel import Hub  # noqa: E402
+from nbtrain.common.channel_link import Link  # noqa: E402
 from nbtrain.common.lines import Screen  # noqa: E402
 
 BAR = "train:  42%|████▏     | 21/50 [00:01<00:01, 19.53it/s, loss=0.123]"

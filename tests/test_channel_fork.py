@@ -17,7 +17,8 @@ import pytest
 
 import nbtrain
 from nbtrain.common import protocol
-from nbtrain.common.channel import ADDRESS_VAR, FD_VAR, Hub, addresses
+from nbtrain.common.channel import Hub
+from nbtrain.common.channel_dial import ADDRESS_VAR, FD_VAR, addresses
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +87,8 @@ def test_no_process_of_a_fork_launch_holds_another_ones_channel_end(no_leftovers
 RANK = """
 import os, time
 from nbtrain.common import protocol
-from nbtrain.common.channel import FD_VAR, Link
+from nbtrain.common.channel_dial import FD_VAR
+from nbtrain.common.channel_link import Link
 link = Link(7)
 assert FD_VAR not in os.environ
 link.emit(protocol.Hello(7, os.getpid(), "here"))

@@ -9,7 +9,9 @@ import psutil
 import pytest
 
 import nbtrain
-from nbtrain.common.channel import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable, Hub, Link
+from nbtrain.common.channel import Hub
+from nbtrain.common.channel_dial import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable
+from nbtrain.common.channel_link import Link
 from nbtrain.common.protocol import Closed, Hello
 from nbtrain.placements.clusters import base
 from nbtrain.rank import remote_entry
@@ -164,7 +166,7 @@ def test_a_rank_tries_the_notebook_s_addresses_in_order_until_one_passes_the_cha
 
 
 def test_a_rank_that_reaches_none_of_the_addresses_lists_each_with_its_reason():
-    from nbtrain.common.channel import dial
+    from nbtrain.common.channel_dial import dial
 
     with socket.socket() as a, socket.socket() as b:
         a.bind(("127.0.0.1", 0))

@@ -12,7 +12,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from nbtrain.common.channel import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable, Hub, dial
+from nbtrain.common.channel import Hub
+from nbtrain.common.channel_dial import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable, dial
 from nbtrain.common.happy_eyeballs import first_to_answer
 from nbtrain.rank import remote_entry
 

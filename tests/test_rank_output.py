@@ -208,7 +208,8 @@ print(f"second line of rank {ctx.rank}")
 
 RANK_WITHOUT_A_SHELL = '''
 import io, json, logging, queue, sys, threading
-from nbtrain.common.channel import Hub, Link
+from nbtrain.common.channel import Hub
+from nbtrain.common.channel_link import Link
 from nbtrain.rank.output import show_in_notebook
 
 inbox = queue.Queue()

@@ -10,7 +10,8 @@ import threading
 import pytest
 
 import nbtrain
-from nbtrain.common.channel import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable, Hub, dial
+from nbtrain.common.channel import Hub
+from nbtrain.common.channel_dial import ADDRESS_VAR, AUTHKEY_VAR, ChannelUnreachable, dial
 
 pytestmark = pytest.mark.slow
 

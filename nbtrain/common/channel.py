@@ -13,16 +13,16 @@ challenge to pass (a dial and a challenge cost 7.5 ms of its start).
 Ranks -> notebook: `protocol` records, each naming its sender's rank, batched on a thread of
 the rank's own so a slow notebook never slows a training step; replies (`protocol.URGENT`) are
 flushed at once. Notebook -> rank: commands (`Hub.send`), read on a second thread of the rank.
+
+This module is the notebook's side (`Hub`); a rank's side is `channel_link.Link`, the way it
+finds and dials the notebook `channel_dial`, what both do to a connection's socket `channel_sockets`.
 """
 from __future__ import annotations
 
-import _thread
 import logging
 import os
 import queue
-import random
 import socket
-import struct
 import threading
 import time
 from multiprocessing import AuthenticationError
@@ -30,15 +30,13 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from multiprocessing.reduction import ForkingPickler
 
 from . import protocol
-from .happy_eyeballs import NOT_TRIED, NoneAnswered, first_to_answer
+from .channel_dial import ADDRESS_VAR, AUTHKEY_VAR, HANDSHAKE_SECONDS
+from .channel_dial import ChannelUnreachable as ChannelUnreachable  # rank/loop.py imports it from here
+from .channel_link import Link as Link  # rank/loop.py imports it from here
+from .channel_sockets import no_delay, receive_timeout, send_bytes, shut
 
 log = logging.getLogger(__name__)
 
-ADDRESS_VAR = "NBTRAIN_CHANNEL"
-AUTHKEY_VAR = "NBTRAIN_AUTHKEY"
-FD_VAR = "NBTRAIN_CHANNEL_FD"  # a forked rank's end of its socketpair; popped by its Link
-FLUSH_SECONDS = 0.1
-BATCH_LIMIT = 512
 AUTH_SECONDS = 10.0  # a connection that has not proven the authkey by then is dropped
 MAX_STRANGERS = 64  # connections not yet authenticated, at once: a new one drops the oldest
 SWEEP_SECONDS = 1.0  # how often the accept loop looks for strangers past AUTH_SECONDS
@@ -47,9 +45,6 @@ SWEEP_SECONDS = 1.0  # how often the accept loop looks for strangers past AUTH_S
 # that believes it is connected waiting forever for a challenge the notebook never sends. The
 # kernel caps the backlog at net.core.somaxconn.
 BACKLOG = 4096
-CONNECT_SECONDS = 30.0  # a rank that cannot reach the notebook by then gives up and says why
-HANDSHAKE_SECONDS = 5.0  # one attempt: connect and the authkey challenge, both ways
-WRITE_CHUNK = 1 << 20
 SEND_STALL = 10.0  # after a Ctrl-C, how long a message being sent may make no progress before its link is cut
 
 
@@ -128,7 +123,7 @@ class Hub:
                 if len(self._strangers) < MAX_STRANGERS:
                     return
                 oldest = min(self._strangers, key=lambda conn: self._strangers[conn][0])
-                _shut(oldest)
+                shut(oldest)
                 leaving = self._strangers[oldest][1]
             leaving.join(SWEEP_SECONDS)
             with self._lock:  # a thread that did not end in time is forgotten; it ends on its own
@@ -139,7 +134,7 @@ class Hub:
         with self._lock:
             for conn, (deadline, _) in self._strangers.items():
                 if deadline < now:
-                    _shut(conn)  # its thread's read fails: it forgets the connection and ends
+                    shut(conn)  # its thread's read fails: it forgets the connection and ends
 
     def _serve(self, conn) -> None:
         passed = self._authenticate(conn)
@@ -182,10 +177,10 @@ class Hub:
     def _authenticate(self, conn) -> bool:
         """The authkey's challenge, both ways; nothing is unpickled from a peer before it passes."""
         try:
-            _receive_timeout(conn, AUTH_SECONDS)  # each read bounded; the whole by _drop_late_strangers
+            receive_timeout(conn, AUTH_SECONDS)  # each read bounded; the whole by _drop_late_strangers
             deliver_challenge(conn, self._authkey)
             answer_challenge(conn, self._authkey)
-            _receive_timeout(conn, 0.0)
+            receive_timeout(conn, 0.0)
         except AuthenticationError as exc:
             self._refusals += 1
             if self._refusals == 1:  # a flood of them must not flood the notebook
@@ -287,7 +282,7 @@ class Hub:
     def _write(self, conn, data: bytes | memoryview, progress=None) -> bool:
         try:
             with self._send_lock:
-                _send_bytes(conn, data, progress)
+                send_bytes(conn, data, progress)
             return True
         except (OSError, ValueError):
             return False
@@ -296,7 +291,7 @@ class Hub:
         """End the connection to `rank` both ways: a write blocked on it fails, the rank sees it close."""
         conn = conn or self._by_rank.get(rank)
         if conn is not None:
-            _shut(conn)
+            shut(conn)
 
     def close(self) -> None:
         self._closed.set()
@@ -310,7 +305,7 @@ class Hub:
         self._socket.close()
         with self._lock:
             for conn in [*self._strangers, *self._served]:
-                _shut(conn)  # their threads see the end, close them and end
+                shut(conn)  # their threads see the end, close them and end
             served = list(self._served.values())
         for thread in served:
             thread.join(timeout=1.0)
@@ -354,251 +349,3 @@ class _Write:
         """No byte written for `seconds`, counted from `since` at the earliest."""
         return time.monotonic() - max(self._moved, since) > seconds
 
-
-def _send_bytes(conn, data, progress=None) -> None:
-    """`Connection.send_bytes`'s framing (what `recv` reads), written in chunks that report progress."""
-    size = len(data)
-    header = struct.pack("!i", size) if size <= 0x7fffffff else struct.pack("!iQ", -1, size)
-    fd = conn.fileno()
-    if size <= 16384:  # one write, as Connection does
-        _write_all(fd, memoryview(header + bytes(data)))
-        return
-    _write_all(fd, memoryview(header))
-    view, sent = memoryview(data).cast("B"), 0
-    while sent < size:
-        sent += os.write(fd, view[sent:sent + WRITE_CHUNK])
-        if progress is not None:
-            progress(sent)
-
-
-def _write_all(fd: int, view) -> None:
-    written = 0
-    while written < len(view):
-        written += os.write(fd, view[written:])
-
-
-class Link:
-    """Rank side: a batched, ordered stream of messages to the notebook, and the commands back.
-
-    `on_command(message)` is called on the link's receiving thread for every command; when the
-    notebook goes away (its end of the connection closes: the kernel died or was killed)
-    `on_lost()` is called there, which by default ends the rank: nobody is left to serve.
-    """
-
-    def __init__(self, rank: int, environ=os.environ, on_command=None, on_lost=None):
-        self.rank = rank
-        inherited = environ.pop(FD_VAR, None)  # gone before this rank's code starts a process
-        if inherited is not None:  # forked with its connection made (`Hub.adopt`)
-            self._conn = Connection(int(inherited))
-        else:
-            self._conn = dial(addresses(environ[ADDRESS_VAR]), bytes.fromhex(environ[AUTHKEY_VAR]), rank)
-        self._pending: list[tuple] = []
-        self._lock = threading.Condition()
-        self._sending = threading.Lock()  # held while a batch is written: batches go out in the order taken
-        self._closing = False
-        self._urgent = False
-        _beside(self._send_loop)
-        if on_command is not None:
-            self.listen(on_command, on_lost)
-
-    @classmethod
-    def from_environ(cls, rank: int, environ=os.environ, **kwargs) -> Link | None:
-        return cls(rank, environ, **kwargs) if ADDRESS_VAR in environ else None
-
-    def listen(self, on_command, on_lost=None) -> None:
-        _beside(self._receive_loop, on_command, on_lost or _end_rank)
-
-    def emit(self, message) -> None:
-        """Send a `protocol` record (its `rank` this link's): in the next batch, or at once if urgent."""
-        with self._lock:
-            self._pending.append(message)
-            if type(message) in protocol.URGENT or len(self._pending) >= BATCH_LIMIT:
-                self._urgent = True
-                self._lock.notify()
-
-    def _send_loop(self) -> None:
-        while True:
-            with self._lock:
-                self._lock.wait_for(lambda: self._closing or self._urgent, FLUSH_SECONDS)
-                if self._closing:  # `close` sends what is left
-                    return
-                batch, self._pending, self._urgent = self._pending, [], False
-                self._sending.acquire()  # before the next batch can be taken
-            try:
-                if batch and not self._send(batch):
-                    return
-            finally:
-                self._sending.release()
-
-    def _send(self, batch: list) -> bool:
-        try:
-            self._conn.send(batch)
-            return True
-        except (OSError, ValueError):  # the notebook went away; the rank is being stopped anyway
-            return False
-
-    def _receive_loop(self, on_command, on_lost) -> None:
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                if not self._closing:
-                    on_lost()
-                return
-            except (TypeError, ValueError):
-                # This link's own `close` took the connection's handle between recv's check and its
-                # read (multiprocessing then reads from None): the end asked for, not an error.
-                if self._closing:
-                    return
-                raise
-            on_command(message)
-
-    def close(self, *final) -> None:
-        """Send what is pending, then `final` messages, and wait until they are written: from
-        this thread, after any batch the sending thread took before (which then ends)."""
-        with self._lock:
-            batch, self._pending = [*self._pending, *final], []
-            self._closing = True
-            self._lock.notify()
-        with self._sending:
-            if batch:
-                self._send(batch)
-            self._conn.close()
-
-
-def _beside(target, *args) -> None:
-    """Run `target(*args)` on a thread of its own, a daemon's, without waiting for it to start:
-    `threading.Thread.start` waits until the new thread runs, ~0.6 ms a thread in a rank just
-    forked (the link's two threads are on every rank's way to the user's code)."""
-    _thread.start_new_thread(target, args)
-
-
-class ChannelUnreachable(ConnectionError):
-    """A rank could not reach the notebook's channel in CONNECT_SECONDS."""
-
-
-def addresses(value: str) -> list[tuple[str, int]]:
-    """`NBTRAIN_CHANNEL`'s 'HOST:PORT[,HOST:PORT...]' as (host, port) pairs, in order."""
-    pairs = []
-    for item in value.split(","):
-        host, _, port = item.strip().rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"{ADDRESS_VAR}={value!r}: expected HOST:PORT, or several separated by commas")
-        pairs.append((host, int(port)))
-    return pairs
-
-
-def dial(address, authkey: bytes, rank: int, seconds: float = CONNECT_SECONDS) -> Connection:
-    """Connect to the Hub and pass the authkey challenge both ways, retrying with back-off.
-
-    `address`: a (host, port), or a list of them, best first (a notebook's machine may have
-    several addresses, not all reachable from every node; one may even reach another
-    notebook's channel, whose key is not this one). Each round tries them all at once,
-    staggered (`happy_eyeballs`): an address that drops packets silently costs a quarter of
-    a second, not its whole timeout. Each attempt is bounded: a handshake the notebook lost
-    (its accept queue was full) or a notebook too busy to answer is retried, never waited on
-    forever.
-    """
-    candidates = [address] if isinstance(address, tuple) else list(address)
-    deadline = time.monotonic() + seconds
-    pause, attempts = 0.02, 0
-    reasons: dict[tuple[str, int], str] = {}
-    while True:
-        attempts += 1
-        limit = max(0.0, min(HANDSHAKE_SECONDS, deadline - time.monotonic()))
-        try:
-            return first_to_answer(candidates, lambda sock, left: _handshake(sock, authkey, left), limit,
-                                   until=deadline)[1]
-        except NoneAnswered as failed:
-            for candidate, exc in failed.reasons.items():
-                reason = _reason(exc)
-                # A last round cut short by the deadline says less than the round before it.
-                if candidate not in reasons or not reason.startswith(NOT_TRIED):
-                    reasons[candidate] = reason
-        if all(reason.startswith("refused this rank's authkey") for reason in reasons.values()):
-            # A wrong key will not become right: say so now.
-            raise ChannelUnreachable(f"rank {rank}: {_tried(reasons)}; NBTRAIN_AUTHKEY is not this launch's")
-        if time.monotonic() + pause > deadline:
-            raise ChannelUnreachable(
-                f"rank {rank}: could not reach the notebook {_tried(reasons, f'{attempts} attempts in {seconds:g} s')} "
-                f"from {socket.gethostname()}. The kernel may have exited, or this machine cannot reach that "
-                f"address: for ranks on other machines give the notebook an address they can reach "
-                f"(Slurm(notebook_address=...) / Ray(notebook_address=...)).")
-        time.sleep(pause * random.uniform(0.5, 1.5))  # jittered, so retries do not arrive in step
-        pause = min(pause * 2, 1.0)
-
-
-def _tried(reasons: dict[tuple[str, int], str], attempts: str = "") -> str:
-    """What was tried and why each failed: one address as before, several each with its reason."""
-    if len(reasons) == 1:
-        [((host, port), reason)] = reasons.items()
-        if not attempts:
-            return f"the notebook at {host}:{port} {reason}"
-        return f"at {host}:{port} ({attempts}; last: {reason})"
-    each = ", ".join(f"{host}:{port} ({reason})" for (host, port), reason in reasons.items())
-    return f"at any of its addresses ({attempts}; tried {each})" if attempts else f"tried {each}"
-
-
-def _handshake(sock: socket.socket, authkey: bytes, seconds: float) -> Connection:
-    """The authkey challenge both ways on a connected socket, each read bounded by `seconds`.
-    The connection has a descriptor of its own, so the race may close `sock` (a race that shuts
-    `sock` down first ends this connection too: happy_eyeballs then discards it)."""
-    conn = Connection(os.dup(sock.fileno()))
-    try:
-        _receive_timeout(conn, max(seconds, 0.001))  # 0 would mean no limit
-        try:
-            answer_challenge(conn, authkey)
-            deliver_challenge(conn, authkey)
-        except BlockingIOError:  # SO_RCVTIMEO ran out
-            raise TimeoutError(f"no answer within {seconds:.3g} s") from None
-        _receive_timeout(conn, 0.0)
-        no_delay(conn)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, AuthenticationError):
-        return f"refused this rank's authkey ({exc})"
-    if isinstance(exc, EOFError):
-        return "the notebook closed the connection during the handshake"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return str(exc)
-
-
-def no_delay(conn) -> None:
-    """Send each message at once. With Nagle's algorithm a reply written right after another
-    small message waits for the peer's delayed acknowledgement: ~40 ms per command round trip."""
-    try:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-    except OSError:
-        return
-    try:
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    finally:
-        sock.close()
-
-
-def _shut(conn) -> None:
-    """End a connection both ways from any thread: a thread blocked reading it wakes (a close would not)."""
-    try:
-        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-def _end_rank() -> None:
-    os._exit(1)
-
-
-def _receive_timeout(conn, seconds: float) -> None:
-    """SO_RCVTIMEO on a connection's socket (0: none). Set on the socket itself, so the
-    connection's own blocking reads honour it, unlike a timeout on a Python socket object."""
-    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-        whole = int(seconds)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))

@@ -4,16 +4,16 @@ The launcher ships the training function and its arguments to the workers with d
 that fails, the pickler names a type ("cannot pickle 'generator' object") but not where it
 sits in the user's object graph; `explain_pickling` finds the deepest failing objects and
 gives each a readable path from the root, e.g. `train.__globals__['model'].loss_fn`.
+
+The walk of an object's parts is `pickling_parts`, the advice given for each kind of part
+`pickling_hints`.
 """
 from __future__ import annotations
 
-import collections
-import copyreg
 import importlib
 import io
 import pickle
 import sys
-import threading
 import types
 import warnings
 from dataclasses import dataclass, replace
@@ -21,6 +21,9 @@ from dataclasses import dataclass, replace
 import dill
 
 from .errors import UnpicklableError
+from .pickling_hints import GENERIC_HINT, hint, type_name
+from .pickling_parts import children
+from .pickling_parts import code_global_names as code_global_names  # rank/loop.py imports it from here
 
 PICKLERS = ("dill", "pickle")
 MAX_FINDINGS = 20
@@ -82,7 +85,7 @@ def explain_pickling(obj, pickler: str = "dill", name: str | None = None) -> lis
                 explainer.explore(obj, name, 0)
     except Exception as exc:  # the explanation is a courtesy: it must never hide the real error
         if not explainer.findings:
-            explainer.findings.append(Finding(name, _type_name(obj), _one_line(exc), _GENERIC_HINT))
+            explainer.findings.append(Finding(name, type_name(obj), _one_line(exc), GENERIC_HINT))
     return explainer.findings
 
 
@@ -234,7 +237,7 @@ class _Explainer:
         explained = False
         try:
             if depth < MAX_DEPTH:
-                for label, kid in self.failing(_children(obj, self.pickler)):
+                for label, kid in self.failing(children(obj, self.pickler)):
                     if len(self.findings) >= MAX_FINDINGS:
                         break
                     explained = True  # even when kid was seen: it is reported elsewhere
@@ -242,165 +245,12 @@ class _Explainer:
         except _OutOfBudget:
             pass
         if not explained and len(self.findings) < MAX_FINDINGS:
-            tname = _type_name(obj)
-            self.findings.append(Finding(path, tname, self.reason(obj), _hint(obj, tname, self.pickler)))
+            tname = type_name(obj)
+            self.findings.append(Finding(path, tname, self.reason(obj), hint(obj, tname, self.pickler)))
 
 
 class _OutOfBudget(Exception):
     pass
-
-
-def _children(obj, pickler: str) -> list[tuple[str, object]]:
-    """(path suffix, child) for everything the pickler would serialise as part of `obj`."""
-    try:
-        return list(_iter_children(obj, pickler))
-    except Exception:  # odd objects (raising properties, broken __reduce_ex__) are leaves
-        return []
-
-
-def _iter_children(obj, pickler: str):
-    # type(obj), not isinstance: a __class__ property must not fool the walk.
-    cls = type(obj)
-    if _opaque(obj, cls):
-        return
-    if issubclass(cls, dict):
-        for i, (key, value) in enumerate(obj.items()):
-            if not isinstance(key, (str, int, float, bool, bytes, type(None))):
-                yield f".<key {i}>", key
-            yield f"[{_short_repr(key, i)}]", value
-        if issubclass(cls, collections.defaultdict):
-            yield ".default_factory", obj.default_factory
-    elif issubclass(cls, (list, tuple)):
-        yield from ((f"[{i}]", item) for i, item in enumerate(obj))
-    elif issubclass(cls, (set, frozenset)):
-        yield from ((f".<item {i}>", item) for i, item in enumerate(obj))
-    elif pickler == "pickle" and (cls is types.FunctionType or issubclass(cls, type)):
-        return  # std pickle stores functions and classes by reference: nothing inside counts
-    elif cls is types.FunctionType:
-        yield from _function_children(obj)
-    elif cls is types.MethodType:
-        yield ".__self__", obj.__self__
-        yield ".__func__", obj.__func__
-        return
-    elif _is_torch_module(cls):
-        yield from _module_children(obj)
-        return
-    elif _custom_reduce(cls):
-        # What the class chooses to pickle is the truth, whatever its attributes say.
-        yield ".__reduce_ex__()", _reduce(obj)
-        return
-    else:
-        found = False
-        for label, value in _attributes(obj, cls):
-            found = True
-            yield label, value
-        # A class defined in a notebook or a function travels by value (dill) or fails (pickle).
-        yield ".__class__", cls
-        if not found and not issubclass(cls, type):
-            yield ".__reduce_ex__()", _reduce(obj)
-        return
-    # Containers and functions may carry instance attributes too (subclasses, fn.attr = ...).
-    if cls not in (dict, list, tuple, set, frozenset):
-        yield from _attributes(obj, cls)
-
-
-def _function_children(fn):
-    code = fn.__code__
-    for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
-        try:
-            yield f".<closure {var}>", cell.cell_contents
-        except ValueError:  # empty cell: the variable is not bound yet
-            pass
-    # With recurse=True dill ships only the globals the code names, so only those can fail.
-    fglobals = fn.__globals__
-    for var in sorted(code_global_names(code)):
-        if var in fglobals:
-            yield f".__globals__[{var!r}]", fglobals[var]
-    for i, default in enumerate(fn.__defaults__ or ()):
-        yield f".__defaults__[{i}]", default
-    for key, default in (fn.__kwdefaults__ or {}).items():
-        yield f".__kwdefaults__[{key!r}]", default
-
-
-def code_global_names(code) -> set[str]:
-    """Every global (and attribute) name a code object and the code nested in it may read."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):  # lambdas, comprehensions, nested defs
-            names |= code_global_names(const)
-    return names
-
-
-def _is_torch_module(cls) -> bool:
-    torch = sys.modules.get("torch")  # never import torch just to explain a pickling error
-    return torch is not None and issubclass(cls, torch.nn.Module)
-
-
-def _module_children(module):
-    # `model.encoder` reads better than `model._modules['encoder']`; the hook dicts
-    # (`_forward_hooks` etc.) keep their names since that is where users registered them.
-    for key, value in vars(module).items():
-        if key in ("_modules", "_parameters", "_buffers") and isinstance(value, dict):
-            yield from ((f".{k}", v) for k, v in value.items() if v is not None)
-        else:
-            yield f".{key}", value
-
-
-def _custom_reduce(cls) -> bool:
-    """True when the class decides its own pickled state, so attributes are not the truth."""
-    if cls in copyreg.dispatch_table:
-        return True
-    return any(
-        getattr(cls, attr, None) is not getattr(object, attr, None)
-        for attr in ("__reduce_ex__", "__reduce__", "__getstate__")
-    )
-
-
-def _reduce(obj):
-    rv = obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
-    if not isinstance(rv, tuple):
-        return rv
-    # Items 3 and 4 are one-shot iterators: materialise them so checking does not drain them.
-    return tuple(
-        (list(x) if i == 3 else dict(x)) if i in (3, 4) and x is not None else x
-        for i, x in enumerate(rv)
-    )
-
-
-def _attributes(obj, cls):
-    try:
-        attrs = object.__getattribute__(obj, "__dict__")  # skips a class's __getattribute__
-    except Exception:
-        attrs = {}
-    if isinstance(attrs, (dict, types.MappingProxyType)):
-        yield from ((f".{k}", v) for k, v in attrs.items())
-    for klass in cls.__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        for slot in [slots] if isinstance(slots, str) else slots:
-            if slot in ("__dict__", "__weakref__"):
-                continue
-            private = slot.startswith("__") and not slot.endswith("__")
-            stored = f"_{klass.__name__.lstrip('_')}{slot}" if private else slot  # name mangling
-            descriptor = klass.__dict__.get(stored)
-            if hasattr(descriptor, "__get__"):
-                try:
-                    yield f".{slot}", descriptor.__get__(obj, cls)
-                except AttributeError:  # unset slot
-                    pass
-
-
-def _opaque(obj, cls) -> bool:
-    # Things we have specific advice for are reported whole: the lock inside a Thread or the
-    # buffer inside a file object is not what the user should act on.
-    return issubclass(cls, _OPAQUE) or _type_name(obj) in _HINTS_BY_TYPE
-
-
-def _type_name(obj) -> str:
-    cls = type(obj)
-    module, qualname = getattr(cls, "__module__", None), getattr(cls, "__qualname__", cls.__name__)
-    if module in (None, "builtins") or module == qualname:  # `socket`, not `socket.socket`
-        return qualname
-    return f"{module}.{qualname}"
 
 
 def _one_line(exc: BaseException) -> str:
@@ -409,62 +259,6 @@ def _one_line(exc: BaseException) -> str:
     except Exception:
         text = ""
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _short_repr(key, index: int) -> str:
-    try:
-        text = repr(key)
-    except Exception:
-        return f"<key {index}>"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-_INSIDE = "create it inside the training function instead of passing it in"
-_GENERIC_HINT = (
-    "this object cannot be pickled: " + _INSIDE + ", or give its class "
-    "__getstate__/__reduce__ that leaves the unpicklable part out"
-)
-_HINTS_BY_TYPE = {
-    "generator": "a generator cannot be sent to another process; create it inside the training function",
-    "coroutine": "a coroutine cannot be sent to another process; " + _INSIDE,
-    "async_generator": "an async generator cannot be sent to another process; " + _INSIDE,
-    "socket": "a socket cannot be sent to another process; "
-    "open it inside the training function (one per rank)",
-    "sqlite3.Connection": "a database connection cannot be sent to another process; "
-    "pass the database path and connect inside the training function",
-    "sqlite3.Cursor": "a database cursor cannot be sent to another process; "
-    "pass the database path and connect inside the training function",
-    "frame": "frames cannot be pickled; keep what you need from them as plain values "
-    "(e.g. traceback.format_exc())",
-    "traceback": "tracebacks cannot be pickled; keep traceback.format_exc() as a string instead",
-    "module": "the standard pickle cannot send modules; "
-    "use pickler='dill' or import the module inside the function",
-    "threading.Thread": "a thread cannot be sent to another process; start it inside the training function",
-}
-
-_OPAQUE = (
-    types.ModuleType, types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType,
-    types.FrameType, types.TracebackType, io.IOBase, threading.Thread,
-)
-
-
-def _hint(obj, tname: str, pickler: str) -> str:
-    if tname in _HINTS_BY_TYPE:
-        return _HINTS_BY_TYPE[tname]
-    if isinstance(obj, threading.Thread):
-        return _HINTS_BY_TYPE["threading.Thread"]
-    if isinstance(obj, io.IOBase):
-        return "an open file cannot be sent to another process; " \
-            "pass its path and open it inside the training function"
-    if tname in ("_thread.lock", "_thread.RLock") or tname.startswith("multiprocessing.synchronize."):
-        if pickler == "pickle" and tname.startswith("_thread"):
-            return "the standard pickle cannot send locks; use pickler='dill', or " + _INSIDE
-        return "a lock cannot be shared with the workers this way; " + _INSIDE
-    if tname.startswith("multiprocessing.connection."):
-        return "a multiprocessing connection cannot be sent to another process this way; " + _INSIDE
-    if pickler == "pickle" and isinstance(obj, (types.FunctionType, types.MethodType, type)):
-        return "use pickler='dill' or define it at module level"
-    return _GENERIC_HINT
 
 
 # A rank's return value travels the other way: advice about creating things inside the

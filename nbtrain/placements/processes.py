@@ -22,7 +22,7 @@ import warnings
 import weakref
 
 from ..common import kernel_watcher
-from ..common.channel import FD_VAR
+from ..common.channel_dial import FD_VAR
 from ..common.preflight import check_fork
 from ..common.transfer import pack_job
 from ..rank import spawned

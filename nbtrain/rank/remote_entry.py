@@ -7,7 +7,7 @@ import os
 import socket
 import sys
 
-from ..common.channel import ADDRESS_VAR, CONNECT_SECONDS, HANDSHAKE_SECONDS, addresses
+from ..common.channel_dial import ADDRESS_VAR, CONNECT_SECONDS, HANDSHAKE_SECONDS, addresses
 from ..common.happy_eyeballs import NoneAnswered, first_to_answer
 from ..common.tensor_files import ENABLE_VAR as SHARED_MEMORY_VAR  # "0": a rank returns tensors as bytes
 from .loop import NOTICE_VAR, remote_main

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..common import protocol
-from ..common.channel import Link
+from ..common.channel_link import Link
 from ..common.transfer import unpack_exception
 from .context import context
 

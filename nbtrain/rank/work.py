@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..common import protocol
-from ..common.channel import Link
+from ..common.channel_link import Link
 from ..common.errors import UnpicklableError
 from ..common.pickling import RETURN_ADVICE, explain_return
 from ..common.transfer import pack_exception, to_cpu, unpack_result

@@ -27,7 +27,8 @@ import dill
 
 from ...common import protocol
 from ...common.devices import plan_devices
-from ...common.pickling import code_global_names, ship_bytes
+from ...common.pickling import ship_bytes
+from ...common.pickling_parts import code_global_names
 from ...common.runlog import make_private_dir, write_whole
 from ...rank.cell import CellJob
 from ...rank.exported import ARGUMENTS
