@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -20,8 +21,14 @@ from .checkpoint import load, save
 from .data import DataLoading
 from .data import EpochLoader as EpochLoader  # defined here before: a pickle may name it here
 from .metrics import Metrics
+from .steer import Steering
 from .steps import StepBoundaries
 from .strategies import DEFAULT_MIN_PARAMS, SHARDED_STRATEGIES
+
+
+class _NoSink:
+    def emit(self, message) -> None:
+        pass
 
 
 class Context(StepBoundaries, Metrics, DataLoading):
@@ -59,6 +66,28 @@ class Context(StepBoundaries, Metrics, DataLoading):
     rank, local_rank, world_size, local_world_size, device, strategy, backend
         As given.
     """
+
+    def __init__(self, rank: int = 0, local_rank: int = 0, world_size: int = 1, local_world_size: int = 1,
+                 device: torch.device | str = "cpu", strategy: str = "local", backend: str = "gloo",
+                 sink=None, dp_device_ids: tuple[int, ...] = ()):
+        self.rank = rank
+        self.local_rank = local_rank
+        self.world_size = world_size
+        self.local_world_size = local_world_size
+        self.device = torch.device(device)
+        self.strategy = strategy
+        self.backend = backend
+        self._sink = sink or _NoSink()
+        self._dp_device_ids = tuple(dp_device_ids)
+        self._owns_group = False
+        self._steps = defaultdict(int)
+        self._depth = 0
+        self._reported_batch = False
+        self._trackers = None
+        self._recorder = None
+        self._deepest = -1
+        self._explicit_steps = False
+        self._steering = Steering(rank, self._sink.emit)
 
     @classmethod
     def from_environ(cls, environ=os.environ, sink=None) -> Context:

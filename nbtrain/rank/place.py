@@ -1,50 +1,43 @@
 """What every part of a rank's `Context` stands on: who the rank is, its device and its process group.
 
 `RankPlace` is the base of `context.Context`; the parts that add its helpers (`steps.py`,
-`metrics.py`, `data.py`) derive from it, so each reads the same state. The state is made here, in
-one place, with a note saying which part uses it.
+`metrics.py`, `data.py`) derive from it, so each reads the same state, declared here with a note
+saying which part uses it (`Context.__init__` makes it).
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .compat import destroy_group_now
-from .steer import Steering
 from .strategies import DDP_STRATEGIES, SHARDED_STRATEGIES
 
 
-class _NoSink:
-    def emit(self, message) -> None:
-        pass
-
-
 class RankPlace:
-    """A rank's place in the run: the base of `Context` (documented there)."""
+    """A rank's place in the run: the base of `Context` (documented there), which makes this state."""
 
-    def __init__(self, rank: int = 0, local_rank: int = 0, world_size: int = 1, local_world_size: int = 1,
-                 device: torch.device | str = "cpu", strategy: str = "local", backend: str = "gloo",
-                 sink=None, dp_device_ids: tuple[int, ...] = ()):
-        self.rank = rank
-        self.local_rank = local_rank
-        self.world_size = world_size
-        self.local_world_size = local_world_size
-        self.device = torch.device(device)
-        self.strategy = strategy
-        self.backend = backend
-        self._sink = sink or _NoSink()
-        self._dp_device_ids = tuple(dp_device_ids)
-        self._owns_group = False
-        self._steps: dict[str, int] = defaultdict(int)  # metrics.py: each metric's next step
-        self._depth = 0  # steps.py: the progress loops open now
-        self._reported_batch = False  # data.py
-        self._trackers = None  # this run's tracker writers (trackers=), fed by log()
-        self._recorder = None  # this run's profiler (profile=), stepped by step()
-        self._deepest = -1  # the innermost progress level seen: its iterations are the steps
-        self._explicit_steps = False  # the code calls step() itself
-        self._steering = Steering(rank, self._sink.emit)  # run.pause() & co. (`launch(wait=False)`)
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    strategy: str
+    backend: str
+    _sink: Any  # where events go (progress, metrics): the rank's channel
+    _dp_device_ids: tuple[int, ...]
+    _owns_group: bool
+    _steps: dict[str, int]  # metrics.py: each metric's next step
+    _depth: int  # steps.py: the progress loops open now
+    _reported_batch: bool  # data.py
+    _trackers: Any  # this run's tracker writers (trackers=), fed by log()
+    _recorder: Any  # this run's profiler (profile=), stepped by step()
+    _deepest: int  # the innermost progress level seen: its iterations are the steps
+    _explicit_steps: bool  # the code calls step() itself
+    # run.pause() & co. (`launch(wait=False)`): a `steer.Steering`, made by Context (steer.py reads
+    # the current Context back: imported here, it would close a circle through this module)
+    _steering: Any
 
     @property
     def is_distributed(self) -> bool:
