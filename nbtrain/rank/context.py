@@ -1,32 +1,29 @@
 """The per-rank `Context`: who this rank is, and the helpers a training function needs.
 
 A rank's Context is built from the torchrun-standard environment, so it is the same object
-whether the rank was forked, spawned, started by torchrun or runs in the kernel itself.
+whether the rank was forked, spawned, started by torchrun or runs in the kernel itself. Its parts
+live beside it: `place.py` (who the rank is, its device and process group: the base every part
+reads), `steps.py` (progress loops, `step`, `steer`), `metrics.py` (`log` and the collectives),
+`data.py` (`loader`); here are the class itself, the model's wrapping and checkpoints, and which
+Context is this rank's (`context()`).
 """
 from __future__ import annotations
 
-import builtins
 import functools
-import operator
 import os
-import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ..common import protocol
 from . import strategies
 from .checkpoint import load, save
-from .compat import destroy_group_now
+from .data import DataLoading
+from .data import EpochLoader as EpochLoader  # defined here before: a pickle may name it here
+from .metrics import Metrics
 from .steer import Steering
-from .strategies import DDP_STRATEGIES, DEFAULT_MIN_PARAMS, SHARDED_STRATEGIES
-from .tally import progressed, timed_batches
-
-PROGRESS_INTERVAL = 0.1  # seconds between progress events of one bar
+from .steps import StepBoundaries
+from .strategies import DEFAULT_MIN_PARAMS, SHARDED_STRATEGIES
 
 
 class _NoSink:
@@ -34,7 +31,7 @@ class _NoSink:
         pass
 
 
-class Context:
+class Context(StepBoundaries, Metrics, DataLoading):
     """This rank's place in the run, and the helpers a training function needs.
 
     Get it with `nbtrain.context()` inside the function a launch runs; it is built from the
@@ -83,14 +80,14 @@ class Context:
         self._sink = sink or _NoSink()
         self._dp_device_ids = tuple(dp_device_ids)
         self._owns_group = False
-        self._steps: dict[str, int] = defaultdict(int)
+        self._steps = defaultdict(int)
         self._depth = 0
         self._reported_batch = False
-        self._trackers = None  # this run's tracker writers (trackers=), fed by log()
-        self._recorder = None  # this run's profiler (profile=), stepped by step()
-        self._deepest = -1  # the innermost progress level seen: its iterations are the steps
-        self._explicit_steps = False  # the code calls step() itself
-        self._steering = Steering(rank, self._sink.emit)  # run.pause() & co. (`launch(wait=False)`)
+        self._trackers = None
+        self._recorder = None
+        self._deepest = -1
+        self._explicit_steps = False
+        self._steering = Steering(rank, self._sink.emit)
 
     @classmethod
     def from_environ(cls, environ=os.environ, sink=None) -> Context:
@@ -121,109 +118,11 @@ class Context:
             sink=sink,
         )
 
-    @property
-    def is_distributed(self) -> bool:
-        """Several ranks, or a DDP or sharded strategy asked for explicitly (DDP on one rank, as Lightning does)."""
-        return self.world_size > 1 or self.strategy in DDP_STRATEGIES or self.strategy in SHARDED_STRATEGIES
-
-    @property
-    def is_global_zero(self) -> bool:
-        """True on global rank 0."""
-        return self.rank == 0
-
-    @property
-    def num_nodes(self) -> int:
-        """Machines in the run."""
-        return max(1, self.world_size // max(1, self.local_world_size))
-
     def __repr__(self) -> str:
         return (f"Context(rank={self.rank}, local_rank={self.local_rank}, world_size={self.world_size}, "
                 f"device={self.device}, strategy={self.strategy!r})")
 
-    # -- process group ------------------------------------------------------------------
-    def _ensure_group(self) -> None:
-        # Created on first need, so a user's own init_process_group() called earlier wins.
-        if not self.is_distributed or dist.is_initialized():
-            return
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size)
-        self._owns_group = True
-
-    def start_group(self) -> None:
-        """Create the default process group now rather than on first need.
-
-        Live ranks do, so plain torch.distributed works in their first cell. A no-op for a
-        single non-distributed rank, or when a group exists.
-        """
-        self._ensure_group()
-
-    def _observe(self, trackers, recorder) -> None:
-        """Attach (or, with None, detach) the trackers and the profiler of the command starting now."""
-        self._trackers, self._recorder = trackers, recorder
-        self._deepest, self._explicit_steps = -1, False
-        if recorder is not None:
-            recorder.start()
-
-    def step(self) -> bool:
-        """Mark the end of one training step: for a profile's window (``launch(..., profile=...)``),
-        and as the step boundary where a run in the background is steered (`run.pause()` holds here).
-
-        Without calls to it, each iteration of the innermost `progress` loop is a step.
-
-        Returns
-        -------
-        bool
-            True once ``run.stop()`` asked the training to end: a loop of your own ends then
-            (`progress` loops end by themselves).
-        """
-        self._explicit_steps = True
-        if self._recorder is not None:
-            self._recorder.step()
-        steering = self._steering
-        steering.steps += 1
-        return steering.pending and steering.at_boundary(True)
-
-    def steer(self, **objects) -> None:
-        """Register what a run in the background may be steered with, by name: ``run.call(fn)``
-        passes them to ``fn`` by its parameters' names, ``run.set(lr=...)`` changes registered
-        optimizers, ``run.checkpoint(path)`` saves them all.
-
-        Parameters
-        ----------
-        **objects
-            The training's objects: ``ctx.steer(model=model, optimizer=opt)``. Registering a
-            name again replaces it.
-
-        Raises
-        ------
-        ValueError
-            No objects given, or a name that `run.call` offers itself (``ctx``, ``step``).
-        """
-        if not objects:
-            raise ValueError("ctx.steer() needs the objects to register by name: ctx.steer(model=model, optimizer=opt)")
-        taken = sorted({"ctx", "step"} & objects.keys())
-        if taken:
-            raise ValueError(f"ctx.steer({taken[0]}=...): {taken} is offered to run.call's functions already; "
-                             "register it under another name.")
-        self._steering.objects.update(objects)
-
-    def _begin_command(self) -> None:
-        # A live rank runs many commands: each one's progress bars start at the outer level.
-        self._depth = 0
-        self._steering.reset()
-
-    def close(self) -> None:
-        """Destroy the process group this Context created (the rank does it when it ends)."""
-        if self._owns_group:
-            destroy_group_now()
-        self._owns_group = False
-
-    @property
-    def _comm_device(self) -> torch.device:
-        return self.device if self.backend == "nccl" else torch.device("cpu")
-
-    # -- model and data -----------------------------------------------------------------
+    # -- the model ----------------------------------------------------------------------
     def setup(self, module: torch.nn.Module, *, shard=None, min_params: int = DEFAULT_MIN_PARAMS,
               mixed_precision=None, cpu_offload=False, reshard_after_forward: bool = True) -> torch.nn.Module:
         """Move a model to this rank's device and wrap it as the run's strategy says.
@@ -343,236 +242,6 @@ class Context:
             The checkpoint lacks a name asked for, or cannot be read: an OSError saying which.
         """
         return load(self, path, objects)
-
-    def loader(self, dataset, **dataloader_kwargs) -> EpochLoader:
-        """A DataLoader that gives each rank its own part of the data, reshuffled every epoch.
-
-        With several ranks, a DistributedSampler is added (unless a sampler is given) and its
-        ``set_epoch`` called on every new pass. The effective batch size (batch x ranks) is
-        reported once, as ``Result.effective_batch_size``.
-
-        Parameters
-        ----------
-        dataset : Dataset
-            The data.
-        **dataloader_kwargs
-            DataLoader's own (``batch_size``, ``shuffle``, ``num_workers``...); ``shuffle`` goes
-            to the sampler.
-
-        Returns
-        -------
-        EpochLoader
-            Iterates as the DataLoader; other attributes are the DataLoader's.
-        """
-        from torch.utils.data import DataLoader, DistributedSampler
-
-        sampler: DistributedSampler | None = None
-        if self.world_size > 1 and not {"sampler", "batch_sampler"} & dataloader_kwargs.keys():
-            shuffle = dataloader_kwargs.pop("shuffle", False)
-            sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
-                                         drop_last=dataloader_kwargs.get("drop_last", False))
-            dataloader_kwargs["sampler"] = sampler
-        loader = DataLoader(dataset, **dataloader_kwargs)
-        self._report_batch_size(loader.batch_size)
-        return EpochLoader(loader, sampler)
-
-    def _report_batch_size(self, per_rank: int | None) -> None:
-        if self._reported_batch or per_rank is None:
-            return
-        self._reported_batch = True
-        # DataParallel splits the loader's batch across GPUs: the loader's batch is the effective one.
-        effective = per_rank if self._dp_device_ids else per_rank * self.world_size
-        self._sink.emit(protocol.BatchSize(self.rank, per_rank, effective))
-
-    # -- metrics and collectives ---------------------------------------------------------
-    def log(self, name: str, value, sync_dist: bool = False, step: int | None = None) -> float:
-        """Record a metric: shown live, kept in ``Result.history``, sent to the run's trackers.
-
-        Parameters
-        ----------
-        name : str
-            The metric's name.
-        value : float or tensor
-            Its value (a tensor is reduced to its mean).
-        sync_dist : bool, default False
-            Record the mean over ranks (every rank must call it: a collective).
-        step : int, optional
-            Where on the x axis; by default one more than this metric's last. A resumed run
-            passes its own, so its curve goes on where it stopped.
-
-        Returns
-        -------
-        float
-            The value recorded (the mean over ranks with ``sync_dist``).
-
-        Raises
-        ------
-        ValueError
-            ``step`` is not an int >= 0.
-        """
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-            raise ValueError(f"ctx.log({name!r}, step={step!r}): step must be an int >= 0, or None for the next one")
-        if isinstance(value, torch.Tensor):  # .item() on a one-element tensor is the cheap path
-            value = value.item() if value.numel() == 1 else value.detach().float().mean().item()
-        value = float(value)
-        if sync_dist and self.world_size > 1:
-            self._ensure_group()
-            total = torch.tensor([value], dtype=torch.float64, device=self._comm_device)
-            dist.all_reduce(total)
-            value = total.item() / self.world_size
-        step = self._steps[name] if step is None else step
-        self._steps[name] = step + 1
-        self._sink.emit(protocol.Metric(step, self.rank, name, value, bool(sync_dist)))
-        if self._trackers is not None:
-            self._trackers.log(name, value, step, bool(sync_dist) or self.world_size == 1)
-        return value
-
-    def all_gather(self, x):
-        """Every rank's ``x`` (a collective: every rank calls it).
-
-        Parameters
-        ----------
-        x : tensor or object
-            This rank's part; objects must pickle.
-
-        Returns
-        -------
-        tensor or list
-            Tensors stacked along a new first dimension, one row per rank; other objects a list
-            in rank order.
-        """
-        if not isinstance(x, torch.Tensor):
-            if self.world_size == 1:
-                return [x]
-            self._ensure_group()
-            gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, x)
-            return gathered
-        if self.world_size == 1:
-            return x.unsqueeze(0)
-        self._ensure_group()
-        local = x.to(self._comm_device)
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(parts, local.contiguous())
-        return torch.stack(parts).to(x.device)
-
-    def barrier(self) -> None:
-        """Wait until every rank has reached this line (a no-op on one rank)."""
-        if self.world_size > 1:
-            self._ensure_group()
-            dist.barrier()
-
-    def print(self, *args, **kwargs) -> None:
-        """``print`` on global rank 0 only (flushed).
-
-        Parameters
-        ----------
-        *args
-            As for ``print``.
-        **kwargs
-            As for ``print``.
-        """
-        if self.is_global_zero:
-            builtins.print(*args, **{"flush": True, **kwargs})
-
-    # -- progress ------------------------------------------------------------------------
-    def progress(self, iterable: Iterable, desc: str | None = None, total: int | None = None,
-                 initial: int = 0) -> Iterator:
-        """Iterate, reporting this rank's progress to the notebook's live view (nested calls nest).
-
-        Parameters
-        ----------
-        iterable : iterable
-            What to iterate over.
-        desc : str, optional
-            The bar's label; default 'epoch' for the outer loop, 'batch' inside it.
-        total : int, optional
-            Iterations in all; default ``initial + len(iterable)`` when it has a length (unlike
-            tqdm: the iterable of a resumed loop is what is left).
-        initial : int, default 0
-            Iterations done before this loop, as in tqdm: a loop resumed from a checkpoint,
-            ``ctx.progress(range(start, steps), initial=start)``, reads start..steps, and its
-            rate and ETA count only the iterations done now.
-
-        Returns
-        -------
-        iterator
-            The iterable's items.
-
-        Raises
-        ------
-        ValueError
-            ``initial`` is not an int >= 0.
-        """
-        try:  # numpy's integers and a 0-d integer tensor (a step read back from a checkpoint) are ints too
-            count = None if isinstance(initial, bool) else operator.index(initial)
-        except TypeError:
-            count = None
-        if count is None or count < 0:
-            raise ValueError(f"ctx.progress(initial={initial!r}): initial must be an int >= 0 (the iterations "
-                             f"done before this loop, e.g. the step a checkpoint resumed from)")
-        initial = count
-        if total is None:
-            try:
-                total = initial + len(iterable)  # type: ignore[arg-type]
-            except TypeError:
-                total = None
-        return self._progress(iterable, desc, total, initial)
-
-    def _progress(self, iterable: Iterable, desc: str | None, total: int | None, initial: int) -> Iterator:
-        level = self._depth
-        desc = desc or ("epoch" if level == 0 else "batch")
-        self._depth += 1
-        self._deepest = max(self._deepest, level)
-        emit, rank = self._sink.emit, self.rank
-        # Each event carries this rank's own clock: rates are told from when the steps happened
-        # here, not from when batches of events reached the notebook. Each also carries `initial`,
-        # where this loop began: the notebook tells a new loop by it, and counts only the steps after it.
-        n, last = initial, time.monotonic()
-        emit(protocol.Progress(rank, level, desc, n, total, False, last, initial))
-        steering = self._steering
-        try:
-            if steering.stopping:  # run.stop(): a loop that begins after it has nothing left to do
-                return
-            for item in iterable:
-                yield item
-                n += 1
-                progressed()
-                counted = level == self._deepest and not self._explicit_steps  # a step boundary
-                if counted:
-                    steering.steps += 1
-                    if self._recorder is not None:
-                        self._recorder.step()
-                if steering.pending and steering.at_boundary(counted):
-                    break  # run.stop(): as if the loop had finished
-                now = time.monotonic()
-                if now - last >= PROGRESS_INTERVAL:
-                    emit(protocol.Progress(rank, level, desc, n, total, False, now, initial))
-                    last = now
-        finally:
-            self._depth -= 1
-            emit(protocol.Progress(rank, level, desc, n, total, True, time.monotonic(), initial))
-
-
-class EpochLoader:
-    """A DataLoader whose sampler moves to the next epoch on each new iteration."""
-
-    def __init__(self, loader, sampler=None):
-        self.loader = loader
-        self._sampler = sampler
-        self._epoch = 0
-
-    def __iter__(self):
-        if self._sampler is not None:
-            self._sampler.set_epoch(self._epoch)
-        self._epoch += 1
-        return timed_batches(iter(self.loader))  # the wait for each batch is the rank's data wait
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
 
 
 _current: Context | None = None

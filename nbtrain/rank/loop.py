@@ -12,7 +12,10 @@ collectives — the gather of a sharded model — may run); `_do_<kind>` runs it
 `Begin`, then `Returned` or `Raised`; code that reads a name the rank lacks sends `Need` (answered
 by `Names`), its debugger `Prompt` (answered by `Stdin`). `Interrupt`, `Stacks` and `Stop` come on
 the same link, and so do steering's (`SteerHold`, `SteerApply`, `SteerResume`: `steer.py`). What
-user code displays travels beside them (`output.py`).
+user code displays travels beside them (`output.py`). A failure's reply keeps the user's frames
+(`failures.py`); pdb on a rank talks through the notebook (`remote_pdb.py`). Every frame between
+the loop and the user's code is this module's: the debugger and `failures.user_frames` tell the
+user's frames by that.
 """
 from __future__ import annotations
 
@@ -27,7 +30,6 @@ import signal
 import socket
 import sys
 import threading
-import traceback
 import types
 
 from ..common import protocol
@@ -35,17 +37,18 @@ from ..common.channel import ChannelUnreachable, Link
 from ..common.pickling import code_global_names
 from ..common.process_tree import become_subreaper, end_descendants
 from ..common.source import free_names, parse_cell
-from ..common.tracebacks import package_path
 from ..common.transfer import pack_exception, pack_result, unpack_job, unpack_push
 from .compat import become_torchrun_worker, destroy_asked_group
 from .context import Context, set_current
 from .debugger import DEBUGGER, look_while_stuck
 from .doctor import count_collectives, whereabouts
+from .failures import cut_inherited, exit_site, note_inherited, user_frames, user_traceback
 from .flight_recorder import summary as nccl_summary
 from .flight_recorder import turn_on as turn_on_flight_recorder
 from .output import show_in_notebook
 from .process import enable_stacks, end_output, limit_threads, watched_from_here
 from .process import forward_output as forward
+from .remote_pdb import RemoteDebugger
 from .rendezvous import use_private_store
 from .strategies import contains_sharded
 from .tally import TALLY
@@ -157,9 +160,9 @@ class RankLoop:
                 self.ctx.close()
             reply, code = protocol.Returned(rank, self._pack(value), where), 0
         except BaseException as exc:  # KeyboardInterrupt included: the notebook must hear of it
-            _cut_inherited(exc)
-            self.last_traceback = _user_frames(exc.__traceback__)
-            reply, code = protocol.Raised(rank, f"{type(exc).__name__}: {exc}", user_traceback(exc),
+            cut_inherited(exc)
+            self.last_traceback = user_frames(exc.__traceback__, __file__)
+            reply, code = protocol.Raised(rank, f"{type(exc).__name__}: {exc}", user_traceback(exc, __file__),
                                           pack_exception(exc)), 1
         finally:
             with self._lock:
@@ -218,7 +221,7 @@ class RankLoop:
             except SystemExit as exc:
                 if exc.code not in (None, 0):
                     raise
-                return None, f"called sys.exit({exc.code if exc.code is not None else ''}) at {_exit_site(exc)}"
+                return None, f"called sys.exit({exc.code if exc.code is not None else ''}) at {exit_site(exc)}"
         return value, f"returned from {getattr(fn, '__qualname__', 'the function')}()"
 
     def _do_call(self, command: protocol.Call):
@@ -313,70 +316,6 @@ class RankLoop:
             self.borrowed.update(received)
 
 
-class RemoteDebugger:
-    """pdb whose prompt and input travel through the notebook (the rank has no terminal)."""
-
-    def __new__(cls, loop: RankLoop, stuck: bool = False):
-        import pdb
-
-        def cannot_run(self, arg):
-            self.message(f"*** rank {loop.ctx.rank}'s code is stuck here: nothing can run in these frames. Look "
-                         "with where, up, down, p, pp, ll; q ends.")
-            return 0
-
-        class _Debugger(pdb.Pdb):
-            if stuck:  # continue and step would return to frames blocked in C: say so, stay at the prompt
-                do_c = do_cont = do_continue = do_n = do_next = do_s = do_step = cannot_run
-                do_r = do_return = do_unt = do_until = do_j = do_jump = cannot_run
-
-            def __init__(self):
-                io = _DebugIO(loop)
-                super().__init__(stdin=io, stdout=io, nosigint=True)
-                self.use_rawinput = False
-                self.prompt = f"(Pdb rank {loop.ctx.rank}) "
-                self.typed: list[str] = []
-
-            def precmd(self, line):
-                if self.typed and line == self.typed[0]:  # a command given in advance: shown as if typed
-                    self.typed.pop(0)
-                    self.message(f"{self.prompt}{line}")
-                return super().precmd(line)
-
-            def setup(self, frame, tb):
-                # Open at the innermost frame of the user's own code (torch's F.linear is rarely
-                # what to look at); `down` still reaches the library frames below it.
-                super().setup(frame, tb)
-                for index in range(len(self.stack) - 1, -1, -1):
-                    if package_path(self.stack[index][0].f_code.co_filename) is None:
-                        self.curindex = index
-                        self.curframe = self.stack[index][0]
-                        self.curframe_locals = self.curframe.f_locals
-                        break
-
-        return _Debugger()
-
-
-class _DebugIO:
-    def __init__(self, loop: RankLoop):
-        self.loop = loop
-        self._text = ""
-
-    def write(self, text: str) -> int:
-        self._text += text
-        if "\n" in self._text:
-            done, self._text = self._text.rsplit("\n", 1)
-            self.loop.link.emit(protocol.Output(self.loop.link.rank, "debug", done))
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def readline(self) -> str:
-        prompt, self._text = self._text, ""
-        self.loop.link.emit(protocol.Prompt(self.loop.link.rank, prompt))
-        return self.loop.stdin.get() + "\n"
-
-
 # -- helpers ------------------------------------------------------------------------------
 
 def _fresh_main(ctx) -> dict:
@@ -403,57 +342,6 @@ def _compile_cell(source: str, filename: str):
     return compile(tree, filename, "exec")
 
 
-def _user_frames(tb):
-    """The traceback without this module's own frames at either end: from the user's first
-    frame to where the user's code was (an interrupt is raised in `_on_sigint`, below it)."""
-    entries = []
-    while tb is not None:
-        entries.append(tb)
-        tb = tb.tb_next
-    while entries and entries[0].tb_frame.f_code.co_filename == __file__:
-        entries.pop(0)
-    if not entries or entries[-1].tb_frame.f_code.co_filename != __file__:
-        return entries[0] if entries else None
-    while entries and entries[-1].tb_frame.f_code.co_filename == __file__:
-        entries.pop()
-    rebuilt = None
-    for entry in reversed(entries):
-        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
-    return rebuilt
-
-
-def user_traceback(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
-
-
-# A rank forked while the kernel was handling an exception (a launch from an `except:` block, a
-# restart after Ctrl-C) inherits it as the exception being handled: it is not the rank's story.
-def _cut_inherited(exc: BaseException | None) -> None:
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if exc.__context__ is not None and exc.__context__ is _inherited():
-            exc.__context__ = None
-            return
-        exc = exc.__context__
-
-
-def _inherited():
-    return _RANK_START_EXCEPTION[0]
-
-
-_RANK_START_EXCEPTION: list = [None]
-
-
-def _exit_site(exc: SystemExit) -> str:
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return "an unknown place"
-    frame = frames[-1]
-    line = f" (`{frame.line}`)" if frame.line else ""
-    return f"{frame.filename} line {frame.lineno}{line}"
-
-
 NOTICE_VAR = "NBTRAIN_NOTICE"  # a line for the notebook from a remote rank's start (see serve)
 
 
@@ -465,7 +353,7 @@ def serve(first=None, once: bool = False, live: bool = False, forward_output: bo
     travel over the channel instead. `exits`: the caller ends the process with `os._exit` as
     this returns (no destructor runs), so the process group is left to the OS.
     """
-    _RANK_START_EXCEPTION[0] = sys.exc_info()[1]
+    note_inherited()
     # What the rank inherited (a fork of the kernel: its whole heap) or imported is never garbage a
     # collection must find: frozen, a collection (the user's destroy_process_group's, Python's own
     # oldest generation's) walks only what the rank makes, in milliseconds, not a second.
