@@ -173,7 +173,7 @@ def test_a_warm_trial_reads_only_builtins_so_its_rank_asks_the_notebook_for_noth
     at every trial (an attribute, `.unpack_job`, counts as such a name)."""
     import builtins
 
-    from nbtrain.common.pickling import code_global_names
+    from nbtrain.common.pickling_parts import code_global_names
     from nbtrain.notebook.many.sweep_workers import TRIAL
 
     assert code_global_names(TRIAL.__code__) <= set(dir(builtins)), code_global_names(TRIAL.__code__)

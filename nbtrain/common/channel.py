@@ -31,8 +31,6 @@ from multiprocessing.reduction import ForkingPickler
 
 from . import protocol
 from .channel_dial import ADDRESS_VAR, AUTHKEY_VAR, HANDSHAKE_SECONDS
-from .channel_dial import ChannelUnreachable as ChannelUnreachable  # rank/loop.py imports it from here
-from .channel_link import Link as Link  # rank/loop.py imports it from here
 from .channel_sockets import no_delay, receive_timeout, send_bytes, shut
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,6 @@ import dill
 from .errors import UnpicklableError
 from .pickling_hints import GENERIC_HINT, hint, type_name
 from .pickling_parts import children
-from .pickling_parts import code_global_names as code_global_names  # rank/loop.py imports it from here
 
 PICKLERS = ("dill", "pickle")
 MAX_FINDINGS = 20

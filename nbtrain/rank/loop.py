@@ -33,8 +33,9 @@ import threading
 import types
 
 from ..common import protocol
-from ..common.channel import ChannelUnreachable, Link
-from ..common.pickling import code_global_names
+from ..common.channel_dial import ChannelUnreachable
+from ..common.channel_link import Link
+from ..common.pickling_parts import code_global_names
 from ..common.process_tree import become_subreaper, end_descendants
 from ..common.source import free_names, parse_cell
 from ..common.transfer import pack_exception, pack_result, unpack_job, unpack_push

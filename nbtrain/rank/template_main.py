@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.parallel.distributed", "torch._dynamo",
            "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.utils.data", "dill",
-           "nbtrain.rank.loop", "nbtrain.rank.context", "nbtrain.rank.cell", "nbtrain.common.channel",
+           "nbtrain.rank.loop", "nbtrain.rank.context", "nbtrain.rank.cell", "nbtrain.common.channel_link",
            "nbtrain.common.transfer", "nbtrain.common.pickling")
 READY_TIMEOUT = 120.0  # a cold start imports torch; on a loaded machine that can take a while
 _HEADER = struct.Struct("!Q")
