@@ -35,6 +35,7 @@ import threading
 import time
 
 from ..common import protocol
+from ..common.import_hooks import when_imported
 from .ddp_counting import count_ddp
 from .tally import PENDING, TALLY, described, library, timed_batches, user_frame
 
@@ -42,6 +43,9 @@ COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_in
                "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
                "broadcast_object_list", "barrier", "monitored_barrier", "send", "recv",
                "all_gather_single", "reduce_scatter_single")  # the last two: what FSDP2 calls, async
+
+
+HOLDERS = ("torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.tensor._collective_utils")
 
 
 def _tensor(args: tuple):
@@ -106,16 +110,19 @@ def count_collectives() -> None:
 
     if not dist.is_available() or getattr(dist, "_nbtrain_counted", False):
         return
-    counted = {id(collective): counted_collective(op, collective) for op in COLLECTIVES
+    counted = {op: counted_collective(op, collective) for op in COLLECTIVES
                if (collective := getattr(dist, op, None)) is not None}
-    # Every name torch.distributed's modules hold them by: `dist.all_reduce`, distributed_c10d's own
-    # (where a module imported later takes them from: DTensor's `scatter`, `broadcast`), and those
-    # already imported by name. A collective torch calls inside another is counted as that one.
-    for name, module in list(sys.modules.items()):
-        if name == "torch.distributed" or name.startswith("torch.distributed."):
-            for attr, value in list(getattr(module, "__dict__", {}).items()):  # (an entry may be None)
-                if (wrapper := counted.get(id(value))) is not None and wrapper.__wrapped__ is value:
-                    setattr(module, attr, wrapper)
+    # The modules that hold them by their own names: `dist.all_reduce`, distributed_c10d's (where
+    # a module imported later takes them from) and DTensor's (`scatter`, `broadcast`, taken from
+    # it at import). Named, not found by reading every module: in a forked rank, walking
+    # sys.modules wrote each module's reference count and copied their pages (with Lightning in
+    # the kernel, 3,000 modules: 10 ms of a warm 2-rank fork launch's 0.1 s). A collective torch
+    # calls inside another is counted as that one.
+    for name in HOLDERS:
+        namespace = getattr(sys.modules.get(name), "__dict__", {})
+        for op, wrapper in counted.items():
+            if namespace.get(op) is wrapper.__wrapped__:
+                setattr(sys.modules[name], op, wrapper)
     c10d = sys.modules["torch.distributed.distributed_c10d"]
     c10d.rendezvous = _noted_rendezvous(c10d.rendezvous)  # type: ignore[attr-defined]  # looked up there at each call
     count_ddp()
@@ -129,13 +136,17 @@ def count_functional() -> None:
     Python points every one passes: its result wrapped for a later wait (`_maybe_wrap_tensor`:
     counted, as the collective its caller is named after) and that wait (`wait_tensor`: where the
     rank waits in it, timed). Both are looked up in the module at each call. Compiled code calls
-    the C++ ops themselves, reaching neither: its collectives are not counted."""
-    import torch.distributed._functional_collectives as funcol
+    the C++ ops themselves, reaching neither: its collectives are not counted. Counted once the
+    module is imported (by the user, DTensor or FSDP): importing it for every rank cost each 11 ms
+    of its start (a warm 2-rank fork launch took 0.106 s instead of 0.089)."""
+    when_imported("torch.distributed._functional_collectives", _count_functional_in)
 
+
+def _count_functional_in(funcol) -> None:
     if not getattr(funcol, "_nbtrain_counted", False):
         funcol._maybe_wrap_tensor, funcol.wait_tensor = functional_counters(
             funcol._maybe_wrap_tensor, funcol.wait_tensor, funcol.AsyncCollectiveTensor)
-        funcol._nbtrain_counted = True  # type: ignore[attr-defined]
+        funcol._nbtrain_counted = True
 
 
 def functional_counters(wrap, wait, wrapper) -> tuple:
