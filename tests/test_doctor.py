@@ -228,14 +228,15 @@ def uneven_batches(after):
     return ctx.rank
 
 
-def test_uneven_inputs_are_named_with_their_fix_while_the_ranks_live(no_leftovers):
+@pytest.mark.parametrize("world, waiting", [(2, "rank 1 waits"), (8, "ranks 1-7 wait")])
+def test_uneven_inputs_are_named_with_their_fix_while_the_ranks_live(world, waiting, no_leftovers):
     notes = Notes()
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(uneven_batches, "stay", devices=2, accelerator="cpu", start="fork", progress=notes, stall=2,
-                       timeout=30)
+        nbtrain.launch(uneven_batches, "stay", devices=world, accelerator="cpu", start="fork", progress=notes,
+                       stall=2, timeout=30)
     said = [n for n in notes.notes if n.startswith("No rank has progressed")]
     assert len(said) == 1, notes.notes
-    assert re.search(r"rank 1 waits in DDP's gradient all-reduce of its backward\(\) #11 at test_doctor.py:\d+ "
+    assert re.search(rf"{waiting} in DDP's gradient all-reduce of its backward\(\) #11 at test_doctor.py:\d+ "
                      r"\(bucket 0: 0.weight, 0.bias\); rank 0 ran 10 backward\(\) calls and left the loop at "
                      r"test_doctor.py:\d+ \(time.sleep\(8\)\): the ranks had different numbers of batches — use "
                      r"DistributedSampler\(drop_last=True\) or torch.distributed.algorithms.Join\.", said[0]), said[0]
@@ -519,16 +520,17 @@ def ddp_mistakes(steps, nap):
     return ctx.rank
 
 
-def test_ddps_classic_mistakes_are_named_with_their_fix_at_four_ranks(no_leftovers):
+@pytest.mark.parametrize("world, waiting", [(4, "rank 0 waits"), (8, "ranks 0, 4-7 wait")])
+def test_ddps_classic_mistakes_are_named_with_their_fix_at_four_and_eight_ranks(world, waiting, no_leftovers):
     notes = Notes()
     with pytest.raises(WorkerError) as info:
-        nbtrain.launch(ddp_mistakes, 4, 6, devices=4, accelerator="cpu", start="fork", progress=notes, stall=2,
+        nbtrain.launch(ddp_mistakes, 4, 6, devices=world, accelerator="cpu", start="fork", progress=notes, stall=2,
                        timeout=60)
     said = [n for n in notes.notes if n.startswith("No rank has progressed")]
     assert len(said) == 1, notes.notes
     at = r"test_doctor.py:\d+ \(time.sleep\(nap\)\)"
     assert re.search(
-        r"rank 0 waits in DDP's gradient all-reduce of its backward\(\) #4 at test_doctor.py:\d+ \(bucket 0: a.weight, "
+        rf"{waiting} in DDP's gradient all-reduce of its backward\(\) #4 at test_doctor.py:\d+ \(bucket 0: a.weight, "
         rf"a.bias, b.weight, b.bias\); rank 1 skipped backward\(\) after 1 of its 4 forwards \(3 all-reduced\), now at "
         rf"{at}; rank 2 ran 1 of its 4 forwards under no_sync\(\) \(the ranks waiting: 0\), now at {at}; rank 3 ran "
         r"backward\(\) #4 but never all-reduced its gradients \(b.weight, b.bias got none\), now at "
@@ -536,7 +538,7 @@ def test_ddps_classic_mistakes_are_named_with_their_fix_at_four_ranks(no_leftove
         said[0]), said[0]
     # Then ranks 1-3 return: the first to end is named by what it did, not as different numbers of batches.
     culprit, summary = info.value.rank, info.value.summary
-    assert culprit in (1, 2, 3) and "rank 0 waits for it in DDP's gradient all-reduce of its backward() #4" in summary
+    assert culprit in (1, 2, 3) and f"{waiting} for it in DDP's gradient all-reduce of its backward() #4" in summary
     fix = {1: doctor.SKIPPED_FIX, 2: doctor.NO_SYNC_FIX, 3: doctor.UNUSED_FIX}[culprit]
     assert summary.endswith(f": {fix}."), summary
 
