@@ -1,4 +1,4 @@
-"""The doctor on real ranks (gloo on CPU, 2 and 4 ranks): stalls said while they happen, timeouts
+"""The doctor on real ranks (gloo on CPU, 2, 4 and 8 ranks): stalls said while they happen, timeouts
 that blame the rank the others wait for, mismatched collectives named, stragglers without a profile."""
 import re
 import signal
@@ -63,7 +63,8 @@ def test_a_timeout_blames_the_rank_the_others_wait_for(world, no_leftovers):
     error, last = info.value, world - 1
     assert error.rank == last
     assert f"The others wait for rank {last}." in error.summary
-    assert f"rank 0: stopped after rank {last} failed (waiting for rank {last} in all_reduce #2" in str(error)
+    others = "rank 0" if world == 2 else f"ranks 0-{last - 1}"  # one line for the ranks that read the same
+    assert f"then: {others}: stopped after rank {last} failed (waiting for rank {last} in all_reduce #2" in str(error)
     assert error.traceback.startswith(f"--- rank {last} stack ---")
     assert "--- rank 0 stack (waiting) ---" in error.traceback
     assert sorted(error.stacks) == list(range(world)) and "late_rank" in error.stacks[last]
@@ -79,7 +80,7 @@ def skips_a_collective(how):
     return ctx.rank
 
 
-@pytest.mark.parametrize("world, how", [(2, "returns"), (4, "returns"), (2, "raises")])
+@pytest.mark.parametrize("world, how", [(2, "returns"), (4, "returns"), (2, "raises"), (4, "raises"), (8, "raises")])
 def test_a_skipped_collective_names_the_rank_that_skipped_it(world, how, no_leftovers):
     with pytest.raises(WorkerError) as info:
         nbtrain.launch(skips_a_collective, how, devices=world, accelerator="cpu", start="fork", progress=False,
@@ -88,10 +89,11 @@ def test_a_skipped_collective_names_the_rank_that_skipped_it(world, how, no_left
     assert info.value.rank == 1
     if how == "returns":
         assert "rank 1 ended (returned from skips_a_collective()) while the others still needed it" in said
-    else:  # the other rank's line says where it waited, not gloo's socket error
+    else:  # the others' line says where they waited, not gloo's socket error, in one line for all of them
+        others = {2: "rank 0", 4: "ranks 0, 2, 3", 8: "ranks 0, 2-7"}[world]
         assert said.startswith("rank 1 failed: ValueError: a bad batch")
-        assert re.search(r"rank 0: stopped after rank 1 failed \(waiting for rank 1 in all_reduce #\d \(float32\[2\]\) "
-                         r"at test_doctor.py:\d+\)", said) and "Connection" not in said, said
+        assert re.search(rf"\nthen: {others}: stopped after rank 1 failed \(waiting for rank 1 in all_reduce #\d "
+                         r"\(float32\[2\]\) at test_doctor.py:\d+\)\n", said) and "Connection" not in said, said
 
 
 def mismatched(kind):
@@ -110,8 +112,8 @@ def mismatched(kind):
     return ctx.rank
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
+@pytest.mark.parametrize("op, world", [("all_reduce", 2), ("all_reduce", 4), ("all_gather", 2), ("all_gather", 4),
+                                       ("all_gather", 8)])
 def test_mismatched_shapes_are_named(op, world, no_leftovers):
     with pytest.raises(WorkerError) as info:
         nbtrain.launch(mismatched, "shape" if op == "all_reduce" else "all_gather shape", devices=world,
@@ -120,6 +122,10 @@ def test_mismatched_shapes_are_named(op, world, no_leftovers):
     assert said.startswith("Collective #2 does not match across ranks (different shapes): "
                            f"rank 0: {op} #2 (float32[3]) at test_doctor.py:"), said
     assert f"rank 1: {op} #2 (float32[4])" in said
+    # the others' errors (gloo's size check, its socket error) read as where they were, in one line
+    others = rf"ranks? [\d, -]+: stopped after rank {info.value.rank} failed \(in {op} #2 at test_doctor.py:\d+, the " \
+        r"collective that does not match\)"
+    assert re.search(rf"\nthen: {others}\n", str(info.value)) and "Connection" not in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -292,15 +298,18 @@ def starved():
         model(x).sum().backward()
 
 
-def test_a_rank_stuck_loading_data_is_blamed(no_leftovers):
+@pytest.mark.parametrize("world, others", [(2, "rank 0"), (4, "ranks 0, 2, 3"), (8, "ranks 0, 2-7")])
+def test_a_rank_stuck_loading_data_is_blamed(world, others, no_leftovers):
     notes = Notes()
-    with pytest.raises(WorkerError):
-        nbtrain.launch(starved, devices=2, accelerator="cpu", start="fork", progress=notes, stall=2, timeout=20)
+    with pytest.raises(WorkerError) as info:
+        nbtrain.launch(starved, devices=world, accelerator="cpu", start="fork", progress=notes, stall=2, timeout=20)
     said = [n for n in notes.notes if n.startswith("No rank has progressed")]
     assert len(said) == 1, notes.notes
-    assert re.search(r"rank 0 waits in DDP's gradient all-reduce of its backward\(\) #3 at test_doctor.py:\d+ "
-                     r"\(bucket 0: weight, bias\); rank 1 is loading its next batch at test_doctor.py:\d+ "
+    wait = r"DDP's gradient all-reduce of its backward\(\) #3 at test_doctor.py:\d+ \(bucket 0: weight, bias\)"
+    assert re.search(rf"{others} waits? in {wait}; rank 1 is loading its next batch at test_doctor.py:\d+ "
                      r"\(time.sleep\(8\)\)\. The others wait for rank 1: its data loading is stuck", said[0]), said[0]
+    assert info.value.rank == 1 and re.search(
+        rf"\nthen: {others}: stopped after rank 1 failed \(waiting for rank 1 in {wait}\)\n", str(info.value)), str(info.value)
 
 
 def first_collective_bare(hook):

@@ -285,17 +285,25 @@ def _current_mismatch(calls: dict) -> str | None:
 def mismatch(recent: dict) -> str | None:
     """The first collective where ranks disagree (op, shape or dtype at the same sequence number),
     in one sentence naming each rank's call; None when their recent collectives agree."""
+    calls = mismatched_calls(recent)
+    if calls is None:
+        return None
+    seq = next(iter(calls.values()))[0]
+    ops = {c[1] for c in calls.values()}
+    what = ("ops" if len(ops) > 1 else "shapes" if len({c[2] for c in calls.values()}) > 1 else "dtypes")
+    return f"Collective #{seq} does not match across ranks (different {what}): {each_call(calls)}."
+
+
+def mismatched_calls(recent: dict) -> dict[int, tuple] | None:
+    """Each rank's call at the first sequence number where ranks disagree; None when they agree."""
     by_seq: dict[int, dict[int, tuple]] = {}
     for rank, calls in recent.items():
         for call in calls:
             by_seq.setdefault(call[0], {})[rank] = call
     for seq in sorted(by_seq):
         calls = by_seq[seq]
-        if len(calls) < 2 or len({c[1:4] for c in calls.values()}) == 1:
-            continue
-        ops = {c[1] for c in calls.values()}
-        what = ("ops" if len(ops) > 1 else "shapes" if len({c[2] for c in calls.values()}) > 1 else "dtypes")
-        return f"Collective #{seq} does not match across ranks (different {what}): {each_call(calls)}."
+        if len(calls) >= 2 and len({c[1:4] for c in calls.values()}) > 1:
+            return calls
     return None
 
 

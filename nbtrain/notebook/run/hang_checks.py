@@ -18,6 +18,7 @@ from .doctor import (
     ended_verdict,
     facts,
     mismatch,
+    mismatched_calls,
     stall_after,
     stall_verdict,
 )
@@ -177,6 +178,16 @@ class HangChecks:
             if call is not None:
                 self.state.ranks[failure.rank].reason = f"waiting for rank {cause.rank} in {call_words(call)}"
 
+    def _say_mismatched(self, calls: dict[int, tuple], culprit: int) -> None:
+        """The other ranks' errors in the collective that does not match are its consequences (gloo's
+        socket errors, its size checks): each reads as where it was, the same words for every rank."""
+        for rank, call in calls.items():
+            view = self.state.ranks.get(rank)
+            if rank != culprit and view is not None and view.status in ("stopped", "failed"):
+                seq, op, _shape, _dtype, *place = call
+                view.status, view.detail = "stopped", f"stopped (rank {culprit} failed)"
+                view.reason = f"in {call_words((seq, op, None, None, *place))}, the collective that does not match"
+
     def _backwards_ran(self, rank: int) -> int | None:
         """The backward() calls whose gradients DDP all-reduced on `rank`, by its last reported bucket."""
         times = self.state.step_times.get(rank)
@@ -191,6 +202,8 @@ class HangChecks:
                 recent.setdefault(rank, []).append(where.current)
         found = mismatch(recent)
         cause = self.state.root_cause()
+        if found:
+            self._say_mismatched(mismatched_calls(recent) or {}, cause.rank)
         aborted = cause.crashed and "SIGABRT" in cause.summary  # how gloo ends a rank on a size mismatch
         died_in = blocked_on_peers(cause.traceback) if aborted else None
         said = exception_message(cause.traceback) if aborted and not died_in else None

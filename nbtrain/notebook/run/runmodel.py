@@ -351,24 +351,26 @@ class RunState:
         raise LookupError("no failure")
 
     def outcome_lines(self, cause: Failure) -> list[str]:
-        """Every other rank's outcome, one line each, in rank order."""
-        lines = []
+        """Every other rank's outcome in rank order, ranks whose outcomes read the same said together
+        ("ranks 0, 2-7: stopped after rank 1 failed (waiting for rank 1 in all_reduce #2 ...)")."""
+        said: dict[str, list[int]] = {}
         for rank, view in sorted(self.ranks.items()):
-            if rank == cause.rank:
-                continue
-            if view.status == "stopped":
-                own = view.reason.splitlines()[0] if view.reason else ""
-                if own.startswith("stopped"):  # the launcher already said who stopped it, and why
-                    lines.append(f"rank {rank}: {own}")
-                else:
-                    lines.append(f"rank {rank}: stopped after rank {cause.rank} failed" + (f" ({own})" if own else ""))
-            elif view.status == "failed":
-                lines.append(f"rank {rank}: failed: {view.detail}")
-            elif view.status == "finished":
-                lines.append(f"rank {rank}: finished" + (f" ({view.ended_where})" if view.ended_where else ""))
-            else:
-                lines.append(f"rank {rank}: {view.status}")
-        return lines
+            if rank != cause.rank:
+                said.setdefault(self._outcome_words(view, cause), []).append(rank)
+        return [f"{doctor.ranks_words(ranks)}: {words}" for words, ranks in said.items()]
+
+    @staticmethod
+    def _outcome_words(view: RankView, cause: Failure) -> str:
+        if view.status == "stopped":
+            own = view.reason.splitlines()[0] if view.reason else ""
+            if own.startswith("stopped"):  # the launcher already said who stopped it, and why
+                return own
+            return f"stopped after rank {cause.rank} failed" + (f" ({own})" if own else "")
+        if view.status == "failed":
+            return f"failed: {view.detail}"
+        if view.status == "finished":
+            return "finished" + (f" ({view.ended_where})" if view.ended_where else "")
+        return view.status
 
     # -- how the run reads once it ended -------------------------------------------------
     @property

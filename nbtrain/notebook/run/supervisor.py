@@ -375,10 +375,10 @@ class Supervisor(HangChecks):
 
     def _worker_error(self) -> WorkerError:
         cause = self.state.root_cause()
+        disagree = self._mismatch()  # first: it says the others' part in a mismatch
         others = tuple(self.state.outcome_lines(cause))
         note = self.pool.restart_note()
         summary = cause.summary + (f"\n{note}" if note else "")
-        disagree = self._mismatch()
         if disagree:  # what the ranks' errors ("Connection closed by peer") do not say
             summary = f"{disagree}\n{summary}"
         node = self.state.ranks[cause.rank].host if self.pool.remote else None  # named where ranks are elsewhere
