@@ -234,7 +234,7 @@ def uneven_batches(after):
     return ctx.rank
 
 
-@pytest.mark.parametrize("world, waiting", [(2, "rank 1 waits"), (8, "ranks 1-7 wait")])
+@pytest.mark.parametrize("world, waiting", [(2, "rank 1 waits"), (4, "ranks 1-3 wait"), (8, "ranks 1-7 wait")])
 def test_uneven_inputs_are_named_with_their_fix_while_the_ranks_live(world, waiting, no_leftovers):
     notes = Notes()
     with pytest.raises(WorkerError) as info:
