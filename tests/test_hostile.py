@@ -8,13 +8,16 @@ import glob
 import inspect
 import os
 import pickle
+import queue
 import re
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 import pytest
 import torch
@@ -23,6 +26,9 @@ import nbtrain
 from conftest import running
 from nbtrain import WorkerError
 from nbtrain.common import devices as devices_module
+from nbtrain.common import protocol
+from nbtrain.common.channel import Hub
+from nbtrain.common.channel_dial import ADDRESS_VAR, AUTHKEY_VAR
 from nbtrain.common.devices import parse_devices
 from nbtrain.common.errors import UnpicklableError
 from nbtrain.common.tensor_files import LaunchFiles
@@ -536,6 +542,39 @@ START_TWO = {
     "Ranks": lambda start: nbtrain.Ranks(devices=2, accelerator="cpu", start=start, progress=False).close(),
     "map": lambda start: nbtrain.map(abs, [1, -2], devices=2, accelerator="cpu", progress=False),
 }
+
+
+def test_the_notebook_says_it_cannot_accept_a_rank_and_needs_no_spare_descriptor_for_its_handshake():
+    # A rank's connection the notebook has no descriptor to accept is said (a launch raises it, not
+    # the rank's "could not reach the notebook" 30 s later); with one to spare, the accept takes it
+    # and the authkey challenge needs none more.
+    hub = Hub(queue.Queue())
+    hub.start()
+    host, port = hub.environ[ADDRESS_VAR].split(",")[0].rsplit(":", 1)
+    authkey = bytes.fromhex(hub.environ[AUTHKEY_VAR])
+    client = socket.socket()
+    saved = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = open_files() - 1  # less the descriptor the listing itself used
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (held, saved[1]))  # none to spare
+        client.connect((host, int(port)))  # the kernel completes it; accepting it needs a descriptor
+        deadline = time.monotonic() + 5
+        while hub.out_of_files is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert hub.out_of_files is not None and hub.out_of_files.errno == errno.EMFILE
+        resource.setrlimit(resource.RLIMIT_NOFILE, (held + 1, saved[1]))  # one to spare: the accept's
+        conn = Connection(client.detach())
+        answer_challenge(conn, authkey)  # the rank's side of the handshake, as channel_dial does it
+        deliver_challenge(conn, authkey)
+        conn.send([protocol.Closed(0)])
+        while not hub.connected(0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert hub.connected(0) and hub.out_of_files is None
+        conn.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, saved)
+        client.close()
+        hub.close()
 
 
 @slow

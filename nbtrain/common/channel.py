@@ -19,6 +19,7 @@ finds and dials the notebook `channel_dial`, what both do to a connection's sock
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 AUTH_SECONDS = 10.0  # a connection that has not proven the authkey by then is dropped
 MAX_STRANGERS = 64  # connections not yet authenticated, at once: a new one drops the oldest
+OUT_OF_FILES_PAUSE = 0.05  # between accepts that failed for want of a file descriptor
 SWEEP_SECONDS = 1.0  # how often the accept loop looks for strangers past AUTH_SECONDS
 # Every rank of a launch dials at once. Listener's default backlog is 1: the kernel then drops
 # the other SYNs, and worse, the final ACK of a handshake it has no room for, leaving a rank
@@ -72,6 +74,9 @@ class Hub:
         self._served: dict[Connection, threading.Thread] = {}
         self._accepting: threading.Thread | None = None
         self._refusals = 0  # connections that failed the challenge (the first is logged as a warning)
+        # Why the last accept failed when it was the process's open-file limit (EMFILE, ENFILE): the
+        # rank's connection then waits unserved; its launch says this, not the rank's "could not reach".
+        self.out_of_files: OSError | None = None
         self._by_rank: dict[int, object] = {}
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
@@ -97,10 +102,14 @@ class Hub:
                 sock, _ = self._socket.accept()
             except TimeoutError:
                 continue
-            except OSError:  # the listener was closed, or a connection failed before it was accepted
+            except OSError as exc:  # the listener was closed, or a connection failed before it was accepted
                 if self._closed.is_set():
                     return
+                if exc.errno in (errno.EMFILE, errno.ENFILE):  # it fails at once until a file is closed
+                    self.out_of_files = exc
+                    self._closed.wait(OUT_OF_FILES_PAUSE)
                 continue
+            self.out_of_files = None
             if self._closed.is_set():
                 sock.close()
                 return

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 WRITE_CHUNK = 1 << 20
 
@@ -31,24 +33,33 @@ def _write_all(fd: int, view) -> None:
         written += os.write(fd, view[written:])
 
 
+@contextmanager
+def socket_of(conn) -> Iterator[socket.socket]:
+    """The connection's own socket, borrowed for a call: its descriptor is not duplicated (at the
+    open-file limit there is none to spare, and a rank's handshake must not need one) and stays the
+    connection's."""
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        yield sock
+    finally:
+        sock.detach()
+
+
 def no_delay(conn) -> None:
     """Send each message at once. With Nagle's algorithm a reply written right after another
     small message waits for the peer's delayed acknowledgement: ~40 ms per command round trip."""
     try:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-    except OSError:
+        with socket_of(conn) as sock:
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:  # the connection was closed already
         return
-    try:
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    finally:
-        sock.close()
 
 
 def shut(conn) -> None:
     """End a connection both ways from any thread: a thread blocked reading it wakes (a close would not)."""
     try:
-        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        with socket_of(conn) as sock:
             sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
@@ -57,6 +68,6 @@ def shut(conn) -> None:
 def receive_timeout(conn, seconds: float) -> None:
     """SO_RCVTIMEO on a connection's socket (0: none). Set on the socket itself, so the
     connection's own blocking reads honour it, unlike a timeout on a Python socket object."""
-    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+    with socket_of(conn) as sock:
         whole = int(seconds)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))

@@ -103,6 +103,9 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
                    devices=slot.launch_devices, accelerator=slot.accelerator, strategy=strategy, start=start,
                    progress=display)
         except WorkerError as error:
+            if work.hub.out_of_files is not None:  # the map's queue could not accept the worker: the limit
+                raise out_of_files(work.hub.out_of_files, "accepting the workers' connections to the map's queue",
+                                   len(slots), len(slots), f"the map's {len(slots)} workers") from error
             if not work.lost(slot.index, error):  # it held no item: the others go on
                 failures.append(error)
                 lines.append((f"nbtrain: the worker on {slot} failed: {why(error)}", "stderr"))

@@ -361,7 +361,11 @@ class Pool:
 
     # -- what the supervisor asks (`watched.Watched`) ---------------------------------------
     def receive(self, timeout: float):
-        """The next message from the ranks within `timeout` s (noted by the pool); None if none came."""
+        """The next message from the ranks within `timeout` s (noted by the pool); None if none came.
+        OSError: a rank not yet connected cannot be accepted for want of a file descriptor."""
+        trouble = self._hub.out_of_files
+        if trouble is not None and not all(self._hub.connected(r) for r in self.ranks):
+            raise out_of_files(trouble, "accepting the ranks' connections to the notebook", len(self.ranks))
         return self._take(max(timeout, 1e-6))
 
     @property
