@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 
 from .tracebacks import readable
+from .words import ranks_words
 
 
 class NbtrainError(Exception):
@@ -263,6 +264,6 @@ def interrupt_report(live: bool, ranks: list[int], where: dict[int, str], stuck:
     for rank in sorted(where):
         places.setdefault(where[rank], []).append(rank)
     for traceback, at in places.items():
-        label = f"rank {at[0]}" if len(at) == 1 else f"ranks {', '.join(map(str, at))}"
+        label = ranks_words(at)
         lines += ["", f"--- {label} ---", *readable(traceback).rstrip().splitlines()]
     return lines

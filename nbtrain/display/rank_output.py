@@ -20,6 +20,7 @@ from collections import Counter
 from typing import Any
 
 from ..common import protocol
+from ..common.words import ranks_words
 from .rank_tabs import RankTabs
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -153,7 +154,7 @@ class RankOutput:
         ranks = sorted(r for r, n in self._unshown.items() if n)
         count = sum(self._unshown.values())
         self._unshown.clear()
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        who = ranks_words(ranks)
         if summarised:
             return (f"{who} displayed {count} rich output{'s' if count > 1 else ''} (IPython display: HTML, images, "
                     f"tables): shown above, one selector per rank; rank {self.shown_rank}'s is shown where it was.")

@@ -28,6 +28,7 @@ import torch
 
 from ..common.errors import NbtrainError
 from ..common.private import DIR_MODE, FILE_MODE, make_parents
+from ..common.words import ranks_words
 
 METADATA = ".metadata"  # DCP's index file: its presence marks a checkpoint directory
 # DCP's words for a checkpoint that is whole but holds other shapes or names than the objects given
@@ -266,7 +267,7 @@ def _explain(exc: BaseException, verb: str, path: str, written: str, rank: int) 
     failures = {r: error for r, (error, _) in getattr(exc, "failures", {}).items()} or {rank: exc}
     ranks = sorted(failures)
     first = failures[ranks[0]]
-    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    who = ranks_words(ranks)
     doing = "writing" if verb == "save" else "reading"
     code = first.errno if isinstance(first, OSError) and first.strerror else None
     if code is None and verb == "save" and _nearly_full(written):  # torch's zip writer loses ENOSPC

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from statistics import median
 
 from ...common.tracebacks import place_name
+from ...common.words import ranks_words
 
 DEFAULT_STALL = 60.0  # seconds without progress on any rank before a run is called stalled...
 STALL_STEPS = 10  # ...or this many of its recent steps, if longer
@@ -74,21 +75,6 @@ def call_words(call) -> str:
 def backward_of(call) -> int | None:
     """The backward() number of a DDP bucket's call; None for any other collective."""
     return call[6][0] if call is not None and len(call) > 6 else None
-
-
-def ranks_words(ranks) -> str:
-    """'rank 5', 'ranks 1, 2', 'ranks 0-4, 6, 7': runs of three or more as a range."""
-    ranks = sorted(ranks)
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    parts = [f"{run[0]}-{run[-1]}" if len(run) >= 3 else ", ".join(map(str, run)) for run in runs]
-    return "ranks " + ", ".join(parts)
 
 
 def _grouped(ranks, clause) -> list[str]:

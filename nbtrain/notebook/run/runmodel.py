@@ -18,6 +18,7 @@ from typing import Any
 
 from ...common import protocol
 from ...common.protocol import Metric, Vital
+from ...common.words import ranks_words
 from . import doctor
 
 RECENT = 10.0  # seconds of (time, steps) kept per rank for its recent step rate
@@ -357,7 +358,7 @@ class RunState:
         for rank, view in sorted(self.ranks.items()):
             if rank != cause.rank:
                 said.setdefault(self._outcome_words(view, cause), []).append(rank)
-        return [f"{doctor.ranks_words(ranks)}: {words}" for words, ranks in said.items()]
+        return [f"{ranks_words(ranks)}: {words}" for words, ranks in said.items()]
 
     @staticmethod
     def _outcome_words(view: RankView, cause: Failure) -> str:

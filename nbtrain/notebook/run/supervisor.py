@@ -19,6 +19,7 @@ from ...common import protocol
 from ...common.errors import WorkerError, interrupt_report
 from ...common.tracebacks import name_cells_in_pdb
 from ...common.transfer import unpack_exception
+from ...common.words import ranks_words
 from ...display.rank_output import KINDS as RANK_OUTPUT
 from ...display.rank_output import deliver
 from .hang_checks import HangChecks
@@ -270,8 +271,11 @@ class Supervisor(HangChecks):
                 self.state.fail(min(interrupted), f"{why}; ranks {interrupted} were interrupted (their state is kept)"
                                 + said, even_if_stopped=True)
                 return
+        # As they were at the time-out: the stacks take a second or two, while which a rank still
+        # starting may connect, even return; it could not have answered, and the report says so.
+        status = {r: v.status for r, v in self.state.ranks.items()}
+        done = [r for r, v in status.items() if v == "finished"]
         stacks = self.collect_stacks(running)
-        done = [r for r, v in self.state.ranks.items() if v.status == "finished"]
         summary = f"{why}; still running: ranks {running}" + (f"; finished: ranks {done}" if done else "")
         culprits = [r for r in verdict.culprits if r in running] if verdict else []
         waiting = [r for r in verdict.waiting if r in running and r not in culprits] if verdict else []
@@ -282,14 +286,14 @@ class Supervisor(HangChecks):
         for r in order:
             folded, whole = native_note(r, self.state.ranks[r].pid, self.pool.remote)
             role = " (waiting)" if r in waiting else ""
-            python = stacks.get(r) or _no_stack(self.state.ranks[r].status)
+            python = stacks.get(r) or _no_stack(status[r])
             shown.append(f"--- rank {r} stack{role} ---\n{python}{folded}")
             self._stacks[r] = f"{python}{whole}"
         self._stuck = order if only is None else []
         self.state.fail(order[0], summary, "\n\n".join(shown))
         for r in order[1:]:
             if r in waiting and culprits:
-                self.state.stop(r, f"waiting for {_ranks(culprits)} {self._waits_in(r)}")
+                self.state.stop(r, f"waiting for {ranks_words(culprits)} {self._waits_in(r)}")
             else:
                 self.state.fail(r, why)
         self.pool.stuck(running, summary)
@@ -390,10 +394,6 @@ class Supervisor(HangChecks):
         if kept is not None:
             error.debug = kept.debug  # type: ignore[attr-defined]  # `%debug` opens the stuck rank's frames
         return error
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
 
 def _no_stack(status: str) -> str:
     """What stands for a rank's stack when it sent none: one still starting (importing, or not
