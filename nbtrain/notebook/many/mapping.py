@@ -103,9 +103,7 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
                    devices=slot.launch_devices, accelerator=slot.accelerator, strategy=strategy, start=start,
                    progress=display)
         except WorkerError as error:
-            if work.hub.out_of_files is not None:  # the map's queue could not accept the worker: the limit
-                raise out_of_files(work.hub.out_of_files, "accepting the workers' connections to the map's queue",
-                                   len(slots), len(slots), f"the map's {len(slots)} workers") from error
+            check_queue_accepts()
             if not work.lost(slot.index, error):  # it held no item: the others go on
                 failures.append(error)
                 lines.append((f"nbtrain: the worker on {slot} failed: {why(error)}", "stderr"))
@@ -117,7 +115,15 @@ def map(fn, items, *, devices="auto", batch_size: int = 1, accelerator: str = "a
                 display.release()
         return False  # a worker serves until the queue is empty: its slot has nothing more to do
 
+    def check_queue_accepts() -> None:
+        """A worker the map's queue has no file descriptor to accept would retry for 30 s, then fail
+        as unreachable: the open-file limit is said at once instead."""
+        if work.hub.out_of_files is not None:
+            raise out_of_files(work.hub.out_of_files, "accepting the workers' connections to the map's queue",
+                               len(slots), len(slots), f"the map's {len(slots)} workers")
+
     def tick() -> None:
+        check_queue_accepts()
         while lines:
             view.output(*lines.popleft())
         state.done, state.busy, state.total = len(work.results), work.busy, work.total
