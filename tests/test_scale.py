@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 # dialling the channel at once is test_many_ranks_connect_at_once; launch times for 8, 16 and 32
 # ranks are benchmarks/scaling.py). A world holds every step of the smaller ones. The placements
 # that start an interpreter per rank (spawn, torchrun) are the costly ones on 2 cores (an
-# interpreter importing torch is 1.5 s of CPU): they start a world of 16; 32 at once on the
-# channel is the fork's and the template's world.
+# interpreter importing torch is 1.5 s of CPU): they start an 8-GPU node's world of 8; 32 at once
+# on the channel is the fork's and the template's world.
 # Ray's world of 8 actors is in test_ray.py, on that module's Ray.
 
 SETUP = '''
@@ -71,12 +71,12 @@ def test_template_32(big):
     _launch(big, 32, "template")
 
 
-def test_plain_spawn_16(big):
-    _launch(big, 16, "spawn")
+def test_plain_spawn_8(big):
+    _launch(big, 8, "spawn")
 
 
-def test_script_16(big):
-    _launch(big, 16, "torchrun")
+def test_script_8(big):
+    _launch(big, 8, "torchrun")
 
 
 def test_live_ranks_16(big):

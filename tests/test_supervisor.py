@@ -220,6 +220,21 @@ def test_a_stall_is_said_once_with_the_verdict_and_the_run_goes_on():
             "not in a collective: at train.py:5 (batch = next(it)). The others wait for rank 1.") in said[0]
 
 
+def test_ranks_stopped_before_their_own_error_came_read_as_waiting_where_the_doctor_saw_them():
+    # At 8 ranks on a loaded machine a waiting rank may be stopped before its "connection closed" comes:
+    # its line says where the stall's probe found it, merged with those whose own error said it.
+    pool = ScriptedPool(ranks=(0, 1, 2), stall=0.1)
+    waits = (3, "all_reduce", (4,), "float32", "train.py", 7)
+    pool.where = {r: protocol.Whereabouts(r, 3, waits, "train.py", 7, "dist.all_reduce(x)", 5.0) for r in (0, 2)}
+    pool.where[1] = protocol.Whereabouts(1, 2, None, "train.py", 5, "batch = next(it)", 5.0)
+    pool.at(0.6, protocol.Raised(1, "ValueError: a bad batch", "Traceback..."))
+    pool.at(0.6, protocol.Raised(0, "RuntimeError: Connection closed by peer [127.0.0.1]:4711", "Traceback..."))
+    _, _, error = watch(pool)
+    assert isinstance(error, WorkerError) and error.rank == 1, error
+    assert error.others == ("ranks 0, 2: stopped after rank 1 failed (waiting for rank 1 in all_reduce #3 (float32[4]) "
+                            "at train.py:7)",), error.others
+
+
 def test_a_kernel_interrupt_keeps_live_ranks_that_return_and_says_where_they_were():
     pool = ScriptedPool(live=True)
     pool.on_interrupt = {r: protocol.Raised(r, "KeyboardInterrupt", f"  File \"train.py\", line {5 + r}")

@@ -174,9 +174,16 @@ class HangChecks:
         if cause.lost_peer:
             return
         for failure in self.state.failures:
-            call = self._last_call(failure.rank) if failure.lost_peer else None
-            if call is not None:
-                self.state.ranks[failure.rank].reason = f"waiting for rank {cause.rank} in {call_words(call)}"
+            said = self.waiting_words(failure.rank, cause.rank) if failure.lost_peer else ""
+            if said:
+                self.state.ranks[failure.rank].reason = said
+
+    def waiting_words(self, rank: int, culprit: int) -> str:
+        """'waiting for rank 1 in all_reduce #2 ...' for a rank stopped (or cut off) in a wait: in the
+        later of the collective it reported last and the one it was in when last asked; '' if neither."""
+        where = self._where.get(rank)
+        calls = [c for c in (self._last_call(rank), where.current if where is not None else None) if c is not None]
+        return f"waiting for rank {culprit} in {call_words(max(calls, key=lambda c: c[0]))}" if calls else ""
 
     def _say_mismatched(self, calls: dict[int, tuple], culprit: int) -> None:
         """The other ranks' errors in the collective that does not match are its consequences (gloo's

@@ -335,8 +335,9 @@ class Supervisor(HangChecks):
         self._blame_early_end()
         self._say_waits()
         if not self.pool.live or self.pool.broken:  # the caller stops these ranks now: say so
-            for rank in self.state.unfinished():
-                self.state.stop(rank)
+            culprit = self.state.root_cause().rank
+            for rank in self.state.unfinished():  # stopped before their own (lost peer) error came
+                self.state.stop(rank, self.waiting_words(rank, culprit))
             return
         # Live ranks keep their state: interrupt the others; only those that cannot return are diagnosed.
         running = [r for r in self.state.unfinished() if self.state.ranks[r].status == "running"]
