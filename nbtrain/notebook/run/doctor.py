@@ -271,7 +271,11 @@ def _current_mismatch(calls: dict) -> str | None:
 def mismatch(recent: dict) -> str | None:
     """The first collective where ranks disagree (op, shape or dtype at the same sequence number),
     in one sentence naming each rank's call; None when their recent collectives agree."""
-    calls = mismatched_calls(recent)
+    return mismatch_words(mismatched_calls(recent))
+
+
+def mismatch_words(calls: dict[int, tuple] | None) -> str | None:
+    """`mismatch`'s sentence for the calls `mismatched_calls` found; None for none."""
     if calls is None:
         return None
     seq = next(iter(calls.values()))[0]

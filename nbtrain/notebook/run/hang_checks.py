@@ -17,7 +17,7 @@ from .doctor import (
     each_call,
     ended_verdict,
     facts,
-    mismatch,
+    mismatch_words,
     mismatched_calls,
     stall_after,
     stall_verdict,
@@ -207,10 +207,11 @@ class HangChecks:
         for rank, where in self._where.items():
             if where.current is not None:
                 recent.setdefault(rank, []).append(where.current)
-        found = mismatch(recent)
+        calls = mismatched_calls(recent)
+        found = mismatch_words(calls)
         cause = self.state.root_cause()
-        if found:
-            self._say_mismatched(mismatched_calls(recent) or {}, cause.rank)
+        if calls is not None:
+            self._say_mismatched(calls, cause.rank)
         aborted = cause.crashed and "SIGABRT" in cause.summary  # how gloo ends a rank on a size mismatch
         died_in = blocked_on_peers(cause.traceback) if aborted else None
         said = exception_message(cause.traceback) if aborted and not died_in else None
@@ -219,8 +220,8 @@ class HangChecks:
         # A rank killed by the backend inside a collective (gloo aborts on a size mismatch); the
         # others' record of the call may not have come (they were stopped first on a busy machine).
         # Without its stack (a terminate handler that silenced faulthandler), the backend's words say it.
-        calls = each_call({r: c[-1] for r, c in recent.items() if c})
-        reported = f"; the last collectives the ranks reported: {calls}" if calls else ""
+        last = each_call({r: c[-1] for r, c in recent.items() if c})
+        reported = f"; the last collectives the ranks reported: {last}" if last else ""
         how = f"died inside {died_in}" if died_in else f'was ended by the backend inside a collective ("{said}")'
         return (f"rank {cause.rank} {how}{reported}. A collective whose tensors differ across "
                 "ranks kills the backend: compare their shapes and dtypes on every rank.")
