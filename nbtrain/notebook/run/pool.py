@@ -56,8 +56,7 @@ class Pool:
     def __init__(self, launcher, job, live: bool):
         self._launcher, self._job, self._live = launcher, job, live
         # The ranks' debugger messages go to the kernel's debugger (`debugger.py`), the rest to the watcher.
-        self._inbox: queue.Queue = DebugPort(lambda: [r for r in self.ranks if self._hub.connected(r)],
-                                             lambda rank, message: self._hub.send(rank, message))
+        self._inbox: queue.Queue = DebugPort(self._debuggable, lambda rank, message: self._hub.send(rank, message))
         made: list = []  # what holds descriptors, closed again when a later part cannot be made
         step = "opening the ranks' channel"
         try:
@@ -360,6 +359,12 @@ class Pool:
         return self._notes.fatal_report(rank)
 
     # -- what the supervisor asks (`watched.Watched`) ---------------------------------------
+    def _debuggable(self) -> list[int]:
+        """The ranks the kernel's debugger may ask (read from its control thread): none while this
+        pool is still being made, its port listed before its channel exists."""
+        hub = getattr(self, "_hub", None)
+        return [r for r in self.ranks if hub.connected(r)] if hub is not None else []
+
     def receive(self, timeout: float):
         """The next message from the ranks within `timeout` s (noted by the pool); None if none came.
         OSError: a rank not yet connected cannot be accepted for want of a file descriptor."""
