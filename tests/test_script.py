@@ -2,6 +2,7 @@
 import importlib.util
 import os
 import signal
+import socket
 import stat
 import sys
 import threading
@@ -65,6 +66,18 @@ def train_and_report(lr):
     launcher = psutil.Process(os.getppid())
     return (model, {k: os.environ.get(k) for k in keys}, job_dir, modes, os.getpid(), launcher.cmdline(),
             os.getsid(launcher.pid) == launcher.pid)
+
+
+def test_a_free_port_lies_where_no_outgoing_connection_is_given_one():
+    # torchrun's store binds the port a moment after nbtrain chose it; the kernel's ephemeral range
+    # is where it hands ports to other processes' connections in that moment (a CI run lost one so).
+    from nbtrain.placements.base import _ephemeral_range
+
+    low, _ = _ephemeral_range()
+    for port in {free_port() for _ in range(20)}:
+        assert 10000 <= port < low, port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_job_dir_removes_the_dirs_of_dead_kernels_only():

@@ -7,6 +7,7 @@ A placement only starts rank processes; which one runs is the strategy's decisio
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -56,9 +57,35 @@ class Job:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port nobody listens on now, for a process we start to bind a moment later.
+
+    Drawn below the kernel's ephemeral range: a port the kernel handed out (bind to 0) is one it
+    may hand to any outgoing connection before our process binds it (a CI run's torchrun store
+    failed on EADDRINUSE so); a port outside that range is taken only by whoever names it.
+    """
+    low, _ = _ephemeral_range()
+    for port in random.sample(range(_LOWEST_DRAWN, low), min(_DRAWS, max(low - _LOWEST_DRAWN, 0))):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no range below (an unusual port range): the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_LOWEST_DRAWN, _DRAWS = 10000, 50  # below 10000 lie the well-known services' ports
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(part) for part in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default; macOS's starts at 49152, above it
 
 
 class PrivateStore:
