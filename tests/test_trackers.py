@@ -185,10 +185,9 @@ def test_a_tracked_launch_takes_a_directory_of_its_own_never_a_submits(tmp_path,
 @pytest.fixture
 def closed_port():
     """A local port nothing listens on: connections are refused."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return port
+    from nbtrain.placements.base import free_port  # outside the range outgoing connections take ports from
+
+    return free_port()
 
 
 @pytest.fixture

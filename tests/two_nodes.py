@@ -207,11 +207,9 @@ class TwoNodeRay:
         os.environ.update({k: self.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})
 
     def _free_address(self) -> str:
-        import socket
+        from nbtrain.placements.base import free_port  # outside the range outgoing connections take ports from
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return f"{self.network.gateway}:{s.getsockname()[1]}"
+        return f"{self.network.gateway}:{free_port('')}"
 
     @property
     def _attempt_dir(self) -> str:
