@@ -28,7 +28,7 @@ def run_main(capsys, *args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", [(), ("--start", "template"), ("--strategy", "ddp_spawn")])  # the earlier name too
+@pytest.mark.parametrize("how", [(), ("--start", "template")])  # ddp_spawn, the earlier name: test_choices.py
 def test_demo_trains_on_two_cpu_ranks(how):
     run = nbtrain_cli("demo", "--accelerator", "cpu", "--epochs", "2", *how)
     assert run.returncode == 0, run.stderr
