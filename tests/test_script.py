@@ -71,9 +71,9 @@ def train_and_report(lr):
 def test_a_free_port_lies_where_no_outgoing_connection_is_given_one():
     # torchrun's store binds the port a moment after nbtrain chose it; the kernel's ephemeral range
     # is where it hands ports to other processes' connections in that moment (a CI run lost one so).
-    from nbtrain.placements.base import _ephemeral_range
+    from nbtrain.placements.base import ephemeral_start
 
-    low, _ = _ephemeral_range()
+    low = ephemeral_start()
     for port in {free_port() for _ in range(20)}:
         assert 10000 <= port < low, port
         with socket.socket() as s:

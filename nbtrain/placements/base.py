@@ -56,6 +56,9 @@ class Job:
         return replace(self, options={**self.options, **options})
 
 
+_LOWEST_DRAWN, _DRAWS = 10000, 50  # below 10000 lie the well-known services' ports
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on now, for a process we start to bind a moment later.
 
@@ -63,8 +66,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     may hand to any outgoing connection before our process binds it (a CI run's torchrun store
     failed on EADDRINUSE so); a port outside that range is taken only by whoever names it.
     """
-    low, _ = _ephemeral_range()
-    for port in random.sample(range(_LOWEST_DRAWN, low), min(_DRAWS, max(low - _LOWEST_DRAWN, 0))):
+    below = range(_LOWEST_DRAWN, ephemeral_start())
+    for port in random.sample(below, min(_DRAWS, len(below))):
         with socket.socket() as s:
             try:
                 s.bind((host, port))
@@ -76,16 +79,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-_LOWEST_DRAWN, _DRAWS = 10000, 50  # below 10000 lie the well-known services' ports
-
-
-def _ephemeral_range() -> tuple[int, int]:
+def ephemeral_start() -> int:
+    """The lowest port the kernel hands to outgoing connections and to bind(0)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(part) for part in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default; macOS's starts at 49152, above it
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; macOS's starts at 49152, above it
 
 
 class PrivateStore:
